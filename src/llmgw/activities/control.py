@@ -1,0 +1,90 @@
+"""Control-plane activities, run by the control worker. Every database write goes through `llmgw.db`.
+
+All are idempotent on the ids the workflow gives them: a retried `record_placement` finds its replica,
+a retried `mark_replica` finds the transition already made.
+"""
+
+from __future__ import annotations
+
+import random
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio import activity
+
+from llmgw.db import catalog_repo, fleet_repo
+from llmgw.placement.plan import backoff_delay
+from llmgw.schemas.payloads import (
+    MarkReplicaInput, MarkReplicaResult, NodeSnap, RecordDecisionsInput, RecordPlacementInput, ReplicaShardsInput,
+    ReplicaShardsResult, ReplicaSnap, ShardPlacement, Snapshot,
+)
+
+
+class ControlActivities:
+    """Bound to one database engine. Register `all()` on the control worker."""
+
+    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float):
+        self.engine = engine
+        self.unreachable_after_s = unreachable_after_s
+        self.lost_after_s = lost_after_s
+
+    def all(self) -> list:
+        return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
+                self.record_replica_failure, self.reset_model_failures, self.get_replica_shards]
+
+    @activity.defn(name="read_snapshot")
+    async def read_snapshot(self) -> Snapshot:
+        """Catalog, model state, nodes and active replicas, read in one transaction."""
+        async with self.engine.begin() as conn:
+            now = await fleet_repo.db_now(conn)
+            catalog = await catalog_repo.get_catalog(conn)
+            states = await catalog_repo.model_states(conn)
+            nodes = await fleet_repo.list_nodes(conn)
+            reps = await fleet_repo.active_replicas_with_shards(conn)
+        return Snapshot(
+            now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
+            models=catalog.models, model_states=states,
+            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in nodes],
+            replicas=[
+                ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
+                            created_at=r["created_at"], updated_at=r["updated_at"],
+                            shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"], gpus=list(s["gpus"] or [])) for s in shards])
+                for r, shards in reps
+            ],
+        )
+
+    @activity.defn(name="record_placement")
+    async def record_placement(self, inp: RecordPlacementInput) -> None:
+        async with self.engine.begin() as conn:
+            await fleet_repo.create_replica(conn, inp.replica_id, inp.model, inp.profile, inp.shards, inp.reason)
+
+    @activity.defn(name="record_decisions")
+    async def record_decisions(self, inp: RecordDecisionsInput) -> None:
+        async with self.engine.begin() as conn:
+            await catalog_repo.save_decisions(conn, inp.refusals)
+
+    @activity.defn(name="mark_replica")
+    async def mark_replica(self, inp: MarkReplicaInput) -> MarkReplicaResult:
+        async with self.engine.begin() as conn:
+            applied, status = await fleet_repo.mark_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure)
+        return MarkReplicaResult(applied=applied, status=status or "unknown")
+
+    @activity.defn(name="record_replica_failure")
+    async def record_replica_failure(self, model: str) -> None:
+        """Count a failed start against `model` and set its jittered exponential backoff (seeds 003)."""
+        async with self.engine.begin() as conn:
+            states = {s.name: s for s in await catalog_repo.model_states(conn)}
+            failures = (states[model].failures if model in states else 0) + 1
+            now = await fleet_repo.db_now(conn)
+            until = now + backoff_delay(failures, random.random())
+            await catalog_repo.record_failure(conn, model, until)
+
+    @activity.defn(name="reset_model_failures")
+    async def reset_model_failures(self, model: str) -> None:
+        async with self.engine.begin() as conn:
+            await catalog_repo.reset_failures(conn, model)
+
+    @activity.defn(name="get_replica_shards")
+    async def get_replica_shards(self, inp: ReplicaShardsInput) -> ReplicaShardsResult:
+        async with self.engine.begin() as conn:
+            return ReplicaShardsResult(shards=await fleet_repo.replica_shards(conn, inp.replica_id))
+
+

@@ -1,0 +1,147 @@
+"""Node activities, run by the node worker on its own queue `node/<node_id>`.
+
+Each is idempotent on the shard id the workflow gives it: a retried `launch_shard` finds the shard it
+already started (or adopted after a worker restart) instead of starting a second engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from llmgw.catalog.policy import PolicyError, check_profile
+from llmgw.engines.base import EngineError, ShardSpec
+from llmgw.schemas.payloads import (
+    FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, StopShardInput, StopShardResult,
+    WaitShardReadyInput, WaitShardReadyResult,
+)
+from llmgw.weights.fetcher import FetchError
+
+if TYPE_CHECKING:
+    from llmgw.workers.agent import Agent
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeActivities:
+    """Bound to one running `Agent` (supervisor, fetcher, engines, node API client)."""
+
+    def __init__(self, agent: "Agent"):
+        self.agent = agent
+
+    def all(self) -> list:
+        return [self.fetch_weights, self.launch_shard, self.wait_shard_ready, self.drain_shard, self.stop_shard]
+
+    @activity.defn(name="fetch_weights")
+    async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
+        """Fetch the profile's source into the cache, heartbeating progress (bytes, total)."""
+        seen: dict = {}
+
+        def progress(n: int, total: int | None) -> None:
+            # Called from the (possibly shared) download task: only record; this activity heartbeats.
+            seen.update(bytes=n, total=total)
+
+        beat = asyncio.create_task(_keepalive(seen))
+        try:
+            got = await self.agent.fetcher.fetch(inp.source, progress)
+        except FetchError as exc:
+            raise ApplicationError(str(exc), type="FetchError", non_retryable=not exc.retryable) from None
+        finally:
+            beat.cancel()
+        if got.fetched:
+            self.agent.inventory_dirty = True
+        return FetchWeightsResult(path=got.path, bytes=got.bytes, fetched=got.fetched)
+
+    @activity.defn(name="launch_shard")
+    async def launch_shard(self, inp: LaunchShardInput) -> LaunchShardResult:
+        """Start the engine for one shard, after the node's own policy check. Returns pid and endpoint."""
+        sup = self.agent.supervisor
+        existing = sup.get(inp.shard_id)
+        if existing is not None and sup.poll(existing) is None:
+            return LaunchShardResult(shard_id=inp.shard_id, pid=existing.pid, endpoint=existing.endpoint, adopted=True)
+        try:
+            check_profile(inp.profile)  # again on the node: whatever sent the profile (seeds 003)
+            adapter = self.agent.engines.get(inp.profile.engine)
+            host = self.agent.settings.advertise_host
+            spec = ShardSpec(shard_id=inp.shard_id, replica_id=inp.replica_id, model=inp.model, profile=inp.profile,
+                             rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host, port=free_port(host))
+            plan = adapter.build(spec)
+        except (PolicyError, EngineError) as exc:
+            raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
+        shard = sup.launch(spec, plan)
+        await self.agent.report(shard.report("starting"))
+        return LaunchShardResult(shard_id=inp.shard_id, pid=shard.pid, endpoint=shard.endpoint)
+
+    @activity.defn(name="wait_shard_ready")
+    async def wait_shard_ready(self, inp: WaitShardReadyInput) -> WaitShardReadyResult:
+        """Poll the engine's readiness check until it passes. Fails at once if the engine exits."""
+        sup = self.agent.supervisor
+        shard = sup.get(inp.shard_id)
+        if shard is None:
+            raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
+        adapter = self.agent.engines.get(shard.spec.profile.engine)
+        deadline = time.monotonic() + inp.timeout_s
+        async with aiohttp.ClientSession() as session:
+            while True:
+                code = sup.poll(shard)
+                if code is not None:
+                    tail = sup.tail(shard)
+                    raise ApplicationError(
+                        f"engine for shard {inp.shard_id} exited with code {code} before it was ready; output:\n{tail[-1500:]}",
+                        type="EngineExited", non_retryable=True,
+                    )
+                if await adapter.is_ready(session, shard.endpoint):
+                    break
+                if time.monotonic() > deadline:
+                    raise ApplicationError(f"shard {inp.shard_id} not ready after {inp.timeout_s:.0f}s", non_retryable=True)
+                activity.heartbeat({"waiting_s": round(inp.timeout_s - (deadline - time.monotonic()))})
+                await asyncio.sleep(0.25)
+        sup.set_state(shard, "ready")
+        await self.agent.report(shard.report("ready"))
+        return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
+
+    @activity.defn(name="drain_shard")
+    async def drain_shard(self, inp: WaitShardReadyInput) -> int:
+        """Wait until the engine has no request in flight (or `timeout_s`). Returns those still in flight."""
+        sup = self.agent.supervisor
+        shard = sup.get(inp.shard_id)
+        if shard is None or sup.poll(shard) is not None:
+            return 0
+        sup.set_state(shard, "draining")
+        adapter = self.agent.engines.get(shard.spec.profile.engine)
+        deadline = time.monotonic() + inp.timeout_s
+        n: int | None = 0
+        async with aiohttp.ClientSession() as session:
+            # The gateways stop routing to a draining replica within their refresh interval; give them that.
+            await asyncio.sleep(min(2.0, inp.timeout_s))
+            while time.monotonic() < deadline:
+                n = await adapter.in_flight(session, shard.endpoint)
+                if not n:
+                    return 0
+                activity.heartbeat({"in_flight": n})
+                await asyncio.sleep(0.5)
+        return n or 0
+
+    @activity.defn(name="stop_shard")
+    async def stop_shard(self, inp: StopShardInput) -> StopShardResult:
+        """Stop the shard's process group (SIGTERM, then SIGKILL after `grace_s`)."""
+        was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
+        await self.agent.report_stopped(inp.shard_id)
+        return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)
+
+
+async def _keepalive(progress: dict) -> None:
+    """Heartbeat the download's progress (bytes, total) once a second, or just liveness."""
+    while True:
+        await asyncio.sleep(1)
+        activity.heartbeat(dict(progress))

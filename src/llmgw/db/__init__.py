@@ -1,0 +1,1 @@
+"""Postgres: tables, repositories (all SQL lives here), Alembic migrations."""

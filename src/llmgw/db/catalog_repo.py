@@ -1,0 +1,106 @@
+"""Catalog and per-model state (backoff, demand, use). All SQL for them lives here."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from llmgw.db.tables import catalog_models, model_state
+from llmgw.schemas.api import ApplyResponse
+from llmgw.schemas.catalog import Catalog, Model
+from llmgw.schemas.payloads import ModelState
+
+
+async def get_catalog(conn: AsyncConnection) -> Catalog:
+    rows = (await conn.execute(select(catalog_models.c.spec).order_by(catalog_models.c.position, catalog_models.c.name))).all()
+    return Catalog(models=[Model.model_validate(r.spec) for r in rows])
+
+
+def _spec(m: Model) -> dict:
+    return m.model_dump(mode="json", exclude_defaults=True)
+
+
+async def diff_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyResponse:
+    """What applying `catalog` would change, by model name."""
+    current = {m.name: m for m in (await get_catalog(conn)).models}
+    out = ApplyResponse()
+    for m in catalog.models:
+        old = current.pop(m.name, None)
+        if old is None:
+            out.added.append(m.name)
+        elif _spec(old) != _spec(m):
+            out.changed.append(m.name)
+        else:
+            out.unchanged.append(m.name)
+    out.removed = sorted(current)
+    return out
+
+
+async def apply_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyResponse:
+    """Replace the catalog with `catalog` in the caller's transaction; returns the diff it applied."""
+    diff = await diff_catalog(conn, catalog)
+    if diff.removed:
+        await conn.execute(delete(catalog_models).where(catalog_models.c.name.in_(diff.removed)))
+    for pos, m in enumerate(catalog.models):
+        stmt = insert(catalog_models).values(name=m.name, position=pos, spec=_spec(m))
+        await conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=[catalog_models.c.name],
+                set_={"position": pos, "spec": stmt.excluded.spec, "updated_at": func.now()},
+            )
+        )
+        await conn.execute(insert(model_state).values(name=m.name).on_conflict_do_nothing())
+    diff.applied = True
+    return diff
+
+
+async def model_states(conn: AsyncConnection) -> list[ModelState]:
+    rows = (await conn.execute(select(model_state))).mappings().all()
+    return [ModelState.model_validate({k: v for k, v in r.items() if k != "decisions"}) for r in rows]
+
+
+async def record_demand(conn: AsyncConnection, name: str) -> None:
+    """A request asked for `name` while no replica was Ready (load on demand)."""
+    stmt = insert(model_state).values(name=name, demand_at=func.now())
+    await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name], set_={"demand_at": func.now()}))
+
+
+async def record_use(conn: AsyncConnection, name: str, at: datetime | None = None) -> None:
+    """A request for `name` ended: the idle clock restarts from here."""
+    value = at or func.now()
+    stmt = insert(model_state).values(name=name, last_used_at=value)
+    await conn.execute(stmt.on_conflict_do_update(
+        index_elements=[model_state.c.name],
+        set_={"last_used_at": func.greatest(model_state.c.last_used_at, stmt.excluded.last_used_at)},
+    ))
+
+
+async def record_failure(conn: AsyncConnection, name: str, backoff_until: datetime) -> int:
+    """Count a failed replica start against the model and hold placements until `backoff_until`."""
+    stmt = insert(model_state).values(name=name, failures=1, backoff_until=backoff_until)
+    row = (await conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[model_state.c.name],
+            set_={"failures": model_state.c.failures + 1, "backoff_until": backoff_until},
+        ).returning(model_state.c.failures)
+    )).one()
+    return row.failures
+
+
+async def reset_failures(conn: AsyncConnection, name: str) -> None:
+    await conn.execute(update(model_state).where(model_state.c.name == name).values(failures=0, backoff_until=None))
+
+
+async def save_decisions(conn: AsyncConnection, decisions: dict[str, list[str]]) -> None:
+    """Keep the latest pass's reasons per model, for `llmgw ctl explain`."""
+    for name, lines in decisions.items():
+        stmt = insert(model_state).values(name=name, decisions=lines)
+        await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name], set_={"decisions": lines}))
+
+
+async def get_decisions(conn: AsyncConnection, name: str) -> list[str] | None:
+    row = (await conn.execute(select(model_state.c.decisions).where(model_state.c.name == name))).first()
+    return row.decisions if row else None

@@ -1,0 +1,210 @@
+"""Nodes, replicas and shards. All SQL for the fleet lives here.
+
+Replica statuses: `starting` (placed; its start workflow is running) → `ready` (routable) → `draining`
+(no new requests) → `stopped`; or `failed` (a shard died or never became ready) and `lost` (its node was
+lost or came back without it). The last three are final.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import and_, func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from llmgw.db.tables import ENDED_STATUSES, nodes, replicas, shards
+from llmgw.schemas.inventory import Inventory, ShardReport
+from llmgw.schemas.payloads import ShardPlacement
+
+# Allowed transitions: target status -> statuses it may come from.
+_TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "ready": ("starting",),
+    "draining": ("starting", "ready"),
+    "stopped": ("starting", "ready", "draining"),
+    "failed": ("starting", "ready", "draining"),
+    "lost": ("starting", "ready", "draining"),
+}
+
+
+# ---- nodes --------------------------------------------------------------------------------------
+
+async def upsert_node(conn: AsyncConnection, node_id: str, boot_id: str, inventory: Inventory) -> str | None:
+    """Record a registration. Returns the boot id the node had before (None if new)."""
+    prev = (await conn.execute(select(nodes.c.boot_id).where(nodes.c.id == node_id))).first()
+    inv = inventory.model_dump(mode="json")
+    stmt = insert(nodes).values(id=node_id, boot_id=boot_id, inventory=inv)
+    await conn.execute(stmt.on_conflict_do_update(
+        index_elements=[nodes.c.id],
+        set_={"boot_id": boot_id, "inventory": inv, "registered_at": func.now(), "last_heartbeat": func.now()},
+    ))
+    return prev.boot_id if prev else None
+
+
+async def heartbeat(conn: AsyncConnection, node_id: str, boot_id: str, inventory: Inventory | None = None) -> bool:
+    """Refresh a node's heartbeat (and inventory, when sent). False when this boot never registered."""
+    values: dict = {"last_heartbeat": func.now()}
+    if inventory is not None:
+        values["inventory"] = inventory.model_dump(mode="json")
+    res = await conn.execute(
+        update(nodes).where(and_(nodes.c.id == node_id, nodes.c.boot_id == boot_id)).values(**values)
+        .returning(nodes.c.id)
+    )
+    return res.first() is not None
+
+
+@dataclass
+class NodeRow:
+    id: str
+    boot_id: str | None
+    inventory: Inventory
+    last_heartbeat: datetime
+    age_s: float  # seconds since the last heartbeat, by the database clock
+
+
+async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
+    age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
+    rows = (await conn.execute(select(nodes, age.label("age")).order_by(nodes.c.id))).all()
+    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age)) for r in rows]
+
+
+# ---- replicas and shards ------------------------------------------------------------------------
+
+def shard_id(replica_id: str, rank: int) -> str:
+    return f"{replica_id}-r{rank}"
+
+
+async def create_replica(
+    conn: AsyncConnection, replica_id: str, model: str, profile: str, placement: list[ShardPlacement], reason: str = ""
+) -> bool:
+    """Insert a replica in `starting` with one shard row per placement. Idempotent on `replica_id`."""
+    res = await conn.execute(
+        insert(replicas).values(id=replica_id, model=model, profile=profile, status="starting", reason=reason)
+        .on_conflict_do_nothing().returning(replicas.c.id)
+    )
+    if res.first() is None:
+        return False
+    for p in placement:
+        await conn.execute(insert(shards).values(
+            id=shard_id(replica_id, p.rank), replica_id=replica_id, rank=p.rank, node_id=p.node_id,
+            gpus=p.gpus, status="starting",
+        ).on_conflict_do_nothing())
+    return True
+
+
+async def mark_replica(
+    conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None
+) -> tuple[bool, str | None]:
+    """Move a replica to `status` if the transition is allowed. Returns (applied, status after)."""
+    allowed = _TRANSITIONS.get(status)
+    if allowed is None:
+        raise ValueError(f"unknown replica status {status!r}")
+    values: dict = {"status": status, "updated_at": func.now()}
+    if endpoint is not None:
+        values["endpoint"] = endpoint
+    if failure is not None:
+        values["failure"] = failure
+    if status == "ready":
+        values["ready_at"] = func.now()
+    if status in ENDED_STATUSES:
+        values["ended_at"] = func.now()
+    res = await conn.execute(
+        update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(allowed))).values(**values)
+        .returning(replicas.c.status)
+    )
+    row = res.first()
+    if row is not None:
+        if status in ENDED_STATUSES:
+            await conn.execute(update(shards).where(and_(shards.c.replica_id == replica_id, shards.c.status.not_in(ENDED_STATUSES)))
+                               .values(status="stopped" if status == "stopped" else status, updated_at=func.now()))
+        return True, row.status
+    cur = (await conn.execute(select(replicas.c.status).where(replicas.c.id == replica_id))).first()
+    return False, cur.status if cur else None
+
+
+async def get_replica(conn: AsyncConnection, replica_id: str):
+    return (await conn.execute(select(replicas).where(replicas.c.id == replica_id))).mappings().first()
+
+
+async def replica_shards(conn: AsyncConnection, replica_id: str) -> list[ShardPlacement]:
+    rows = (await conn.execute(select(shards).where(shards.c.replica_id == replica_id).order_by(shards.c.rank))).all()
+    return [ShardPlacement(node_id=r.node_id, rank=r.rank, gpus=list(r.gpus or [])) for r in rows]
+
+
+async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200):
+    q = select(replicas, shards.c.node_id).join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0), isouter=True)
+    if not include_ended:
+        q = q.where(replicas.c.status.not_in(ENDED_STATUSES))
+    q = q.order_by(replicas.c.created_at.desc()).limit(limit)
+    return (await conn.execute(q)).mappings().all()
+
+
+async def active_replicas_with_shards(conn: AsyncConnection):
+    """(replica row, [shard rows]) for every replica that is not ended."""
+    reps = (await conn.execute(select(replicas).where(replicas.c.status.not_in(ENDED_STATUSES)))).mappings().all()
+    ids = [r["id"] for r in reps]
+    shard_rows = (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).mappings().all() if ids else []
+    by_rep: dict[str, list] = {}
+    for s in shard_rows:
+        by_rep.setdefault(s["replica_id"], []).append(s)
+    return [(r, by_rep.get(r["id"], [])) for r in reps]
+
+
+async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> str | None:
+    """Apply a node's report about one of its shards. Returns the replica's status (None if unknown)."""
+    values: dict = {"status": report.state, "updated_at": func.now()}
+    for field in ("pid", "endpoint", "exit_code", "output_tail"):
+        v = getattr(report, field)
+        if v is not None:
+            values[field] = v
+    res = await conn.execute(
+        update(shards).where(and_(shards.c.id == report.shard_id, shards.c.node_id == node_id)).values(**values)
+        .returning(shards.c.replica_id)
+    )
+    row = res.first()
+    if row is None:
+        return None
+    rep = (await conn.execute(select(replicas.c.status).where(replicas.c.id == row.replica_id))).first()
+    return rep.status if rep else None
+
+
+async def shards_on_node(conn: AsyncConnection, node_id: str):
+    """Shard rows on `node_id` whose replica is not ended."""
+    q = (select(shards.c.id, shards.c.replica_id, shards.c.status, replicas.c.status.label("replica_status"))
+         .join(replicas, replicas.c.id == shards.c.replica_id)
+         .where(and_(shards.c.node_id == node_id, replicas.c.status.not_in(ENDED_STATUSES))))
+    return (await conn.execute(q)).mappings().all()
+
+
+async def known_shard_ids(conn: AsyncConnection, ids: list[str]) -> dict[str, str]:
+    """shard id -> its replica's status, for the ids that exist."""
+    if not ids:
+        return {}
+    q = select(shards.c.id, replicas.c.status).join(replicas, replicas.c.id == shards.c.replica_id).where(shards.c.id.in_(ids))
+    return {r.id: r.status for r in (await conn.execute(q)).all()}
+
+
+@dataclass
+class RouteRow:
+    model: str
+    replica_id: str
+    endpoint: str
+    node_id: str
+    node_age_s: float
+
+
+async def routable_replicas(conn: AsyncConnection) -> list[RouteRow]:
+    """Ready replicas with the age of their rank-0 node's heartbeat (the gateway drops stale nodes)."""
+    age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
+    q = (
+        select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"))
+        .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
+        .join(nodes, nodes.c.id == shards.c.node_id)
+        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None)))
+    )
+    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age)) for r in (await conn.execute(q)).all()]
+
+
+async def db_now(conn: AsyncConnection) -> datetime:
+    return (await conn.execute(select(func.now()))).scalar_one()

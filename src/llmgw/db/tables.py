@@ -1,0 +1,74 @@
+"""SQLAlchemy Core tables. The schema itself is created by the Alembic migrations in `migrations/`."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Column, DateTime, ForeignKey, Integer, MetaData, String, Table, Text, func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData()
+
+catalog_models = Table(
+    "catalog_models", metadata,
+    Column("name", Text, primary_key=True),
+    Column("position", Integer, nullable=False, server_default="0"),
+    Column("spec", JSONB, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+model_state = Table(
+    "model_state", metadata,
+    Column("name", Text, primary_key=True),
+    Column("failures", Integer, nullable=False, server_default="0"),
+    Column("backoff_until", DateTime(timezone=True)),
+    Column("demand_at", DateTime(timezone=True)),
+    Column("last_used_at", DateTime(timezone=True)),
+    Column("in_flight", Integer, nullable=False, server_default="0"),
+    Column("decisions", JSONB),  # the latest reconcile pass's reasons for this model (ctl explain)
+)
+
+nodes = Table(
+    "nodes", metadata,
+    Column("id", Text, primary_key=True),
+    Column("boot_id", Text),
+    Column("inventory", JSONB, nullable=False),
+    Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("last_heartbeat", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+replicas = Table(
+    "replicas", metadata,
+    Column("id", Text, primary_key=True),
+    Column("model", Text, nullable=False, index=True),
+    Column("profile", Text, nullable=False),
+    Column("status", String(16), nullable=False, index=True),
+    Column("endpoint", Text),
+    Column("failure", Text),
+    Column("reason", Text),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("ready_at", DateTime(timezone=True)),
+    Column("ended_at", DateTime(timezone=True)),
+)
+
+shards = Table(
+    "shards", metadata,
+    Column("id", Text, primary_key=True),
+    Column("replica_id", Text, ForeignKey("replicas.id", ondelete="CASCADE"), nullable=False, index=True),
+    Column("rank", Integer, nullable=False, server_default="0"),
+    Column("node_id", Text, nullable=False, index=True),
+    Column("gpus", JSONB, nullable=False, server_default="[]"),
+    Column("status", String(16), nullable=False),
+    Column("pid", Integer),
+    Column("endpoint", Text),
+    Column("exit_code", Integer),
+    Column("output_tail", Text),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Replica statuses and what they mean to the gateway and the reconciler.
+ACTIVE_STATUSES = ("pending", "starting", "ready", "draining")  # hold resources
+ROUTABLE_STATUS = "ready"
+ENDED_STATUSES = ("stopped", "failed", "lost")

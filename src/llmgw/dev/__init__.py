@@ -1,0 +1,1 @@
+"""`llmgw dev`: every llmgw process and its dependencies on one machine, with embedded defaults."""

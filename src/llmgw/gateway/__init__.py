@@ -1,0 +1,1 @@
+"""The gateway process: OpenAI API (hot path + FastAPI), admin API, node API, chat page."""

@@ -1,0 +1,85 @@
+"""The admin API (127.0.0.1:8081): catalog apply, models, replicas, nodes, explain. Used by `llmgw ctl`."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from llmgw.catalog.loader import CatalogError, parse_catalog
+from llmgw.db import catalog_repo, fleet_repo
+from llmgw.placement.status import node_status
+from llmgw.schemas.api import ApplyRequest, ApplyResponse, NodeView, ReplicaView
+from llmgw.security.admin_guard import AdminGuard
+from llmgw.temporal import LazyClient
+
+
+def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float):
+    app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(CatalogError)
+    async def _catalog_error(request: Request, exc: CatalogError):
+        return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error",
+                                                                "param": "catalog", "code": "catalog_refused",
+                                                                "problems": exc.problems}})
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        problems = [f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse(status_code=400, content={"error": {"message": "; ".join(problems),
+                                                                "type": "invalid_request_error", "param": None,
+                                                                "code": "bad_request", "problems": problems}})
+
+    @app.get("/admin/v1/catalog")
+    async def get_catalog():
+        async with engine.connect() as conn:
+            return (await catalog_repo.get_catalog(conn)).model_dump(mode="json", exclude_defaults=True)
+
+    @app.post("/admin/v1/catalog", response_model=ApplyResponse)
+    async def apply(req: ApplyRequest) -> ApplyResponse:
+        catalog = parse_catalog(req.catalog)
+        async with engine.begin() as conn:
+            if req.dry_run:
+                return await catalog_repo.diff_catalog(conn, catalog)
+            diff = await catalog_repo.apply_catalog(conn, catalog)
+        await temporal.wake("catalog applied")
+        return diff
+
+    @app.get("/admin/v1/models")
+    async def models():
+        async with engine.connect() as conn:
+            catalog = await catalog_repo.get_catalog(conn)
+            reps = await fleet_repo.list_replicas(conn)
+        out = []
+        for m in catalog.models:
+            mine = [r for r in reps if r["model"] == m.name]
+            sc = m.effective_scaling
+            out.append({"name": m.name, "aliases": m.aliases, "engines": sorted({p.engine for p in m.profiles}),
+                        "min": sc.min, "max": sc.max, "simulated": m.simulated,
+                        "replicas": {s: sum(1 for r in mine if r["status"] == s) for s in sorted({r["status"] for r in mine})}})
+        return out
+
+    @app.get("/admin/v1/replicas", response_model=list[ReplicaView])
+    async def replicas(all: bool = False):
+        async with engine.connect() as conn:
+            rows = await fleet_repo.list_replicas(conn, include_ended=all)
+        return [ReplicaView(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
+                            endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"],
+                            failure=r["failure"]) for r in rows]
+
+    @app.get("/admin/v1/nodes", response_model=list[NodeView])
+    async def nodes():
+        async with engine.connect() as conn:
+            rows = await fleet_repo.list_nodes(conn)
+            now = await fleet_repo.db_now(conn)
+        return [NodeView(id=n.id, status=node_status(n.last_heartbeat, now, unreachable_after_s, lost_after_s),
+                         last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in rows]
+
+    @app.get("/admin/v1/explain/{model:path}")
+    async def explain(model: str):
+        async with engine.connect() as conn:
+            lines = await catalog_repo.get_decisions(conn, model)
+        return {"model": model, "decisions": lines or []}
+
+    return AdminGuard(app)

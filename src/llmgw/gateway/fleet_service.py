@@ -1,0 +1,80 @@
+"""What the control plane does with node reports. The fleet is authoritative about what runs:
+
+- a shard the node does not report is not running (a registration follows a fresh start or reconnect, so
+  nothing dispatched before it is running unless reported); its replica is marked lost, including when
+  the node reports nothing at all (seeds 001, "An agent reporting nothing is reporting something");
+- a shard the node reports that belongs to a live replica is kept (adopted after a worker restart);
+- a shard we cannot identify, or whose replica has ended, is stopped: a process holding resources that
+  nothing can describe is worse than no process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from llmgw.db import fleet_repo
+from llmgw.db.tables import ENDED_STATUSES
+from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
+from llmgw.temporal import LazyClient
+
+log = logging.getLogger(__name__)
+
+
+class FleetService:
+    def __init__(self, engine: AsyncEngine, temporal: LazyClient):
+        self.engine = engine
+        self.temporal = temporal
+
+    async def register(self, req: RegisterRequest) -> RegisterResponse:
+        reported = {s.shard_id: s for s in req.shards}
+        resp = RegisterResponse(node_id=req.node_id)
+        lost: list[str] = []
+        async with self.engine.begin() as conn:
+            prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory)
+            known = await fleet_repo.known_shard_ids(conn, list(reported))
+            for sid, report in reported.items():
+                status = known.get(sid)
+                if status is None or status in ENDED_STATUSES:
+                    resp.stop.append(sid)
+                else:
+                    await fleet_repo.update_shard(conn, req.node_id, report)
+                    resp.adopted.append(sid)
+            for row in await fleet_repo.shards_on_node(conn, req.node_id):
+                if row["id"] in reported:
+                    continue
+                # A starting shard of the same boot may be mid-launch; any other unreported shard is gone.
+                if row["status"] == "starting" and prev_boot == req.boot_id:
+                    continue
+                applied, _ = await fleet_repo.mark_replica(
+                    conn, row["replica_id"], "lost",
+                    failure=f"node {req.node_id} registered without shard {row['id']}")
+                if applied:
+                    lost.append(row["replica_id"])
+        if lost:
+            log.warning("node %s does not run replicas %s any more; marked lost", req.node_id, ", ".join(lost))
+        await self.temporal.wake(f"node {req.node_id} registered")
+        return resp
+
+    async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatResponse:
+        async with self.engine.begin() as conn:
+            known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory)
+        return HeartbeatResponse(ok=known, reregister=not known)
+
+    async def shard_status(self, req: ShardStatusRequest) -> None:
+        """A shard changed state on its node. A failure takes its replica out of routing at once."""
+        s = req.shard
+        failed_replica = None
+        async with self.engine.begin() as conn:
+            status = await fleet_repo.update_shard(conn, req.node_id, s)
+            if s.state == "failed" and status is not None and status not in ENDED_STATUSES:
+                why = f"shard {s.shard_id} on {req.node_id} exited with code {s.exit_code}"
+                if s.output_tail:
+                    why += "; last output:\n" + s.output_tail[-1500:]
+                applied, _ = await fleet_repo.mark_replica(conn, s.replica_id, "failed", failure=why)
+                if applied:
+                    failed_replica = s.replica_id
+        if failed_replica:
+            log.warning("replica %s failed: shard %s exited with code %s", failed_replica, s.shard_id, s.exit_code)
+            await self.temporal.wake(f"replica {failed_replica} failed")

@@ -1,0 +1,40 @@
+"""`llmgw server`: the gateway (:8080), the admin API (127.0.0.1:8081) and the node API (:8443) in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from llmgw.config import Settings
+from llmgw.db.engine import async_engine
+from llmgw.db.migrate import upgrade
+from llmgw.gateway.admin import create_admin_api
+from llmgw.gateway.app import Gateway, create_gateway_app
+from llmgw.gateway.fleet_service import FleetService
+from llmgw.gateway.nodeapi import create_node_api
+from llmgw.serving import Listener, install_stop_handlers, serve
+
+log = logging.getLogger(__name__)
+
+
+async def run_server(settings: Settings, migrate: bool = True, load_wait_s: float = 5.0) -> None:
+    url = settings.require_database_url()
+    if migrate:
+        await asyncio.to_thread(upgrade, url)
+    engine = async_engine(url, pool_size=10)
+    gw = Gateway(settings, engine, load_wait_s=load_wait_s)
+    fleet = FleetService(engine, gw.temporal)
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    listeners = [
+        Listener(create_gateway_app(gw), settings.host, settings.gateway_port, "gateway"),
+        Listener(create_admin_api(engine, gw.temporal, settings.node_unreachable_after_s, settings.node_lost_after_s),
+                 settings.admin_host, settings.admin_port, "admin", lifespan="off"),
+        Listener(create_node_api(fleet), settings.host, settings.node_api_port, "node-api", lifespan="off"),
+    ]
+    log.info("gateway on %s:%d, admin on %s:%d, node API on %s:%d", settings.host, settings.gateway_port,
+             settings.admin_host, settings.admin_port, settings.host, settings.node_api_port)
+    try:
+        await serve(listeners, stop)
+    finally:
+        await engine.dispose()

@@ -1,0 +1,1 @@
+"""Pydantic models shared across processes: catalog, inventory, workflow/activity payloads, API bodies."""

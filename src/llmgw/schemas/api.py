@@ -1,0 +1,85 @@
+"""Bodies of the node API (node worker → control plane) and the admin API (CLI → control plane)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmgw.schemas.inventory import Inventory, ShardReport
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterRequest(_Strict):
+    """Sent by a node worker on every start and reconnect, with every shard it runs (possibly none)."""
+
+    node_id: str
+    boot_id: str
+    inventory: Inventory
+    shards: list[ShardReport] = Field(default_factory=list)
+
+
+class RegisterResponse(_Strict):
+    node_id: str
+    adopted: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list)  # shard ids the node must stop
+
+
+class HeartbeatRequest(_Strict):
+    """Liveness. `inventory` is sent when it changed (weights fetched, disk used) or every so often."""
+
+    node_id: str
+    boot_id: str
+    shards: list[ShardReport] = Field(default_factory=list)
+    inventory: Inventory | None = None
+
+
+class HeartbeatResponse(_Strict):
+    ok: bool = True
+    reregister: bool = False  # the control plane does not know this boot: register again
+
+
+class ShardStatusRequest(_Strict):
+    """One shard transition (starting, ready, failed with its output tail, stopped)."""
+
+    node_id: str
+    boot_id: str
+    shard: ShardReport
+
+
+class ApplyRequest(_Strict):
+    """Admin API: replace the catalog. `dry_run` returns the diff without applying."""
+
+    catalog: dict[str, Any]
+    dry_run: bool = False
+
+
+class ApplyResponse(_Strict):
+    added: list[str] = Field(default_factory=list)
+    changed: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)
+    unchanged: list[str] = Field(default_factory=list)
+    applied: bool = False
+
+
+class ReplicaView(_Strict):
+    id: str
+    model: str
+    profile: str
+    status: str
+    node_id: str | None
+    endpoint: str | None
+    created_at: datetime
+    ready_at: datetime | None = None
+    failure: str | None = None
+
+
+class NodeView(_Strict):
+    id: str
+    status: str
+    last_heartbeat: datetime | None
+    inventory: Inventory

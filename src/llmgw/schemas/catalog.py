@@ -1,0 +1,136 @@
+"""The catalog: which models exist, how to run each (profiles), and how many replicas to keep.
+
+Shapes only; the cross-model rules (aliases, fallbacks, arithmetic, engine policy, upgrade repairs) live in
+`llmgw.catalog`. Every model forbids unknown fields, so a typo such as `scalling:` is an error naming the
+field rather than a silently ignored stanza.
+
+Scaling semantics (seeds 003, "Load a model when someone asks for it"):
+- `min 0, max > 0`: on demand (loaded when a request asks, stopped after `idle_timeout`);
+- `min 0, max 0`: deliberately off;
+- no `scaling` stanza: off. Defaulting to on-demand would let any client request start a model nobody
+  intended to run.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+EngineName = Literal["vllm", "sglang", "llamacpp", "sim"]
+ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "sim")
+
+# Model ids may contain "/" (for example "Qwen/Qwen2.5-7B-Instruct" used as a model name).
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Scaling(_Strict):
+    """How many replicas of a model to run. `idle_timeout` is in seconds."""
+
+    min: int = Field(0, ge=0)
+    max: int = Field(0, ge=0)
+    idle_timeout: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Scaling":
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min}); write max >= min, or max: 0 to switch the model off")
+        return self
+
+    @property
+    def on_demand(self) -> bool:
+        return self.min == 0 and self.max > 0
+
+    @property
+    def off(self) -> bool:
+        return self.max == 0
+
+
+class Profile(_Strict):
+    """One way to run a model.
+
+    - `engine`: `vllm`, `sglang`, `llamacpp` or `sim`.
+    - `source`: what the engine loads. `mirror:NAME` (a file or, ending in `/`, a version in the llmgw
+      mirror), an `http(s)://` URL, an absolute or `./`-relative path on the node, or a bare model id
+      (`org/name`) that vLLM/SGLang resolve themselves. The sim engine needs none.
+    - `tp`, `pp`, `nodes`: tensor/pipeline parallel sizes and node count (vLLM, SGLang).
+    - `gpus_per_node`: GPUs one llama.cpp replica splits its layers across.
+    - `gpu_memory_gb`: GPU memory needed per GPU; `memory_gb`: host memory for CPU-only profiles.
+    - `args`, `env`: extra engine flags and environment, checked by the engine policy.
+    """
+
+    name: str = "default"
+    engine: EngineName
+    source: str | None = None
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int | None = Field(None, ge=0)
+    gpu_memory_gb: float | None = Field(None, ge=0)
+    memory_gb: float | None = Field(None, ge=0)
+    disk_gb: float | None = Field(None, ge=0)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def simulated(self) -> bool:
+        return self.engine == "sim"
+
+
+class Model(_Strict):
+    """A catalog entry. `profiles` say how to run it; `endpoints` instead route to engines run elsewhere."""
+
+    name: str
+    aliases: list[str] = Field(default_factory=list)
+    fallbacks: list[str] = Field(default_factory=list)
+    scaling: Scaling | None = None
+    priority: int = 0
+    role: Literal["chat", "guard", "embedding"] = "chat"
+    profiles: list[Profile] = Field(default_factory=list)
+    endpoints: list[str] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not MODEL_NAME_RE.match(v):
+            raise ValueError(
+                f"model name {v!r} is not allowed: use letters, digits and . _ : / @ + - (up to 128), "
+                "starting with a letter or digit"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _runnable(self) -> "Model":
+        if not self.profiles and not self.endpoints:
+            raise ValueError(f"model {self.name!r} has neither profiles nor endpoints; add a profile with an engine")
+        names = [p.name for p in self.profiles]
+        if len(names) != len(set(names)):
+            raise ValueError(f"model {self.name!r} has two profiles with the same name; give each a distinct `name`")
+        return self
+
+    @property
+    def effective_scaling(self) -> Scaling:
+        """No scaling stanza means off (min 0, max 0)."""
+        return self.scaling or Scaling(min=0, max=0)
+
+    @property
+    def simulated(self) -> bool:
+        """Simulated only when every profile is (seeds 003, "Say which model is simulated")."""
+        return bool(self.profiles) and all(p.simulated for p in self.profiles)
+
+    def profile(self, name: str) -> Profile | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+
+class Catalog(_Strict):
+    """The whole desired state: a list of models."""
+
+    models: list[Model] = Field(default_factory=list)
+
+    def get(self, name: str) -> Model | None:
+        return next((m for m in self.models if m.name == name), None)

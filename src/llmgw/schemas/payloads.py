@@ -1,0 +1,192 @@
+"""Workflow and activity inputs/outputs. Each activity takes one model and returns one.
+
+New fields always get defaults, so a workflow history recorded by an older version still decodes.
+Internal payloads forbid unknown fields.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmgw.schemas.catalog import Model, Profile
+from llmgw.schemas.inventory import Inventory
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- snapshot (control plane state, read by the reconciler) -------------------------------------
+
+class ModelState(_Strict):
+    """Per-model facts the reconciler keeps: failure backoff and demand/use times."""
+
+    name: str
+    failures: int = 0
+    backoff_until: datetime | None = None
+    demand_at: datetime | None = None  # last time a request asked for the model while none was Ready
+    last_used_at: datetime | None = None  # last time a request for it ended
+    in_flight: int = 0  # requests in flight across gateways (reported by gateways)
+
+
+class NodeSnap(_Strict):
+    id: str
+    status: str  # ready | unreachable | lost (derived from last_heartbeat by placement.status)
+    last_heartbeat: datetime | None = None
+    inventory: Inventory = Field(default_factory=Inventory)
+
+
+class ShardPlacement(_Strict):
+    """Where one shard of a replica runs: node, rank, and GPU indices on that node (empty on CPU)."""
+
+    node_id: str
+    rank: int = 0
+    gpus: list[int] = Field(default_factory=list)
+
+
+class ReplicaSnap(_Strict):
+    id: str
+    model: str
+    profile: str
+    status: str
+    shards: list[ShardPlacement] = Field(default_factory=list)
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+class Snapshot(_Strict):
+    """Everything one reconcile pass needs, read in one transaction. `now` is the database clock."""
+
+    now: datetime
+    unreachable_after_s: float = 15.0
+    lost_after_s: float = 300.0
+    models: list[Model] = Field(default_factory=list)
+    model_states: list[ModelState] = Field(default_factory=list)
+    nodes: list[NodeSnap] = Field(default_factory=list)
+    replicas: list[ReplicaSnap] = Field(default_factory=list)
+
+
+# ---- reconciler ---------------------------------------------------------------------------------
+
+class ReconcilerInput(_Strict):
+    """`interval_s`: timer between passes when nothing wakes it. Timeouts for the children it starts."""
+
+    passes: int = 0
+    interval_s: float = 10.0
+    ready_timeout_s: float = 900.0
+    drain_timeout_s: float = 60.0
+
+
+class RecordPlacementInput(_Strict):
+    replica_id: str
+    model: str
+    profile: str
+    shards: list[ShardPlacement]
+    reason: str = ""
+
+
+class RecordDecisionsInput(_Strict):
+    """The pass's decisions as text lines (what was done and every candidate turned down, and why)."""
+
+    lines: list[str] = Field(default_factory=list)
+    refusals: dict[str, list[str]] = Field(default_factory=dict)  # model -> reasons
+
+
+# ---- replica lifecycle --------------------------------------------------------------------------
+
+class ReplicaStartInput(_Strict):
+    replica_id: str
+    model: str
+    profile: Profile
+    shards: list[ShardPlacement]
+    ready_timeout_s: float = 900.0
+
+
+class ReplicaStartResult(_Strict):
+    replica_id: str
+    endpoint: str
+
+
+class ReplicaStopInput(_Strict):
+    replica_id: str
+    reason: str = ""
+    drain_timeout_s: float = 60.0
+    final_status: str = "stopped"
+
+
+class MarkReplicaInput(_Strict):
+    """Move a replica to `status`. `ready` applies only to a starting replica (a stopped one stays stopped)."""
+
+    replica_id: str
+    status: str
+    endpoint: str | None = None
+    failure: str | None = None
+
+
+class MarkReplicaResult(_Strict):
+    applied: bool
+    status: str
+
+
+class ReplicaShardsInput(_Strict):
+    replica_id: str
+
+
+class ReplicaShardsResult(_Strict):
+    shards: list[ShardPlacement] = Field(default_factory=list)
+    in_flight: int = 0
+
+
+# ---- node activities ----------------------------------------------------------------------------
+
+class FetchWeightsInput(_Strict):
+    replica_id: str
+    source: str | None
+
+
+class FetchWeightsResult(_Strict):
+    """`path` is what the engine loads: a file, a directory (a version), or a bare model id passed through."""
+
+    path: str | None
+    bytes: int = 0
+    fetched: bool = False  # False when it was already in the cache or nothing needed fetching
+
+
+class LaunchShardInput(_Strict):
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: Profile
+    rank: int = 0
+    gpus: list[int] = Field(default_factory=list)
+    weights_path: str | None = None
+
+
+class LaunchShardResult(_Strict):
+    shard_id: str
+    pid: int
+    endpoint: str
+    adopted: bool = False  # it was already running (a retried activity finds it by its spec file)
+
+
+class WaitShardReadyInput(_Strict):
+    shard_id: str
+    timeout_s: float = 900.0
+
+
+class WaitShardReadyResult(_Strict):
+    shard_id: str
+    endpoint: str
+
+
+class StopShardInput(_Strict):
+    shard_id: str
+    grace_s: float = 10.0
+
+
+class StopShardResult(_Strict):
+    shard_id: str
+    was_running: bool
+    exit_code: int | None = None

@@ -1,0 +1,1 @@
+"""Security: admin-request guards, (later) CA and certificates, API keys."""

@@ -1,0 +1,1 @@
+"""Weights: source naming, the cache, the fetcher, and the mirror."""

@@ -1,0 +1,78 @@
+"""Sources and cache names.
+
+A profile's `source` is one of:
+- `mirror:NAME` — a file in the llmgw mirror; `mirror:NAME/` — a version (a set of files) there;
+- `http://...` / `https://...` — a file (or, ending in `/`, a version with a manifest) on any server;
+- an absolute path (`/models/x.gguf`) or an explicitly relative one (`./x.gguf`) — already on the node;
+- anything else (`Qwen/Qwen2.5-7B-Instruct`) — a model id passed to vLLM/SGLang untouched (seeds 000:
+  treating every non-remote source as a path broke every vLLM profile).
+
+The cache name is a hash of the source, so the set of files llmgw fetched is computable from the catalog
+(seeds 000: reclaim deletes only what it can prove it fetched).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import quote, urlsplit
+
+MIRROR_SCHEME = "mirror:"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+CACHE_NAME = re.compile(r"^[0-9a-f]{32}-[A-Za-z0-9._-]+$")
+
+
+class SourceError(ValueError):
+    """A source that cannot be used; the message says what to write instead."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: Literal["remote", "path", "model_id", "none"]
+    raw: str | None
+    url: str | None = None  # for remote sources, after resolving `mirror:`
+    is_version: bool = False  # ends in "/": a set of files with a manifest
+
+
+def check_mirror_name(name: str) -> str:
+    """A mirror name is one or more safe path segments (`a.gguf`, `org/model/`). Raises `SourceError`."""
+    parts = name.rstrip("/").split("/")
+    if not name or not all(_SAFE_NAME.match(p) for p in parts):
+        raise SourceError(
+            f"mirror name {name!r} is not allowed: use segments of letters, digits, '.', '_' and '-' "
+            "separated by '/', for example mirror:SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    return name
+
+
+def parse_source(source: str | None, mirror_url: str | None = None) -> Source:
+    """Classify a source; with `mirror_url`, resolve `mirror:` names to URLs. Raises `SourceError`."""
+    if not source:
+        return Source("none", None)
+    if source.startswith(MIRROR_SCHEME):
+        name = source[len(MIRROR_SCHEME):].lstrip("/")
+        check_mirror_name(name)
+        url = None
+        if mirror_url:
+            url = mirror_url.rstrip("/") + "/files/" + quote(name)
+        return Source("remote", source, url, source.endswith("/"))
+    if source.startswith(("http://", "https://")):
+        parts = urlsplit(source)
+        if not parts.netloc:
+            raise SourceError(f"source {source!r} has no host")
+        return Source("remote", source, source, source.endswith("/"))
+    if source.startswith(("/", "./", "../")):
+        return Source("path", source)
+    if "://" in source:
+        raise SourceError(f"source {source!r}: only http(s):// and mirror: URLs can be fetched")
+    return Source("model_id", source)
+
+
+def cache_name_for(source: str) -> str:
+    """`<sha256(source)[:32]>-<last segment>`: stable, computable from the catalog, safe as a file name."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:32]
+    tail = source.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+    tail = re.sub(r"[^A-Za-z0-9._-]", "_", tail)[:80].lstrip(".") or "weights"
+    return f"{digest}-{tail}"

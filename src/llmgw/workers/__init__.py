@@ -1,0 +1,1 @@
+"""The control worker and the node worker (agent): discovery, supervision, adoption."""

@@ -1,0 +1,156 @@
+"""The node worker (`llmgw agent`): one per machine.
+
+It discovers the hardware, registers with the control plane over the node API (inventory and every shard
+it runs, none included), heartbeats, and polls its own Temporal task queue `node/<node_id>` for node
+activities (fetch, launch, readiness, drain, stop). It supervises engine processes and reports every
+transition, with the tail of the engine's output on failure. Engines keep running when the worker
+exits (a restarted worker adopts them) unless it was started with `stop_engines_on_exit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+
+import aiohttp
+from temporalio.worker import Worker
+
+from llmgw.activities.node import NodeActivities
+from llmgw.config import Settings
+from llmgw.engines.registry import Engines
+from llmgw.schemas.api import (
+    HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest,
+)
+from llmgw.schemas.inventory import ShardReport
+from llmgw.temporal import connect
+from llmgw.weights.fetcher import Fetcher
+from llmgw.workers.discovery import discover, discover_gpus
+from llmgw.workers.supervisor import Shard, Supervisor
+from llmgw.workflows.queues import node_queue
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    def __init__(self, settings: Settings, stop_engines_on_exit: bool = False):
+        self.settings = settings
+        self.node_id = settings.resolved_node_id
+        self.boot_id = uuid.uuid4().hex
+        self.stop_engines_on_exit = stop_engines_on_exit
+        self.engines = Engines(settings.llama_server)
+        self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url)
+        node_dir = settings.shard_dir / self.node_id
+        self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit)
+        self.api = settings.resolved_node_api_url.rstrip("/")
+        self.http: aiohttp.ClientSession | None = None
+        self.registered = asyncio.Event()
+        self.inventory_dirty = False
+        self._gpus = None
+
+    # ---- node API ------------------------------------------------------------------------------
+    async def _post(self, path: str, body) -> dict:
+        assert self.http is not None
+        async with self.http.post(self.api + path, data=body.model_dump_json(),
+                                  headers={"Content-Type": "application/json"}) as r:
+            if r.status >= 400:
+                raise RuntimeError(f"node API {path}: HTTP {r.status}: {(await r.text())[:300]}")
+            return await r.json()
+
+    def shard_reports(self) -> list[ShardReport]:
+        return [s.report() for s in self.supervisor.running()]
+
+    def inventory(self):
+        if self._gpus is None:
+            self._gpus = discover_gpus()  # GPUs do not come and go; NVML is asked once per worker
+            if self._gpus[1]:
+                log.info("discovery: %s", self._gpus[1])
+        return discover(self.settings.resolved_cache_dir, self.engines.names(), self.fetcher.cached_names(), self._gpus)
+
+    async def register(self) -> None:
+        inv = self.inventory()
+        body = RegisterRequest(node_id=self.node_id, boot_id=self.boot_id, inventory=inv, shards=self.shard_reports())
+        resp = RegisterResponse.model_validate(await self._post("/node/v1/register", body))
+        for shard_id in resp.stop:
+            log.warning("control plane asks to stop shard %s, which it cannot identify or no longer wants", shard_id)
+            await self.supervisor.stop(shard_id)
+        self.registered.set()
+        log.info("registered node %s (%d shard(s) running, engines: %s)", self.node_id, len(body.shards), ", ".join(inv.engines))
+
+    async def report(self, report: ShardReport) -> None:
+        """Send one shard transition; retried briefly, then left to the next registration."""
+        for attempt in range(5):
+            try:
+                await self._post("/node/v1/shards", ShardStatusRequest(node_id=self.node_id, boot_id=self.boot_id, shard=report))
+                return
+            except (aiohttp.ClientError, RuntimeError) as exc:
+                log.warning("reporting shard %s failed (%s); retrying", report.shard_id, exc)
+                await asyncio.sleep(0.5 * (attempt + 1))
+
+    async def report_stopped(self, shard_id: str) -> None:
+        replica_id, _, rank = shard_id.rpartition("-r")
+        await self.report(ShardReport(shard_id=shard_id, replica_id=replica_id, model="", profile="",
+                                      rank=int(rank) if rank.isdigit() else 0, state="stopped"))
+
+    async def _on_exit(self, shard: Shard, tail: str) -> None:
+        await self.report(shard.report("failed", tail=tail[-2000:]))
+
+    async def heartbeat_loop(self) -> None:
+        """Register, then heartbeat. Re-register after the control plane forgets us or comes back."""
+        delay = 1.0
+        need_register = True
+        beats = 0
+        while True:
+            try:
+                if need_register:
+                    await self.register()
+                    need_register = False
+                beats += 1
+                # The inventory rides along every 10th beat, or at once after a fetch changed the cache.
+                inv = self.inventory() if beats % 10 == 0 or self.inventory_dirty else None
+                self.inventory_dirty = False
+                hb = HeartbeatRequest(node_id=self.node_id, boot_id=self.boot_id, shards=self.shard_reports(),
+                                      inventory=inv)
+                resp = HeartbeatResponse.model_validate(await self._post("/node/v1/heartbeat", hb))
+                need_register = resp.reregister
+                delay = 1.0
+                await asyncio.sleep(self.settings.heartbeat_interval_s)
+            except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
+                # A control-plane restart must not need a touch on every node, and a fleet must not
+                # reconnect in lockstep: jittered backoff, then a fresh registration.
+                log.warning("control plane unreachable at %s (%s); retrying in %.0fs", self.api, exc, delay)
+                need_register = True
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 30.0)
+
+    # ---- main ----------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        adopted, dead = self.supervisor.adopt_all()
+        if adopted or dead:
+            log.info("adopted %d running shard(s); %d were gone", len(adopted), len(dead))
+        client = await connect(self.settings)
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
+                        max_concurrent_activities=64)
+        tasks = [asyncio.create_task(worker.run(), name="worker"),
+                 asyncio.create_task(self.supervisor.watch(), name="watch"),
+                 asyncio.create_task(self.heartbeat_loop(), name="heartbeat")]
+        log.info("node worker %s polling %s", self.node_id, node_queue(self.node_id))
+        try:
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopper and t.exception():
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            for t in tasks[1:]:
+                t.cancel()
+            if self.stop_engines_on_exit:
+                log.info("stopping %d engine(s)", len(self.supervisor.shards))
+                await self.supervisor.stop_all()
+            try:
+                await asyncio.wait_for(worker.shutdown(), 10)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+            await self.http.close()

@@ -1,0 +1,46 @@
+"""The control worker (`llmgw worker`): runs every workflow and the control-plane activities.
+
+Several can run; Temporal shares the work. On start it makes sure the singleton reconciler is running
+(started with a conflict policy that returns the running one, so a second worker never starts another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.worker import Worker
+
+from llmgw.activities.control import ControlActivities
+from llmgw.config import Settings
+from llmgw.db.engine import async_engine
+from llmgw.schemas.payloads import ReconcilerInput
+from llmgw.temporal import connect
+from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID
+from llmgw.workflows.reconciler import ReconcilerWorkflow
+from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+
+log = logging.getLogger(__name__)
+WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow]
+
+
+async def ensure_reconciler(client, settings: Settings) -> None:
+    await client.start_workflow(
+        ReconcilerWorkflow.run, ReconcilerInput(interval_s=settings.reconcile_interval_s),
+        id=RECONCILER_ID, task_queue=CONTROL_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+
+
+async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
+    engine = async_engine(settings.require_database_url())
+    client = await connect(settings)
+    acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s)
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all())
+    try:
+        async with worker:
+            await ensure_reconciler(client, settings)
+            log.info("control worker polling %s; reconciler running", CONTROL_QUEUE)
+            await stop.wait()
+    finally:
+        await engine.dispose()

@@ -1,0 +1,239 @@
+"""Engine process supervision on a node.
+
+Each engine runs in its own process group (`start_new_session`), so a stop signals the whole group,
+escalating from SIGTERM to SIGKILL. Each shard has a spec file (`<shard_dir>/<shard_id>.json`) holding
+everything needed to describe it back to the control plane; a restarted worker adopts engines still
+running from those files (seeds 001, "Survive a control plane restart"). An adopted engine is not this
+process's child, so it is watched by polling and stopped by signalling its group. The process start
+time is recorded beside the pid so that a recycled pid is never mistaken for the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import psutil
+
+from llmgw.engines.base import LaunchPlan, ShardSpec
+from llmgw.schemas.catalog import Profile
+from llmgw.schemas.inventory import ShardReport
+
+log = logging.getLogger(__name__)
+TAIL_BYTES = 4000
+
+
+@dataclass
+class Shard:
+    spec: ShardSpec
+    pid: int
+    create_time: float
+    endpoint: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None  # None when adopted from a previous worker
+    state: str = "starting"
+    exit_code: int | None = None
+    stopping: bool = False
+    adopted: bool = False
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def shard_id(self) -> str:
+        return self.spec.shard_id
+
+    def report(self, state: str | None = None, tail: str | None = None) -> ShardReport:
+        return ShardReport(
+            shard_id=self.shard_id, replica_id=self.spec.replica_id, model=self.spec.model,
+            profile=self.spec.profile.name, rank=self.spec.rank, state=state or self.state, pid=self.pid,
+            endpoint=self.endpoint, exit_code=self.exit_code, output_tail=tail,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "shard_id": self.shard_id, "replica_id": self.spec.replica_id, "model": self.spec.model,
+            "profile": self.spec.profile.model_dump(mode="json"), "rank": self.spec.rank, "gpus": self.spec.gpus,
+            "weights_path": self.spec.weights_path, "host": self.spec.host, "port": self.spec.port,
+            "pid": self.pid, "create_time": self.create_time, "endpoint": self.endpoint, "argv": self.argv,
+            "log_path": str(self.log_path), "state": self.state, "started_at": self.started_at,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Shard":
+        spec = ShardSpec(shard_id=d["shard_id"], replica_id=d["replica_id"], model=d["model"],
+                         profile=Profile.model_validate(d["profile"]), rank=d["rank"], gpus=d["gpus"],
+                         weights_path=d["weights_path"], host=d["host"], port=d["port"])
+        return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
+                   log_path=Path(d["log_path"]), state=d.get("state", "starting"), adopted=True,
+                   started_at=d.get("started_at", time.time()))
+
+
+def alive(pid: int, create_time: float) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - create_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+class Supervisor:
+    """Starts, watches, adopts and stops engine processes on one node.
+
+    `on_exit(shard, tail)` is awaited when a shard exits without being asked to stop.
+    """
+
+    def __init__(self, shard_dir: Path, log_dir: Path, on_exit: Callable[[Shard, str], Awaitable[None]] | None = None):
+        self.shard_dir = shard_dir
+        self.log_dir = log_dir
+        self.on_exit = on_exit
+        self.shards: dict[str, Shard] = {}
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- spec files -----------------------------------------------------------------------------
+    def _spec_path(self, shard_id: str) -> Path:
+        return self.shard_dir / f"{shard_id}.json"
+
+    def save(self, shard: Shard) -> None:
+        path = self._spec_path(shard.shard_id)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(shard.to_json()))
+        os.replace(tmp, path)
+
+    def _forget(self, shard_id: str) -> None:
+        self.shards.pop(shard_id, None)
+        self._spec_path(shard_id).unlink(missing_ok=True)
+
+    def adopt_all(self) -> tuple[list[Shard], list[str]]:
+        """Adopt every engine a previous worker left running. Returns (adopted, spec files of dead ones)."""
+        adopted, dead = [], []
+        for path in sorted(self.shard_dir.glob("*.json")):
+            try:
+                shard = Shard.from_json(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("unreadable shard spec %s (%s); ignoring it", path, exc)
+                dead.append(path.stem)
+                path.unlink(missing_ok=True)
+                continue
+            if alive(shard.pid, shard.create_time):
+                log.info("adopting shard %s (pid %d); its earlier output is in %s", shard.shard_id, shard.pid, shard.log_path)
+                self.shards[shard.shard_id] = shard
+                adopted.append(shard)
+            else:
+                log.info("shard %s (pid %d) is no longer running", shard.shard_id, shard.pid)
+                dead.append(shard.shard_id)
+                path.unlink(missing_ok=True)
+        return adopted, dead
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def get(self, shard_id: str) -> Shard | None:
+        return self.shards.get(shard_id)
+
+    def running(self) -> list[Shard]:
+        return [s for s in self.shards.values() if s.exit_code is None]
+
+    def launch(self, spec: ShardSpec, plan: LaunchPlan) -> Shard:
+        """Start `plan.argv` in a new process group with `plan.env`; output goes to the shard's log."""
+        log_path = self.log_dir / f"{spec.shard_id}.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                plan.argv, env=plan.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+        try:
+            ctime = psutil.Process(proc.pid).create_time()
+        except psutil.NoSuchProcess:
+            ctime = 0.0
+        shard = Shard(spec=spec, pid=proc.pid, create_time=ctime, endpoint=plan.endpoint, argv=plan.argv,
+                      log_path=log_path, proc=proc)
+        self.shards[spec.shard_id] = shard
+        self.save(shard)
+        log.info("launched shard %s (pid %d): %s", spec.shard_id, proc.pid, " ".join(plan.argv))
+        return shard
+
+    def set_state(self, shard: Shard, state: str) -> None:
+        shard.state = state
+        if shard.exit_code is None:
+            self.save(shard)
+
+    def poll(self, shard: Shard) -> int | None:
+        """The exit code if the shard's process has exited, else None. Reaps our own children."""
+        if shard.exit_code is not None:
+            return shard.exit_code
+        if shard.proc is not None:
+            code = shard.proc.poll()
+        else:
+            code = None if alive(shard.pid, shard.create_time) else -1
+        if code is not None:
+            shard.exit_code = code
+        return code
+
+    def tail(self, shard: Shard, size: int = TAIL_BYTES) -> str:
+        try:
+            with open(shard.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - size))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    async def stop(self, shard_id: str, grace_s: float = 10.0) -> tuple[bool, int | None]:
+        """SIGTERM the shard's process group, SIGKILL after `grace_s`. Returns (was running, exit code)."""
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            self._spec_path(shard_id).unlink(missing_ok=True)
+            return False, None
+        shard.stopping = True
+        if self.poll(shard) is not None:
+            self._forget(shard_id)
+            return False, shard.exit_code
+        self._signal(shard, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.poll(shard) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.poll(shard) is None:
+            log.warning("shard %s did not stop within %.0fs; killing its process group", shard_id, grace_s)
+            self._signal(shard, signal.SIGKILL)
+            for _ in range(50):
+                if self.poll(shard) is not None:
+                    break
+                await asyncio.sleep(0.1)
+        self._forget(shard_id)
+        return True, shard.exit_code
+
+    def _signal(self, shard: Shard, sig: int) -> None:
+        try:
+            os.killpg(shard.pid, sig)  # the engine leads its own group (start_new_session)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            log.error("not permitted to signal shard %s (pid %d)", shard.shard_id, shard.pid)
+
+    async def stop_all(self, grace_s: float = 10.0) -> None:
+        await asyncio.gather(*(self.stop(sid, grace_s) for sid in list(self.shards)))
+
+    async def watch(self, interval_s: float = 0.5) -> None:
+        """Notice shards that exit on their own and report them through `on_exit`; runs until cancelled."""
+        while True:
+            for shard in list(self.shards.values()):
+                if shard.stopping or shard.exit_code is not None and shard.state == "exited":
+                    continue
+                if self.poll(shard) is not None:
+                    tail = self.tail(shard)
+                    log.warning("shard %s exited with code %s", shard.shard_id, shard.exit_code)
+                    shard.state = "exited"
+                    self._forget(shard.shard_id)
+                    if self.on_exit is not None:
+                        try:
+                            await self.on_exit(shard, tail)
+                        except Exception:  # noqa: BLE001 - keep watching the others; the error is logged
+                            log.exception("reporting the exit of shard %s failed", shard.shard_id)
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,46 @@
+"""Activity options shared by the workflows: timeouts and retry policies in one place."""
+
+from datetime import timedelta
+
+from temporalio.common import RetryPolicy
+
+CONTROL = dict(
+    start_to_close_timeout=timedelta(seconds=30),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)),
+)
+# A node that never picks up its work is down: give up on it rather than wait forever.
+NODE_PICKUP = timedelta(seconds=60)
+FETCH = dict(
+    start_to_close_timeout=timedelta(hours=6),
+    heartbeat_timeout=timedelta(seconds=60),
+    schedule_to_start_timeout=NODE_PICKUP,
+    retry_policy=RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=2)),
+)
+LAUNCH = dict(
+    start_to_close_timeout=timedelta(seconds=120),
+    schedule_to_start_timeout=NODE_PICKUP,
+    retry_policy=RetryPolicy(maximum_attempts=3),
+)
+STOP = dict(
+    start_to_close_timeout=timedelta(seconds=120),
+    schedule_to_start_timeout=timedelta(seconds=30),
+    retry_policy=RetryPolicy(maximum_attempts=3),
+)
+
+
+def ready(timeout_s: float) -> dict:
+    return dict(
+        start_to_close_timeout=timedelta(seconds=timeout_s),
+        heartbeat_timeout=timedelta(seconds=30),
+        schedule_to_start_timeout=NODE_PICKUP,
+        retry_policy=RetryPolicy(maximum_attempts=2),
+    )
+
+
+def drain(timeout_s: float) -> dict:
+    return dict(
+        start_to_close_timeout=timedelta(seconds=timeout_s + 30),
+        heartbeat_timeout=timedelta(seconds=30),
+        schedule_to_start_timeout=timedelta(seconds=30),
+        retry_policy=RetryPolicy(maximum_attempts=1),
+    )

@@ -1,0 +1,17 @@
+"""Task-queue names and workflow ids. The only place either is spelled out."""
+
+CONTROL_QUEUE = "llmgw-control"
+RECONCILER_ID = "reconciler"
+
+
+def node_queue(node_id: str) -> str:
+    """The task queue a node worker polls: `node/<node_id>`."""
+    return f"node/{node_id}"
+
+
+def replica_start_id(replica_id: str) -> str:
+    return f"replica/{replica_id}/start"
+
+
+def replica_stop_id(replica_id: str) -> str:
+    return f"replica/{replica_id}/stop"

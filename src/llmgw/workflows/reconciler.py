@@ -1,0 +1,107 @@
+"""`ReconcilerWorkflow`: the singleton loop that makes what runs match the catalog.
+
+Each pass reads a snapshot (activity), plans with the pure `plan_pass`, records its decisions for
+`llmgw ctl explain`, and starts child workflows (replica start/stop, abandoned on close so they outlive a
+continue-as-new). Woken by the `wake` signal (catalog changed, node registered, demand, replica failed)
+and by a timer. Continues as new every `MAX_PASSES` passes to keep its history short.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import WorkflowAlreadyStartedError
+
+with workflow.unsafe.imports_passed_through():
+    from llmgw.placement.decisions import Decision, Plan
+    from llmgw.placement.plan import plan_pass
+    from llmgw.schemas.payloads import (
+        ReconcilerInput, RecordDecisionsInput, RecordPlacementInput, ReplicaStartInput, ReplicaStopInput, Snapshot,
+    )
+    from llmgw.workflows import options
+    from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id
+    from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+
+MAX_PASSES = 100
+
+
+@workflow.defn(name="ReconcilerWorkflow")
+class ReconcilerWorkflow:
+    def __init__(self) -> None:
+        self._wakes: list[str] = []
+        self._last: list[str] = []
+
+    @workflow.signal
+    def wake(self, reason: str) -> None:
+        self._wakes.append(reason)
+
+    @workflow.query
+    def last_pass(self) -> list[str]:
+        """The last pass's decisions, one line each."""
+        return self._last
+
+    @workflow.run
+    async def run(self, inp: ReconcilerInput) -> None:
+        for _ in range(MAX_PASSES):
+            self._wakes.clear()
+            snapshot: Snapshot = await workflow.execute_activity(
+                "read_snapshot", result_type=Snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
+            )
+            plan = plan_pass(snapshot)
+            await self._act(plan, inp)
+            if plan.more:
+                continue
+            try:
+                await workflow.wait_condition(lambda: bool(self._wakes), timeout=timedelta(seconds=inp.interval_s))
+            except TimeoutError:
+                pass
+            if workflow.info().is_continue_as_new_suggested():
+                break
+        workflow.continue_as_new(ReconcilerInput(passes=inp.passes + MAX_PASSES, interval_s=inp.interval_s))
+
+    async def _act(self, plan: Plan, inp: ReconcilerInput) -> None:
+        lines = [d.line() for d in plan.decisions]
+        self._last = lines
+        if lines:
+            workflow.logger.info("reconcile pass: %s", "; ".join(lines))
+        await workflow.execute_activity(
+            "record_decisions", RecordDecisionsInput(lines=lines, refusals=plan.explanations()),
+            task_queue=CONTROL_QUEUE, **options.CONTROL,
+        )
+        for d in plan.decisions:
+            if d.kind == "place":
+                await self._place(d, inp)
+            elif d.kind in ("stop", "lost"):
+                await self._stop(d, inp)
+
+    async def _place(self, d: Decision, inp: ReconcilerInput) -> None:
+        replica_id = str(workflow.uuid4())
+        await workflow.execute_activity(
+            "record_placement",
+            RecordPlacementInput(replica_id=replica_id, model=d.model, profile=d.profile or "default",
+                                 shards=d.shards, reason=d.reason),
+            task_queue=CONTROL_QUEUE, **options.CONTROL,
+        )
+        assert d.profile_spec is not None
+        await workflow.start_child_workflow(
+            ReplicaStartWorkflow.run,
+            ReplicaStartInput(replica_id=replica_id, model=d.model, profile=d.profile_spec, shards=d.shards,
+                              ready_timeout_s=inp.ready_timeout_s),
+            id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
+            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+        )
+
+    async def _stop(self, d: Decision, inp: ReconcilerInput) -> None:
+        assert d.replica_id
+        try:
+            await workflow.start_child_workflow(
+                ReplicaStopWorkflow.run,
+                ReplicaStopInput(replica_id=d.replica_id, reason=d.reason,
+                                 drain_timeout_s=inp.drain_timeout_s if d.kind == "stop" and d.drain else 0,
+                                 final_status="lost" if d.kind == "lost" else "stopped"),
+                id=replica_stop_id(d.replica_id), task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            )
+        except WorkflowAlreadyStartedError:
+            pass  # already stopping

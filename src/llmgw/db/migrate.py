@@ -1,6 +1,7 @@
 """Run the Alembic migrations programmatically (`llmgw db upgrade`, and at `llmgw server` start).
 
-Several processes may start together, so the upgrade holds a Postgres advisory lock.
+Several processes may start together, so the upgrade holds a Postgres advisory lock. The target is
+`heads`, so migrations developed on parallel branches apply before their merge revision exists.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
-def upgrade(url: str, revision: str = "head") -> None:
+def upgrade(url: str, revision: str = "heads") -> None:
     """Bring the schema at `url` to `revision`, serialised across processes by an advisory lock."""
     engine = sync_engine(url)
     try:

@@ -25,7 +25,9 @@ def temporal_binary() -> str:
 
 
 class TemporalDevServer:
-    def __init__(self, port: int, ui_port: int | None, db_file: Path | None, log_path: Path):
+    def __init__(self, port: int, ui_port: int | None, db_file: Path | None, log_path: Path,
+                 namespaces: list[str] | None = None):
+        self.namespaces = namespaces or []
         self.port = port
         self.ui_port = ui_port
         self.db_file = db_file
@@ -45,6 +47,8 @@ class TemporalDevServer:
             argv += ["--headless"]
         if self.db_file:
             argv += ["--db-filename", str(self.db_file)]
+        for ns in self.namespaces:
+            argv += ["--namespace", ns]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

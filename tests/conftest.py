@@ -1,0 +1,76 @@
+"""Shared fixtures: one embedded PostgreSQL and one Temporal dev server per session (free ports, temp
+dirs, stopped at the end even on failure); a fresh database per test, cloned from a migrated template."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from llmgw.db.migrate import upgrade
+from llmgw.dev.postgres import EmbeddedPostgres
+from llmgw.dev.procs import free_port
+from llmgw.dev.temporal_server import TemporalDevServer
+from tests.helpers import ControlPlane
+
+TEMPLATE = "llmgw_template"
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pg")
+    pg = EmbeddedPostgres(root / "data", free_port(), root / "postgres.log", database=TEMPLATE, durable=False)
+    pg.start()
+    upgrade(pg.url)
+    try:
+        yield pg
+    finally:
+        pg.stop()
+
+
+@pytest.fixture
+def database_url(postgres):
+    """A fresh, migrated database for one test."""
+    name = "t_" + uuid.uuid4().hex[:12]
+    admin = f"postgresql://postgres@127.0.0.1:{postgres.port}/postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{TEMPLATE}"')
+    yield f"postgresql://postgres@127.0.0.1:{postgres.port}/{name}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+NAMESPACES = [f"test-{i}" for i in range(64)]
+
+
+@pytest.fixture(scope="session")
+def temporal(tmp_path_factory):
+    """One Temporal dev server; each test gets a namespace of its own (created at launch, so there is no
+    namespace-cache delay), which keeps workflow ids such as the reconciler's singleton apart."""
+    root = tmp_path_factory.mktemp("temporal")
+    server = TemporalDevServer(free_port(), None, None, root / "temporal.log", namespaces=NAMESPACES)
+    server.start()
+    server.free_namespaces = list(NAMESPACES)  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def namespace(temporal) -> str:
+    if not temporal.free_namespaces:
+        pytest.fail("out of Temporal test namespaces: raise the count in tests/conftest.py")
+    return temporal.free_namespaces.pop(0)
+
+
+@pytest.fixture
+def control_plane(tmp_path: Path, database_url, temporal, namespace):
+    """A real `llmgw server` + `llmgw worker` on free ports; agents are added by the test."""
+    cp = ControlPlane(tmp_path, database_url, temporal.address, LLMGW_TEMPORAL_NAMESPACE=namespace)
+    try:
+        yield cp
+    finally:
+        cp.stop()

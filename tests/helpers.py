@@ -1,0 +1,163 @@
+"""Test helpers: real llmgw processes on free ports, stopped even when a test fails."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from llmgw.dev.procs import free_port, stop_process, wait_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Proc:
+    """An `llmgw ...` subprocess in its own process group, logging to a file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", *args], env=env, stdout=logf,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 15) -> int | None:
+        return stop_process(self.proc, grace_s=grace_s, sig=sig)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
+
+
+class ControlPlane:
+    """`llmgw server` + `llmgw worker` (+ agents) against a test database and Temporal, on free ports."""
+
+    def __init__(self, tmp: Path, database_url: str, temporal_address: str, **extra_env: str):
+        self.tmp = tmp
+        self.state = tmp / "state"
+        self.ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api")}
+        self.env = dict(os.environ)
+        self.env.update({
+            "LLMGW_STATE_DIR": str(self.state), "LLMGW_DATABASE_URL": database_url,
+            "LLMGW_TEMPORAL_ADDRESS": temporal_address, "LLMGW_GATEWAY_PORT": str(self.ports["gateway"]),
+            "LLMGW_ADMIN_PORT": str(self.ports["admin"]), "LLMGW_MIRROR_PORT": str(self.ports["mirror"]),
+            "LLMGW_NODE_API_PORT": str(self.ports["node_api"]), "LLMGW_RECONCILE_INTERVAL_S": "2",
+            "LLMGW_HEARTBEAT_INTERVAL_S": "1", "PYTHONUNBUFFERED": "1",
+        })
+        self.env.update(extra_env)
+        self.procs: list[Proc] = []
+        self.log_dir = tmp / "logs"
+
+    @property
+    def gateway(self) -> str:
+        return f"http://127.0.0.1:{self.ports['gateway']}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.ports['admin']}"
+
+    @property
+    def mirror_dir(self) -> Path:
+        return self.state / "mirror"
+
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        p = Proc(name, list(args), {**self.env, **(env or {})}, self.log_dir)
+        self.procs.append(p)
+        return p
+
+    def start(self, mirror: bool = False) -> "ControlPlane":
+        server = self.spawn("server", "server")
+        self.spawn("worker", "worker")
+        if mirror:
+            m = self.spawn("mirror", "mirror", "serve")
+            wait_port(self.ports["mirror"], 30, m.proc, "mirror")
+        wait_port(self.ports["admin"], 60, server.proc, "admin API")
+        wait_port(self.ports["node_api"], 60, server.proc, "node API")
+        return self
+
+    def agent(self, node_id: str, name: str | None = None, stop_engines_on_exit: bool = True, **env: str) -> Proc:
+        args = ["agent", "--node-id", node_id]
+        if stop_engines_on_exit:
+            args.append("--stop-engines-on-exit")
+        return self.spawn(name or f"agent-{node_id}", *args, env=env)
+
+    def apply(self, catalog: dict) -> httpx.Response:
+        return httpx.post(self.admin + "/admin/v1/catalog", json={"catalog": catalog}, timeout=30)
+
+    def replicas(self, all: bool = True) -> list[dict]:
+        return httpx.get(self.admin + f"/admin/v1/replicas?all={str(all).lower()}", timeout=10).json()
+
+    def wait_replicas(self, model: str, status: str = "ready", count: int = 1, timeout_s: float = 60,
+                      exclude: set[str] | None = None) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        last: list[dict] = []
+        while time.monotonic() < deadline:
+            last = [r for r in self.replicas() if r["model"] == model and r["status"] == status
+                    and r["id"] not in (exclude or set())]
+            if len(last) >= count:
+                return last
+            time.sleep(0.3)
+        raise AssertionError(f"{model}: wanted {count} {status} replica(s), have {self.replicas()}\n" + self.logs())
+
+    def logs(self) -> str:
+        return "\n".join(f"---- {p.name}\n{p.log()[-3000:]}" for p in self.procs)
+
+    def stop(self) -> None:
+        for p in sorted(self.procs, key=lambda p: not p.name.startswith("agent")):
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 - keep stopping the others
+                p.kill()
+        sweep_engines(self.state)
+
+
+def sweep_engines(state: Path) -> None:
+    """Kill any engine a test left behind (spec files under the state dir)."""
+    import json
+
+    from llmgw.workers.supervisor import alive
+
+    for spec in state.glob("shards/*/*.json"):
+        try:
+            d = json.loads(spec.read_text())
+            if alive(d["pid"], d["create_time"]):
+                os.killpg(d["pid"], signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+def wait_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def await_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = await fn()
+        if v:
+            return v
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

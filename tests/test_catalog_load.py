@@ -1,0 +1,77 @@
+"""Loading the catalog: field errors named as written, cross-model rules, engine policy, scaling defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.catalog.loader import CatalogError, parse_catalog
+from llmgw.catalog.policy import PolicyError, check_args, check_env
+
+
+def one(**model) -> dict:
+    return {"models": [{"name": "m", "profiles": [{"engine": "sim"}], **model}]}
+
+
+def test_default_dev_catalog_loads():
+    from llmgw.catalog.loader import load_catalog
+    from llmgw.dev.stack import DEFAULT_CATALOG
+
+    cat = load_catalog(DEFAULT_CATALOG)
+    assert [m.name for m in cat.models] == ["smollm2-135m", "sim-small"]
+    assert cat.get("sim-small").simulated and not cat.get("smollm2-135m").simulated
+
+
+def test_unknown_field_is_named_with_the_model():
+    with pytest.raises(CatalogError) as e:
+        parse_catalog(one(scalling={"min": 1}))
+    assert "models[0] (m).scalling: unknown field" in str(e.value)
+
+
+def test_bad_scaling_says_what_to_write():
+    with pytest.raises(CatalogError, match="max .* is below min"):
+        parse_catalog(one(scaling={"min": 2, "max": 1}))
+
+
+def test_no_scaling_stanza_is_off_and_min0_max1_is_on_demand():
+    m = parse_catalog(one()).models[0]
+    assert m.effective_scaling.off
+    m = parse_catalog(one(scaling={"min": 0, "max": 1})).models[0]
+    assert m.effective_scaling.on_demand
+
+
+def test_fallback_typo_stops_the_apply():
+    cat = {"models": [{"name": "a", "fallbacks": ["bb"], "profiles": [{"engine": "sim"}]},
+                      {"name": "b", "profiles": [{"engine": "sim"}]}]}
+    with pytest.raises(CatalogError, match="no model or alias named 'bb'"):
+        parse_catalog(cat)
+
+
+def test_duplicate_names_and_aliases_are_refused():
+    cat = {"models": [{"name": "a", "aliases": ["x"], "profiles": [{"engine": "sim"}]},
+                      {"name": "x", "profiles": [{"engine": "sim"}]}]}
+    with pytest.raises(CatalogError, match="already used"):
+        parse_catalog(cat)
+
+
+@pytest.mark.parametrize("env", [{"LD_PRELOAD": "/x.so"}, {"PYTHONSTARTUP": "/x.py"}, {"NCCL_NET_PLUGIN": "x"},
+                                 {"CUDA_INJECTION64_PATH": "/x"}, {"LLAMA_ARG_LOG_FILE": "/tmp/x"}])
+def test_env_that_runs_code_or_touches_files_is_refused(env):
+    with pytest.raises(PolicyError):
+        check_env(env)
+    with pytest.raises(CatalogError):
+        parse_catalog(one(profiles=[{"engine": "sim", "env": env}]))
+
+
+def test_tuning_env_is_allowed():
+    check_env({"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "VLLM_ATTENTION_BACKEND": "FLASHINFER"})
+
+
+@pytest.mark.parametrize("args", [["--trust-remote-code"], ["--log-file=/tmp/x"], ["--slot-save-path", "/tmp"],
+                                  ["--port", "1"], ["--model", "/etc/passwd"]])
+def test_flags_that_load_code_or_are_set_by_the_worker_are_refused(args):
+    with pytest.raises(PolicyError):
+        check_args(args)
+
+
+def test_ordinary_flags_and_negative_numbers_pass():
+    check_args(["--ctx-size", "4096", "--temp", "-1", "--max-model-len=8192"])

@@ -1,0 +1,50 @@
+"""The sim engine over real HTTP: OpenAI shapes, Greek letters, streaming that ends in [DONE]."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from llmgw.dev.procs import free_port, stop_process, wait_port
+from llmgw.engines.sim_server import GREEK
+
+
+@pytest.fixture(scope="module")
+def sim():
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(port), "--model", "s",
+                          "--tokens-per-second", "0"], start_new_session=True)
+    wait_port(port, 15, p, "sim engine")
+    yield f"http://127.0.0.1:{port}"
+    stop_process(p)
+
+
+def test_health_and_models(sim):
+    assert httpx.get(sim + "/health").json()["status"] == "ok"
+    assert httpx.get(sim + "/v1/models").json()["data"][0]["owned_by"] == "llmgw-sim"
+
+
+def test_chat_counts_tokens_from_the_greek_alphabet(sim):
+    r = httpx.post(sim + "/v1/chat/completions", json={"model": "s", "messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 30}).json()
+    words = r["choices"][0]["message"]["content"].split()
+    assert len(words) == 30 and words[:3] == GREEK[:3] and words[24] == GREEK[0]
+    assert r["usage"]["completion_tokens"] == 30
+
+
+def test_stream_ends_with_done_and_blank_line(sim):
+    with httpx.stream("POST", sim + "/v1/chat/completions", json={
+            "model": "s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}) as r:
+        raw = b"".join(r.iter_raw())
+    events = raw.split(b"\n\n")
+    assert raw.endswith(b"data: [DONE]\n\n") and len([e for e in events if e]) == 4
+
+
+def test_bad_requests_get_openai_errors(sim):
+    r = httpx.post(sim + "/v1/chat/completions", json={"model": "s"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(sim + "/v1/embeddings", json={"model": "s"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"

@@ -1,0 +1,110 @@
+"""Engine supervision with real processes (the sim engine): process groups, exit reports with the
+output tail, escalation to SIGKILL, and adoption by a new supervisor from the spec files."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import aiohttp
+import psutil
+
+from llmgw.dev.procs import free_port
+from llmgw.engines.base import LaunchPlan, ShardSpec
+from llmgw.engines.sim import SimAdapter
+from llmgw.schemas.catalog import Profile
+from llmgw.workers.supervisor import Supervisor
+
+
+def sim_spec(shard_id: str = "rep1-r0") -> ShardSpec:
+    return ShardSpec(shard_id=shard_id, replica_id="rep1", model="m", port=free_port(),
+                     profile=Profile(engine="sim", args=["--tokens-per-second", "0"]))
+
+
+async def wait_ready(endpoint: str, timeout_s: float = 15) -> None:
+    adapter = SimAdapter()
+    async with aiohttp.ClientSession() as s:
+        deadline = time.monotonic() + timeout_s
+        while not await adapter.is_ready(s, endpoint):
+            assert time.monotonic() < deadline, "sim engine never became ready"
+            await asyncio.sleep(0.1)
+
+
+async def test_exit_is_reported_with_output_tail(tmp_path):
+    exits = []
+
+    async def on_exit(shard, tail):
+        exits.append((shard.shard_id, shard.exit_code, tail))
+
+    sup = Supervisor(tmp_path / "shards", tmp_path / "logs", on_exit=on_exit)
+    spec = sim_spec()
+    plan = LaunchPlan(argv=[sys.executable, "-c", "import sys; print('boom: out of memory'); sys.exit(3)"],
+                      env=dict(os.environ), endpoint="http://127.0.0.1:1")
+    sup.launch(spec, plan)
+    watcher = asyncio.create_task(sup.watch(0.05))
+    try:
+        for _ in range(100):
+            if exits:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        watcher.cancel()
+    assert exits and exits[0][0] == "rep1-r0" and exits[0][1] == 3
+    assert "boom: out of memory" in exits[0][2]
+    assert not (tmp_path / "shards" / "rep1-r0.json").exists()
+
+
+async def test_stop_signals_the_whole_group_and_escalates(tmp_path):
+    sup = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    # A parent that ignores SIGTERM and a child in the same group: both must be gone after stop.
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
+            "time.sleep(60)")
+    shard = sup.launch(sim_spec(), LaunchPlan(argv=[sys.executable, "-c", code], env=dict(os.environ), endpoint="x"))
+    await asyncio.sleep(0.5)
+    members = [p for p in psutil.process_iter() if _pgid(p) == shard.pid]
+    assert len(members) == 2
+    t = time.monotonic()
+    was, _ = await sup.stop(shard.shard_id, grace_s=0.5)
+    assert was and time.monotonic() - t < 5
+    await asyncio.sleep(0.2)
+    assert not [p for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _pgid(p: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+async def test_new_supervisor_adopts_running_engine_and_can_stop_it(tmp_path):
+    first = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    spec = sim_spec()
+    shard = first.launch(spec, SimAdapter().build(spec))
+    await wait_ready(shard.endpoint)
+
+    second = Supervisor(tmp_path / "shards", tmp_path / "logs")  # a restarted worker
+    adopted, dead = second.adopt_all()
+    assert [s.shard_id for s in adopted] == ["rep1-r0"] and dead == []
+    assert adopted[0].pid == shard.pid and adopted[0].proc is None
+    assert second.poll(adopted[0]) is None  # watched by polling, still running
+    async with aiohttp.ClientSession() as s:  # and still serving
+        async with s.post(shard.endpoint + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 200
+    was, _ = await second.stop("rep1-r0", grace_s=5)
+    assert was
+    first.poll(shard)  # reap our child
+    assert not psutil.pid_exists(shard.pid) or psutil.Process(shard.pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_dead_engine_is_not_adopted(tmp_path):
+    first = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    spec = sim_spec()
+    shard = first.launch(spec, SimAdapter().build(spec))
+    shard.proc.kill()
+    shard.proc.wait()
+    adopted, dead = Supervisor(tmp_path / "shards", tmp_path / "logs").adopt_all()
+    assert adopted == [] and dead == ["rep1-r0"]

@@ -1,0 +1,156 @@
+"""Fetching weights through a real mirror over HTTP: atomic writes, Range resume, single flight,
+checksums, version manifests, and names that cannot escape the mirror."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import uvicorn
+
+from llmgw.dev.procs import free_port, wait_port
+from llmgw.weights.fetcher import FetchError, Fetcher, download_file
+from llmgw.weights.mirror import create_mirror_app
+from llmgw.weights.naming import cache_name_for, parse_source
+
+
+class CountingApp:
+    """Wraps the mirror app and counts GET requests per path (to prove single flight)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.gets: dict[str, int] = {}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            self.gets[scope["path"]] = self.gets.get(scope["path"], 0) + 1
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture
+def mirror(tmp_path):
+    root = tmp_path / "mirror"
+    root.mkdir()
+    app = CountingApp(create_mirror_app(root))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    wait_port(port, 10)
+    yield root, f"http://127.0.0.1:{port}", app
+    server.should_exit = True
+    t.join(5)
+
+
+def write(path: Path, size: int) -> bytes:
+    data = (hashlib.sha256(path.name.encode()).digest() * (size // 32 + 1))[:size]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return data
+
+
+async def test_fetch_writes_beside_target_and_serves_from_cache(mirror, tmp_path):
+    root, url, app = mirror
+    data = write(root / "m.gguf", 3_000_000)
+    f = Fetcher(tmp_path / "cache", url)
+    got = await f.fetch("mirror:m.gguf")
+    assert got.fetched and Path(got.path).read_bytes() == data
+    assert Path(got.path).name == cache_name_for("mirror:m.gguf")
+    assert not list((tmp_path / "cache" / ".partial").iterdir())  # nothing left beside it
+    again = await f.fetch("mirror:m.gguf")
+    assert again.path == got.path and not again.fetched
+    assert app.gets["/files/m.gguf"] == 1
+
+
+async def test_concurrent_fetches_of_one_source_make_one_download(mirror, tmp_path):
+    root, url, app = mirror
+    write(root / "big.gguf", 20_000_000)
+    f = Fetcher(tmp_path / "cache", url)
+    results = await asyncio.gather(*[f.fetch("mirror:big.gguf") for _ in range(8)])
+    assert len({r.path for r in results}) == 1
+    assert app.gets["/files/big.gguf"] == 1
+
+
+async def test_interrupted_download_resumes_with_range(mirror, tmp_path):
+    root, url, _ = mirror
+    data = write(root / "r.gguf", 5_000_000)
+    partial = tmp_path / "r.part"
+    partial.write_bytes(data[:1_234_567])  # what an interrupted fetch left
+    seen = []
+    async with aiohttp.ClientSession() as s:
+        n = await download_file(s, url + "/files/r.gguf", partial, lambda n, t: seen.append((n, t)))
+    assert n == len(data) and partial.read_bytes() == data
+    assert seen[0][0] > 1_234_567 and seen[-1] == (len(data), len(data))  # continued, did not restart
+
+
+async def test_checksum_mismatch_is_refused_and_partial_removed(mirror, tmp_path):
+    root, url, _ = mirror
+    write(root / "x.gguf", 100_000)
+    partial = tmp_path / "x.part"
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(FetchError, match="sha256 mismatch"):
+            await download_file(s, url + "/files/x.gguf", partial, expect_sha="0" * 64)
+    assert not partial.exists()
+
+
+async def test_version_is_fetched_whole_from_its_manifest(mirror, tmp_path):
+    root, url, _ = mirror
+    a = write(root / "org" / "model" / "model-00001-of-00002.safetensors", 200_000)
+    b = write(root / "org" / "model" / "model-00002-of-00002.safetensors", 300_000)
+    write(root / "org" / "model" / "config.json", 100)
+    f = Fetcher(tmp_path / "cache", url)
+    got = await f.fetch("mirror:org/model/")
+    d = Path(got.path)
+    assert d.is_dir() and sorted(p.name for p in d.iterdir()) == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert (d / "model-00001-of-00002.safetensors").read_bytes() == a
+    assert (d / "model-00002-of-00002.safetensors").read_bytes() == b
+
+
+async def test_version_still_being_written_is_not_served(mirror, tmp_path):
+    root, url, _ = mirror
+    write(root / "v" / "a.safetensors", 1000)
+    write(root / "v" / "b.safetensors.part", 1000)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/files/v/") as r:
+            assert r.status == 409
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "..%2Fetc%2Fpasswd", "a/../../x", ".hidden"])
+async def test_mirror_refuses_names_that_escape_or_are_not_plain(mirror, name):
+    _, url, _ = mirror
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/files/" + name) as r:
+            assert r.status in (400, 404)
+
+
+async def test_sources_that_need_no_fetch(tmp_path):
+    f = Fetcher(tmp_path / "cache", None)
+    assert (await f.fetch(None)).path is None
+    assert (await f.fetch("Qwen/Qwen2.5-7B-Instruct")).path == "Qwen/Qwen2.5-7B-Instruct"  # passed through
+    local = tmp_path / "w.gguf"
+    local.write_bytes(b"x")
+    assert (await f.fetch(str(local))).path == str(local)
+    with pytest.raises(FetchError, match="does not exist"):
+        await f.fetch("/nonexistent/model.gguf")
+    with pytest.raises(FetchError, match="mirror URL"):
+        await f.fetch("mirror:m.gguf")
+
+
+def test_source_kinds_and_cache_names():
+    assert parse_source("mirror:a.gguf", "http://m:8082").url == "http://m:8082/files/a.gguf"
+    assert parse_source("https://h/x/").is_version
+    assert parse_source("./rel.gguf").kind == "path"
+    assert parse_source("org/name").kind == "model_id"
+    with pytest.raises(ValueError):
+        parse_source("mirror:../x")
+    with pytest.raises(ValueError):
+        parse_source("s3://bucket/x")
+    assert cache_name_for("mirror:a.gguf") != cache_name_for("mirror:b.gguf")
+    assert cache_name_for("mirror:a.gguf").endswith("-a.gguf")
+    assert cache_name_for("https://h/x/").endswith("-x")

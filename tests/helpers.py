@@ -61,9 +61,29 @@ class ControlPlane:
             "LLMGW_NODE_API_PORT": str(self.ports["node_api"]), "LLMGW_RECONCILE_INTERVAL_S": "2",
             "LLMGW_HEARTBEAT_INTERVAL_S": "1", "PYTHONUNBUFFERED": "1",
         })
+        self.pki = tmp / "pki"
+        self._make_pki()
         self.env.update(extra_env)
         self.procs: list[Proc] = []
         self.log_dir = tmp / "logs"
+
+    def _make_pki(self) -> None:
+        """Mutual TLS on the node API, as in production: every test's agents prove who they are."""
+        from llmgw.security.pki import create_ca, issue_server
+
+        create_ca(self.pki)
+        issue_server(self.pki, ["127.0.0.1"])
+        self.env.update({"LLMGW_CA_CERT": str(self.pki / "ca.crt"), "LLMGW_NODE_API_CERT": str(self.pki / "server.crt"),
+                         "LLMGW_NODE_API_KEY": str(self.pki / "server.key"),
+                         "LLMGW_NODE_API_URL": f"https://127.0.0.1:{self.ports['node_api']}"})
+
+    def node_env(self, node_id: str) -> dict[str, str]:
+        from llmgw.security.pki import issue_node
+
+        if not (self.pki / f"node-{node_id}.crt").exists():
+            issue_node(self.pki, node_id)
+        return {"LLMGW_NODE_CERT": str(self.pki / f"node-{node_id}.crt"),
+                "LLMGW_NODE_KEY": str(self.pki / f"node-{node_id}.key")}
 
     @property
     def gateway(self) -> str:
@@ -96,7 +116,7 @@ class ControlPlane:
         args = ["agent", "--node-id", node_id]
         if stop_engines_on_exit:
             args.append("--stop-engines-on-exit")
-        return self.spawn(name or f"agent-{node_id}", *args, env=env)
+        return self.spawn(name or f"agent-{node_id}", *args, env={**self.node_env(node_id), **env})
 
     def apply(self, catalog: dict) -> httpx.Response:
         return httpx.post(self.admin + "/admin/v1/catalog", json={"catalog": catalog}, timeout=30)

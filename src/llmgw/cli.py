@@ -18,6 +18,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 mirror_app = typer.Typer(no_args_is_help=True, help="The weight mirror: serve it, add files to it.")
 ctl_app = typer.Typer(no_args_is_help=True, help="Operate a running control plane through its admin API.")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
+cert_app = typer.Typer(no_args_is_help=True, help="llmgw's private CA and the node API's mutual-TLS certificates.")
+ctl_app.add_typer(cert_app, name="cert")
 app.add_typer(mirror_app, name="mirror")
 app.add_typer(ctl_app, name="ctl")
 app.add_typer(db_app, name="db")
@@ -247,6 +249,48 @@ def ctl_explain(model: str):
         typer.echo(f"{model}: the last pass decided nothing about it (it has what it wants)")
     for line in out["decisions"]:
         typer.echo(line)
+
+
+def _pki_dir(directory: Optional[Path]) -> Path:
+    return directory or Settings().state_dir / "pki"
+
+
+@cert_app.command("ca")
+def cert_ca(directory: Optional[Path] = typer.Option(None, "--dir", help="Where to write ca.crt/ca.key (default <state>/pki)")):
+    """Create the CA. Its key stays on this machine; ca.crt goes to every node."""
+    from llmgw.security.pki import create_ca
+
+    try:
+        out = create_ca(_pki_dir(directory))
+    except FileExistsError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"{out.cert}\n{out.key}  (keep this key on the control plane only)")
+
+
+@cert_app.command("server")
+def cert_server(
+    host: list[str] = typer.Option(..., "--host", help="A DNS name or IP address agents dial; repeat for each"),
+    directory: Optional[Path] = typer.Option(None, "--dir"),
+):
+    """Issue the node API's server certificate for every --host (set LLMGW_NODE_API_CERT/KEY to it)."""
+    from llmgw.security.pki import issue_server
+
+    out = issue_server(_pki_dir(directory), host)
+    typer.echo(f"{out.cert}\n{out.key}")
+
+
+@cert_app.command("node")
+def cert_node(node_id: str, directory: Optional[Path] = typer.Option(None, "--dir")):
+    """Issue a node's client certificate (common name = NODE_ID); copy it and ca.crt to the node."""
+    from llmgw.security.pki import issue_node
+
+    try:
+        out = issue_node(_pki_dir(directory), node_id)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"{out.cert}\n{out.key}")
 
 
 @db_app.command("upgrade")

@@ -57,6 +57,14 @@ class Settings(BaseSettings):
     admin_url: str | None = None
     mirror_url: str | None = None
 
+    # Mutual TLS on the node API (security/pki.py). Server side: ca_cert + node_api_cert/key;
+    # node side: ca_cert + node_cert/key. Without them the node API is plain HTTP and says so loudly.
+    ca_cert: Path | None = None
+    node_api_cert: Path | None = None
+    node_api_key: Path | None = None
+    node_cert: Path | None = None
+    node_key: Path | None = None
+
     # Node worker
     node_id: str | None = None
     advertise_host: str = "127.0.0.1"
@@ -77,8 +85,13 @@ class Settings(BaseSettings):
 
     # Derived locations -------------------------------------------------------------------------
     @property
+    def node_api_tls(self) -> bool:
+        return bool(self.node_api_cert and self.node_api_key and self.ca_cert)
+
+    @property
     def resolved_node_api_url(self) -> str:
-        return self.node_api_url or f"http://127.0.0.1:{self.node_api_port}"
+        scheme = "https" if self.node_cert else "http"
+        return self.node_api_url or f"{scheme}://127.0.0.1:{self.node_api_port}"
 
     @property
     def resolved_admin_url(self) -> str:

@@ -7,13 +7,39 @@ import contextlib
 import signal
 from dataclasses import dataclass
 
+import ssl
+
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from llmgw.security.pki import common_name
 
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # the process installs its own handlers for all listeners
         yield
+
+
+class TLSIdentityProtocol(HttpToolsProtocol):
+    """HTTP/1.1 protocol that puts the verified client certificate's common name into the ASGI scope
+    as the ASGI TLS extension (`scope["extensions"]["tls"]["client_cert_name"]`), which uvicorn does
+    not fill in itself. The TLS handshake has already verified the chain against our CA."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        ssl_object = self.transport.get_extra_info("ssl_object")
+        cn = common_name(ssl_object.getpeercert()) if ssl_object is not None else None
+        self.scope["extensions"] = {"tls": {"client_cert_name": cn}}
+
+
+@dataclass
+class TLS:
+    """Server TLS; with `ca_cert`, clients must present a certificate signed by it (mutual TLS)."""
+
+    cert: str
+    key: str
+    ca_cert: str | None = None
 
 
 @dataclass
@@ -23,6 +49,7 @@ class Listener:
     port: int
     name: str
     lifespan: str = "on"
+    tls: TLS | None = None
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:
@@ -33,11 +60,7 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
 
 async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str = "warning") -> None:
     """Serve every listener until `stop` is set or one of them fails."""
-    servers = [
-        _Server(uvicorn.Config(l.app, host=l.host, port=l.port, log_level=log_level, lifespan=l.lifespan,
-                               access_log=False, timeout_graceful_shutdown=5, http="httptools"))
-        for l in listeners
-    ]
+    servers = [_Server(_config(l, log_level)) for l in listeners]
     tasks = [asyncio.create_task(s.serve(), name=l.name) for s, l in zip(servers, listeners)]
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -51,3 +74,13 @@ async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str =
     for s, l in zip(servers, listeners):
         if not s.started:
             raise SystemExit(f"{l.name} could not listen on {l.host}:{l.port}")
+
+
+def _config(l: Listener, log_level: str) -> uvicorn.Config:
+    kw: dict = dict(host=l.host, port=l.port, log_level=log_level, lifespan=l.lifespan, access_log=False,
+                    timeout_graceful_shutdown=5, http="httptools")
+    if l.tls is not None:
+        kw.update(ssl_certfile=l.tls.cert, ssl_keyfile=l.tls.key)
+        if l.tls.ca_cert:
+            kw.update(ssl_ca_certs=l.tls.ca_cert, ssl_cert_reqs=ssl.CERT_REQUIRED, http=TLSIdentityProtocol)
+    return uvicorn.Config(l.app, **kw)

@@ -52,6 +52,7 @@ class DevStack:
         self.pg: EmbeddedPostgres | None = None
         self.temporal: TemporalDevServer | None = None
         self._lock_fd: int | None = None
+        self.pki_env: dict[str, str] = {}
 
     # ---- lock -----------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -113,6 +114,24 @@ class DevStack:
             shutil.copyfile(DEFAULT_CATALOG, path)
         return path
 
+    def ensure_pki(self) -> dict[str, str]:
+        """A CA, the node API's certificate for 127.0.0.1/localhost and the local node's certificate, made
+        once under <state>/pki: the node API runs with mutual TLS in dev as in production."""
+        from llmgw.security.pki import create_ca, issue_node, issue_server
+
+        pki = self.state / "pki"
+        node = self.s.node_id or "local"
+        if not (pki / "ca.crt").exists():
+            create_ca(pki)
+        if not (pki / "server.crt").exists():
+            issue_server(pki, ["127.0.0.1", "localhost"])
+        if not (pki / f"node-{node}.crt").exists():
+            issue_node(pki, node)
+        return {"LLMGW_CA_CERT": str(pki / "ca.crt"), "LLMGW_NODE_API_CERT": str(pki / "server.crt"),
+                "LLMGW_NODE_API_KEY": str(pki / "server.key"), "LLMGW_NODE_CERT": str(pki / f"node-{node}.crt"),
+                "LLMGW_NODE_KEY": str(pki / f"node-{node}.key"),
+                "LLMGW_NODE_API_URL": f"https://127.0.0.1:{self.s.node_api_port}"}
+
     # ---- llmgw processes ------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -123,6 +142,7 @@ class DevStack:
             "LLMGW_NODE_API_PORT": str(self.s.node_api_port), "LLMGW_HOST": self.s.host,
             "PYTHONUNBUFFERED": "1",
         })
+        env.update(self.pki_env)
         return env
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
@@ -167,6 +187,7 @@ class DevStack:
 
         upgrade(self.s.require_database_url())
         self.ensure_mirror_files()
+        self.pki_env = self.ensure_pki()
         catalog = self.ensure_catalog()
         mirror = self.spawn("mirror", "mirror", "serve")
         server = self.spawn("server", "server", "--no-migrate")

@@ -1,26 +1,63 @@
-"""The node API (:8443): node workers register, heartbeat and report shard transitions here."""
+"""The node API (:8443): node workers register, heartbeat and report shard transitions here.
+
+With mutual TLS (the default in `llmgw dev` and whenever certificates are configured) the TLS handshake
+proves the client holds a certificate from llmgw's CA, and every request's `node_id` must equal that
+certificate's common name: a node's identity is something it proves, not something it picks.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from llmgw.gateway.fleet_service import FleetService
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
 
+log = logging.getLogger(__name__)
 
-def create_node_api(fleet: FleetService) -> FastAPI:
+
+class IdentityError(Exception):
+    def __init__(self, status: int, message: str):
+        self.status = status
+        self.message = message
+
+
+def check_identity(request: Request, claimed: str, require: bool) -> None:
+    """Raise `IdentityError` unless the client certificate's common name is `claimed`."""
+    if not require:
+        return
+    tls = request.scope.get("extensions", {}).get("tls", {})
+    cn = tls.get("client_cert_name")
+    if cn is None:
+        raise IdentityError(401, "a client certificate from the llmgw CA is required (llmgw ctl cert node NODE_ID)")
+    if cn != claimed:
+        log.warning("refused a request claiming node %r from a certificate for %r", claimed, cn)
+        raise IdentityError(403, f"the client certificate is for node {cn!r}, but the request claims {claimed!r}")
+
+
+def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
     app = FastAPI(title="llmgw node API", docs_url=None, redoc_url=None, openapi_url=None)
 
+    @app.exception_handler(IdentityError)
+    async def _identity(request: Request, exc: IdentityError):
+        return JSONResponse(status_code=exc.status, content={"error": {"message": exc.message, "type": "forbidden",
+                                                                       "param": "node_id", "code": "node_identity"}})
+
     @app.post("/node/v1/register", response_model=RegisterResponse)
-    async def register(req: RegisterRequest) -> RegisterResponse:
+    async def register(req: RegisterRequest, request: Request) -> RegisterResponse:
+        check_identity(request, req.node_id, require_identity)
         return await fleet.register(req)
 
     @app.post("/node/v1/heartbeat", response_model=HeartbeatResponse)
-    async def heartbeat(req: HeartbeatRequest) -> HeartbeatResponse:
+    async def heartbeat(req: HeartbeatRequest, request: Request) -> HeartbeatResponse:
+        check_identity(request, req.node_id, require_identity)
         return await fleet.heartbeat(req)
 
     @app.post("/node/v1/shards")
-    async def shard_status(req: ShardStatusRequest) -> dict:
+    async def shard_status(req: ShardStatusRequest, request: Request) -> dict:
+        check_identity(request, req.node_id, require_identity)
         await fleet.shard_status(req)
         return {"ok": True}
 

@@ -12,7 +12,7 @@ from llmgw.gateway.admin import create_admin_api
 from llmgw.gateway.app import Gateway, create_gateway_app
 from llmgw.gateway.fleet_service import FleetService
 from llmgw.gateway.nodeapi import create_node_api
-from llmgw.serving import Listener, install_stop_handlers, serve
+from llmgw.serving import TLS, Listener, install_stop_handlers, serve
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +26,18 @@ async def run_server(settings: Settings, migrate: bool = True, load_wait_s: floa
     fleet = FleetService(engine, gw.temporal)
     stop = asyncio.Event()
     install_stop_handlers(stop)
+    tls = None
+    if settings.node_api_tls:
+        tls = TLS(str(settings.node_api_cert), str(settings.node_api_key), str(settings.ca_cert))
+    else:
+        log.warning("the node API runs without mutual TLS: any client can claim to be any node. Configure "
+                    "LLMGW_CA_CERT, LLMGW_NODE_API_CERT and LLMGW_NODE_API_KEY (llmgw ctl cert ...)")
     listeners = [
         Listener(create_gateway_app(gw), settings.host, settings.gateway_port, "gateway"),
         Listener(create_admin_api(engine, gw.temporal, settings.node_unreachable_after_s, settings.node_lost_after_s),
                  settings.admin_host, settings.admin_port, "admin", lifespan="off"),
-        Listener(create_node_api(fleet), settings.host, settings.node_api_port, "node-api", lifespan="off"),
+        Listener(create_node_api(fleet, require_identity=tls is not None), settings.host, settings.node_api_port,
+                 "node-api", lifespan="off", tls=tls),
     ]
     log.info("gateway on %s:%d, admin on %s:%d, node API on %s:%d", settings.host, settings.gateway_port,
              settings.admin_host, settings.admin_port, settings.host, settings.node_api_port)

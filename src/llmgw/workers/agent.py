@@ -50,6 +50,21 @@ class Agent:
         self._gpus = None
 
     # ---- node API ------------------------------------------------------------------------------
+    def ssl_context(self):
+        """Client TLS for the node API: trust only llmgw's CA, present this node's certificate."""
+        s = self.settings
+        if not self.api.startswith("https://"):
+            log.warning("talking to the node API over plain HTTP (%s): this node's identity is not proven", self.api)
+            return None
+        if not (s.ca_cert and s.node_cert and s.node_key):
+            raise SystemExit("the node API is https: set LLMGW_CA_CERT, LLMGW_NODE_CERT and LLMGW_NODE_KEY "
+                             f"(llmgw ctl cert node {self.node_id})")
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=str(s.ca_cert))
+        ctx.load_cert_chain(str(s.node_cert), str(s.node_key))
+        return ctx
+
     async def _post(self, path: str, body) -> dict:
         assert self.http is not None
         async with self.http.post(self.api + path, data=body.model_dump_json(),
@@ -130,7 +145,8 @@ class Agent:
         if adopted or dead:
             log.info("adopted %d running shard(s); %d were gone", len(adopted), len(dead))
         client = await connect(self.settings)
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+                                          connector=aiohttp.TCPConnector(ssl=self.ssl_context()))
         worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
                         max_concurrent_activities=64)
         tasks = [asyncio.create_task(worker.run(), name="worker"),

@@ -97,7 +97,7 @@ class Dev:
 
 @pytest.fixture
 def dev(tmp_path):
-    ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres")}
+    ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres", "agent_metrics")}
     d = Dev(tmp_path / "state", ports, tmp_path / "dev.log")
     try:
         yield d

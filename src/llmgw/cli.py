@@ -101,12 +101,13 @@ def worker():
 def agent(
     node_id: Optional[str] = typer.Option(None, help="Node id (default: $LLMGW_NODE_ID or the host name)"),
     stop_engines_on_exit: bool = typer.Option(False, help="Stop engines when the worker exits (default: leave them for adoption)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="agent.yaml: settings by field name (fabrics, cache_dir, ...)"),
 ):
     """The node worker: discovers hardware, registers, runs engines for this node."""
     from llmgw.workers.agent import Agent
 
     setup_logging()
-    settings = Settings()
+    settings = Settings.from_file(config)
     if node_id:
         settings.node_id = node_id
     a = Agent(settings, stop_engines_on_exit=stop_engines_on_exit)

@@ -71,6 +71,11 @@ class Settings(BaseSettings):
     cache_dir: Path | None = None
     llama_server: str | None = None
     heartbeat_interval_s: float = 2.0
+    # InfiniBand fabrics this node is on, as the operator declares them: {"fabric": ["mlx5_0", ...]}.
+    # Checked against sysfs before anything is advertised (workers/infiniband.py).
+    fabrics: dict[str, list[str]] = Field(default_factory=dict)
+    infiniband_sysfs: Path = Path("/sys/class/infiniband")
+    agent_metrics_port: int = 9101  # Prometheus metrics of the node worker; 0 = off
 
     # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
     reconcile_interval_s: float = 10.0
@@ -123,6 +128,22 @@ class Settings(BaseSettings):
         import socket
 
         return self.node_id or socket.gethostname()
+
+    @classmethod
+    def from_file(cls, path: Path | None) -> "Settings":
+        """Settings from a YAML file (server.yaml / agent.yaml: keys are the field names), with
+        `LLMGW_*` environment variables taking precedence over the file."""
+        if path is None:
+            return cls()
+        import yaml
+
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise SystemExit(f"{path}: expected a mapping of settings")
+        unknown = sorted(set(raw) - set(cls.model_fields))
+        if unknown:
+            raise SystemExit(f"{path}: unknown setting(s) {', '.join(unknown)}; see src/llmgw/config.py")
+        return cls(**{k: v for k, v in raw.items() if f"LLMGW_{k.upper()}" not in os.environ})
 
     def require_database_url(self) -> str:
         if not self.database_url:

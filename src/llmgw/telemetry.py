@@ -24,3 +24,24 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class AgentMetrics:
+    """Node worker metrics. `llmgw_gpu_nvlink_peers{gpu,uuid}`: NVLink peers per GPU as NVML reports them;
+    zero on every GPU of a fleet means the topology is unknown (no NVML), not absent (seeds 001)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.nvlink_peers = Gauge("llmgw_gpu_nvlink_peers", "NVLink peers of each GPU (0 everywhere = unknown)",
+                                  ["gpu", "uuid"], registry=self.registry)
+        self.shards = Gauge("llmgw_node_shards", "Engine shards this node runs, by state", ["state"],
+                            registry=self.registry)
+
+    def set_gpus(self, gpus) -> None:
+        for g in gpus:
+            self.nvlink_peers.labels(str(g.index), g.uuid).set(len(g.nvlink_peers))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=host, registry=self.registry)

@@ -27,6 +27,8 @@ from llmgw.schemas.inventory import ShardReport
 from llmgw.temporal import connect
 from llmgw.weights.fetcher import Fetcher
 from llmgw.workers.discovery import discover, discover_gpus
+from llmgw.workers.infiniband import discover_fabrics
+from llmgw.telemetry import AgentMetrics
 from llmgw.workers.supervisor import Shard, Supervisor
 from llmgw.workflows.queues import node_queue
 
@@ -48,6 +50,8 @@ class Agent:
         self.registered = asyncio.Event()
         self.inventory_dirty = False
         self._gpus = None
+        self._fabrics = None
+        self.metrics = AgentMetrics()
 
     # ---- node API ------------------------------------------------------------------------------
     def ssl_context(self):
@@ -78,10 +82,17 @@ class Agent:
 
     def inventory(self):
         if self._gpus is None:
-            self._gpus = discover_gpus()  # GPUs do not come and go; NVML is asked once per worker
+            # GPUs and adapters do not come and go while the worker runs: discovered once, reasons logged here,
+            # on the machine whose operator can fix them.
+            self._gpus = discover_gpus()
             if self._gpus[1]:
                 log.info("discovery: %s", self._gpus[1])
-        return discover(self.settings.resolved_cache_dir, self.engines.names(), self.fetcher.cached_names(), self._gpus)
+            self._fabrics = discover_fabrics(self.settings.fabrics, self.settings.infiniband_sysfs)
+            for note in self._fabrics[1]:
+                log.warning("discovery: %s", note)
+            self.metrics.set_gpus(self._gpus[0])
+        return discover(self.settings.resolved_cache_dir, self.engines.names(), self.fetcher.cached_names(),
+                        self._gpus, self._fabrics)
 
     async def register(self) -> None:
         inv = self.inventory()
@@ -144,6 +155,8 @@ class Agent:
         adopted, dead = self.supervisor.adopt_all()
         if adopted or dead:
             log.info("adopted %d running shard(s); %d were gone", len(adopted), len(dead))
+        if self.settings.agent_metrics_port:
+            self.metrics.serve(self.settings.agent_metrics_port, self.settings.host)
         client = await connect(self.settings)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
                                           connector=aiohttp.TCPConnector(ssl=self.ssl_context()))

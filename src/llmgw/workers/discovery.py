@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from llmgw.schemas.inventory import GPU, Inventory
+from llmgw.schemas.inventory import GPU, Fabric, Inventory
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +56,20 @@ def discover_gpus() -> tuple[list[GPU], str | None]:
 
 
 def discover(cache_dir: Path, engines: list[str], cached: list[str],
-             gpus: tuple[list[GPU], str | None] | None = None) -> Inventory:
-    """The node's inventory now. Memory and disk in MiB. `gpus` reuses an earlier NVML discovery."""
+             gpus: tuple[list[GPU], str | None] | None = None,
+             fabrics: tuple[list[Fabric], list[str]] | None = None) -> Inventory:
+    """The node's inventory now. Memory and disk in MiB. `gpus` reuses an earlier NVML discovery and
+    `fabrics` an earlier InfiniBand one (`workers.infiniband.discover_fabrics`)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     found, note = gpus if gpus is not None else discover_gpus()
-    notes = [note] if note else []
+    ib, ib_notes = fabrics if fabrics is not None else ([], [])
+    notes = ([note] if note else []) + list(ib_notes)
     return Inventory(
         cpus=os.cpu_count() or 1,
         memory_mb=int(psutil.virtual_memory().total // (1 << 20)),
         disk_free_mb=int(shutil.disk_usage(cache_dir).free // (1 << 20)),
         gpus=found,
+        fabrics=ib,
         engines=engines,
         cached_sources=cached,
         notes=notes,

@@ -1,0 +1,40 @@
+"""What a real node worker advertises: declared InfiniBand adapters checked against (fake) sysfs, the
+reason for each one left out logged on the node, and its Prometheus metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import yaml
+
+from llmgw.dev.procs import free_port, wait_port
+from tests.helpers import wait_until
+from tests.test_infiniband import hca
+
+pytestmark = pytest.mark.integration
+
+
+def test_agent_advertises_only_usable_adapters_and_says_why(control_plane, tmp_path):
+    cp = control_plane.start()
+    sysfs = tmp_path / "sysfs"
+    hca(sysfs, "mlx5_0", ("4: ACTIVE", "200 Gb/sec (4X HDR)"))
+    hca(sysfs, "mlx5_1", ("2: INIT", "200 Gb/sec (4X HDR)"))
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(yaml.safe_dump({"fabrics": {"ib-a": ["mlx5_0", "mlx5_1", "mlx5_7"]},
+                                    "infiniband_sysfs": str(sysfs)}))
+    port = free_port()
+    agent = cp.spawn("agent-ib", "agent", "--node-id", "ib-node", "--config", str(conf),
+                     env={**cp.node_env("ib-node"), "LLMGW_AGENT_METRICS_PORT": str(port)})
+
+    def node():
+        nodes = httpx.get(cp.admin + "/admin/v1/nodes").json()
+        return next((n for n in nodes if n["id"] == "ib-node"), None)
+
+    n = wait_until(node, timeout_s=30, what="the node registered")
+    assert n["inventory"]["fabrics"] == [{"name": "ib-a", "adapters": ["mlx5_0"], "rate_gbps": 200.0}]
+    log = agent.log()
+    assert "mlx5_1 has no ACTIVE port (port 1 INIT); not advertised" in log
+    assert "mlx5_7 is declared but not on this node" in log
+    wait_port(port, 10)
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert "llmgw_gpu_nvlink_peers" in metrics

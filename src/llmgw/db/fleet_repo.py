@@ -93,6 +93,18 @@ async def create_replica(
     return True
 
 
+async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport) -> None:
+    """Record a Ready single-shard replica a node runs that we had no record of (see fleet_service)."""
+    await conn.execute(insert(replicas).values(
+        id=report.replica_id, model=report.model, profile=report.profile, status="ready", endpoint=report.endpoint,
+        reason=f"adopted from node {node_id}", ready_at=func.now(),
+    ).on_conflict_do_nothing())
+    await conn.execute(insert(shards).values(
+        id=report.shard_id, replica_id=report.replica_id, rank=report.rank, node_id=node_id, status=report.state,
+        pid=report.pid, endpoint=report.endpoint, gpus=report.gpus,
+    ).on_conflict_do_nothing())
+
+
 async def mark_replica(
     conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None
 ) -> tuple[bool, str | None]:

@@ -4,8 +4,11 @@
   nothing dispatched before it is running unless reported); its replica is marked lost, including when
   the node reports nothing at all (seeds 001, "An agent reporting nothing is reporting something");
 - a shard the node reports that belongs to a live replica is kept (adopted after a worker restart);
-- a shard we cannot identify, or whose replica has ended, is stopped: a process holding resources that
-  nothing can describe is worse than no process.
+- a Ready shard we have no record of (the control plane lost its database) is adopted as a replica when
+  it runs exactly what the catalog asks for: its model and profile are in the catalog, its profile hash
+  matches, and the profile is a single-shard one;
+- anything else (unidentifiable, left the catalog, its replica ended) is stopped: a process holding
+  resources that nothing can describe is worse than no process, because placement hands them out again.
 """
 
 from __future__ import annotations
@@ -14,12 +17,31 @@ import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.db import fleet_repo
+from llmgw.db import catalog_repo, fleet_repo
 from llmgw.db.tables import ENDED_STATUSES
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
+from llmgw.schemas.catalog import Catalog
+from llmgw.schemas.inventory import ShardReport
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
+
+
+def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
+    """Why a shard we have no record of cannot be adopted, or None when it can."""
+    model = catalog.get(report.model)
+    if model is None:
+        return f"model {report.model!r} is not in the catalog"
+    profile = model.profile(report.profile)
+    if profile is None:
+        return f"model {report.model!r} has no profile {report.profile!r}"
+    if report.profile_hash != profile.spec_hash():
+        return "it runs a different profile than the catalog now asks for"
+    if profile.nodes > 1 or report.rank != 0:
+        return "a shard of a multi-node replica cannot be adopted alone"
+    if report.state != "ready" or not report.endpoint:
+        return f"it is {report.state}, not serving"
+    return None
 
 
 class FleetService:
@@ -34,13 +56,24 @@ class FleetService:
         async with self.engine.begin() as conn:
             prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory)
             known = await fleet_repo.known_shard_ids(conn, list(reported))
+            catalog = None
             for sid, report in reported.items():
                 status = known.get(sid)
-                if status is None or status in ENDED_STATUSES:
-                    resp.stop.append(sid)
-                else:
+                if status is not None and status not in ENDED_STATUSES:
                     await fleet_repo.update_shard(conn, req.node_id, report)
                     resp.adopted.append(sid)
+                    continue
+                if status is None:
+                    catalog = catalog or await catalog_repo.get_catalog(conn)
+                    why = unidentifiable(report, catalog)
+                    if why is None:
+                        await fleet_repo.adopt_replica(conn, req.node_id, report)
+                        resp.adopted.append(sid)
+                        log.info("adopted shard %s on %s: it runs %s as the catalog asks", sid, req.node_id, report.model)
+                        continue
+                    log.warning("node %s runs shard %s, which cannot be adopted (%s); asking the node to stop it",
+                                req.node_id, sid, why)
+                resp.stop.append(sid)
             for row in await fleet_repo.shards_on_node(conn, req.node_id):
                 if row["id"] in reported:
                     continue

@@ -81,6 +81,13 @@ class Profile(_Strict):
     def simulated(self) -> bool:
         return self.engine == "sim"
 
+    def spec_hash(self) -> str:
+        """sha256 of the profile as launched: lets the control plane recognise an engine it did not start
+        (after losing its database) as running exactly what the catalog asks for."""
+        import hashlib
+
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:32]
+
 
 class Model(_Strict):
     """A catalog entry. `profiles` say how to run it; `endpoints` instead route to engines run elsewhere."""

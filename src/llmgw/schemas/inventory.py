@@ -57,9 +57,10 @@ class ShardReport(_Strict):
     model: str
     profile: str
     rank: int = 0
+    gpus: list[int] = Field(default_factory=list)
     state: ShardState
     pid: int | None = None
     endpoint: str | None = None
     exit_code: int | None = None
     output_tail: str | None = None
-    catalog_hash: str | None = None
+    profile_hash: str | None = None  # `profile_hash()` of the profile it was launched with (adoption)

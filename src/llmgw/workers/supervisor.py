@@ -53,8 +53,9 @@ class Shard:
     def report(self, state: str | None = None, tail: str | None = None) -> ShardReport:
         return ShardReport(
             shard_id=self.shard_id, replica_id=self.spec.replica_id, model=self.spec.model,
-            profile=self.spec.profile.name, rank=self.spec.rank, state=state or self.state, pid=self.pid,
+            profile=self.spec.profile.name, rank=self.spec.rank, gpus=self.spec.gpus, state=state or self.state, pid=self.pid,
             endpoint=self.endpoint, exit_code=self.exit_code, output_tail=tail,
+            profile_hash=self.spec.profile.spec_hash(),
         )
 
     def to_json(self) -> dict:

@@ -294,6 +294,31 @@ def cert_node(node_id: str, directory: Optional[Path] = typer.Option(None, "--di
     typer.echo(f"{out.cert}\n{out.key}")
 
 
+@ctl_app.command("reclaim")
+def ctl_reclaim(collect: bool = typer.Option(False, "--collect", help="Ask each node to delete what it lists")):
+    """List the cached weights llmgw fetched that the catalog no longer wants; --collect asks nodes to delete them.
+
+    Only files named like something llmgw fetched are considered; each node re-checks every path itself.
+    """
+    import httpx
+
+    with httpx.Client(base_url=Settings().resolved_admin_url, timeout=600) as c:
+        r = c.post("/admin/v1/reclaim", json={"collect": collect})
+    if r.status_code != 200:
+        _fail(r)
+    out = r.json()
+    for n in out["nodes"]:
+        verb = "asked to remove" if collect else "unwanted"
+        typer.echo(f"{n['node_id']}: {verb} {len(n['unwanted'])}, removed {len(n['removed'])} "
+                   f"({n['freed_mb']} MiB), kept in use {len(n['kept_in_use'])}, not llmgw's {len(n['ignored'])}")
+        for name in n["unwanted"]:
+            typer.echo(f"    {name}{'  (removed)' if name in n['removed'] else ''}")
+    for node in out["unreachable"]:
+        typer.echo(f"{node}: did not answer")
+    if not collect and any(n["unwanted"] for n in out["nodes"]):
+        typer.echo("nothing was deleted; run again with --collect to ask the nodes to delete these")
+
+
 @db_app.command("upgrade")
 def db_upgrade():
     """Apply the database migrations to LLMGW_DATABASE_URL."""

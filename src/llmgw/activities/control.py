@@ -12,8 +12,9 @@ from temporalio import activity
 
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.plan import backoff_delay
+from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
-    MarkReplicaInput, MarkReplicaResult, NodeSnap, RecordDecisionsInput, RecordPlacementInput, ReplicaShardsInput,
+    MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput, ReplicaShardsInput,
     ReplicaShardsResult, ReplicaSnap, ShardPlacement, Snapshot,
 )
 
@@ -28,7 +29,8 @@ class ControlActivities:
 
     def all(self) -> list:
         return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
-                self.record_replica_failure, self.reset_model_failures, self.get_replica_shards]
+                self.record_replica_failure, self.reset_model_failures, self.get_replica_shards,
+                self.reclaim_targets]
 
     @activity.defn(name="read_snapshot")
     async def read_snapshot(self) -> Snapshot:
@@ -88,3 +90,13 @@ class ControlActivities:
             return ReplicaShardsResult(shards=await fleet_repo.replica_shards(conn, inp.replica_id))
 
 
+
+    @activity.defn(name="reclaim_targets")
+    async def reclaim_targets(self) -> ReclaimTargets:
+        """Cache names of every fetchable source in the catalog, and the nodes heard from recently."""
+        async with self.engine.begin() as conn:
+            catalog = await catalog_repo.get_catalog(conn)
+            nodes = await fleet_repo.list_nodes(conn)
+        wanted = sorted({cache_name_for(p.source) for m in catalog.models for p in m.profiles
+                         if p.source and parse_source(p.source).kind == "remote"})
+        return ReclaimTargets(wanted=wanted, nodes=[n.id for n in nodes if n.age_s < self.lost_after_s])

@@ -18,10 +18,12 @@ from temporalio.exceptions import ApplicationError
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, ShardSpec
 from llmgw.schemas.payloads import (
+    NodeReclaimInput, NodeReclaimResult,
     FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, StopShardInput, StopShardResult,
     WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
+from llmgw.workers.reclaim import reclaim
 
 if TYPE_CHECKING:
     from llmgw.workers.agent import Agent
@@ -40,7 +42,8 @@ class NodeActivities:
         self.agent = agent
 
     def all(self) -> list:
-        return [self.fetch_weights, self.launch_shard, self.wait_shard_ready, self.drain_shard, self.stop_shard]
+        return [self.fetch_weights, self.launch_shard, self.wait_shard_ready, self.drain_shard, self.stop_shard,
+                self.reclaim_cache]
 
     @activity.defn(name="fetch_weights")
     async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
@@ -138,6 +141,17 @@ class NodeActivities:
         was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
         await self.agent.report_stopped(inp.shard_id)
         return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)
+
+
+    @activity.defn(name="reclaim_cache")
+    async def reclaim_cache(self, inp: NodeReclaimInput) -> NodeReclaimResult:
+        """List or delete cache entries llmgw fetched that the catalog no longer wants; this node decides."""
+        in_use = {s.spec.weights_path for s in self.agent.supervisor.running() if s.spec.weights_path}
+        result = await asyncio.to_thread(reclaim, self.agent.node_id, self.agent.settings.resolved_cache_dir,
+                                         set(inp.wanted), in_use, inp.collect)
+        if result.removed:
+            self.agent.inventory_dirty = True
+        return result
 
 
 async def _keepalive(progress: dict) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from datetime import timedelta
+
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -11,6 +13,8 @@ from llmgw.catalog.loader import CatalogError, parse_catalog
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.status import node_status
 from llmgw.schemas.api import ApplyRequest, ApplyResponse, NodeView, ReplicaView
+from llmgw.schemas.payloads import ReclaimInput, ReclaimResult
+from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.security.admin_guard import AdminGuard
 from llmgw.temporal import LazyClient
 
@@ -75,6 +79,17 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             now = await fleet_repo.db_now(conn)
         return [NodeView(id=n.id, status=node_status(n.last_heartbeat, now, unreachable_after_s, lost_after_s),
                          last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in rows]
+
+    @app.post("/admin/v1/reclaim", response_model=ReclaimResult)
+    async def reclaim(req: ReclaimInput) -> ReclaimResult:
+        """Run a ReclaimWorkflow and return its result: list by default, delete with `collect`."""
+        if temporal.client is None:
+            raise HTTPException(503, "Temporal is not reachable yet; retry in a moment")
+        import uuid
+
+        return await temporal.client.execute_workflow(
+            "ReclaimWorkflow", req, id=f"reclaim/{uuid.uuid4().hex[:12]}", task_queue=CONTROL_QUEUE,
+            result_type=ReclaimResult, execution_timeout=timedelta(minutes=10))
 
     @app.get("/admin/v1/explain/{model:path}")
     async def explain(model: str):

@@ -190,3 +190,36 @@ class StopShardResult(_Strict):
     shard_id: str
     was_running: bool
     exit_code: int | None = None
+
+
+# ---- reclaiming the weight cache ----------------------------------------------------------------
+
+class ReclaimInput(_Strict):
+    """`collect` False lists what would go; True asks each node to delete it."""
+
+    collect: bool = False
+
+
+class NodeReclaimInput(_Strict):
+    wanted: list[str] = Field(default_factory=list)  # cache names the catalog still wants
+    collect: bool = False
+
+
+class NodeReclaimResult(_Strict):
+    node_id: str
+    unwanted: list[str] = Field(default_factory=list)  # llmgw-fetched, no longer wanted
+    removed: list[str] = Field(default_factory=list)
+    kept_in_use: list[str] = Field(default_factory=list)  # unwanted but a running shard loads it
+    ignored: list[str] = Field(default_factory=list)  # not named like something llmgw fetched: never touched
+    freed_mb: int = 0
+
+
+class ReclaimTargets(_Strict):
+    wanted: list[str] = Field(default_factory=list)
+    nodes: list[str] = Field(default_factory=list)
+
+
+class ReclaimResult(_Strict):
+    collect: bool
+    nodes: list[NodeReclaimResult] = Field(default_factory=list)
+    unreachable: list[str] = Field(default_factory=list)

@@ -18,11 +18,12 @@ from llmgw.db.engine import async_engine
 from llmgw.schemas.payloads import ReconcilerInput
 from llmgw.temporal import connect
 from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID
+from llmgw.workflows.reclaim import ReclaimWorkflow
 from llmgw.workflows.reconciler import ReconcilerWorkflow
 from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
 
 log = logging.getLogger(__name__)
-WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow]
+WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow]
 
 
 async def ensure_reconciler(client, settings: Settings) -> None:

@@ -1,0 +1,56 @@
+"""Reclaiming the weight cache on a node: delete only what llmgw fetched and the catalog no longer wants.
+
+The cache name is a hash of the source, so the wanted set is computed from the catalog exactly; anything
+without that name was put there by an operator (scp, a shared mount, a copy by hand) and is none of
+llmgw's business however unreferenced it looks (seeds 000, "take back only what llmgw put there"). The
+node checks every path again itself: a control plane that is wrong, newer, or tampered with must not be
+able to talk a node into deleting something. Files a running shard loads are kept.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from llmgw.schemas.payloads import NodeReclaimResult
+from llmgw.weights.naming import CACHE_NAME
+
+
+def _size(p: Path) -> int:
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    return p.stat().st_size
+
+
+def reclaim(node_id: str, cache_dir: Path, wanted: set[str], in_use: set[str], collect: bool) -> NodeReclaimResult:
+    """List (and with `collect`, delete) cache entries llmgw fetched that are not in `wanted`."""
+    out = NodeReclaimResult(node_id=node_id)
+    root = cache_dir.resolve()
+    if not root.is_dir():
+        return out
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        name = entry.name
+        if name.startswith("."):
+            continue  # .partial: downloads in progress
+        if not CACHE_NAME.match(name) or entry.is_symlink():
+            out.ignored.append(name)
+            continue
+        path = entry.resolve()
+        if path.parent != root:  # never follow anything out of the cache
+            out.ignored.append(name)
+            continue
+        if name in wanted:
+            continue
+        if str(path) in in_use or name in in_use:
+            out.kept_in_use.append(name)
+            continue
+        out.unwanted.append(name)
+        if collect:
+            size = _size(path)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            out.removed.append(name)
+            out.freed_mb += size // (1 << 20)
+    return out

@@ -1,0 +1,56 @@
+"""Reclaiming cached weights through a ReclaimWorkflow and the real node worker: only files llmgw fetched
+and the catalog no longer wants; listing by default, deleting with collect; files put there by hand are
+never touched; a path trying to leave the cache is refused by the node itself."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from llmgw.workers.reclaim import reclaim
+from llmgw.weights.naming import cache_name_for
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def test_reclaim_lists_then_collects_only_what_llmgw_fetched(control_plane):
+    cp = control_plane.start(mirror=True)
+    (cp.mirror_dir / "keep.gguf").write_bytes(b"k" * 1000)
+    agent = cp.agent("n1")
+    wait_until(lambda: "registered node n1" in agent.log(), timeout_s=30, what="agent registered")
+    catalog = {"models": [{"name": "keep", "scaling": {"min": 0, "max": 1},
+                           "profiles": [{"engine": "llamacpp", "source": "mirror:keep.gguf"}]}]}
+    assert cp.apply(catalog).status_code == 200
+    cache = cp.state / "cache"
+    old = cache / cache_name_for("mirror:old-model.gguf")
+    old.write_bytes(b"o" * 2_000_000)
+    wanted = cache / cache_name_for("mirror:keep.gguf")
+    wanted.write_bytes(b"k" * 1000)
+    by_hand = cache / "copied-by-operator.gguf"
+    by_hand.write_bytes(b"h")
+
+    listed = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": False}, timeout=120).json()
+    [n] = listed["nodes"]
+    assert n["unwanted"] == [old.name] and n["removed"] == []
+    assert "copied-by-operator.gguf" in n["ignored"]
+    assert old.exists()
+
+    collected = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": True}, timeout=120).json()
+    [n] = collected["nodes"]
+    assert n["removed"] == [old.name] and n["freed_mb"] == 1
+    assert not old.exists() and wanted.exists() and by_hand.exists()
+
+
+def test_node_never_follows_a_link_out_of_its_cache(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    outside = tmp_path / "precious.bin"
+    outside.write_bytes(b"x")
+    (cache / cache_name_for("mirror:evil.gguf")).symlink_to(outside)
+    r = reclaim("n1", cache, wanted=set(), in_use=set(), collect=True)
+    assert r.removed == [] and outside.exists()
+    in_use = cache / cache_name_for("mirror:busy.gguf")
+    in_use.write_bytes(b"b")
+    r = reclaim("n1", cache, wanted=set(), in_use={str(in_use)}, collect=True)
+    assert r.kept_in_use == [in_use.name] and in_use.exists()

@@ -25,6 +25,16 @@ app.add_typer(ctl_app, name="ctl")
 app.add_typer(db_app, name="db")
 
 
+def setup_process(service: str, settings: Settings | None = None) -> Settings:
+    """Logging and tracing for one llmgw process."""
+    from llmgw.telemetry import setup_tracing
+
+    setup_logging()
+    settings = settings or Settings()
+    setup_tracing(settings.tracing, service)
+    return settings
+
+
 def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -83,8 +93,8 @@ def server(migrate: bool = typer.Option(True, help="Apply database migrations at
     """The gateway (OpenAI API), the admin API (loopback) and the node API."""
     from llmgw.gateway.server import run_server
 
-    setup_logging()
-    asyncio.run(run_server(Settings(), migrate=migrate))
+    settings = setup_process("llmgw-server")
+    asyncio.run(run_server(settings, migrate=migrate))
 
 
 @app.command()
@@ -92,8 +102,7 @@ def worker():
     """The control worker: every workflow and the control-plane activities."""
     from llmgw.workers.control import run_control_worker
 
-    setup_logging()
-    settings = Settings()
+    settings = setup_process("llmgw-worker")
     _run(lambda stop: run_control_worker(settings, stop))
 
 
@@ -106,8 +115,7 @@ def agent(
     """The node worker: discovers hardware, registers, runs engines for this node."""
     from llmgw.workers.agent import Agent
 
-    setup_logging()
-    settings = Settings.from_file(config)
+    settings = setup_process("llmgw-agent", Settings.from_file(config))
     if node_id:
         settings.node_id = node_id
     a = Agent(settings, stop_engines_on_exit=stop_engines_on_exit)

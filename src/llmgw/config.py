@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     infiniband_sysfs: Path = Path("/sys/class/infiniband")
     agent_metrics_port: int = 9101  # Prometheus metrics of the node worker; 0 = off
 
+    # OpenTelemetry: "off" (no-op), "console", "file:<dir>" (JSON lines, one file per process), or
+    # "otlp:<http endpoint>" (needs the opentelemetry-exporter-otlp-proto-http package).
+    tracing: str = "off"
+
     # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
     reconcile_interval_s: float = 10.0
     node_unreachable_after_s: float = 15.0

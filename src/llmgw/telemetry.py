@@ -1,6 +1,16 @@
-"""Prometheus metrics (and the OpenTelemetry hook-up point). Off costs nothing on the hot path."""
+"""Prometheus metrics and OpenTelemetry tracing. Off costs nothing: no provider, no interceptor.
+
+Tracing follows a replica's start across processes: the Temporal tracing interceptor carries the span
+context in workflow and activity headers, so the reconciler's pass, the `ReplicaStartWorkflow` on the
+control worker and `fetch_weights` / `launch_shard` / `wait_shard_ready` on the node share one trace.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -45,3 +55,71 @@ class AgentMetrics:
         from prometheus_client import start_http_server
 
         start_http_server(port, addr=host, registry=self.registry)
+
+
+_tracing_on = False
+
+
+def tracing_enabled() -> bool:
+    return _tracing_on
+
+
+class JsonLinesExporter:
+    """A span exporter writing one JSON object per span to a file (for `tracing: file:<dir>`)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        with self._lock, open(self.path, "a") as f:
+            for s in spans:
+                ctx = s.get_span_context()
+                parent = s.parent.span_id if s.parent else None
+                f.write(json.dumps({
+                    "name": s.name, "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
+                    "parent_id": f"{parent:016x}" if parent else None, "service": s.resource.attributes.get("service.name"),
+                    "start": s.start_time, "end": s.end_time,
+                    "attributes": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (s.attributes or {}).items()},
+                }) + "\n")
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def setup_tracing(spec: str, service: str) -> bool:
+    """Install a tracer provider for `service` according to `spec` (see `Settings.tracing`). False when off."""
+    global _tracing_on
+    if not spec or spec == "off":
+        return False
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if spec == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif spec.startswith("file:"):
+        d = Path(spec[len("file:"):])
+        d.mkdir(parents=True, exist_ok=True)
+        # Batched, so exporting never runs on a workflow's thread (the sandbox forbids file access there).
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesExporter(d / f"{service}-{os.getpid()}.jsonl"),
+                                                       schedule_delay_millis=200))
+    elif spec.startswith("otlp:"):
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise SystemExit("tracing otlp: needs `pip install opentelemetry-exporter-otlp-proto-http`") from None
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=spec[len("otlp:"):])))
+    else:
+        raise SystemExit(f"unknown tracing setting {spec!r}: write off, console, file:<dir> or otlp:<endpoint>")
+    trace.set_tracer_provider(provider)
+    _tracing_on = True
+    return True

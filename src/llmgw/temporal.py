@@ -15,12 +15,20 @@ log = logging.getLogger(__name__)
 
 async def connect(settings: Settings, attempts: int = 60) -> Client:
     """Connect to `settings.resolved_temporal_address`, retrying for about `attempts` seconds."""
+    from llmgw.telemetry import tracing_enabled
+
     address = settings.resolved_temporal_address
+    interceptors = []
+    if tracing_enabled():
+        from temporalio.contrib.opentelemetry import TracingInterceptor
+
+        # Spans travel in workflow/activity headers: one trace from a pass through the node's activities.
+        interceptors.append(TracingInterceptor(always_create_workflow_spans=True))
     last: Exception | None = None
     for i in range(attempts):
         try:
             return await Client.connect(address, namespace=settings.temporal_namespace,
-                                        data_converter=pydantic_data_converter)
+                                        data_converter=pydantic_data_converter, interceptors=interceptors)
         except Exception as exc:  # noqa: BLE001 - RuntimeError from the core SDK on refused connections
             last = exc
             if i == 0:

@@ -11,6 +11,7 @@ import logging
 
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from llmgw.activities.control import ControlActivities
 from llmgw.config import Settings
@@ -37,7 +38,12 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     engine = async_engine(settings.require_database_url())
     client = await connect(settings)
     acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s)
-    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all())
+    # Pydantic and OpenTelemetry pass through the sandbox: payload models keep their identity, and spans
+    # made inside workflows reach the process's tracer provider rather than a sandboxed no-op one.
+    runner = SandboxedWorkflowRunner(
+        restrictions=SandboxRestrictions.default.with_passthrough_modules("pydantic", "opentelemetry"))
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all(),
+                    workflow_runner=runner)
     try:
         async with worker:
             await ensure_reconciler(client, settings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio import workflow
+from temporalio.contrib.opentelemetry import workflow as otel
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
@@ -65,6 +66,9 @@ class ReconcilerWorkflow:
         self._last = lines
         if lines:
             workflow.logger.info("reconcile pass: %s", "; ".join(lines))
+            # A pass that does something is a span, with every decision and refusal (no-op when tracing is off).
+            otel.completed_span("reconcile pass", attributes={
+                "llmgw.decisions": lines, "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]})
         await workflow.execute_activity(
             "record_decisions", RecordDecisionsInput(lines=lines, refusals=plan.explanations()),
             task_queue=CONTROL_QUEUE, **options.CONTROL,

@@ -33,7 +33,10 @@ def test_replica_start_is_one_trace_across_worker_and_node(tmp_path, database_ur
 
         def node_spans():
             s = spans(trace_dir)
-            return [x for x in s if x["service"] == "llmgw-agent" and x["name"] == "RunActivity:wait_shard_ready"] and s
+            names = {(x["service"], x["name"]) for x in s}
+            done = {("llmgw-agent", "RunActivity:wait_shard_ready"), ("llmgw-worker", "RunWorkflow:ReplicaStartWorkflow"),
+                    ("llmgw-worker", "reconcile pass")}
+            return s if done <= names else None
 
         all_spans = wait_until(node_spans, timeout_s=20, what="node activity spans")
         start = next(s for s in all_spans if s["name"] == "RunWorkflow:ReplicaStartWorkflow"

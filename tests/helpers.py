@@ -150,17 +150,9 @@ class ControlPlane:
 
 def sweep_engines(state: Path) -> None:
     """Kill any engine a test left behind (spec files under the state dir)."""
-    import json
+    from llmgw.workers.supervisor import kill_leftover_engines
 
-    from llmgw.workers.supervisor import alive
-
-    for spec in state.glob("shards/*/*.json"):
-        try:
-            d = json.loads(spec.read_text())
-            if alive(d["pid"], d["create_time"]):
-                os.killpg(d["pid"], signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
+    kill_leftover_engines(state / "shards")
 
 
 def wait_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: str = "condition"):

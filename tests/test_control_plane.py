@@ -4,6 +4,7 @@ a replica started through Temporal on the node worker's queue, traffic through t
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -58,7 +59,7 @@ def test_sim_replica_serves_through_gateway_and_is_replaced_when_killed(control_
     assert by_name["mark_replica"] == "llmgw-control"
 
     # Kill the engine: the replica leaves routing within seconds and the reconciler starts another.
-    pid = int(next(l for l in open(cp.state / "shards" / node / f"{rep['id']}-r0.json")).split('"pid": ')[1].split(",")[0])
+    pid = json.loads((cp.state / "shards" / node / f"{rep['id']}-r0.json").read_text())["pid"]
     os.killpg(pid, signal.SIGKILL)
     wait_until(lambda: any(r["id"] == rep["id"] and r["status"] == "failed" for r in cp.replicas()),
                timeout_s=10, what="the killed replica marked failed")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
-import time
 from pathlib import Path
 
 import aiohttp

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import sys
 from pathlib import Path
 from typing import Optional
 

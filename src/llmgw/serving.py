@@ -60,8 +60,8 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
 
 async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str = "warning") -> None:
     """Serve every listener until `stop` is set or one of them fails."""
-    servers = [_Server(_config(l, log_level)) for l in listeners]
-    tasks = [asyncio.create_task(s.serve(), name=l.name) for s, l in zip(servers, listeners)]
+    servers = [_Server(_config(lst, log_level)) for lst in listeners]
+    tasks = [asyncio.create_task(s.serve(), name=lst.name) for s, lst in zip(servers, listeners)]
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
     for s in servers:
@@ -71,16 +71,17 @@ async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str =
     for t in done:
         if t is not waiter and t.exception():
             raise t.exception()  # type: ignore[misc]
-    for s, l in zip(servers, listeners):
+    for s, lst in zip(servers, listeners):
         if not s.started:
-            raise SystemExit(f"{l.name} could not listen on {l.host}:{l.port}")
+            raise SystemExit(f"{lst.name} could not listen on {lst.host}:{lst.port}")
 
 
-def _config(l: Listener, log_level: str) -> uvicorn.Config:
-    kw: dict = dict(host=l.host, port=l.port, log_level=log_level, lifespan=l.lifespan, access_log=False,
-                    timeout_graceful_shutdown=5, http="httptools")
-    if l.tls is not None:
-        kw.update(ssl_certfile=l.tls.cert, ssl_keyfile=l.tls.key)
-        if l.tls.ca_cert:
-            kw.update(ssl_ca_certs=l.tls.ca_cert, ssl_cert_reqs=ssl.CERT_REQUIRED, http=TLSIdentityProtocol)
-    return uvicorn.Config(l.app, **kw)
+def _config(listener: Listener, log_level: str) -> uvicorn.Config:
+    kw: dict = dict(host=listener.host, port=listener.port, log_level=log_level, lifespan=listener.lifespan,
+                    access_log=False, timeout_graceful_shutdown=5, http="httptools")
+    tls = listener.tls
+    if tls is not None:
+        kw.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
+        if tls.ca_cert:
+            kw.update(ssl_ca_certs=tls.ca_cert, ssl_cert_reqs=ssl.CERT_REQUIRED, http=TLSIdentityProtocol)
+    return uvicorn.Config(listener.app, **kw)

@@ -28,7 +28,7 @@ from llmgw.config import Settings
 from llmgw.dev.postgres import EmbeddedPostgres
 from llmgw.dev.procs import kill_pid_file, stop_process, wait_port
 from llmgw.dev.temporal_server import TemporalDevServer
-from llmgw.workers.supervisor import alive
+from llmgw.workers.supervisor import kill_leftover_engines
 
 log = logging.getLogger(__name__)
 DEFAULT_CATALOG = Path(__file__).parent / "default_catalog.yaml"
@@ -226,7 +226,7 @@ class DevStack:
         for name, proc in sorted(self.children, key=lambda c: c[0] != "agent"):
             stop_process(proc, grace_s=20 if name == "agent" else 10)
             (self.run_dir / f"{name}.pid").unlink(missing_ok=True)
-        self._sweep_engines()
+        kill_leftover_engines(self.s.shard_dir)  # engines of an agent that died before stopping them
         if self.temporal:
             self.temporal.stop()
             (self.run_dir / "temporal.pid").unlink(missing_ok=True)
@@ -235,13 +235,3 @@ class DevStack:
         (self.run_dir / "urls.json").unlink(missing_ok=True)
         self.echo("stopped.")
 
-    def _sweep_engines(self) -> None:
-        """Engines whose spec files remain (the agent died before stopping them): stop their groups."""
-        for spec in self.s.shard_dir.glob("*/*.json"):
-            try:
-                d = json.loads(spec.read_text())
-                if alive(d["pid"], d["create_time"]):
-                    os.killpg(d["pid"], signal.SIGKILL)
-            except (OSError, ValueError, KeyError):
-                pass
-            spec.unlink(missing_ok=True)

@@ -238,3 +238,20 @@ class Supervisor:
                         except Exception:  # noqa: BLE001 - keep watching the others; the error is logged
                             log.exception("reporting the exit of shard %s failed", shard.shard_id)
             await asyncio.sleep(interval_s)
+
+
+def kill_leftover_engines(shard_root: Path) -> int:
+    """SIGKILL the process group of every engine still alive under `<shard_root>/<node>/*.json` and remove
+    the spec files; for `llmgw dev` and tests after a worker died without stopping its engines.
+    Returns how many were killed."""
+    killed = 0
+    for spec in shard_root.glob("*/*.json"):
+        try:
+            d = json.loads(spec.read_text())
+            if alive(d["pid"], d["create_time"]):
+                os.killpg(d["pid"], signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError, KeyError):
+            pass
+        spec.unlink(missing_ok=True)
+    return killed

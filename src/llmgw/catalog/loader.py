@@ -64,7 +64,7 @@ def parse_catalog(raw: Any) -> Catalog:
 
 
 def check_catalog(catalog: Catalog) -> None:
-    """Cross-model rules: unique names and aliases, fallbacks that exist, engine policy per profile."""
+    """Cross-model rules: unique names and aliases, fallbacks and guards that exist, engine policy per profile."""
     problems: list[str] = []
     seen: dict[str, str] = {}
     for i, m in enumerate(catalog.models):
@@ -79,6 +79,13 @@ def check_catalog(catalog: Catalog) -> None:
                 problems.append(f"models[{i}] ({m.name}).fallbacks: no model or alias named {f!r}")
             elif seen[f] == m.name:
                 problems.append(f"models[{i}] ({m.name}).fallbacks: {f!r} is the model itself")
+        if m.guard is not None:
+            judge = next((g for g in catalog.models if g.name == seen.get(m.guard.model)), None)
+            if judge is None:
+                problems.append(f"models[{i}] ({m.name}).guard.model: no model or alias named {m.guard.model!r}")
+            elif judge.role != "guard" or judge.name == m.name:
+                problems.append(f"models[{i}] ({m.name}).guard.model: {m.guard.model!r} is not another model "
+                                "with `role: guard`")
         for j, p in enumerate(m.profiles):
             try:
                 check_profile(p)

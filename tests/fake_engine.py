@@ -142,6 +142,19 @@ class FakeEngines:
             raise
         return resp
 
+    async def _breaks(self, request, body, kind):
+        resp = await self._sse(request)
+        await resp.write(chunk("partial "))
+        await asyncio.sleep(0.1)
+        request.transport.abort()  # the engine dies mid-answer
+        return resp
+
+    async def _stalls(self, request, body, kind):
+        resp = await self._sse(request)
+        await resp.write(chunk("partial "))
+        await asyncio.sleep(3600)
+        return resp
+
     async def _delay(self, request, body, kind):
         self.state["active"] += 1
         self.state["max_active"] = max(self.state["max_active"], self.state["active"])

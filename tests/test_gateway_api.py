@@ -45,6 +45,8 @@ def catalog(e: FakeEngines, frozen: str, dead: str) -> dict:
         {"name": "utf8", "endpoints": [e.url("utf8")]},
         {"name": "slow", "endpoints": [e.url("slow")]},
         {"name": "cancel", "endpoints": [e.url("cancel")]},
+        {"name": "breaks", "endpoints": [e.url("breaks")]},
+        {"name": "stalls", "endpoints": [e.url("stalls")]},
         {"name": "limited", "endpoints": [e.url("delay")], "limits": {"max_concurrency": 4, "max_queue": 8}},
         {"name": "frozen", "endpoints": [frozen]},
         {"name": "flaky", "endpoints": [dead, e.url("echo")]},
@@ -150,6 +152,19 @@ async def test_client_disconnect_cancels_the_engine_request(gw, engines):
         await asyncio.sleep(0.05)
     assert engines.state["cancelled_at"] is not None, "the engine never saw the request cancelled"
     assert engines.state["cancelled_at"] - closed_at < 1.0
+
+
+async def test_an_engine_failing_mid_stream_ends_the_stream_with_an_error_event(gw):
+    for model, code in (("breaks", "engine_error"), ("stalls", "engine_timeout")):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.gateway + "/v1/chat/completions", json=chat(model, stream=True)) as r:
+                assert r.status == 200  # already sent with the first chunk
+                raw = await r.content.read()
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert events[0].startswith("data: {") and "partial" in events[0]
+        last = json.loads(events[-1].removeprefix("data: "))
+        assert last["error"]["code"] == code, raw  # what the openai client raises as an APIError
+        assert b"[DONE]" not in raw  # a broken answer is not passed off as complete
 
 
 # ---- errors ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from llmgw.gateway.admission import Gate
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.guard import answer_text, conversation, verdict
-from llmgw.gateway.proxy import engine_error
+from llmgw.gateway.openai_api import engine_error
 from llmgw.gateway.routes import Endpoint
 from llmgw.gateway.upstream import parse_target
 from llmgw.schemas.catalog import Limits

@@ -27,7 +27,8 @@ from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.feed import ChangeFeed
-from llmgw.gateway.proxy import REQUIRED, Proxy, send_error
+from llmgw.gateway.openai_api import REQUIRED, send_error
+from llmgw.gateway.proxy import Proxy
 from llmgw.gateway.routes import TABLES, RouteTable
 from llmgw.gateway.upstream import Upstream
 from llmgw.schemas.catalog import Model

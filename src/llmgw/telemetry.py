@@ -28,7 +28,8 @@ class GatewayMetrics:
     - `llmgw_requests_total{model,status}`: inference requests by outcome;
     - `llmgw_request_seconds{model}`: until the last byte; `llmgw_ttft_seconds{model}`: until the first
       byte of a streamed answer reached the client (time to first token);
-    - `llmgw_in_flight{model}`, `llmgw_queued{model}`: requests being served / waiting for a slot;
+    - `llmgw_in_flight{model}`: requests this gateway holds (queued ones included); `llmgw_queued{model}`:
+      those waiting for a concurrency slot;
     - `llmgw_ready_replicas{model}`, `llmgw_open_breakers{model}`: from the route table, at scrape time;
     - `llmgw_upstream_retries_total{model}`: requests sent to another replica before the first byte;
     - `llmgw_guard_refusals_total{model,stage}`.
@@ -41,7 +42,8 @@ class GatewayMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("llmgw_ttft_seconds", "Time to the first streamed byte relayed to the client (s)",
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
-        self.in_flight = Gauge("llmgw_in_flight", "Requests being served", ["model"], registry=r)
+        self.in_flight = Gauge("llmgw_in_flight", "Requests this gateway holds, queued ones included", ["model"],
+                               registry=r)
         self.queued = Gauge("llmgw_queued", "Requests waiting for a concurrency slot", ["model"], registry=r)
         self.ready = Gauge("llmgw_ready_replicas", "Routable replicas per model in the route table", ["model"],
                            registry=r)

@@ -164,7 +164,8 @@ class Stack:
         env = {**os.environ, "LLMGW_DATABASE_URL": self.pg.url, "LLMGW_STATE_DIR": str(self.tmp / "state"),
                "LLMGW_GATEWAY_PORT": str(gport), "LLMGW_ADMIN_PORT": str(aport), "LLMGW_NODE_API_PORT": str(nport),
                "LLMGW_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}"}  # nothing there: routing needs no Temporal
-        server = self.spawn([sys.executable, "-m", "llmgw", "server", "--no-migrate"], {self.gateway_cpu}, env, "server")
+        server = self.spawn([sys.executable, "-m", "llmgw", "server", "--no-migrate"], {self.gateway_cpu}, env,
+                            "server")
         wait_port(self.engine_port, 30, engine, "sim engine")
         wait_port(aport, 60, server, "admin API")
         httpx.post(f"http://127.0.0.1:{aport}/admin/v1/catalog", timeout=30, json={"catalog": {"models": [

@@ -49,7 +49,8 @@ def main() -> None:
     print(f"  direct   p50 {lat['direct_p50_ms']:.3f} ms  p99 {lat['direct_p99_ms']:.3f} ms")
     print(f"  gateway  p50 {lat['gateway_p50_ms']:.3f} ms  p99 {lat['gateway_p99_ms']:.3f} ms")
     print(f"  added    p50 {lat['added_p50_ms']:.3f} ms  p99 {lat['added_p99_ms']:.3f} ms  "
-          f"mean {lat['added_mean_ms']:.3f} ms  (gateway/direct p50 {lat['gateway_p50_ms'] / lat['direct_p50_ms']:.2f}x)")
+          f"mean {lat['added_mean_ms']:.3f} ms  "
+          f"(gateway/direct p50 {lat['gateway_p50_ms'] / lat['direct_p50_ms']:.2f}x)")
     print(f"  gateway CPU per request: {lat['gateway_cpu_us_per_request']:.0f} us "
           f"(= {1e6 / lat['gateway_cpu_us_per_request']:.0f} req/s per gateway core)")
     print(f"throughput, {args.concurrency} concurrent, {args.seconds:g}s each:")

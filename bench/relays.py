@@ -38,8 +38,9 @@ def main() -> None:
         relays = []
         for kind, loop in CANDIDATES:
             port = free_port()
-            p = st.spawn([sys.executable, str(Path(__file__).with_name("relay_apps.py")), kind, str(port), st.direct, loop],
-                         {args.gateway_cpu}, log=f"{kind}-{loop}")
+            app = str(Path(__file__).with_name("relay_apps.py"))
+            p = st.spawn([sys.executable, app, kind, str(port), st.direct, loop], {args.gateway_cpu},
+                         log=f"{kind}-{loop}")
             relays.append((f"{kind} ({loop})", f"http://127.0.0.1:{port}/v1/chat/completions", p, port))
         for name, url, p, port in relays:
             wait_port(port, 30, p, name)

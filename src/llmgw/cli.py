@@ -334,7 +334,8 @@ def _post(path: str, body: dict):
         with _admin() as c:
             r = c.post(path, json=body)
     except httpx.ConnectError:
-        typer.echo(f"cannot reach the admin API at {Settings().resolved_admin_url}; is `llmgw server` (or dev) running?", err=True)
+        typer.echo(f"cannot reach the admin API at {Settings().resolved_admin_url}; "
+                   "is `llmgw server` (or dev) running?", err=True)
         raise typer.Exit(1)
     if r.status_code != 200:
         _fail(r)

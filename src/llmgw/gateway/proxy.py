@@ -290,7 +290,7 @@ class Proxy:
         ttft = time.perf_counter() - started if sse else None
         tail = b""
         try:
-            while chunk:
+            while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
                 tail = (tail + chunk[-32:])[-32:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await resp.next_chunk()
@@ -302,8 +302,10 @@ class Proxy:
             await send({"type": "http.response.body", "body": sse_error(err) if sse else b"", "more_body": False})
             raise err from None
         x.finished = True
-        last = DONE if sse and not tail.rstrip().endswith(b"data: [DONE]") else b""
-        await send({"type": "http.response.body", "body": last, "more_body": False})
+        tail = (tail + chunk[-32:])[-32:]
+        if sse and not tail.rstrip().endswith(b"data: [DONE]"):
+            chunk += DONE
+        await send({"type": "http.response.body", "body": chunk, "more_body": False})
         return resp.status, ttft
 
     async def _send_judged(self, resp: Response, label: str, policy: GuardPolicy, path: str, req: dict,

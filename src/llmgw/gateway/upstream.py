@@ -170,6 +170,11 @@ class Response(asyncio.Protocol):
             self.waiter = None
 
     # ---- the caller's side ----------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived and been taken: the chunk in hand is the last."""
+        return self.done and not self.chunks
+
     def header(self, name: bytes) -> bytes | None:
         """The first value of header `name` (lower case), or None."""
         for n, v in self.headers:

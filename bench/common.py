@@ -96,9 +96,11 @@ async def throughput(url: str, concurrency: int, seconds: float, procs: dict[str
     return out
 
 
-async def stream(url: str, tokens: int) -> dict:
+async def stream(url: str, tokens: int, relay: psutil.Process | None = None) -> dict:
+    """One long SSE stream: events/s and MB/s at the client; with `relay`, its CPU per event."""
     body = json.dumps({**CHAT, "max_tokens": tokens, "stream": True}).encode()
     async with aiohttp.ClientSession() as s:
+        cpu0 = cpu_s(relay) if relay else 0.0
         t0 = time.perf_counter()
         n = events = 0
         async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
@@ -106,7 +108,10 @@ async def stream(url: str, tokens: int) -> dict:
                 n += len(chunk)
                 events += chunk.count(b"\n\n")
         wall = time.perf_counter() - t0
-    return {"events_s": events / wall, "mb_s": n / wall / 1e6}
+    out = {"events_s": events / wall, "mb_s": n / wall / 1e6}
+    if relay:
+        out["relay_cpu_us_per_event"] = (cpu_s(relay) - cpu0) / max(1, events) * 1e6
+    return out
 
 
 class Stack:

@@ -41,7 +41,7 @@ def main() -> None:
         thr_d = asyncio.run(throughput(st.direct, args.concurrency, args.seconds, {"engine": eng}))
         thr_g = asyncio.run(throughput(st.gateway, args.concurrency, args.seconds, {"gateway": gw, "engine": eng}))
         st_d = asyncio.run(stream(st.direct, args.stream_tokens))
-        st_g = asyncio.run(stream(st.gateway, args.stream_tokens))
+        st_g = asyncio.run(stream(st.gateway, args.stream_tokens, gw))
 
     print(f"llmgw gateway overhead (sim engine, zero delay; gateway on cpu {args.gateway_cpu}, "
           f"engine + client on cpus {sorted(st.others)}; {os.cpu_count()} cpus)")
@@ -64,7 +64,8 @@ def main() -> None:
     print(f"streaming relay, one stream of {args.stream_tokens} tokens:")
     print(f"  direct   {st_d['events_s']:.0f} events/s  {st_d['mb_s']:.1f} MB/s")
     print(f"  gateway  {st_g['events_s']:.0f} events/s  {st_g['mb_s']:.1f} MB/s  "
-          f"(gateway/direct {st_g['events_s'] / st_d['events_s']:.2f}x)")
+          f"(gateway/direct {st_g['events_s'] / st_d['events_s']:.2f}x; "
+          f"gateway CPU {st_g['relay_cpu_us_per_event']:.0f} us/event)")
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ async def get_decisions(conn: AsyncConnection, name: str) -> list[str] | None:
 
 
 async def get_decisions_at(conn: AsyncConnection, name: str) -> tuple[list[str] | None, datetime | None]:
-    """(the latest pass's lines about `name`, when that pass ran); (None, None) for an unknown model."""
+    """(the latest pass's lines about `name` ([] before any pass), when that pass ran); (None, None) for a
+    model the catalog never had."""
     row = (await conn.execute(select(model_state.c.decisions, model_state.c.decided_at)
                               .where(model_state.c.name == name))).first()
-    return (row.decisions, row.decided_at) if row else (None, None)
+    return (row.decisions or [], row.decided_at) if row else (None, None)

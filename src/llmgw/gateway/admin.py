@@ -86,6 +86,10 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         async with engine.connect() as conn:
             lines, at = await catalog_repo.get_decisions_at(conn, model)
             rows = await fleet_repo.list_replicas(conn, include_ended=True, limit=10, model=model)
+        if lines is None and not rows:
+            return JSONResponse(status_code=404, content={"error": {
+                "message": f"no model named {model!r} in the catalog (aliases are not resolved here)",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
         return {"model": model, "decisions": lines or [], "decided_at": at,
                 "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}
 

@@ -266,6 +266,9 @@ def ctl_nodes():
         sim = " (simulated)" if inv.get("simulated") else ""
         typer.echo(f"{n['id']:16s} {n['status']:12s} cpus={inv['cpus']} mem={inv['memory_mb'] // 1024}GiB {gpu} "
                    f"fabrics={fabrics} disk_free={inv['disk_free_mb'] // 1024}GiB engines={','.join(inv['engines'])}{sim}")
+        for note in inv.get("notes", []):
+            if not note.startswith("simulated inventory"):
+                typer.echo(f"    {note}")
 
 
 @ctl_app.command("explain")

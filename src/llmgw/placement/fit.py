@@ -22,11 +22,6 @@ from llmgw.weights.naming import cache_name_for
 HOLDING = ("starting", "ready", "draining")  # replica statuses that hold GPUs, memory and disk
 
 
-def gpus_per_node(profile: Profile) -> int:
-    """GPUs one node gives a shard of this profile (0 = a CPU profile). See `Profile.gpus_per_shard`."""
-    return profile.gpus_per_shard
-
-
 @dataclass
 class NodeUse:
     """What active replicas already hold on one node.

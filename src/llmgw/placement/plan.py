@@ -27,7 +27,7 @@ from llmgw.placement.status import node_status
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
 
-__all__ = ["HOLDING", "backoff_delay", "desired_replicas", "place_one", "plan_pass"]
+__all__ = ["backoff_delay", "desired_replicas", "place_one", "plan_pass"]
 
 
 def desired_replicas(model: Model, state: ModelState | None, now: datetime, serving: int) -> tuple[int, str]:

@@ -6,7 +6,6 @@ decisions and in `llmgw ctl explain`."""
 from __future__ import annotations
 
 import threading
-import time
 from datetime import datetime, timezone
 
 import httpx

@@ -3,6 +3,8 @@ dirs, stopped at the end even on failure); a fresh database per test, cloned fro
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -19,15 +21,18 @@ TEMPLATE = "llmgw_template"
 
 
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pg")
+def postgres():
+    # Not under pytest's tmp tree: as root, PostgreSQL runs as another user, and every pytest session
+    # resets pytest-of-<user> to mode 0700, which would lock a concurrent session's server out of its data.
+    root = Path(tempfile.mkdtemp(prefix="llmgw-test-pg-"))
     pg = EmbeddedPostgres(root / "data", free_port(), root / "postgres.log", database=TEMPLATE, durable=False)
-    pg.start()
-    upgrade(pg.url)
     try:
+        pg.start()
+        upgrade(pg.url)
         yield pg
     finally:
         pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ class Agent:
         self.node_id = settings.resolved_node_id
         self.boot_id = uuid.uuid4().hex
         self.stop_engines_on_exit = stop_engines_on_exit
-        self.engines = Engines(settings.llama_server)
+        self.engines = Engines(settings.llama_server, settings.vllm, settings.ray, settings.sglang_python)
         self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url)
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit)

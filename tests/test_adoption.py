@@ -125,3 +125,24 @@ def test_unidentifiable_engine_is_stopped_and_identifiable_one_is_adopted(contro
     time.sleep(3)  # a reconcile pass or two: min 1 is met by the adopted replica, nothing new is placed
     assert [r["id"] for r in cp.replicas() if r["model"] == "sim-a"] == ["lost-record"]
     assert psutil.pid_exists(ours)
+
+
+def test_control_plane_restart_keeps_engines_and_the_agent_reports_them_again(control_plane):
+    """Seeds 001, "Survive a control plane restart": the server and worker restart while the engine runs;
+    the agent notices, registers again with every shard it runs, and nothing is restarted or duplicated."""
+    cp = control_plane.start()
+    agent = cp.agent("n1")
+    assert cp.apply(CATALOG).status_code == 200
+    [rep] = cp.wait_replicas("sim-a")
+    pid = spec_pid(cp, "n1", rep["id"])
+    for p in [p for p in cp.procs if p.name in ("server", "worker")]:
+        p.stop()
+    time.sleep(3)  # the agent's heartbeats fail meanwhile
+    cp.start()
+    wait_until(lambda: agent.log().count("registered node n1 (1 shard(s) running") >= 1, timeout_s=60,
+               what="registration after the restart")
+    wait_until(lambda: chat_ok(cp), timeout_s=30, what="traffic after the restart")
+    time.sleep(3)
+    reps = [r for r in cp.replicas() if r["model"] == "sim-a"]
+    assert [(r["id"], r["status"]) for r in reps] == [(rep["id"], "ready")]
+    assert spec_pid(cp, "n1", rep["id"]) == pid and psutil.pid_exists(pid)

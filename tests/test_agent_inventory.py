@@ -33,8 +33,8 @@ def test_agent_advertises_only_usable_adapters_and_says_why(control_plane, tmp_p
     n = wait_until(node, timeout_s=30, what="the node registered")
     assert n["inventory"]["fabrics"] == [{"name": "ib-a", "adapters": ["mlx5_0"], "rate_gbps": 200.0}]
     log = agent.log()
-    assert "mlx5_1 has no ACTIVE port (port 1 INIT); not advertised" in log
-    assert "mlx5_7 is declared but not on this node" in log
+    assert "adapter mlx5_1 on fabric ib-a is not advertised: no ACTIVE port (port 1 is INIT)" in log
+    assert "adapter mlx5_7 on fabric ib-a is declared but not on this node" in log
     wait_port(port, 10)
     metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     assert "llmgw_gpu_nvlink_peers" in metrics

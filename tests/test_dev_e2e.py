@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import tempfile
 import signal
 import subprocess
 import sys
@@ -98,11 +100,15 @@ class Dev:
 @pytest.fixture
 def dev(tmp_path):
     ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres", "agent_metrics")}
-    d = Dev(tmp_path / "state", ports, tmp_path / "dev.log")
+    # The state (with Postgres data, run as another user when root) lives outside pytest's tmp tree, whose
+    # root every pytest session resets to mode 0700.
+    state = Path(tempfile.mkdtemp(prefix="llmgw-test-dev-"))
+    d = Dev(state, ports, tmp_path / "dev.log")
     try:
         yield d
     finally:
         d.kill_all()
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def completions_work(client: OpenAI, model: str) -> None:

@@ -24,16 +24,16 @@ def test_only_present_adapters_with_an_active_port_are_advertised(tmp_path):
     [f] = fabrics
     assert f.name == "ib-a" and f.adapters == ["mlx5_0", "mlx5_1"]
     assert f.rate_gbps == 100  # the slowest active link
-    assert any("mlx5_2 has no ACTIVE port (port 1 INIT)" in n for n in notes)
-    assert any("mlx5_3 is declared but not on this node" in n for n in notes)
+    assert any("adapter mlx5_2 on fabric ib-a is not advertised: no ACTIVE port (port 1 is INIT)" in n for n in notes)
+    assert any("adapter mlx5_3 on fabric ib-a is declared but not on this node" in n for n in notes)
 
 
 def test_a_fabric_with_no_usable_adapter_is_not_advertised(tmp_path):
     hca(tmp_path, "mlx5_0", ("2: INIT", "200 Gb/sec (4X HDR)"))
     fabrics, notes = discover_fabrics({"ib-a": ["mlx5_0"], "ib-b": ["mlx5_9"]}, tmp_path)
     assert fabrics == []
-    assert any("ib-a: no usable adapter" in n for n in notes)
-    assert any("ib-b: no usable adapter" in n for n in notes)
+    assert any("fabric ib-a is not advertised: none of its adapters has an ACTIVE port" in n for n in notes)
+    assert any("fabric ib-b is not advertised: none of its declared adapters is on this node" in n for n in notes)
 
 
 def test_no_sysfs_at_all(tmp_path):

@@ -21,6 +21,11 @@ def node(id: str, age_s: float = 1, **inv) -> NodeSnap:
                     inventory=Inventory(cpus=4, memory_mb=8192, engines=["sim", "llamacpp"], **inv))
 
 
+def acting(plan):
+    """The decisions that change something (every model also gets a `keep` line for explain)."""
+    return [d for d in plan.decisions if d.kind != "keep"]
+
+
 def snap(models, nodes, replicas=(), states=()) -> Snapshot:
     return Snapshot(now=NOW, unreachable_after_s=15, lost_after_s=300, models=list(models), nodes=list(nodes),
                     replicas=list(replicas), model_states=list(states))
@@ -48,11 +53,13 @@ def test_memory_refusal_names_the_node_and_the_numbers():
     m = Model(name="big", scaling=Scaling(min=1, max=1), profiles=[Profile(engine="llamacpp", source="mirror:x.gguf", memory_gb=64)])
     [d] = plan_pass(snap([m], [node("n1")])).decisions
     assert d.kind == "refuse"
-    assert any("n1" in r and "needs 64 GB of memory" in r for r in d.refusals)
+    assert any("n1" in r and "needs 64 GB of host memory, 8.0 GB free" in r for r in d.refusals)
 
 
 def test_satisfied_model_decides_nothing():
-    assert plan_pass(snap([model("a")], [node("n1")], [replica("r1", "a", "n1")])).decisions == []
+    plan = plan_pass(snap([model("a")], [node("n1")], [replica("r1", "a", "n1")]))
+    assert acting(plan) == [] and not plan.acts()
+    assert plan.decisions[0].kind == "keep" and "1 of 1 wanted" in plan.decisions[0].reason
 
 
 def test_lost_node_loses_its_replicas_but_unreachable_keeps_them():
@@ -60,7 +67,7 @@ def test_lost_node_loses_its_replicas_but_unreachable_keeps_them():
     assert p.node_status["n1"] == "lost"
     assert [d.kind for d in p.decisions] == ["lost", "place"] and p.decisions[1].shards[0].node_id == "n2"
     p = plan_pass(snap([model("a")], [node("n1", age_s=30), node("n2")], [replica("r1", "a", "n1")]))
-    assert p.node_status["n1"] == "unreachable" and p.decisions == []
+    assert p.node_status["n1"] == "unreachable" and acting(p) == []
 
 
 def test_model_removed_from_catalog_is_stopped():
@@ -79,10 +86,10 @@ def test_on_demand_runs_while_used_and_stops_when_idle():
     asked = ModelState(name="od", demand_at=NOW - timedelta(seconds=5))
     assert plan_pass(snap([m], [node("n1")], states=[asked])).decisions[0].kind == "place"
     idle = ModelState(name="od", last_used_at=NOW - timedelta(seconds=61))
-    [d] = plan_pass(snap([m], [node("n1")], [replica("r1", "od", "n1")], [idle])).decisions
+    [d] = acting(plan_pass(snap([m], [node("n1")], [replica("r1", "od", "n1")], [idle])))
     assert d.kind == "stop" and "idle" in d.reason
     busy = ModelState(name="od", last_used_at=NOW - timedelta(seconds=61), in_flight=2)
-    assert plan_pass(snap([m], [node("n1")], [replica("r1", "od", "n1")], [busy])).decisions == []
+    assert acting(plan_pass(snap([m], [node("n1")], [replica("r1", "od", "n1")], [busy]))) == []
 
 
 def test_backoff_is_exponential_and_jittered():

@@ -22,7 +22,7 @@ def test_reclaim_lists_then_collects_only_what_llmgw_fetched(control_plane):
     catalog = {"models": [{"name": "keep", "scaling": {"min": 0, "max": 1},
                            "profiles": [{"engine": "llamacpp", "source": "mirror:keep.gguf"}]}]}
     assert cp.apply(catalog).status_code == 200
-    cache = cp.state / "cache"
+    cache = cp.state / "cache" / "n1"  # the agent's LLMGW_CACHE_DIR in the test harness
     old = cache / cache_name_for("mirror:old-model.gguf")
     old.write_bytes(b"o" * 2_000_000)
     wanted = cache / cache_name_for("mirror:keep.gguf")

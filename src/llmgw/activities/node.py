@@ -18,8 +18,8 @@ from temporalio.exceptions import ApplicationError
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, ShardSpec
 from llmgw.schemas.payloads import (
-    NodeReclaimInput, NodeReclaimResult,
-    FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, StopShardInput, StopShardResult,
+    FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
+    OpenRendezvousInput, Rendezvous, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
     WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
@@ -42,8 +42,8 @@ class NodeActivities:
         self.agent = agent
 
     def all(self) -> list:
-        return [self.fetch_weights, self.launch_shard, self.wait_shard_ready, self.drain_shard, self.stop_shard,
-                self.reclaim_cache]
+        return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.wait_shard_joined,
+                self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache]
 
     @activity.defn(name="fetch_weights")
     async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
@@ -77,13 +77,52 @@ class NodeActivities:
             adapter = self.agent.engines.get(inp.profile.engine)
             host = self.agent.settings.advertise_host
             spec = ShardSpec(shard_id=inp.shard_id, replica_id=inp.replica_id, model=inp.model, profile=inp.profile,
-                             rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host, port=free_port(host))
+                             rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host,
+                             port=0 if inp.rank > 0 else free_port(host), rendezvous=inp.rendezvous)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
         shard = sup.launch(spec, plan)
         await self.agent.report(shard.report("starting"))
         return LaunchShardResult(shard_id=inp.shard_id, pid=shard.pid, endpoint=shard.endpoint)
+
+    @activity.defn(name="open_rendezvous")
+    async def open_rendezvous(self, inp: OpenRendezvousInput) -> Rendezvous:
+        """Choose, on rank 0's node, where the shards of a multi-node replica meet (the engine decides how)."""
+        try:
+            adapter = self.agent.engines.get(inp.engine)
+        except EngineError as exc:
+            raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type="EngineError", non_retryable=True) from None
+        return adapter.open_rendezvous(self.agent.settings.advertise_host, inp.replica_id, inp.world_size)
+
+    @activity.defn(name="wait_shard_joined")
+    async def wait_shard_joined(self, inp: WaitShardJoinedInput) -> WaitShardJoinedResult:
+        """Wait until a worker shard (rank > 0) has joined rank 0; then it is Ready (it serves no HTTP of
+        its own). Fails at once if the worker exits, so one dead shard fails the replica's start."""
+        sup = self.agent.supervisor
+        shard = sup.get(inp.shard_id)
+        if shard is None:
+            raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
+        adapter = self.agent.engines.get(shard.spec.profile.engine)
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            while True:
+                code = sup.poll(shard)
+                if code is not None:
+                    raise ApplicationError(
+                        f"worker shard {inp.shard_id} exited with code {code} before it joined rank 0; output:\n"
+                        f"{sup.tail(shard)[-1500:]}", type="EngineExited", non_retryable=True)
+                if await adapter.joined(session, shard.spec):
+                    break
+                waited = time.monotonic() - started
+                if waited > inp.timeout_s:
+                    raise ApplicationError(f"worker shard {inp.shard_id} had not joined rank 0 after {inp.timeout_s:.0f}s",
+                                           non_retryable=True)
+                activity.heartbeat({"waiting_s": round(waited)})
+                await asyncio.sleep(0.25)
+        sup.set_state(shard, "ready")
+        await self.agent.report(shard.report("ready"))
+        return WaitShardJoinedResult(shard_id=inp.shard_id, waited_s=round(time.monotonic() - started, 2))
 
     @activity.defn(name="wait_shard_ready")
     async def wait_shard_ready(self, inp: WaitShardReadyInput) -> WaitShardReadyResult:

@@ -6,6 +6,7 @@ to write instead. A catalog that fails any rule is refused whole: nothing is app
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import yaml
 from pydantic import ValidationError
 
 from llmgw.catalog.policy import PolicyError, check_profile
+from llmgw.catalog.rules import check_arithmetic, check_source
+from llmgw.catalog.upgrade import upgrade_document
 from llmgw.schemas.catalog import Catalog
 
 
@@ -40,18 +43,30 @@ def _loc(loc: tuple[Any, ...], raw: Any) -> str:
     return out
 
 
-def parse_catalog(raw: Any) -> Catalog:
-    """Validate a decoded YAML/JSON document. Raises `CatalogError` naming each bad field."""
+@dataclass
+class LoadedCatalog:
+    """A catalog that passed every rule, with `notes`: the upgrade repairs made to it, each naming its field."""
+
+    catalog: Catalog
+    notes: list[str] = field(default_factory=list)
+
+
+def read_catalog(raw: Any) -> LoadedCatalog:
+    """Repair, validate and check a decoded YAML/JSON document. Raises `CatalogError` naming each bad field.
+
+    Order: upgrade repairs on the document (they need to see which fields were written), then the shapes
+    (pydantic), then the rules across the catalog (names, fallbacks, arithmetic, sources, engine policy).
+    """
     if raw is None:
         raw = {"models": []}
     if isinstance(raw, list):
         raw = {"models": raw}
     if not isinstance(raw, dict):
         raise CatalogError(["the catalog must be a mapping with a `models:` list"])
+    raw, notes, problems = upgrade_document(raw)
     try:
         catalog = Catalog.model_validate(raw)
     except ValidationError as exc:
-        problems = []
         for err in exc.errors():
             where = _loc(tuple(err["loc"]), raw) or "catalog"
             msg = err["msg"].removeprefix("Value error, ")
@@ -59,12 +74,26 @@ def parse_catalog(raw: Any) -> Catalog:
                 msg = "unknown field; check its spelling against docs/catalog.md"
             problems.append(f"{where}: {msg}")
         raise CatalogError(problems) from None
-    check_catalog(catalog)
-    return catalog
+    try:
+        check_catalog(catalog)
+    except CatalogError as exc:
+        # One report with every problem; a profile the upgrade step already refused is not refused twice.
+        refused = tuple({p.split(": ", 1)[0].rsplit(".", 1)[0] + "." for p in problems})
+        problems += [p for p in exc.problems if not refused or not p.startswith(refused)]
+    if problems:
+        raise CatalogError(problems)
+    return LoadedCatalog(catalog, notes)
+
+
+def parse_catalog(raw: Any) -> Catalog:
+    """Validate a decoded YAML/JSON document (see `read_catalog`). Raises `CatalogError`."""
+    return read_catalog(raw).catalog
 
 
 def check_catalog(catalog: Catalog) -> None:
-    """Cross-model rules: unique names and aliases, fallbacks and guards that exist, engine policy per profile."""
+    """Cross-model rules, in place: unique names and aliases; fallbacks and guard models that exist, rewritten
+    to the model names they resolve to (seeds 003: a typo in a fallback stops the apply instead of surfacing
+    during the outage the fallback was for); per profile the arithmetic, the source and the engine policy."""
     problems: list[str] = []
     seen: dict[str, str] = {}
     for i, m in enumerate(catalog.models):
@@ -74,11 +103,15 @@ def check_catalog(catalog: Catalog) -> None:
             else:
                 seen[n] = m.name
     for i, m in enumerate(catalog.models):
+        resolved: list[str] = []
         for f in m.fallbacks:
             if f not in seen:
                 problems.append(f"models[{i}] ({m.name}).fallbacks: no model or alias named {f!r}")
             elif seen[f] == m.name:
                 problems.append(f"models[{i}] ({m.name}).fallbacks: {f!r} is the model itself")
+            elif seen[f] not in resolved:
+                resolved.append(seen[f])
+        m.fallbacks = resolved
         if m.guard is not None:
             judge = next((g for g in catalog.models if g.name == seen.get(m.guard.model)), None)
             if judge is None:
@@ -86,11 +119,16 @@ def check_catalog(catalog: Catalog) -> None:
             elif judge.role != "guard" or judge.name == m.name:
                 problems.append(f"models[{i}] ({m.name}).guard.model: {m.guard.model!r} is not another model "
                                 "with `role: guard`")
+            else:
+                m.guard.model = judge.name
         for j, p in enumerate(m.profiles):
+            where = f"models[{i}] ({m.name}).profiles[{j}] ({p.name})"
+            problems += check_arithmetic(p, where)
+            problems += check_source(p, where)
             try:
                 check_profile(p)
             except PolicyError as exc:
-                problems.append(f"models[{i}] ({m.name}).profiles[{j}]: {exc}")
+                problems.append(f"{where}: {exc}")
     if problems:
         raise CatalogError(problems)
 

@@ -52,7 +52,9 @@ REFUSED_FLAGS = {
     "--mmproj": "engines may not read files outside the weight cache",
 }
 # Set by the node worker for every engine; a profile that sets them would fight the worker.
-WORKER_FLAGS = {"--host", "--port", "--model", "-m", "--alias", "--served-model-name", "--model-path", "--hf-repo", "-hf"}
+WORKER_FLAGS = {"--host", "--port", "--model", "-m", "--alias", "--served-model-name", "--model-path", "--hf-repo", "-hf",
+                # where the shards of a multi-node replica meet, and which one this is (the rendezvous)
+                "--rank", "--world-size", "--rendezvous", "--token", "--dist-init-addr", "--nnodes", "--node-rank"}
 
 
 def _flag_name(arg: str) -> str | None:

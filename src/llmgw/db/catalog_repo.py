@@ -2,29 +2,72 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 
+from pydantic import ValidationError
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from llmgw.catalog.upgrade import upgrade_model_spec
 from llmgw.db.tables import catalog_models, model_state
 from llmgw.schemas.api import ApplyResponse
 from llmgw.schemas.catalog import Catalog, Model
 from llmgw.schemas.payloads import ModelState
 
+log = logging.getLogger(__name__)
+
 
 async def get_catalog(conn: AsyncConnection) -> Catalog:
+    """The stored catalog, with the upgrade repairs applied to what an older llmgw stored (seeds 003,
+    "Let the upgrade repair"). A stored model that no rule can read any more is left out and logged:
+    it could not be placed either way, and the rest of the catalog must keep working."""
     rows = (await conn.execute(select(catalog_models.c.spec).order_by(catalog_models.c.position, catalog_models.c.name))).all()
-    return Catalog(models=[Model.model_validate(r.spec) for r in rows])
+    models = []
+    for i, r in enumerate(rows):
+        spec, _, problems = upgrade_model_spec(r.spec, i)
+        try:
+            if problems:
+                raise ValueError("; ".join(problems))
+            models.append(Model.model_validate(spec))
+        except (ValidationError, ValueError) as exc:
+            log.error("stored catalog model %r cannot be read and is skipped; apply a corrected catalog: %s",
+                      r.spec.get("name") if isinstance(r.spec, dict) else r.spec, exc)
+    return Catalog(models=models)
 
 
 def _spec(m: Model) -> dict:
     return m.model_dump(mode="json", exclude_defaults=True)
 
 
+def _flatten(value, prefix: str = "") -> dict[str, object]:
+    """{"scaling": {"max": 2}} → {"scaling.max": 2}; lists of profiles by their names."""
+    out: dict[str, object] = {}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out |= _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        for i, v in enumerate(value):
+            name = v.get("name")
+            out |= _flatten(v, f"{prefix}[{name if isinstance(name, str) else i}]")
+    else:
+        out[prefix] = value
+    return out
+
+
+def field_changes(old: Model, new: Model) -> list[str]:
+    """One line per field that differs: `scaling.max: 1 -> 2`, `profiles[default].tp: (unset) -> 4`."""
+    a, b = _flatten(_spec(old)), _flatten(_spec(new))
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            lines.append(f"{key}: {a.get(key, '(unset)')!s} -> {b.get(key, '(unset)')!s}")
+    return lines
+
+
 async def diff_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyResponse:
-    """What applying `catalog` would change, by model name."""
+    """What applying `catalog` would change, by model name, with the fields of each changed model."""
     current = {m.name: m for m in (await get_catalog(conn)).models}
     out = ApplyResponse()
     for m in catalog.models:
@@ -33,6 +76,7 @@ async def diff_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyResponse
             out.added.append(m.name)
         elif _spec(old) != _spec(m):
             out.changed.append(m.name)
+            out.changes[m.name] = field_changes(old, m)
         else:
             out.unchanged.append(m.name)
     out.removed = sorted(current)
@@ -59,7 +103,7 @@ async def apply_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyRespons
 
 async def model_states(conn: AsyncConnection) -> list[ModelState]:
     rows = (await conn.execute(select(model_state))).mappings().all()
-    return [ModelState.model_validate({k: v for k, v in r.items() if k != "decisions"}) for r in rows]
+    return [ModelState.model_validate({k: v for k, v in r.items() if k in ModelState.model_fields}) for r in rows]
 
 
 async def record_demand(conn: AsyncConnection, name: str) -> None:
@@ -95,12 +139,21 @@ async def reset_failures(conn: AsyncConnection, name: str) -> None:
 
 
 async def save_decisions(conn: AsyncConnection, decisions: dict[str, list[str]]) -> None:
-    """Keep the latest pass's reasons per model, for `llmgw ctl explain`."""
+    """Keep the latest pass's lines per model, with the time of the pass, for `llmgw ctl explain`."""
     for name, lines in decisions.items():
-        stmt = insert(model_state).values(name=name, decisions=lines)
-        await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name], set_={"decisions": lines}))
+        stmt = insert(model_state).values(name=name, decisions=lines, decided_at=func.now())
+        await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name],
+                                                      set_={"decisions": lines, "decided_at": func.now()}))
 
 
 async def get_decisions(conn: AsyncConnection, name: str) -> list[str] | None:
     row = (await conn.execute(select(model_state.c.decisions).where(model_state.c.name == name))).first()
     return row.decisions if row else None
+
+
+async def get_decisions_at(conn: AsyncConnection, name: str) -> tuple[list[str] | None, datetime | None]:
+    """(the latest pass's lines about `name` ([] before any pass), when that pass ran); (None, None) for a
+    model the catalog never had."""
+    row = (await conn.execute(select(model_state.c.decisions, model_state.c.decided_at)
+                              .where(model_state.c.name == name))).first()
+    return (row.decisions or [], row.decided_at) if row else (None, None)

@@ -2,7 +2,8 @@
 
 Replica statuses: `starting` (placed; its start workflow is running) → `ready` (routable) → `draining`
 (no new requests) → `stopped`; or `failed` (a shard died or never became ready) and `lost` (its node was
-lost or came back without it). The last three are final.
+lost or came back without it). The last three are final. An ended replica is *settled* once a workflow
+has asked every one of its shards to stop and counted its failure; until then the reconciler sees it.
 """
 
 from __future__ import annotations
@@ -106,9 +107,12 @@ async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport
 
 
 async def mark_replica(
-    conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None
+    conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
+    reason: str | None = None,
 ) -> tuple[bool, str | None]:
-    """Move a replica to `status` if the transition is allowed. Returns (applied, status after)."""
+    """Move a replica to `status` if the transition is allowed. Returns (applied, status after).
+
+    `reason` is kept as `ended_reason` when `status` ends the replica (why it stopped)."""
     allowed = _TRANSITIONS.get(status)
     if allowed is None:
         raise ValueError(f"unknown replica status {status!r}")
@@ -121,6 +125,8 @@ async def mark_replica(
         values["ready_at"] = func.now()
     if status in ENDED_STATUSES:
         values["ended_at"] = func.now()
+        if reason or failure:
+            values["ended_reason"] = (reason or failure or "")[:2000]
     res = await conn.execute(
         update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(allowed))).values(**values)
         .returning(replicas.c.status)
@@ -135,6 +141,24 @@ async def mark_replica(
     return False, cur.status if cur else None
 
 
+async def settle_replica(conn: AsyncConnection, replica_id: str, reason: str | None = None) -> tuple[bool, str | None, str | None]:
+    """Record that every shard of an ended replica was asked to stop. Returns (applied, status, model);
+    applied is False when it was settled already or has not ended, so exactly one caller counts it."""
+    values: dict = {"settled_at": func.now()}
+    if reason:
+        values["ended_reason"] = func.coalesce(replicas.c.ended_reason, reason[:2000])
+    res = await conn.execute(
+        update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(ENDED_STATUSES),
+                                    replicas.c.settled_at.is_(None)))
+        .values(**values).returning(replicas.c.status, replicas.c.model)
+    )
+    row = res.first()
+    if row is not None:
+        return True, row.status, row.model
+    cur = (await conn.execute(select(replicas.c.status, replicas.c.model).where(replicas.c.id == replica_id))).first()
+    return False, cur.status if cur else None, cur.model if cur else None
+
+
 async def get_replica(conn: AsyncConnection, replica_id: str):
     return (await conn.execute(select(replicas).where(replicas.c.id == replica_id))).mappings().first()
 
@@ -144,17 +168,29 @@ async def replica_shards(conn: AsyncConnection, replica_id: str) -> list[ShardPl
     return [ShardPlacement(node_id=r.node_id, rank=r.rank, gpus=list(r.gpus or [])) for r in rows]
 
 
-async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200):
+async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200, model: str | None = None):
+    """Replica rows, newest first, each with its rank-0 `node_id` and `shards` (node, rank, gpus, status)."""
     q = select(replicas, shards.c.node_id).join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0), isouter=True)
     if not include_ended:
         q = q.where(replicas.c.status.not_in(ENDED_STATUSES))
+    if model is not None:
+        q = q.where(replicas.c.model == model)
     q = q.order_by(replicas.c.created_at.desc()).limit(limit)
-    return (await conn.execute(q)).mappings().all()
+    rows = (await conn.execute(q)).mappings().all()
+    ids = [r["id"] for r in rows]
+    by_rep: dict[str, list[dict]] = {}
+    if ids:
+        srows = (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).mappings().all()
+        for sr in srows:
+            by_rep.setdefault(sr["replica_id"], []).append(
+                {"node_id": sr["node_id"], "rank": sr["rank"], "gpus": list(sr["gpus"] or []), "status": sr["status"]})
+    return [{**r, "shards": by_rep.get(r["id"], [])} for r in rows]
 
 
 async def active_replicas_with_shards(conn: AsyncConnection):
-    """(replica row, [shard rows]) for every replica that is not ended."""
-    reps = (await conn.execute(select(replicas).where(replicas.c.status.not_in(ENDED_STATUSES)))).mappings().all()
+    """(replica row, [shard rows]) for every replica that is not ended, and every ended one not yet settled."""
+    reps = (await conn.execute(select(replicas).where(
+        (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))).mappings().all()
     ids = [r["id"] for r in reps]
     shard_rows = (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).mappings().all() if ids else []
     by_rep: dict[str, list] = {}

@@ -27,6 +27,7 @@ model_state = Table(
     Column("last_used_at", DateTime(timezone=True)),
     Column("in_flight", Integer, nullable=False, server_default="0"),
     Column("decisions", JSONB),  # the latest reconcile pass's reasons for this model (ctl explain)
+    Column("decided_at", DateTime(timezone=True)),  # when that pass ran (0003_fleet)
 )
 
 nodes = Table(
@@ -51,6 +52,8 @@ replicas = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("ready_at", DateTime(timezone=True)),
     Column("ended_at", DateTime(timezone=True)),
+    Column("settled_at", DateTime(timezone=True)),  # every shard asked to stop, failure counted (0003_fleet)
+    Column("ended_reason", Text),  # why it stopped: idle, evicted, node lost, ... (0003_fleet)
 )
 
 shards = Table(

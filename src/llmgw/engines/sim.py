@@ -1,4 +1,9 @@
-"""Adapter for the built-in sim engine (`python -m llmgw.engines.sim_server`)."""
+"""Adapter for the built-in sim engine (`python -m llmgw.engines.sim_server`).
+
+Single shard: one process serving HTTP. Multi-node: one process per shard with its `--rank`; workers get
+no HTTP port and join rank 0 at the replica's rendezvous (`llmgw.engines.sim_group`); a worker has joined
+when rank 0 lists its rank.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,29 @@ import sys
 import aiohttp
 
 from llmgw.engines.base import EngineAdapter, LaunchPlan, ShardSpec, base_env
+from llmgw.engines.sim_group import query_status
 
 
 class SimAdapter(EngineAdapter):
     name = "sim"
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
-        argv = [sys.executable, "-m", "llmgw.engines.sim_server", "--host", spec.host, "--port", str(spec.port),
-                "--model", spec.model, *spec.profile.args]
+        argv = [sys.executable, "-m", "llmgw.engines.sim_server", "--model", spec.model, "--host", spec.host]
+        if spec.rendezvous is not None:
+            argv += ["--rank", str(spec.rank), "--world-size", str(spec.world_size),
+                     "--rendezvous", spec.rendezvous.address, "--token", spec.rendezvous.token]
+        if not spec.is_worker:
+            argv += ["--port", str(spec.port)]
+        argv += spec.profile.args
         env = base_env(spec) | dict(spec.profile.env)
-        return LaunchPlan(argv=argv, env=env, endpoint=f"http://{spec.host}:{spec.port}")
+        endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
+        return LaunchPlan(argv=argv, env=env, endpoint=endpoint)
+
+    async def joined(self, session: aiohttp.ClientSession, spec: ShardSpec) -> bool:
+        if spec.rendezvous is None:
+            return True
+        status = await query_status(spec.rendezvous.address)
+        return bool(status) and status.get("token") == spec.rendezvous.token and spec.rank in status.get("joined", [])
 
     async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
         try:

@@ -6,6 +6,13 @@ the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` 
 are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503 until
 `--startup-delay` seconds have passed, then 200 with the number of requests in flight.
 
+A multi-node (tensor-parallel) sim replica is one process per shard, each with its `--rank`, all given the
+replica's `--rendezvous HOST:PORT`, `--world-size` and `--token` (`llmgw.engines.sim_group`): rank 0
+listens there and is the only one serving HTTP; its `/health` stays 503 until every worker has joined,
+and each request it serves is a collective with every worker. Workers serve nothing; they join rank 0
+(retrying while it is not up: workers start first) and exit when it goes away, as rank 0 exits when a
+worker does.
+
 Run: `python -m llmgw.engines.sim_server --port 9000 --model sim-small [--tokens-per-second 50]`.
 """
 
@@ -15,10 +22,13 @@ import argparse
 import asyncio
 import hashlib
 import json
+import signal
 import time
 import uuid
 
 from aiohttp import web
+
+from llmgw.engines.sim_group import Group, run_worker
 
 GREEK = "α β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω".split()
 OWNED_BY = "llmgw-sim"
@@ -30,20 +40,29 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 
 
 class SimEngine:
-    def __init__(self, model: str, tokens_per_second: float, startup_delay: float, rank: int = 0):
+    def __init__(self, model: str, tokens_per_second: float, startup_delay: float, rank: int = 0,
+                 group: Group | None = None):
         self.model = model
         self.delay = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.ready_at = time.monotonic() + startup_delay
         self.in_flight = 0
         self.rank = rank
+        self.group = group
 
     def token(self, i: int) -> str:
         return GREEK[i % len(GREEK)] + " "
 
+    def _group_view(self) -> dict:
+        if self.group is None:
+            return {"world_size": 1, "joined": [0]}
+        return {"world_size": self.group.world_size, "joined": self.group.joined}
+
     async def health(self, request: web.Request) -> web.Response:
         if time.monotonic() < self.ready_at:
-            return web.json_response({"status": "loading"}, status=503)
-        return web.json_response({"status": "ok", "in_flight": self.in_flight, "rank": self.rank})
+            return web.json_response({"status": "loading", **self._group_view()}, status=503)
+        if self.group is not None and not self.group.complete:
+            return web.json_response({"status": "waiting for ranks to join", **self._group_view()}, status=503)
+        return web.json_response({"status": "ok", "in_flight": self.in_flight, "rank": self.rank, **self._group_view()})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -93,11 +112,15 @@ class SimEngine:
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         if not isinstance(n, int) or n < 1:
             return error(400, "`max_tokens` must be a positive integer", param="max_tokens")
+        if self.group is not None and not self.group.complete:
+            return error(503, "the replica's ranks have not all joined yet", code="not_ready")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         self.in_flight += 1
         try:
+            if self.group is not None:
+                await self.group.step()
             if not body.get("stream"):
                 for _ in range(n):
                     if self.delay:
@@ -142,14 +165,43 @@ def make_app(engine: SimEngine) -> web.Application:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="llmgw-sim", description="llmgw's simulated OpenAI-compatible engine")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, help="HTTP port (rank 0 only)")
     p.add_argument("--model", required=True)
     p.add_argument("--tokens-per-second", type=float, default=50.0, help="0 = no delay")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before /health answers 200")
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1, help="shards in the replica (multi-node)")
+    p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
+    p.add_argument("--token", default="", help="the replica's id; a shard with another is refused")
+    p.add_argument("--join-timeout", type=float, default=600.0, help="seconds a worker waits for rank 0")
     args = p.parse_args(argv)
-    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank)
-    web.run_app(make_app(engine), host=args.host, port=args.port, print=None, access_log=None)
+    if args.world_size > 1 and not args.rendezvous:
+        p.error("--world-size > 1 needs --rendezvous HOST:PORT")
+    if args.rank > 0:
+        asyncio.run(run_worker(args.rendezvous, args.rank, args.world_size, args.token, args.join_timeout))
+        return
+    if args.port is None:
+        p.error("rank 0 serves HTTP: --port is required")
+    asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    group = None
+    if args.world_size > 1:
+        group = Group(args.rendezvous, args.world_size, args.token)
+        await group.start()
+    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group)
+    runner = web.AppRunner(make_app(engine), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":

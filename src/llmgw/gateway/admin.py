@@ -9,11 +9,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.catalog.loader import CatalogError, parse_catalog
+from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.status import node_status
 from llmgw.schemas.api import (
-    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, NodeView, ReplicaView,
+    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, NodeView, ReplicaView, ShardView,
 )
 from llmgw.schemas.payloads import ReclaimInput, ReclaimResult
 from llmgw.workflows.queues import CONTROL_QUEUE
@@ -45,12 +45,15 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
 
     @app.post("/admin/v1/catalog", response_model=ApplyResponse)
     async def apply(req: ApplyRequest) -> ApplyResponse:
-        catalog = parse_catalog(req.catalog)
+        loaded = read_catalog(req.catalog)
         async with engine.begin() as conn:
             if req.dry_run:
-                return await catalog_repo.diff_catalog(conn, catalog)
-            diff = await catalog_repo.apply_catalog(conn, catalog)
-        await temporal.wake("catalog applied")
+                diff = await catalog_repo.diff_catalog(conn, loaded.catalog)
+            else:
+                diff = await catalog_repo.apply_catalog(conn, loaded.catalog)
+        diff.notes = loaded.notes
+        if not req.dry_run:
+            await temporal.wake("catalog applied")
         return diff
 
     @app.get("/admin/v1/models")
@@ -62,8 +65,10 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         for m in catalog.models:
             mine = [r for r in reps if r["model"] == m.name]
             sc = m.effective_scaling
-            out.append({"name": m.name, "aliases": m.aliases, "engines": sorted({p.engine for p in m.profiles}),
-                        "min": sc.min, "max": sc.max, "simulated": m.simulated,
+            mode = "off" if sc.off else "on demand" if sc.on_demand else f"min {sc.min}"
+            out.append({"name": m.name, "aliases": m.aliases, "fallbacks": m.fallbacks,
+                        "engines": sorted({p.engine for p in m.profiles}), "min": sc.min, "max": sc.max,
+                        "mode": mode, "priority": m.priority, "role": m.role, "simulated": m.simulated,
                         "replicas": {s: sum(1 for r in mine if r["status"] == s) for s in sorted({r["status"] for r in mine})}})
         return out
 
@@ -71,9 +76,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     async def replicas(all: bool = False):
         async with engine.connect() as conn:
             rows = await fleet_repo.list_replicas(conn, include_ended=all)
-        return [ReplicaView(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
-                            endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"],
-                            failure=r["failure"]) for r in rows]
+        return [_replica_view(r) for r in rows]
 
     @app.get("/admin/v1/nodes", response_model=list[NodeView])
     async def nodes():
@@ -96,9 +99,17 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
 
     @app.get("/admin/v1/explain/{model:path}")
     async def explain(model: str):
+        """The latest reconcile pass's lines about `model` (every candidate turned down, and why), when
+        that pass ran, and why each of its replicas is where it is (or why it stopped)."""
         async with engine.connect() as conn:
-            lines = await catalog_repo.get_decisions(conn, model)
-        return {"model": model, "decisions": lines or []}
+            lines, at = await catalog_repo.get_decisions_at(conn, model)
+            rows = await fleet_repo.list_replicas(conn, include_ended=True, limit=10, model=model)
+        if lines is None and not rows:
+            return JSONResponse(status_code=404, content={"error": {
+                "message": f"no model named {model!r} in the catalog (aliases are not resolved here)",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
+        return {"model": model, "decisions": lines or [], "decided_at": at,
+                "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}
 
     keys = ApiKeyService(engine)
 
@@ -121,3 +132,10 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         return KeyView(**row)
 
     return AdminGuard(app)
+
+
+def _replica_view(r) -> ReplicaView:
+    return ReplicaView(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
+                       endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
+                       shards=[ShardView(**s) for s in r.get("shards", [])], reason=r.get("reason"),
+                       ended_reason=r.get("ended_reason"))

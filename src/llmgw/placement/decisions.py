@@ -9,20 +9,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import ShardPlacement
 
+DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep"]
+
 
 class Decision(BaseModel):
     """One thing a pass decided.
 
     - `place`: start a replica of `model`/`profile` on `shards`.
     - `stop`: drain then stop `replica_id` (`drain` False stops at once, for a replica that cannot serve).
-    - `lost`: `replica_id` is gone with its node; record it and stop any shard left elsewhere.
+    - `evict`: drain then stop `replica_id` of a lower-priority model so that `for_model` can be placed.
+    - `lost`: `replica_id` is gone with its node; mark it lost and stop any shard left on other nodes.
+    - `cleanup`: `replica_id` ended (`failed`/`lost`) and may have shards still running: stop every one,
+      and count a failure against the model's backoff.
     - `refuse`: `model` needs a replica and nothing can take it; `refusals` give each candidate's reason.
-    - `wait`: `model` needs a replica but is held back (backoff, another placement this pass).
+    - `wait`: `model` needs a replica but is held back (backoff, drains in progress, one placement per pass).
+    - `keep`: nothing to do for `model`; `reason` says what it has and why that is what it wants.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["place", "stop", "lost", "refuse", "wait"]
+    kind: DecisionKind
     model: str
     reason: str
     replica_id: str | None = None
@@ -31,15 +37,23 @@ class Decision(BaseModel):
     shards: list[ShardPlacement] = Field(default_factory=list)
     refusals: list[str] = Field(default_factory=list)
     drain: bool = True
+    final_status: str = "stopped"  # what a stop/evict/lost/cleanup leaves the replica as
+    for_model: str | None = None  # evict: the model the room is made for
 
     def line(self) -> str:
         """One human-readable line (used in logs, traces and `llmgw ctl explain`)."""
+        rid = (self.replica_id or "")[:8]
         head = {
-            "place": f"place {self.model}/{self.profile} on " + ", ".join(f"{s.node_id}[rank {s.rank}]" for s in self.shards),
-            "stop": f"{'drain and stop' if self.drain else 'stop'} replica {self.replica_id} of {self.model}",
-            "lost": f"replica {self.replica_id} of {self.model} is lost",
+            "place": f"place {self.model}/{self.profile} on " + ", ".join(
+                f"{s.node_id}[rank {s.rank}" + (f", GPUs {','.join(map(str, s.gpus))}]" if s.gpus else "]")
+                for s in self.shards),
+            "stop": f"{'drain and stop' if self.drain else 'stop'} replica {rid} of {self.model}",
+            "evict": f"evict replica {rid} of {self.model} (drain, then stop)",
+            "lost": f"replica {rid} of {self.model} is lost",
+            "cleanup": f"stop every shard of {self.final_status} replica {rid} of {self.model}",
             "refuse": f"cannot place {self.model}",
             "wait": f"hold {self.model}",
+            "keep": f"keep {self.model}",
         }[self.kind]
         return f"{head}: {self.reason}"
 
@@ -56,9 +70,17 @@ class Plan(BaseModel):
     def of_kind(self, kind: str) -> list[Decision]:
         return [d for d in self.decisions if d.kind == kind]
 
+    def for_model(self, model: str) -> list[Decision]:
+        return [d for d in self.decisions if d.model == model]
+
     def explanations(self) -> dict[str, list[str]]:
+        """Model → this pass's lines about it, each refusal indented under its decision."""
         out: dict[str, list[str]] = {}
         for d in self.decisions:
             out.setdefault(d.model, []).append(d.line())
             out[d.model].extend(f"  {r}" for r in d.refusals)
         return out
+
+    def acts(self) -> bool:
+        """True when the pass changes something (anything but keep, wait and refuse)."""
+        return any(d.kind not in ("keep", "wait", "refuse") for d in self.decisions)

@@ -1,4 +1,15 @@
-"""Does a profile fit on a node? Resource arithmetic with a reason for every refusal."""
+"""Does one shard of a profile fit on one node? Resource arithmetic with a reason for every refusal.
+
+Rules (seeds 000 "Refuse a node with no room", 001 "Stop trusting hardware facts", 003 "Place llama.cpp
+across several GPUs"):
+- the node must be Ready (not Unreachable or Lost) and able to launch the engine;
+- disk room for the weights, skipped on a node that already holds them (holding the file is what used the
+  space, so without the skip the best-placed node is the one most likely refused); weights that starting
+  replicas are still fetching count as used;
+- GPUs: `gpus_per_shard` free cards, each with `gpu_memory_gb`; a group of NVLink peers when the topology
+  is known, else the lowest free indices;
+- host memory (`memory_gb`), which is what a CPU-only profile is placed by.
+"""
 
 from __future__ import annotations
 
@@ -8,83 +19,161 @@ from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import NodeSnap, ReplicaSnap
 from llmgw.weights.naming import cache_name_for
 
-
-def gpus_per_node(profile: Profile) -> int:
-    """GPUs one node gives a shard of this profile (0 = a CPU profile).
-
-    vLLM/SGLang: tp × pp spread over `nodes`. llama.cpp: `gpus_per_node` (unset = CPU). sim: like vLLM
-    when it plays a tensor-parallel replica, otherwise `gpus_per_node` or CPU.
-    """
-    if profile.engine in ("vllm", "sglang"):
-        return max(1, (profile.tp * profile.pp) // profile.nodes)
-    if profile.engine == "sim" and profile.gpus_per_node is None and profile.tp * profile.pp > 1:
-        return (profile.tp * profile.pp) // profile.nodes
-    return profile.gpus_per_node or 0
+HOLDING = ("starting", "ready", "draining")  # replica statuses that hold GPUs, memory and disk
 
 
 @dataclass
 class NodeUse:
-    """What active replicas already hold on one node."""
+    """What active replicas already hold on one node.
 
-    gpus: set[int] = field(default_factory=set)
+    `gpus` maps a held GPU index to the model holding it; `memory_mb` is host memory promised to shards;
+    `disk_mb` is weights that starting replicas are fetching and the node's free-disk figure may not show
+    yet; `shards` counts shards (the load used to break ties).
+    """
+
+    gpus: dict[int, str] = field(default_factory=dict)
     memory_mb: int = 0
+    disk_mb: int = 0
+    shards: int = 0
 
 
-def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profile]) -> dict[str, NodeUse]:
-    """Sum GPUs and host memory held per node by replicas that still hold resources."""
+def holds_weights(profile: Profile, node: NodeSnap) -> bool:
+    """True when the node's cache already has the profile's source (by cache name, seeds 000)."""
+    return bool(profile.source) and cache_name_for(profile.source) in node.inventory.cached_sources
+
+
+def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profile],
+             nodes: dict[str, NodeSnap] | None = None) -> dict[str, NodeUse]:
+    """Sum, per node id, what replicas hold: those in `HOLDING` statuses, and ended ones not yet settled,
+    whose shards may still be running (a failed replica's other shards hold their GPUs until stopped).
+    `profiles` maps (model, profile name) to the profile; `nodes` (by id) lets weights still being
+    fetched count against the node's disk."""
     use: dict[str, NodeUse] = {}
     for r in replicas:
-        if r.status not in ("starting", "ready", "draining"):
+        if r.status not in HOLDING and r.settled:
             continue
         prof = profiles.get((r.model, r.profile))
         for s in r.shards:
             u = use.setdefault(s.node_id, NodeUse())
-            u.gpus.update(s.gpus)
-            if prof is not None and prof.memory_gb:
+            u.shards += 1
+            for g in s.gpus:
+                u.gpus[g] = r.model
+            if prof is None:
+                continue
+            if prof.memory_gb:
                 u.memory_mb += int(prof.memory_gb * 1024)
+            node = (nodes or {}).get(s.node_id)
+            if r.status == "starting" and prof.disk_gb and node is not None and not holds_weights(prof, node):
+                u.disk_mb += int(prof.disk_gb * 1024)
     return use
 
 
-def fit_single_node(profile: Profile, node: NodeSnap, use: NodeUse) -> tuple[list[int] | None, str]:
-    """Try to place one shard of `profile` on `node`. Returns (gpu indices, "") or (None, reason)."""
+@dataclass
+class NodeFit:
+    """One node judged for one shard of one profile.
+
+    `gpus` is the chosen GPU indices ([] on CPU) or None when refused; `reason` says why it was refused.
+    `nvlink`: True when the chosen GPUs are all NVLink peers, False when the topology is known and no
+    free group of peers was left (the lowest free indices were taken instead), None when it does not apply
+    or the topology is unknown.
+    """
+
+    node: NodeSnap
+    gpus: list[int] | None
+    reason: str = ""
+    holds_weights: bool = False
+    nvlink: bool | None = None
+    load: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.gpus is not None
+
+    def preference(self) -> tuple:
+        """Sort key, best first: holds the weights, GPUs on NVLink, least loaded, then by id."""
+        return (0 if self.holds_weights else 1, 1 if self.nvlink is False else 0, self.load, self.node.id)
+
+    def remark(self) -> str:
+        """What a placement on this node should say about it."""
+        parts = ["holds the weights" if self.holds_weights else "least loaded"]
+        if self.nvlink:
+            parts.append("GPUs on NVLink")
+        elif self.nvlink is False:
+            parts.append("no free NVLink group, lowest free GPUs")
+        return ", ".join(parts)
+
+
+def _gb(mb: float) -> str:
+    return f"{mb / 1024:.1f} GB"
+
+
+def fit_node(profile: Profile, node: NodeSnap, use: NodeUse | None = None) -> NodeFit:
+    """Judge `node` (its status already derived) for one shard of `profile`. Never raises."""
+    use = use or NodeUse()
     inv = node.inventory
+    holds = holds_weights(profile, node)
+
+    def refuse(why: str) -> NodeFit:
+        return NodeFit(node, None, why, holds, load=use.shards)
+
     if node.status != "ready":
-        return None, f"node is {node.status}"
+        return refuse(f"node is {node.status}")
     if inv.engines and profile.engine not in inv.engines:
-        return None, f"engine {profile.engine} is not available on this node (it has {', '.join(inv.engines)})"
-    need_gpus = gpus_per_node(profile)
-    holds_weights = bool(profile.source) and cache_name_for(profile.source) in inv.cached_sources
-    if profile.disk_gb and not holds_weights and inv.disk_free_mb < profile.disk_gb * 1024:
-        return None, f"needs {profile.disk_gb:g} GB of disk for the weights, {inv.disk_free_mb / 1024:.1f} GB free"
-    if need_gpus == 0:
-        if profile.memory_gb:
-            free = inv.memory_mb - use.memory_mb
-            if free < profile.memory_gb * 1024:
-                return None, f"needs {profile.memory_gb:g} GB of memory, {free / 1024:.1f} GB free"
-        return [], ""
+        return refuse(f"engine {profile.engine} is not available on this node (it has {', '.join(inv.engines)})")
+    if profile.disk_gb and not holds:
+        free = inv.disk_free_mb - use.disk_mb
+        if free < profile.disk_gb * 1024:
+            pending = f", {_gb(use.disk_mb)} of it promised to weights being fetched" if use.disk_mb else ""
+            return refuse(f"needs {profile.disk_gb:g} GB of disk for the weights, {_gb(max(free, 0) + use.disk_mb)} "
+                          f"free{pending}; it does not hold them")
+    if profile.memory_gb:
+        free = inv.memory_mb - use.memory_mb
+        if free < profile.memory_gb * 1024:
+            return refuse(f"needs {profile.memory_gb:g} GB of host memory, {_gb(max(free, 0))} free")
+    need = profile.gpus_per_shard
+    if need == 0:
+        return NodeFit(node, [], "", holds, load=use.shards)
+    if not inv.gpus:
+        return refuse(f"has no GPU (needs {need})")
     free = [g for g in inv.gpus if g.index not in use.gpus]
     if profile.gpu_memory_gb:
         big = [g for g in free if g.memory_mb >= profile.gpu_memory_gb * 1024]
-        if len(big) < need_gpus:
-            return None, (f"needs {need_gpus} free GPU(s) with {profile.gpu_memory_gb:g} GB each; "
-                          f"{len(big)} of {len(inv.gpus)} qualify")
+        if len(big) < need:
+            small = sorted({g.memory_mb for g in inv.gpus})
+            return refuse(f"needs {need} free GPU(s) with {profile.gpu_memory_gb:g} GB each; {len(big)} free "
+                          f"qualify (cards have {', '.join(_gb(m) for m in small)}){_held(use)}")
         free = big
-    if len(free) < need_gpus:
-        return None, f"needs {need_gpus} free GPU(s), {len(free)} of {len(inv.gpus)} free"
-    return pick_gpus(free_indices=[g.index for g in free], peers={g.index: set(g.nvlink_peers) for g in inv.gpus}, count=need_gpus), ""
+    if len(free) < need:
+        return refuse(f"needs {need} free GPU(s), {len(free)} of {len(inv.gpus)} free{_held(use)}")
+    gpus, nvlink = pick_gpus([g.index for g in free], {g.index: set(g.nvlink_peers) for g in inv.gpus}, need)
+    return NodeFit(node, gpus, "", holds, nvlink, use.shards)
 
 
-def pick_gpus(free_indices: list[int], peers: dict[int, set[int]], count: int) -> list[int]:
-    """Choose `count` GPUs: a group that are all NVLink peers when the topology is known, else the lowest
-    free indices (right on NVSwitch boards; seeds 001 on PCIe bridges pairing specific cards)."""
+def _held(use: NodeUse) -> str:
+    if not use.gpus:
+        return ""
+    by_model: dict[str, list[int]] = {}
+    for g, m in sorted(use.gpus.items()):
+        by_model.setdefault(m, []).append(g)
+    return " (held: " + "; ".join(f"{m} on {','.join(map(str, gs))}" for m, gs in sorted(by_model.items())) + ")"
+
+
+def pick_gpus(free_indices: list[int], peers: dict[int, set[int]], count: int) -> tuple[list[int], bool | None]:
+    """Choose `count` GPUs from `free_indices`. Returns (indices, nvlink).
+
+    When the NVLink topology is known (any GPU lists a peer), the first group, from the lowest index,
+    whose members are all peers of each other: (group, True). When none is free: the lowest free indices
+    and False, so the caller can prefer another node and say why. Unknown topology (no peers anywhere, as
+    on an NVSwitch board seen without NVML): the lowest free indices and None (seeds 001).
+    """
     free = sorted(free_indices)
     if count <= 1 or not any(peers.values()):
-        return free[:count]
+        return free[:count], None
     for start in free:
         group = [start]
         for g in free:
-            if g != start and all(g in peers.get(h, set()) for h in group):
+            if g != start and all(g in peers.get(h, set()) or h in peers.get(g, set()) for h in group):
                 group.append(g)
             if len(group) == count:
-                return sorted(group)
-    return free[:count]
+                return sorted(group), True
+    return free[:count], False

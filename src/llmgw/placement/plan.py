@@ -1,12 +1,18 @@
 """One reconcile pass as a pure function: `plan_pass(snapshot) -> Plan`.
 
-Rules (seeds 003, "Phase 3 (2/3): catalog and reconciler"; DESIGN.md "Workflows"):
+Rules (seeds 003, "Phase 3 (2/3): catalog and reconciler" and "Load a model when someone asks for it";
+DESIGN.md "Workflows"):
 - keep `min` replicas of every model; on demand (`min 0, max > 0`) keep one while it is asked for and
-  stop it after `idle_timeout` without use, never with a request in flight;
-- never more than `max`; replicas whose model or profile left the catalog are stopped;
-- replicas on a Lost node are lost (and rebuilt by a later placement); Unreachable nodes keep theirs;
-- at most one placement per pass, because placement depends on what is already allocated;
-- a model in failure backoff is held, and says so.
+  stop it after `idle_timeout` without use, never with a request in flight; never more than `max`;
+- replicas whose model or profile left the catalog are stopped;
+- a node is Unreachable, then much later Lost (`placement.status`): an Unreachable node keeps its
+  replicas (a blip must not tear down a serving replica), a Lost node's replicas are lost and rebuilt;
+- an ended replica not yet settled (a shard failed, a node came back without it) has every shard stopped;
+- at most one placement per pass, because placement depends on what is already allocated; models are
+  considered by priority, highest first;
+- a model in failure backoff is held, and says so;
+- a model that cannot be placed may evict lower-priority replicas (`placement.preempt`);
+- every model gets a line, so `llmgw ctl explain` always describes the latest pass.
 """
 
 from __future__ import annotations
@@ -14,17 +20,18 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from llmgw.placement.decisions import Decision, Plan
-from llmgw.placement.fit import NodeUse, fit_single_node, node_use
+from llmgw.placement.fit import HOLDING
+from llmgw.placement.place import place_one
+from llmgw.placement.preempt import fits_after_drains, plan_eviction
 from llmgw.placement.status import node_status
 from llmgw.schemas.catalog import Model
-from llmgw.schemas.payloads import ModelState, NodeSnap, ShardPlacement, Snapshot
-from llmgw.weights.naming import cache_name_for
+from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
 
-HOLDING = ("starting", "ready", "draining")
+__all__ = ["backoff_delay", "desired_replicas", "place_one", "plan_pass"]
 
 
 def desired_replicas(model: Model, state: ModelState | None, now: datetime, serving: int) -> tuple[int, str]:
-    """How many replicas `model` should have now, and why."""
+    """How many replicas `model` should have now, and why. `serving` counts its starting and ready ones."""
     sc = model.effective_scaling
     if sc.off:
         return 0, "scaling is off (max 0)" if model.scaling else "no scaling stanza: off"
@@ -33,7 +40,7 @@ def desired_replicas(model: Model, state: ModelState | None, now: datetime, serv
     # On demand: wanted while asked for, until idle_timeout has passed since the last use.
     st = state or ModelState(name=model.name)
     if st.in_flight > 0:
-        return max(1, serving), f"{st.in_flight} request(s) in flight"
+        return max(1, min(serving, sc.max)), f"on demand, {st.in_flight} request(s) in flight"
     last = max([t for t in (st.demand_at, st.last_used_at) if t is not None], default=None)
     if last is None:
         return 0, "on demand, not asked for"
@@ -43,36 +50,32 @@ def desired_replicas(model: Model, state: ModelState | None, now: datetime, serv
     return 0, f"on demand, idle for {idle:.0f}s (idle_timeout {sc.idle_timeout:g}s)"
 
 
-def place_one(model: Model, nodes: list[NodeSnap], snapshot: Snapshot) -> Decision:
-    """Find a node for one replica of `model`, trying profiles in order. Every refusal carries a reason."""
-    profiles = {(m.name, p.name): p for m in snapshot.models for p in m.profiles}
-    use = node_use(snapshot.replicas, profiles)
-    refusals: list[str] = []
-    if not nodes:
-        return Decision(kind="refuse", model=model.name, reason="no node has registered", refusals=[])
-    for profile in model.profiles:
-        candidates: list[tuple[tuple, NodeSnap, list[int]]] = []
-        for node in nodes:
-            if profile.nodes > 1:
-                refusals.append(f"{profile.name} on {node.id}: multi-node profiles are placed by the fabric planner (not available)")
-                continue
-            gpus, why = fit_single_node(profile, node, use.get(node.id, NodeUse()))
-            if gpus is None:
-                refusals.append(f"{profile.name} on {node.id}: {why}")
-                continue
-            holds = bool(profile.source) and cache_name_for(profile.source) in node.inventory.cached_sources
-            load = sum(1 for r in snapshot.replicas if r.status in HOLDING for s in r.shards if s.node_id == node.id)
-            # Prefer nodes that hold the weights, then the least loaded, then by id for determinism.
-            candidates.append(((0 if holds else 1, load, node.id), node, gpus))
-        if candidates:
-            candidates.sort(key=lambda c: c[0])
-            _, node, gpus = candidates[0]
-            why = "holds the weights" if candidates[0][0][0] == 0 else "least loaded"
-            return Decision(
-                kind="place", model=model.name, profile=profile.name, profile_spec=profile,
-                shards=[ShardPlacement(node_id=node.id, rank=0, gpus=gpus)], reason=why, refusals=refusals,
-            )
-    return Decision(kind="refuse", model=model.name, reason="no node can take it", refusals=refusals)
+def _where(r: ReplicaSnap) -> str:
+    return ", ".join(sorted({s.node_id for s in r.shards})) or "no node"
+
+
+def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]) -> list[ReplicaSnap]:
+    """Decide lost, orphaned and unsettled replicas; return the live ones (active, model still wanted)."""
+    live: list[ReplicaSnap] = []
+    for r in snapshot.replicas:
+        if r.status not in HOLDING:
+            if not r.settled:
+                plan.decisions.append(Decision(
+                    kind="cleanup", model=r.model, replica_id=r.id, drain=False, final_status=r.status,
+                    reason=f"it is {r.status} and not every shard is known to have stopped ({_where(r)})"))
+            continue
+        lost_nodes = sorted({s.node_id for s in r.shards if plan.node_status.get(s.node_id, "lost") == "lost"})
+        model = catalog.get(r.model)
+        if lost_nodes:
+            plan.decisions.append(Decision(kind="lost", model=r.model, replica_id=r.id, drain=False,
+                                           final_status="lost", reason=f"node {', '.join(lost_nodes)} is lost"))
+        elif model is None or model.profile(r.profile) is None:
+            what = "model" if model is None else f"profile {r.profile!r}"
+            plan.decisions.append(Decision(kind="stop", model=r.model, replica_id=r.id,
+                                           reason=f"its {what} left the catalog"))
+        else:
+            live.append(r)
+    return live
 
 
 def plan_pass(snapshot: Snapshot) -> Plan:
@@ -86,67 +89,86 @@ def plan_pass(snapshot: Snapshot) -> Plan:
         nodes.append(n.model_copy(update={"status": status}))
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}
+    live = _ended_and_orphans(snapshot, plan, catalog)
+    evicting: set[str] = set()
 
-    # Replicas whose node is lost, or whose model/profile left the catalog.
-    live = []
-    for r in snapshot.replicas:
-        if r.status not in HOLDING:
-            continue
-        lost_nodes = [s.node_id for s in r.shards if plan.node_status.get(s.node_id, "lost") == "lost"]
-        model = catalog.get(r.model)
-        if lost_nodes:
-            plan.decisions.append(Decision(kind="lost", model=r.model, replica_id=r.id,
-                                           reason=f"node {', '.join(sorted(set(lost_nodes)))} is lost"))
-        elif model is None or model.profile(r.profile) is None:
-            what = "model" if model is None else f"profile {r.profile!r}"
-            plan.decisions.append(Decision(kind="stop", model=r.model, replica_id=r.id,
-                                           reason=f"its {what} left the catalog"))
-        else:
-            live.append(r)
-
-    placed = False
+    acted = False  # a placement or an eviction this pass: the next one waits for a fresh snapshot
     for model in sorted(snapshot.models, key=lambda m: (-m.priority, m.name)):
         if not model.profiles:
-            continue  # routed to static endpoints only
-        mine = [r for r in live if r.model == model.name and r.status in ("starting", "ready")]
+            plan.decisions.append(Decision(kind="keep", model=model.name, reason="routed to its static endpoints"))
+            continue
+        mine = [r for r in live if r.model == model.name and r.status in ("starting", "ready") and r.id not in evicting]
         serving = len(mine)
-        want, why = desired_replicas(model, states.get(model.name), now, serving)
+        st = states.get(model.name)
+        want, why = desired_replicas(model, st, now, serving)
         want = min(want, model.effective_scaling.max)
         if serving > want:
-            st = states.get(model.name)
             if st and st.in_flight > 0 and want == 0:
-                continue  # never stop a model with a request in flight
+                plan.decisions.append(Decision(kind="keep", model=model.name,
+                                               reason=f"{why}; not stopped with requests in flight"))
+                continue
             # Stop the newest first: the oldest have warm caches and proven health.
             extra = sorted(mine, key=lambda r: (r.status != "starting", -(r.created_at or now).timestamp()))
             for r in extra[: serving - want]:
                 plan.decisions.append(Decision(kind="stop", model=model.name, replica_id=r.id,
                                                reason=f"{serving} running, {want} wanted ({why})"))
-        elif serving < want:
-            st = states.get(model.name)
-            if st and st.backoff_until and st.backoff_until > now:
-                wait = (st.backoff_until - now).total_seconds()
-                plan.decisions.append(Decision(kind="wait", model=model.name,
-                                               reason=f"backing off {wait:.0f}s after {st.failures} failed start(s)"))
-                continue
-            if placed:
-                plan.more = True
-                plan.decisions.append(Decision(kind="wait", model=model.name,
-                                               reason=f"{serving} of {want} wanted; one placement per pass"))
-                continue
-            d = place_one(model, nodes, snapshot)
-            d.reason = f"{serving} of {want} wanted ({why}); {d.reason}"
+            continue
+        if serving == want:
+            where = "; ".join(f"{r.id[:8]} {r.status} on {_where(r)}" for r in mine)
+            plan.decisions.append(Decision(kind="keep", model=model.name,
+                                           reason=f"{serving} of {want} wanted ({why})" + (f": {where}" if where else "")))
+            continue
+        head = f"{serving} of {want} wanted ({why})"
+        if st and st.backoff_until and st.backoff_until > now:
+            wait = (st.backoff_until - now).total_seconds()
+            plan.decisions.append(Decision(kind="wait", model=model.name,
+                                           reason=f"{head}; backing off {wait:.0f}s after {st.failures} failed start(s)"))
+            continue
+        if acted:
+            plan.more = True
+            plan.decisions.append(Decision(kind="wait", model=model.name,
+                                           reason=f"{head}; one placement per pass, next pass"))
+            continue
+        d = place_one(model, nodes, snapshot)
+        if d.kind == "place":
+            d.reason = f"{head}; {d.reason}"
             plan.decisions.append(d)
-            if d.kind == "place":
-                placed = True
-                if serving + 1 < want:
-                    plan.more = True
+            acted = True
+            plan.more = plan.more or serving + 1 < want
+            continue
+        drains = fits_after_drains(model, nodes, snapshot)
+        if drains is not None:
+            ids, _ = drains
+            plan.decisions.append(Decision(kind="wait", model=model.name, refusals=d.refusals, reason=(
+                f"{head}; waiting for draining replica(s) {', '.join(i[:8] for i in ids)} to stop and free room")))
+            continue
+        ev = plan_eviction(model, nodes, snapshot, [r for r in live if r.id not in evicting], catalog, states)
+        if ev is None:
+            d.reason = f"{head}; {d.reason}"
+            plan.decisions.append(d)
+            continue
+        acted = True
+        names = []
+        for v in ev.victims:
+            evicting.add(v.id)
+            vm = catalog[v.model]
+            used = states.get(v.model).last_used_at if states.get(v.model) else None
+            ago = f"last used {(now - used).total_seconds():.0f}s ago" if used else "never used"
+            names.append(f"{v.id[:8]} of {v.model} on {_where(v)}")
+            plan.decisions.append(Decision(
+                kind="evict", model=v.model, replica_id=v.id, for_model=model.name,
+                reason=f"evicted for {model.name} (priority {model.priority} > {vm.priority}); {ago}"))
+        plan.decisions.append(Decision(kind="wait", model=model.name, refusals=d.refusals, reason=(
+            f"{head}; evicting {len(ev.victims)} lower-priority replica(s) to make room: {'; '.join(names)}; "
+            f"placed once they have drained ({ev.placement.reason})")))
     return plan
 
 
 def backoff_delay(failures: int, rand: float, base_s: float = 5.0, cap_s: float = 600.0) -> timedelta:
-    """Jittered exponential backoff after `failures` failed starts: base·2^(n-1), ±50 %, capped.
+    """Jittered exponential backoff after `failures` failed starts: base·2^(n-1), ±50 %, never above `cap_s`.
 
-    `rand` is a uniform [0, 1) draw (from `workflow.random()` in workflows, for determinism).
+    `rand` is a uniform [0, 1) draw. Jitter keeps a fleet of failing models from retrying in lockstep.
+    Carried on the model, not the replica, because the replica that failed is destroyed (seeds 003).
     """
-    raw = min(cap_s, base_s * (2 ** max(0, failures - 1)))
-    return timedelta(seconds=raw * (0.5 + rand))
+    raw = min(cap_s, base_s * (2 ** max(0, min(failures, 32) - 1)))
+    return timedelta(seconds=min(cap_s, raw * (0.5 + rand)))

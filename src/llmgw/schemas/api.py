@@ -59,14 +59,29 @@ class ApplyRequest(_Strict):
 
 
 class ApplyResponse(_Strict):
+    """What applying a catalog changes, by model name. `changes` lists, per changed model, one line per
+    field (`scaling.max: 1 -> 2`); `notes` are the upgrade repairs made to the catalog as written."""
+
     added: list[str] = Field(default_factory=list)
     changed: list[str] = Field(default_factory=list)
     removed: list[str] = Field(default_factory=list)
     unchanged: list[str] = Field(default_factory=list)
     applied: bool = False
+    changes: dict[str, list[str]] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+
+
+class ShardView(_Strict):
+    node_id: str
+    rank: int
+    gpus: list[int] = Field(default_factory=list)
+    status: str
 
 
 class ReplicaView(_Strict):
+    """A replica. `node_id` is rank 0's node; `shards` all of them. `reason` says why it was placed where it
+    is (the placement line, then every candidate turned down); `ended_reason` why it stopped."""
+
     id: str
     model: str
     profile: str
@@ -76,6 +91,9 @@ class ReplicaView(_Strict):
     created_at: datetime
     ready_at: datetime | None = None
     failure: str | None = None
+    shards: list[ShardView] = Field(default_factory=list)
+    reason: str | None = None
+    ended_reason: str | None = None
 
 
 class NodeView(_Strict):

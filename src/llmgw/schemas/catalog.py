@@ -29,12 +29,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration_s(value: object) -> object:
+    """`300`, `"300"`, `"300s"`, `"5m"`, `"1.5h"`, `"250ms"` -> seconds (float); anything else is returned
+    unchanged for pydantic to refuse with its own message."""
+    if isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        if m is None:
+            raise ValueError(f"{value!r} is not a duration; write seconds (300) or 300s, 5m, 1h")
+        return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    return value
+
+
 class Scaling(_Strict):
-    """How many replicas of a model to run. `idle_timeout` is in seconds."""
+    """How many replicas of a model to run. `idle_timeout` is in seconds (or a duration: `90s`, `10m`, `1h`)."""
 
     min: int = Field(0, ge=0)
     max: int = Field(0, ge=0)
     idle_timeout: float = Field(600.0, gt=0)
+
+    @field_validator("idle_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> object:
+        return parse_duration_s(v)
 
     @model_validator(mode="after")
     def _bounds(self) -> "Scaling":
@@ -58,10 +78,14 @@ class Profile(_Strict):
     - `source`: what the engine loads. `mirror:NAME` (a file or, ending in `/`, a version in the llmgw
       mirror), an `http(s)://` URL, an absolute or `./`-relative path on the node, or a bare model id
       (`org/name`) that vLLM/SGLang resolve themselves. The sim engine needs none.
-    - `tp`, `pp`, `nodes`: tensor/pipeline parallel sizes and node count (vLLM, SGLang).
-    - `gpus_per_node`: GPUs one llama.cpp replica splits its layers across.
-    - `gpu_memory_gb`: GPU memory needed per GPU; `memory_gb`: host memory for CPU-only profiles.
+    - `tp`, `pp`, `nodes`: tensor/pipeline parallel sizes and node count (vLLM, SGLang, and the sim engine
+      when it plays a tensor-parallel replica). `tp × pp` GPUs in all, `tp × pp / nodes` on each node.
+    - `gpus_per_node`: GPUs one llama.cpp replica splits its layers across (one node); unset = CPU.
+    - `gpu_memory_gb`: GPU memory needed on each GPU; `memory_gb`: host memory for CPU-only profiles;
+      `disk_gb`: disk the weights take in the node's cache (not needed where the node already holds them).
     - `args`, `env`: extra engine flags and environment, checked by the engine policy.
+
+    The arithmetic and the upgrade repairs are checked by `llmgw.catalog` (see docs/catalog.md).
     """
 
     name: str = "default"
@@ -87,6 +111,28 @@ class Profile(_Strict):
         import hashlib
 
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:32]
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """True when the profile splits one replica over several GPUs as tp × pp (not llama.cpp's split)."""
+        return self.engine in ("vllm", "sglang") or (self.engine == "sim" and self.tp * self.pp > 1)
+
+    @property
+    def gpus_per_shard(self) -> int:
+        """GPUs each shard (one engine process group on one node) takes; 0 = a CPU profile.
+
+        vLLM, SGLang and a tensor-parallel sim profile: `tp × pp / nodes` (the catalog refuses a product
+        that does not split evenly). llama.cpp and a plain sim profile: `gpus_per_node`, unset = CPU
+        (seeds 003, "Place llama.cpp across several GPUs").
+        """
+        if self.tensor_parallel:
+            return max(1, (self.tp * self.pp) // self.nodes)
+        return self.gpus_per_node or 0
+
+    @property
+    def shard_count(self) -> int:
+        """Shards (= nodes) one replica of this profile has: `nodes` for tensor-parallel profiles, else 1."""
+        return self.nodes if self.tensor_parallel else 1
 
 
 class Limits(_Strict):

@@ -21,6 +21,30 @@ class GPU(_Strict):
     nvlink_peers: list[int] = Field(default_factory=list)
 
 
+class HCAPort(_Strict):
+    """One port of an InfiniBand adapter as discovery (or a simulated inventory) sees it.
+
+    `state` is the port's logical state as sysfs spells it (`ACTIVE`, `INIT`, `DOWN`, `ARMED`); only
+    `ACTIVE` carries traffic: a port with a link and no subnet manager sits in INIT (seeds 001).
+    """
+
+    number: int = 1
+    state: str = "ACTIVE"
+    rate_gbps: float = 400.0
+
+
+class HCA(_Strict):
+    """An InfiniBand adapter (HCA, for example `mlx5_0`) and the fabric the operator declared it is on.
+
+    Fabric membership is configuration, not inferred: OpenSM's default subnet prefix is the same on every
+    fabric, so nothing on the wire tells two fabrics apart (seeds 001, "Stop trusting hardware facts").
+    """
+
+    name: str
+    fabric: str
+    ports: list[HCAPort] = Field(default_factory=lambda: [HCAPort()])
+
+
 class Fabric(_Strict):
     """An InfiniBand fabric this node is on, with the adapters (HCAs) that have an ACTIVE port.
 

@@ -47,6 +47,10 @@ class ShardPlacement(_Strict):
 
 
 class ReplicaSnap(_Strict):
+    """A replica as the reconciler sees it. Active ones (`starting`, `ready`, `draining`) hold resources;
+    an ended one (`stopped`, `failed`, `lost`) appears only while `settled` is False, that is until a
+    workflow has stopped every shard it had and counted its failure against the model."""
+
     id: str
     model: str
     profile: str
@@ -54,6 +58,7 @@ class ReplicaSnap(_Strict):
     shards: list[ShardPlacement] = Field(default_factory=list)
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    settled: bool = False
 
 
 class Snapshot(_Strict):
@@ -110,6 +115,12 @@ class ReplicaStartResult(_Strict):
 
 
 class ReplicaStopInput(_Strict):
+    """Drain (when `final_status` is `stopped` and `drain_timeout_s` > 0), stop every shard, settle.
+
+    `final_status` `failed` or `lost` marks the replica so at once (it leaves routing) and, for `failed`,
+    counts the failure against the model's backoff when this workflow is the one that settles it.
+    """
+
     replica_id: str
     reason: str = ""
     drain_timeout_s: float = 60.0
@@ -117,17 +128,34 @@ class ReplicaStopInput(_Strict):
 
 
 class MarkReplicaInput(_Strict):
-    """Move a replica to `status`. `ready` applies only to a starting replica (a stopped one stays stopped)."""
+    """Move a replica to `status`. `ready` applies only to a starting replica (a stopped one stays stopped).
+    `reason` is kept as why it ended when `status` is final."""
 
     replica_id: str
     status: str
     endpoint: str | None = None
     failure: str | None = None
+    reason: str | None = None
 
 
 class MarkReplicaResult(_Strict):
     applied: bool
     status: str
+
+
+class SettleReplicaInput(_Strict):
+    """Record that every shard of an ended replica was asked to stop; `reason` says why it ended."""
+
+    replica_id: str
+    reason: str = ""
+
+
+class SettleReplicaResult(_Strict):
+    """`applied` is False when another workflow settled it first (so only one counts its failure)."""
+
+    applied: bool
+    status: str
+    model: str = ""
 
 
 class ReplicaShardsInput(_Strict):
@@ -154,6 +182,28 @@ class FetchWeightsResult(_Strict):
     fetched: bool = False  # False when it was already in the cache or nothing needed fetching
 
 
+class Rendezvous(_Strict):
+    """Where the shards of a multi-node replica meet: an address on rank 0's node, opened before any
+    shard launches so that workers (started first) know where to join.
+
+    - `address`: `host:port` on rank 0's node (the sim engine's group listener; SGLang's
+      `--dist-init-addr`; the Ray head's GCS port for vLLM).
+    - `world_size`: shards in the replica (= nodes); ranks are 0 .. world_size-1.
+    - `token`: the replica id; a shard that presents another is refused, so a stale worker of an earlier
+      replica on a reused port never joins the wrong group.
+    """
+
+    address: str
+    world_size: int
+    token: str
+
+
+class OpenRendezvousInput(_Strict):
+    replica_id: str
+    engine: str
+    world_size: int
+
+
 class LaunchShardInput(_Strict):
     shard_id: str
     replica_id: str
@@ -162,6 +212,7 @@ class LaunchShardInput(_Strict):
     rank: int = 0
     gpus: list[int] = Field(default_factory=list)
     weights_path: str | None = None
+    rendezvous: Rendezvous | None = None  # set for every shard of a multi-node replica
 
 
 class LaunchShardResult(_Strict):
@@ -179,6 +230,18 @@ class WaitShardReadyInput(_Strict):
 class WaitShardReadyResult(_Strict):
     shard_id: str
     endpoint: str
+
+
+class WaitShardJoinedInput(_Strict):
+    """Wait until worker shard `shard_id` (rank > 0) has joined its replica's rendezvous."""
+
+    shard_id: str
+    timeout_s: float = 900.0
+
+
+class WaitShardJoinedResult(_Strict):
+    shard_id: str
+    waited_s: float = 0.0
 
 
 class StopShardInput(_Strict):

@@ -24,11 +24,13 @@ from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
 from llmgw.schemas.inventory import ShardReport
+from llmgw.schemas.simulate import SimulatedNode
 from llmgw.temporal import connect
 from llmgw.weights.fetcher import Fetcher
 from llmgw.workers.discovery import discover, discover_gpus
 from llmgw.workers.infiniband import discover_fabrics
 from llmgw.telemetry import AgentMetrics
+from llmgw.workers.simulate import simulated_inventory
 from llmgw.workers.supervisor import Shard, Supervisor
 from llmgw.workflows.queues import node_queue
 
@@ -36,12 +38,15 @@ log = logging.getLogger(__name__)
 
 
 class Agent:
-    def __init__(self, settings: Settings, stop_engines_on_exit: bool = False):
+    """One node worker. `simulate` (from `--simulate SPEC`) replaces hardware discovery's output."""
+
+    def __init__(self, settings: Settings, stop_engines_on_exit: bool = False, simulate: SimulatedNode | None = None):
         self.settings = settings
+        self.simulate = simulate
         self.node_id = settings.resolved_node_id
         self.boot_id = uuid.uuid4().hex
         self.stop_engines_on_exit = stop_engines_on_exit
-        self.engines = Engines(settings.llama_server)
+        self.engines = Engines(settings.llama_server, settings.vllm, settings.ray, settings.sglang_python)
         self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url)
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit)
@@ -81,6 +86,9 @@ class Agent:
         return [s.report() for s in self.supervisor.running()]
 
     def inventory(self):
+        if self.simulate is not None:
+            return simulated_inventory(self.simulate, self.settings.resolved_cache_dir, self.engines.names(),
+                                       self.fetcher.cached_names())
         if self._gpus is None:
             # GPUs and adapters do not come and go while the worker runs: discovered once, reasons logged here,
             # on the machine whose operator can fix them.
@@ -101,8 +109,12 @@ class Agent:
         for shard_id in resp.stop:
             log.warning("control plane asks to stop shard %s, which it cannot identify or no longer wants", shard_id)
             await self.supervisor.stop(shard_id)
+        if not self.registered.is_set():
+            for note in inv.notes:
+                log.info("inventory: %s", note)
         self.registered.set()
-        log.info("registered node %s (%d shard(s) running, engines: %s)", self.node_id, len(body.shards), ", ".join(inv.engines))
+        log.info("registered node %s (%d shard(s) running, engines: %s, GPUs: %d, fabrics: %s)", self.node_id,
+                 len(body.shards), ", ".join(inv.engines), len(inv.gpus), ", ".join(f.name for f in inv.fabrics) or "none")
 
     async def report(self, report: ShardReport) -> None:
         """Send one shard transition; retried briefly, then left to the next registration."""

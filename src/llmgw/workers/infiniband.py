@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from llmgw.schemas.inventory import Fabric
+from llmgw.schemas.inventory import HCA, Fabric, HCAPort
+from llmgw.workers.fabric import advertise_fabrics
 
 SYSFS_ROOT = Path("/sys/class/infiniband")
 
@@ -36,45 +37,46 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def port_states(hca_dir: Path) -> dict[str, tuple[str, float]]:
-    """port number -> (state name, rate in Gb/s) for one adapter."""
-    out = {}
+def read_ports(hca_dir: Path) -> list[HCAPort]:
+    """The ports of one adapter with their state name (`ACTIVE`, `INIT`, ...) and rate in Gb/s."""
     ports = hca_dir / "ports"
     if not ports.is_dir():
-        return out
+        return []
+    out = []
     for p in sorted(ports.iterdir(), key=lambda p: p.name):
         state = _read(p / "state")
-        out[p.name] = (state.split(":", 1)[-1].strip() if state else "UNKNOWN", parse_rate(_read(p / "rate")))
+        out.append(HCAPort(number=int(p.name) if p.name.isdigit() else 0,
+                           state=state.split(":", 1)[-1].strip() if state else "UNKNOWN",
+                           rate_gbps=parse_rate(_read(p / "rate"))))
     return out
+
+
+def read_hcas(declared: dict[str, list[str]], root: Path = SYSFS_ROOT) -> tuple[list[HCA], list[str]]:
+    """The declared adapters that exist in sysfs, with their ports; a note for each one that does not."""
+    hcas: list[HCA] = []
+    notes: list[str] = []
+    present = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    for fabric, adapters in sorted(declared.items()):
+        found = 0
+        for name in adapters:
+            if name not in present:
+                notes.append(f"adapter {name} on fabric {fabric} is declared but not on this node "
+                             f"(present: {', '.join(present) or 'none'}); not advertised")
+                continue
+            hcas.append(HCA(name=name, fabric=fabric, ports=read_ports(root / name)))
+            found += 1
+        if not found:
+            notes.append(f"fabric {fabric} is not advertised: none of its declared adapters is on this node")
+    return hcas, notes
 
 
 def discover_fabrics(declared: dict[str, list[str]], root: Path = SYSFS_ROOT) -> tuple[list[Fabric], list[str]]:
     """Fabrics this node can really use, and one note per declared adapter or fabric left out (with why).
 
     `declared` maps fabric name -> adapter names from agent.yaml, e.g. {"ib-a": ["mlx5_0", "mlx5_1"]}.
+    What is found goes through `advertise_fabrics`, the one place the ACTIVE-port and slowest-link rules
+    live (the simulated inventory uses it too).
     """
-    fabrics: list[Fabric] = []
-    notes: list[str] = []
-    for name, adapters in sorted(declared.items()):
-        usable: list[str] = []
-        rates: list[float] = []
-        for hca in adapters:
-            hca_dir = root / hca
-            if not hca_dir.is_dir():
-                present = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-                notes.append(f"fabric {name}: adapter {hca} is declared but not on this node "
-                             f"(present: {', '.join(present) or 'none'}); not advertised")
-                continue
-            states = port_states(hca_dir)
-            active = [rate for state, rate in states.values() if state == "ACTIVE"]
-            if not active:
-                seen = ", ".join(f"port {n} {s}" for n, (s, _) in states.items()) or "no ports"
-                notes.append(f"fabric {name}: adapter {hca} has no ACTIVE port ({seen}); not advertised")
-                continue
-            usable.append(hca)
-            rates.append(min(active))
-        if usable:
-            fabrics.append(Fabric(name=name, adapters=usable, rate_gbps=min(rates)))
-        else:
-            notes.append(f"fabric {name}: no usable adapter; this node does not advertise it")
-    return fabrics, notes
+    hcas, notes = read_hcas(declared, root)
+    fabrics, more = advertise_fabrics(hcas)
+    return fabrics, notes + more

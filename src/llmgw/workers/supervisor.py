@@ -26,6 +26,7 @@ import psutil
 from llmgw.engines.base import LaunchPlan, ShardSpec
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.inventory import ShardReport
+from llmgw.schemas.payloads import Rendezvous
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4000
@@ -65,13 +66,15 @@ class Shard:
             "weights_path": self.spec.weights_path, "host": self.spec.host, "port": self.spec.port,
             "pid": self.pid, "create_time": self.create_time, "endpoint": self.endpoint, "argv": self.argv,
             "log_path": str(self.log_path), "state": self.state, "started_at": self.started_at,
+            "rendezvous": self.spec.rendezvous.model_dump(mode="json") if self.spec.rendezvous else None,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> "Shard":
         spec = ShardSpec(shard_id=d["shard_id"], replica_id=d["replica_id"], model=d["model"],
                          profile=Profile.model_validate(d["profile"]), rank=d["rank"], gpus=d["gpus"],
-                         weights_path=d["weights_path"], host=d["host"], port=d["port"])
+                         weights_path=d["weights_path"], host=d["host"], port=d["port"],
+                         rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None)
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", "starting"), adopted=True,
                    started_at=d.get("started_at", time.time()))
@@ -240,12 +243,12 @@ class Supervisor:
             await asyncio.sleep(interval_s)
 
 
-def kill_leftover_engines(shard_root: Path) -> int:
-    """SIGKILL the process group of every engine still alive under `<shard_root>/<node>/*.json` and remove
-    the spec files; for `llmgw dev` and tests after a worker died without stopping its engines.
-    Returns how many were killed."""
+def kill_leftover_engines(shard_root: Path, node_id: str = "*") -> int:
+    """SIGKILL the process group of every engine still alive under `<shard_root>/<node>/*.json` (one node,
+    or all) and remove the spec files; for `llmgw dev` and tests after a worker died without stopping its
+    engines. Returns how many were killed."""
     killed = 0
-    for spec in shard_root.glob("*/*.json"):
+    for spec in shard_root.glob(f"{node_id}/*.json"):
         try:
             d = json.loads(spec.read_text())
             if alive(d["pid"], d["create_time"]):

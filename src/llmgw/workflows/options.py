@@ -16,6 +16,12 @@ FETCH = dict(
     schedule_to_start_timeout=NODE_PICKUP,
     retry_policy=RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=2)),
 )
+# A short node activity (open a rendezvous, ask about a shard): the node answers at once or is down.
+NODE_QUICK = dict(
+    start_to_close_timeout=timedelta(seconds=30),
+    schedule_to_start_timeout=NODE_PICKUP,
+    retry_policy=RetryPolicy(maximum_attempts=3),
+)
 LAUNCH = dict(
     start_to_close_timeout=timedelta(seconds=120),
     schedule_to_start_timeout=NODE_PICKUP,

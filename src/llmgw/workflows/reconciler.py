@@ -2,8 +2,10 @@
 
 Each pass reads a snapshot (activity), plans with the pure `plan_pass`, records its decisions for
 `llmgw ctl explain`, and starts child workflows (replica start/stop, abandoned on close so they outlive a
-continue-as-new). Woken by the `wake` signal (catalog changed, node registered, demand, replica failed)
-and by a timer. Continues as new every `MAX_PASSES` passes to keep its history short.
+continue-as-new): `place` starts a replica; `stop` and `evict` drain then stop one; `lost` and `cleanup`
+stop every shard of one that cannot serve. Woken by the `wake` signal (catalog changed, node registered,
+demand, replica failed or stopped) and by a timer. Continues as new every `MAX_PASSES` passes to keep its
+history short.
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ class ReconcilerWorkflow:
                 pass
             if workflow.info().is_continue_as_new_suggested():
                 break
-        workflow.continue_as_new(ReconcilerInput(passes=inp.passes + MAX_PASSES, interval_s=inp.interval_s))
+        workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + MAX_PASSES}))
 
     async def _act(self, plan: Plan, inp: ReconcilerInput) -> None:
         lines = [d.line() for d in plan.decisions]
         self._last = lines
-        if lines:
-            workflow.logger.info("reconcile pass: %s", "; ".join(lines))
+        if plan.acts():
+            acting = [d.line() for d in plan.decisions if d.kind not in ("keep", "wait")]
+            workflow.logger.info("reconcile pass: %s", "; ".join(acting))
             # A pass that does something is a span, with every decision and refusal (no-op when tracing is off).
             otel.completed_span("reconcile pass", attributes={
                 "llmgw.decisions": lines, "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]})
@@ -76,7 +79,7 @@ class ReconcilerWorkflow:
         for d in plan.decisions:
             if d.kind == "place":
                 await self._place(d, inp)
-            elif d.kind in ("stop", "lost"):
+            elif d.kind in ("stop", "evict", "lost", "cleanup"):
                 await self._stop(d, inp)
 
     async def _place(self, d: Decision, inp: ReconcilerInput) -> None:
@@ -84,7 +87,7 @@ class ReconcilerWorkflow:
         await workflow.execute_activity(
             "record_placement",
             RecordPlacementInput(replica_id=replica_id, model=d.model, profile=d.profile or "default",
-                                 shards=d.shards, reason=d.reason),
+                                 shards=d.shards, reason="\n".join([d.line(), *d.refusals])),
             task_queue=CONTROL_QUEUE, **options.CONTROL,
         )
         assert d.profile_spec is not None
@@ -102,8 +105,8 @@ class ReconcilerWorkflow:
             await workflow.start_child_workflow(
                 ReplicaStopWorkflow.run,
                 ReplicaStopInput(replica_id=d.replica_id, reason=d.reason,
-                                 drain_timeout_s=inp.drain_timeout_s if d.kind == "stop" and d.drain else 0,
-                                 final_status="lost" if d.kind == "lost" else "stopped"),
+                                 drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
+                                 final_status=d.final_status),
                 id=replica_stop_id(d.replica_id), task_queue=CONTROL_QUEUE,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             )

@@ -1,0 +1,60 @@
+"""Adapter for SGLang (`python -m sglang.launch_server`).
+
+`--model-path PATH --served-model-name NAME --host H --port P --tp TP --pp-size PP --enable-metrics` +
+profile args. SGLang's `--tp` is the total tensor-parallel size across every node. Multi-node, every shard
+runs the same command with `--nnodes N --node-rank R --dist-init-addr RANK0:PORT` (the rendezvous
+address); only rank 0 serves HTTP, and it becomes ready only once every rank has joined, so rank 0's
+readiness is the proof that the workers joined (the default `joined`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import aiohttp
+
+from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
+from llmgw.engines.metrics_text import gauge_sum
+
+
+def has_module(python: str, module: str) -> bool:
+    """Whether `python` can import `module`, without importing it (SGLang takes seconds to import)."""
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+class SglangAdapter(EngineAdapter):
+    name = "sglang"
+
+    def __init__(self, python: str | None = None):
+        self.python = python or sys.executable
+
+    def available(self) -> bool:
+        return has_module(self.python, "sglang")
+
+    def build(self, spec: ShardSpec) -> LaunchPlan:
+        p = spec.profile
+        if not spec.weights_path:
+            raise EngineError(f"profile for {spec.model} has no source; SGLang needs a model id or a weights directory")
+        argv = [self.python, "-m", "sglang.launch_server", "--model-path", spec.weights_path,
+                "--served-model-name", spec.model, "--tp", str(p.tp), "--pp-size", str(p.pp), "--enable-metrics"]
+        rz = spec.rendezvous
+        if rz is not None:
+            argv += ["--nnodes", str(rz.world_size), "--node-rank", str(spec.rank), "--dist-init-addr", rz.address]
+        if not spec.is_worker:
+            argv += ["--host", spec.host, "--port", str(spec.port)]
+        argv += p.args
+        endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
+        return LaunchPlan(argv=argv, env=base_env(spec) | dict(p.env), endpoint=endpoint)
+
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
+        try:
+            async with session.get(endpoint + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                n = gauge_sum(await r.text(), "sglang:num_running_reqs")
+                return None if n is None else int(n)
+        except (aiohttp.ClientError, TimeoutError):
+            return None

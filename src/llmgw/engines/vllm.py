@@ -1,0 +1,79 @@
+"""Adapter for vLLM (`vllm serve`), single node or multi-node with Ray.
+
+Single node: `vllm serve MODEL --host H --port P --served-model-name NAME --tensor-parallel-size TP
+--pipeline-parallel-size PP` + profile args. `MODEL` is the fetched weights directory or a bare model id,
+passed untouched (seeds 000).
+
+Multi-node (vLLM's documented recipe: a Ray cluster, then `vllm serve` on the head with
+`--distributed-executor-backend ray`, TP × PP spanning every node's GPUs):
+- the rendezvous address is the Ray head's GCS port on rank 0's node;
+- each worker shard runs `ray start --address HEAD --node-ip-address H --num-gpus N --block`, wrapped by
+  `llmgw.engines.ray_launch join`, which waits for the head to accept connections (workers launch
+  before rank 0);
+- rank 0 runs `llmgw.engines.ray_launch head`: `ray start --head --port P ... --block`, then, once
+  `ray status` counts every node of the replica, `vllm serve ...` — so rank 0 becomes ready only when
+  all workers have joined, which is the proof `joined` relies on.
+All of a shard's processes share its process group: stopping the shard stops Ray and vLLM together.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import aiohttp
+
+from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
+from llmgw.engines.metrics_text import gauge_sum
+
+
+class VllmAdapter(EngineAdapter):
+    name = "vllm"
+
+    def __init__(self, vllm: str | None = None, ray: str | None = None):
+        self.vllm = vllm or shutil.which("vllm")
+        self.ray = ray or shutil.which("ray")
+
+    def available(self) -> bool:
+        return self.vllm is not None
+
+    def serve_argv(self, spec: ShardSpec, multi_node: bool) -> list[str]:
+        p = spec.profile
+        if not spec.weights_path:
+            raise EngineError(f"profile for {spec.model} has no source; vLLM needs a model id or a weights directory")
+        argv = [self.vllm or "vllm", "serve", spec.weights_path, "--host", spec.host, "--port", str(spec.port),
+                "--served-model-name", spec.model, "--tensor-parallel-size", str(p.tp),
+                "--pipeline-parallel-size", str(p.pp)]
+        if multi_node:
+            argv += ["--distributed-executor-backend", "ray"]
+        return argv + p.args
+
+    def build(self, spec: ShardSpec) -> LaunchPlan:
+        if not self.vllm:
+            raise EngineError("vLLM is not installed on this node; set LLMGW_VLLM to the `vllm` executable")
+        env = base_env(spec) | dict(spec.profile.env)
+        rz = spec.rendezvous
+        if rz is None:
+            return LaunchPlan(argv=self.serve_argv(spec, False), env=env, endpoint=f"http://{spec.host}:{spec.port}")
+        if not self.ray:
+            raise EngineError("multi-node vLLM needs Ray on this node; set LLMGW_RAY to the `ray` executable")
+        gpus = str(len(spec.gpus) or spec.profile.gpus_per_shard)
+        launcher = [sys.executable, "-m", "llmgw.engines.ray_launch"]
+        if spec.is_worker:
+            argv = launcher + ["join", "--address", rz.address, "--"] + [
+                self.ray, "start", "--address", rz.address, "--node-ip-address", spec.host, "--num-gpus", gpus, "--block"]
+            return LaunchPlan(argv=argv, env=env, endpoint="")
+        head_host, head_port = rz.address.rsplit(":", 1)
+        argv = launcher + ["head", "--ray", self.ray, "--address", rz.address, "--nodes", str(rz.world_size), "--",
+                           self.ray, "start", "--head", "--node-ip-address", head_host, "--port", head_port,
+                           "--num-gpus", gpus, "--block", "--"] + self.serve_argv(spec, True)
+        return LaunchPlan(argv=argv, env=env | {"RAY_ADDRESS": rz.address},
+                          endpoint=f"http://{spec.host}:{spec.port}")
+
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
+        try:
+            async with session.get(endpoint + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                n = gauge_sum(await r.text(), "vllm:num_requests_running")
+                return None if n is None else int(n)
+        except (aiohttp.ClientError, TimeoutError):
+            return None

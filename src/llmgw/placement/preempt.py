@@ -1,0 +1,84 @@
+"""Eviction and preemption: make room for a higher-priority model by draining lower-priority replicas.
+
+Rules (DESIGN.md "Workflows"; issue 3): only replicas of models with a strictly lower `priority` are
+candidates, lowest priority first and, within a priority, the model used least recently (never used
+counts as oldest); a replica already draining is not a candidate, it is already leaving. A replica is
+evicted only when its going makes the placement possible: victims are added in that order until the
+model fits, then any victim the placement turns out not to need is spared again (most recently used
+first). Evicted replicas drain before they stop; the model is placed by a later pass, once they are gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from llmgw.placement.decisions import Decision
+from llmgw.placement.place import place_one
+from llmgw.schemas.catalog import Model
+from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
+
+_NEVER = datetime.min.replace(tzinfo=timezone.utc)
+
+
+@dataclass
+class Eviction:
+    """Victims to drain and stop (in the order chosen) and the placement they make possible."""
+
+    victims: list[ReplicaSnap]
+    placement: Decision
+
+
+def eviction_order(model: Model, live: list[ReplicaSnap], catalog: dict[str, Model],
+                   states: dict[str, ModelState]) -> list[ReplicaSnap]:
+    """Candidates for eviction in the order they go: lowest priority, least recently used, newest replica."""
+    def key(r: ReplicaSnap) -> tuple:
+        st = states.get(r.model)
+        used = (st.last_used_at if st else None) or _NEVER
+        created = r.created_at.timestamp() if r.created_at else 0.0
+        return (catalog[r.model].priority, used, -created, r.id)
+
+    return sorted((r for r in live if r.status in ("starting", "ready") and r.model in catalog
+                   and catalog[r.model].priority < model.priority), key=key)
+
+
+def plan_eviction(model: Model, nodes: list[NodeSnap], snapshot: Snapshot, live: list[ReplicaSnap],
+                  catalog: dict[str, Model], states: dict[str, ModelState]) -> Eviction | None:
+    """The fewest lower-priority replicas, in `eviction_order`, whose going lets `model` be placed; None
+    when evicting every candidate would not be enough (then nothing is evicted)."""
+    order = eviction_order(model, live, catalog, states)
+    if not order:
+        return None
+    holding = list(snapshot.replicas)
+
+    def without(victims: list[ReplicaSnap]) -> Decision:
+        gone = {v.id for v in victims}
+        return place_one(model, nodes, snapshot, [r for r in holding if r.id not in gone])
+
+    victims: list[ReplicaSnap] = []
+    placed: Decision | None = None
+    for r in order:
+        victims.append(r)
+        d = without(victims)
+        if d.kind == "place":
+            placed = d
+            break
+    if placed is None:
+        return None
+    for r in reversed(list(victims)):
+        trial = [v for v in victims if v.id != r.id]
+        d = without(trial)
+        if d.kind == "place":
+            victims, placed = trial, d
+    return Eviction(victims, placed)
+
+
+def fits_after_drains(model: Model, nodes: list[NodeSnap], snapshot: Snapshot) -> tuple[list[str], Decision] | None:
+    """When `model` fits once the replicas now draining have stopped: (their ids, that placement)."""
+    draining = [r for r in snapshot.replicas if r.status == "draining"]
+    if not draining:
+        return None
+    d = place_one(model, nodes, snapshot, [r for r in snapshot.replicas if r.status != "draining"])
+    if d.kind != "place":
+        return None
+    return [r.id for r in draining], d

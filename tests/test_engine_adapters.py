@@ -1,0 +1,112 @@
+"""Engine adapters build the engines' documented command lines: vLLM (`vllm serve`, Ray for multi-node)
+and SGLang (`sglang.launch_server` with `--dist-init-addr`, `--nnodes`, `--node-rank`) for a TP8 replica
+over two 4-GPU nodes; llama.cpp across several GPUs of one node. Never a shell string."""
+
+from __future__ import annotations
+
+from llmgw.engines.base import ShardSpec
+from llmgw.engines.llamacpp import LlamaCppAdapter
+from llmgw.engines.metrics_text import gauge_sum
+from llmgw.engines.ray_launch import count_active_nodes
+from llmgw.engines.sglang import SglangAdapter
+from llmgw.engines.vllm import VllmAdapter
+from llmgw.schemas.catalog import Profile
+from llmgw.schemas.payloads import Rendezvous
+
+TP8 = Profile(engine="vllm", source="Qwen/Qwen2.5-72B-Instruct", tp=8, nodes=2, args=["--max-model-len", "8192"])
+RZ = Rendezvous(address="10.0.0.1:6379", world_size=2, token="rep1")
+
+
+def spec(profile: Profile, rank: int, host: str, gpus=(0, 1, 2, 3), rz=RZ) -> ShardSpec:
+    return ShardSpec(shard_id=f"rep1-r{rank}", replica_id="rep1", model="qwen-72b", profile=profile, rank=rank,
+                     gpus=list(gpus), weights_path=profile.source, host=host, port=8000, rendezvous=rz)
+
+
+def after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_vllm_single_node_argv():
+    p = Profile(engine="vllm", source="Qwen/Qwen2.5-7B-Instruct", tp=2)
+    plan = VllmAdapter("/opt/vllm/bin/vllm", "/opt/vllm/bin/ray").build(spec(p, 0, "10.0.0.1", (0, 1), rz=None))
+    assert plan.argv[:3] == ["/opt/vllm/bin/vllm", "serve", "Qwen/Qwen2.5-7B-Instruct"]  # the bare id, untouched
+    assert after(plan.argv, "--tensor-parallel-size") == "2" and after(plan.argv, "--pipeline-parallel-size") == "1"
+    assert after(plan.argv, "--served-model-name") == "qwen-72b" and after(plan.argv, "--port") == "8000"
+    assert "--distributed-executor-backend" not in plan.argv
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert plan.endpoint == "http://10.0.0.1:8000"
+
+
+def test_vllm_tp8_over_two_nodes_uses_ray():
+    a = VllmAdapter("/opt/vllm/bin/vllm", "/opt/vllm/bin/ray")
+    head = a.build(spec(TP8, 0, "10.0.0.1"))
+    worker = a.build(spec(TP8, 1, "10.0.0.2"))
+    # Rank 0: Ray head on the rendezvous port, then vllm serve over the Ray cluster of 2 nodes.
+    parts = " ".join(head.argv).split(" -- ")
+    assert "ray_launch head" in parts[0] and "--nodes 2" in parts[0]
+    assert parts[1].split() == ["/opt/vllm/bin/ray", "start", "--head", "--node-ip-address", "10.0.0.1", "--port", "6379",
+                                "--num-gpus", "4", "--block"]
+    serve = parts[2].split()
+    assert serve[:3] == ["/opt/vllm/bin/vllm", "serve", "Qwen/Qwen2.5-72B-Instruct"]
+    assert after(serve, "--tensor-parallel-size") == "8"
+    assert after(serve, "--distributed-executor-backend") == "ray"
+    assert serve[-2:] == ["--max-model-len", "8192"]
+    assert head.endpoint == "http://10.0.0.1:8000"
+    # Rank 1: joins the head's address; serves no HTTP.
+    wparts = " ".join(worker.argv).split(" -- ")
+    assert wparts[1].split() == ["/opt/vllm/bin/ray", "start", "--address", "10.0.0.1:6379", "--node-ip-address",
+                                 "10.0.0.2", "--num-gpus", "4", "--block"]
+    assert worker.endpoint == ""
+
+
+def test_sglang_tp8_over_two_nodes():
+    p = Profile(engine="sglang", source="/models/qwen-72b/", tp=8, nodes=2)
+    a = SglangAdapter("/opt/sglang/bin/python")
+    r0 = a.build(spec(p, 0, "10.0.0.1")).argv
+    r1 = a.build(spec(p, 1, "10.0.0.2")).argv
+    for argv, rank in ((r0, "0"), (r1, "1")):
+        assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+        assert after(argv, "--model-path") == "/models/qwen-72b/"
+        assert after(argv, "--tp") == "8"  # SGLang's --tp is the total across nodes
+        assert after(argv, "--nnodes") == "2" and after(argv, "--node-rank") == rank
+        assert after(argv, "--dist-init-addr") == "10.0.0.1:6379"
+    assert after(r0, "--port") == "8000" and "--port" not in r1  # only rank 0 serves HTTP
+
+
+def test_llamacpp_splits_layers_across_gpus_of_one_node(tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    p = Profile(engine="llamacpp", source="mirror:m.gguf", gpus_per_node=2)
+    s = ShardSpec(shard_id="r-r0", replica_id="r", model="m", profile=p, gpus=[2, 3], weights_path="/cache/m.gguf",
+                  port=9000)
+    plan = LlamaCppAdapter(str(binary)).build(s)
+    assert plan.argv[:3] == [str(binary), "--model", "/cache/m.gguf"]
+    assert after(plan.argv, "--n-gpu-layers") == "999" and after(plan.argv, "--split-mode") == "layer"
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_profile_env_reaches_the_engine_and_nothing_else_does(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("LD_PRELOAD", "/tmp/evil.so")
+    p = Profile(engine="vllm", source="org/m", env={"VLLM_ATTENTION_BACKEND": "FLASHINFER"})
+    plan = VllmAdapter("vllm", "ray").build(spec(p, 0, "h", rz=None))
+    assert plan.env["VLLM_ATTENTION_BACKEND"] == "FLASHINFER"
+    assert "AWS_SECRET_ACCESS_KEY" not in plan.env and "LD_PRELOAD" not in plan.env
+
+
+def test_ray_status_parsing_and_metric_sums():
+    status = """======== Autoscaler status: 2026-11-29 12:00:00 ========
+Node status
+---------------------------------------------------------------
+Active:
+ 1 node_5f4e3d2c1b0a
+ 1 node_0a1b2c3d4e5f
+Pending:
+ (no pending nodes)
+Recent failures:
+ (no failures)
+"""
+    assert count_active_nodes(status) == 2
+    assert count_active_nodes("Active:\n (no active nodes)\nPending:\n") == 0
+    text = 'vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting{model_name="m"} 7.0\n'
+    assert gauge_sum(text, "vllm:num_requests_running") == 3 and gauge_sum(text, "sglang:num_running_reqs") is None

@@ -1,0 +1,84 @@
+"""The catalog through the real path: `llmgw ctl apply` shows the diff and the upgrade repairs before it
+acts; the repairs reach what is stored and what placement uses; a catalog already stored by an older
+llmgw is repaired when read; a bad catalog is refused whole, with an error naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import psycopg
+import pytest
+import yaml
+
+from tests.fleet import sim_spec
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+CATALOG = {"models": [
+    {"name": "gguf", "scaling": {"min": 1, "max": 1},
+     "profiles": [{"engine": "llamacpp", "source": "mirror:m.gguf", "tp": 2}]},
+    {"name": "hub", "scaling": {"min": 0, "max": 1},
+     "profiles": [{"engine": "vllm", "source": "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct", "tp": 1}]},
+]}
+
+
+def test_ctl_apply_shows_repairs_and_diff_and_the_repairs_reach_placement(control_plane, tmp_path, database_url):
+    cp = control_plane.start()
+    cp.agent("node-a", simulate=sim_spec(gpus=1))
+    [node] = [n for n in cp.wait_nodes("node-a") if n["id"] == "node-a"]
+    f = tmp_path / "catalog.yaml"
+    f.write_text(yaml.safe_dump(CATALOG))
+
+    out = cp.ctl("apply", "-f", str(f), "--yes")
+    assert out.returncode == 0, out.stderr
+    assert "repaired: models[0] (gguf).profiles[0] (default).tp: read as gpus_per_node: 2" in out.stdout
+    assert ("repaired: models[1] (hub).profiles[0] (default).source: the repository page "
+            "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct is read as the repository id Qwen/Qwen2.5-0.5B-Instruct") in out.stdout
+    assert "  + gguf" in out.stdout and "  + hub" in out.stdout and out.stdout.rstrip().endswith("applied")
+    stored = httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]
+    assert stored[0]["profiles"][0] == {"engine": "llamacpp", "source": "mirror:m.gguf", "gpus_per_node": 2}
+    assert stored[1]["profiles"][0]["source"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+    # Placement uses the repaired width: two GPUs wanted, the node has one.
+    if "llamacpp" in node["inventory"]["engines"]:
+        wait_until(lambda: any("default on node-a: needs 2 free GPU(s), 1 of 1 free" in line
+                               for line in cp.explain("gguf")["decisions"]), timeout_s=20, what="gguf refused for GPUs")
+
+    # A change shows field by field; an unchanged apply says so.
+    CATALOG["models"][1]["scaling"]["max"] = 2
+    f.write_text(yaml.safe_dump(CATALOG))
+    out = cp.ctl("apply", "-f", str(f), "--yes")
+    assert "  ~ hub\n      scaling.max: 1 -> 2" in out.stdout, out.stdout
+    assert "no changes" in cp.ctl("apply", "-f", str(f), "--yes").stdout
+
+    # What an older llmgw stored is repaired when read.
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO catalog_models (name, position, spec) VALUES (%s, %s, %s)",
+                     ("old", 9, json.dumps({"name": "old", "profiles": [
+                         {"engine": "llamacpp", "source": "mirror:old.gguf", "tp": 4}]})))
+    stored = httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]
+    assert stored[-1]["profiles"][0] == {"engine": "llamacpp", "source": "mirror:old.gguf", "gpus_per_node": 4}
+
+
+def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path):
+    cp = control_plane.start()
+    good = {"models": [{"name": "small", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]}]}
+    assert cp.apply(good).status_code == 200
+
+    bad = {"models": [*good["models"], {"name": "big", "fallbacks": ["smal"], "scaling": {"min": 1, "max": 1},
+                                        "profiles": [{"engine": "sim", "tp": 3, "nodes": 2}]}]}
+    r = cp.apply(bad)
+    assert r.status_code == 400
+    problems = r.json()["error"]["problems"]
+    assert "models[1] (big).fallbacks: no model or alias named 'smal'" in problems
+    assert any(p.startswith("models[1] (big).profiles[0] (default).nodes: tp × pp = 3 GPUs do not split evenly") for p in problems)
+
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump({"models": [{"name": "g", "profiles": [
+        {"engine": "llamacpp", "source": "mirror:g.gguf", "tp": 2, "nodes": 2}]}]}))
+    out = cp.ctl("apply", "-f", str(f), "--yes")
+    assert out.returncode == 2
+    assert "models[0] (g).profiles[0] (default).nodes: llama.cpp runs a replica on one node; remove `nodes`" in out.stderr
+    assert [m["name"] for m in httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]] == ["small"]

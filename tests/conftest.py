@@ -35,9 +35,7 @@ def postgres():
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def database_url(postgres):
-    """A fresh, migrated database for one test."""
+def _fresh_database(postgres):
     name = "t_" + uuid.uuid4().hex[:12]
     admin = f"postgresql://postgres@127.0.0.1:{postgres.port}/postgres"
     with psycopg.connect(admin, autocommit=True) as conn:
@@ -45,6 +43,18 @@ def database_url(postgres):
     yield f"postgresql://postgres@127.0.0.1:{postgres.port}/{name}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(postgres):
+    """A fresh, migrated database for one test."""
+    yield from _fresh_database(postgres)
+
+
+@pytest.fixture(scope="module")
+def module_database_url(postgres):
+    """A fresh, migrated database shared by one test module (for a gateway the module's tests share)."""
+    yield from _fresh_database(postgres)
 
 
 NAMESPACES = [f"test-{i}" for i in range(64)]

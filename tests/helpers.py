@@ -102,14 +102,16 @@ class ControlPlane:
         self.procs.append(p)
         return p
 
-    def start(self, mirror: bool = False) -> "ControlPlane":
+    def start(self, mirror: bool = False, worker: bool = True) -> "ControlPlane":
         server = self.spawn("server", "server")
-        self.spawn("worker", "worker")
+        if worker:
+            self.spawn("worker", "worker")
         if mirror:
             m = self.spawn("mirror", "mirror", "serve")
             wait_port(self.ports["mirror"], 30, m.proc, "mirror")
         wait_port(self.ports["admin"], 60, server.proc, "admin API")
         wait_port(self.ports["node_api"], 60, server.proc, "node API")
+        wait_port(self.ports["gateway"], 60, server.proc, "gateway")
         return self
 
     def agent(self, node_id: str, name: str | None = None, stop_engines_on_exit: bool = True,

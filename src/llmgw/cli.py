@@ -18,6 +18,8 @@ ctl_app = typer.Typer(no_args_is_help=True, help="Operate a running control plan
 db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
 cert_app = typer.Typer(no_args_is_help=True, help="llmgw's private CA and the node API's mutual-TLS certificates.")
 ctl_app.add_typer(cert_app, name="cert")
+keys_app = typer.Typer(no_args_is_help=True, help="Gateway API keys: create, list, revoke.")
+ctl_app.add_typer(keys_app, name="keys")
 app.add_typer(mirror_app, name="mirror")
 app.add_typer(ctl_app, name="ctl")
 app.add_typer(db_app, name="db")
@@ -89,10 +91,10 @@ def dev(
 @app.command()
 def server(migrate: bool = typer.Option(True, help="Apply database migrations at start")):
     """The gateway (OpenAI API), the admin API (loopback) and the node API."""
-    from llmgw.gateway.server import run_server
+    from llmgw.gateway.server import main as run_server
 
     settings = setup_process("llmgw-server")
-    asyncio.run(run_server(settings, migrate=migrate))
+    run_server(settings, migrate=migrate)
 
 
 @app.command()
@@ -368,6 +370,53 @@ def ctl_reclaim(collect: bool = typer.Option(False, "--collect", help="Ask each 
         typer.echo(f"{node}: did not answer")
     if not collect and any(n["unwanted"] for n in out["nodes"]):
         typer.echo("nothing was deleted; run again with --collect to ask the nodes to delete these")
+
+
+def _post(path: str, body: dict):
+    import httpx
+
+    try:
+        with _admin() as c:
+            r = c.post(path, json=body)
+    except httpx.ConnectError:
+        typer.echo(f"cannot reach the admin API at {Settings().resolved_admin_url}; "
+                   "is `llmgw server` (or dev) running?", err=True)
+        raise typer.Exit(1)
+    if r.status_code != 200:
+        _fail(r)
+    return r.json()
+
+
+@keys_app.command("create")
+def keys_create(name: str = typer.Option("", "--name", help="Whose key this is (free text)")):
+    """Create an API key and print it. It is shown only now: only its hash is stored."""
+    k = _post("/admin/v1/keys", {"name": name})
+    typer.echo(k["key"])
+    typer.echo(f"created key {k['id']}{' (' + k['name'] + ')' if k['name'] else ''}; it cannot be shown again. "
+               "Once any key exists the gateway requires one (see docs/gateway.md).", err=True)
+
+
+@keys_app.command("list")
+def keys_list():
+    """Every API key: id, name, first characters, created, revoked."""
+    for k in _get("/admin/v1/keys"):
+        state = f"revoked {k['revoked_at']}" if k["revoked_at"] else "active"
+        typer.echo(f"{k['id']}  {k['prefix']}...  {k['name'] or '-':20s} created {k['created_at']}  {state}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, yes: bool = typer.Option(False, "--yes", "-y", help="Revoke without asking")):
+    """Revoke a key by id. Every gateway refuses it within a moment (they are notified)."""
+    match = [k for k in _get("/admin/v1/keys") if k["id"] == key_id]
+    if not match:
+        typer.echo(f"no API key with id {key_id!r}; `llmgw ctl keys list` shows them", err=True)
+        raise typer.Exit(1)
+    k = match[0]
+    typer.echo(f"  {k['id']}  {k['prefix']}...  {k['name'] or '-'}")
+    if not yes and not typer.confirm("revoke?"):
+        raise typer.Exit(1)
+    _post(f"/admin/v1/keys/{key_id}/revoke", {})
+    typer.echo("revoked")
 
 
 @db_app.command("upgrade")

@@ -90,6 +90,15 @@ class Settings(BaseSettings):
     node_lost_after_s: float = 300.0
     route_refresh_s: float = 2.0
 
+    # Gateway (docs/gateway.md). A request for a model that is loading waits `load_wait_s`, then gets 503
+    # + Retry-After; an engine silent for `upstream_timeout_s` (before its answer starts, or between
+    # chunks) gets 504. API keys: unset = required once any key has been created; true = always; false = never.
+    load_wait_s: float = 5.0
+    upstream_timeout_s: float = 300.0
+    require_api_key: bool | None = None
+    breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...
+    breaker_open_s: float = 10.0  # ... for this long, then one trial request decides
+
     @field_validator("database_url")
     @classmethod
     def _driver(cls, v: str | None) -> str | None:

@@ -3,6 +3,10 @@
 Tracing follows a replica's start across processes: the Temporal tracing interceptor carries the span
 context in workflow and activity headers, so the reconciler's pass, the `ReplicaStartWorkflow` on the
 control worker and `fetch_weights` / `launch_shard` / `wait_shard_ready` on the node share one trace.
+
+Gateway metric labels are bounded: `model` is a catalog model's name, or `unknown` for requests that never
+resolved to one (a client-chosen string never becomes a label); `status` is an HTTP status code, with 499
+for a client that went away; `stage` is `request` or `response`.
 """
 
 from __future__ import annotations
@@ -15,22 +19,66 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class GatewayMetrics:
-    """`llmgw_requests_total{model,status}`, `llmgw_request_seconds{model}`, `llmgw_in_flight{model}`."""
+    """The gateway's metrics, on their own registry (rendered at `/metrics`).
+
+    - `llmgw_requests_total{model,status}`: inference requests by outcome;
+    - `llmgw_request_seconds{model}`: until the last byte; `llmgw_ttft_seconds{model}`: until the first
+      byte of a streamed answer reached the client (time to first token);
+    - `llmgw_in_flight{model}`: requests this gateway holds (queued ones included); `llmgw_queued{model}`:
+      those waiting for a concurrency slot;
+    - `llmgw_ready_replicas{model}`, `llmgw_open_breakers{model}`: from the route table, at scrape time;
+    - `llmgw_upstream_retries_total{model}`: requests sent to another replica before the first byte;
+    - `llmgw_guard_refusals_total{model,stage}`.
+    """
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("llmgw_requests", "Inference requests", ["model", "status"], registry=self.registry)
-        self.latency = Histogram("llmgw_request_seconds", "Request duration (s), until the last byte", ["model"],
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.ready = Gauge("llmgw_ready_replicas", "Ready replicas per model in the route table", ["model"],
-                           registry=self.registry)
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("llmgw_requests", "Inference requests", ["model", "status"], registry=r)
+        self.latency = Histogram("llmgw_request_seconds", "Request duration until the last byte (s)", ["model"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("llmgw_ttft_seconds", "Time to the first streamed byte relayed to the client (s)",
+                              ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self.in_flight = Gauge("llmgw_in_flight", "Requests this gateway holds, queued ones included", ["model"],
+                               registry=r)
+        self.queued = Gauge("llmgw_queued", "Requests waiting for a concurrency slot", ["model"], registry=r)
+        self.ready = Gauge("llmgw_ready_replicas", "Routable replicas per model in the route table", ["model"],
+                           registry=r)
+        self.open_breakers = Gauge("llmgw_open_breakers", "Endpoints whose circuit breaker is open", ["model"],
+                                   registry=r)
+        self.retries = Counter("llmgw_upstream_retries", "Requests retried on another replica before the first byte",
+                               ["model"], registry=r)
+        self.guard_refusals = Counter("llmgw_guard_refusals", "Requests or responses refused by a guard model",
+                                      ["model", "stage"], registry=r)
+        self._children: dict[tuple, tuple] = {}
 
-    def observe(self, model: str, status: int, seconds: float) -> None:
-        self.requests.labels(model, str(status)).inc()
-        self.latency.labels(model).observe(seconds)
+    def begin(self, model: str) -> None:
+        self._model(model)[2].inc()
+
+    def end(self, model: str) -> None:
+        self._model(model)[2].dec()
+
+    def _model(self, model: str) -> tuple:
+        c = self._children.get((model,))
+        if c is None:
+            c = self._children[(model,)] = (self.latency.labels(model), self.ttft.labels(model),
+                                            self.in_flight.labels(model))
+        return c
+
+    def observe(self, model: str, status: int, seconds: float, ttft_s: float | None = None) -> None:
+        """One finished request: its outcome, duration and, for a stream, time to first byte (seconds)."""
+        key = (model, status)
+        counter = self._children.get(key)
+        if counter is None:
+            counter = self._children[key] = self.requests.labels(model, str(status))
+        counter.inc()
+        lat, ttft, _ = self._model(model)
+        lat.observe(seconds)
+        if ttft_s is not None:
+            ttft.observe(ttft_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

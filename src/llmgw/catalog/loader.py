@@ -91,9 +91,9 @@ def parse_catalog(raw: Any) -> Catalog:
 
 
 def check_catalog(catalog: Catalog) -> None:
-    """Cross-model rules, in place: unique names and aliases; fallbacks that exist, rewritten to the model
-    names they resolve to (seeds 003: a typo in a fallback stops the apply instead of surfacing during the
-    outage the fallback was for); per profile the arithmetic, the source and the engine policy."""
+    """Cross-model rules, in place: unique names and aliases; fallbacks and guard models that exist, rewritten
+    to the model names they resolve to (seeds 003: a typo in a fallback stops the apply instead of surfacing
+    during the outage the fallback was for); per profile the arithmetic, the source and the engine policy."""
     problems: list[str] = []
     seen: dict[str, str] = {}
     for i, m in enumerate(catalog.models):
@@ -112,6 +112,15 @@ def check_catalog(catalog: Catalog) -> None:
             elif seen[f] not in resolved:
                 resolved.append(seen[f])
         m.fallbacks = resolved
+        if m.guard is not None:
+            judge = next((g for g in catalog.models if g.name == seen.get(m.guard.model)), None)
+            if judge is None:
+                problems.append(f"models[{i}] ({m.name}).guard.model: no model or alias named {m.guard.model!r}")
+            elif judge.role != "guard" or judge.name == m.name:
+                problems.append(f"models[{i}] ({m.name}).guard.model: {m.guard.model!r} is not another model "
+                                "with `role: guard`")
+            else:
+                m.guard.model = judge.name
         for j, p in enumerate(m.profiles):
             where = f"models[{i}] ({m.name}).profiles[{j}] ({p.name})"
             problems += check_arithmetic(p, where)

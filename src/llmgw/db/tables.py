@@ -71,6 +71,16 @@ shards = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+api_keys = Table(
+    "api_keys", metadata,
+    Column("id", Text, primary_key=True),
+    Column("name", Text, nullable=False, server_default=""),
+    Column("prefix", Text, nullable=False),  # the key's first characters, to recognise it in a list
+    Column("key_hash", Text, nullable=False, unique=True),  # sha256 of the key; the key itself is never stored
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("revoked_at", DateTime(timezone=True)),
+)
+
 # Replica statuses and what they mean to the gateway and the reconciler.
 ACTIVE_STATUSES = ("pending", "starting", "ready", "draining")  # hold resources
 ROUTABLE_STATUS = "ready"

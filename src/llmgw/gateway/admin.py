@@ -1,4 +1,4 @@
-"""The admin API (127.0.0.1:8081): catalog apply, models, replicas, nodes, explain. Used by `llmgw ctl`."""
+"""The admin API (127.0.0.1:8081): catalog apply, models, replicas, nodes, explain, API keys. Used by `llmgw ctl`."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.status import node_status
-from llmgw.schemas.api import ApplyRequest, ApplyResponse, NodeView, ReplicaView, ShardView
+from llmgw.schemas.api import (
+    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, NodeView, ReplicaView, ShardView,
+)
 from llmgw.schemas.payloads import ReclaimInput, ReclaimResult
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.security.admin_guard import AdminGuard
+from llmgw.security.api_keys import ApiKeyService
 from llmgw.temporal import LazyClient
 
 
@@ -107,6 +110,26 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
                 "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
         return {"model": model, "decisions": lines or [], "decided_at": at,
                 "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}
+
+    keys = ApiKeyService(engine)
+
+    @app.get("/admin/v1/keys", response_model=list[KeyView])
+    async def list_keys():
+        return [KeyView(**k) for k in await keys.list()]
+
+    @app.post("/admin/v1/keys", response_model=KeyCreated)
+    async def create_key(req: KeyCreateRequest) -> KeyCreated:
+        key, row = await keys.create(req.name)
+        return KeyCreated(**row, key=key)
+
+    @app.post("/admin/v1/keys/{key_id}/revoke", response_model=KeyView)
+    async def revoke_key(key_id: str):
+        row = await keys.revoke(key_id)
+        if row is None:
+            return JSONResponse(status_code=404, content={"error": {"message": f"no API key with id {key_id!r}",
+                                                                    "type": "invalid_request_error", "param": "id",
+                                                                    "code": "not_found"}})
+        return KeyView(**row)
 
     return AdminGuard(app)
 

@@ -1,14 +1,16 @@
-"""The OpenAI-compatible gateway: `create_gateway_app()` returns the ASGI app served on :8080.
+"""The OpenAI-compatible gateway: `Gateway` (what the process holds) and `create_gateway_app()` (the ASGI
+app served on :8080).
 
-POST /v1/chat/completions, /v1/completions and /v1/embeddings go straight to the `Proxy` (the hot
-path); everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastAPI app.
+POST /v1/chat/completions, /v1/completions and /v1/embeddings go straight to the `Proxy` (the hot path);
+everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastAPI app. Every `/v1/` path
+checks the API key first (llmgw.security.api_keys); `/healthz`, `/metrics` and the chat page do not.
+Every error, FastAPI's included, is rendered in the OpenAI envelope (gateway/errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -19,12 +21,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmgw.config import Settings
-from llmgw.db import catalog_repo
 from llmgw.gateway import errors
+from llmgw.gateway.admission import Gates
+from llmgw.gateway.balancer import Balancer
+from llmgw.gateway.demand import Demand
 from llmgw.gateway.errors import APIError
-from llmgw.gateway.proxy import REQUIRED, Proxy
-from llmgw.gateway.routes import ModelRoute, RouteTable
+from llmgw.gateway.feed import ChangeFeed
+from llmgw.gateway.openai_api import REQUIRED, send_error
+from llmgw.gateway.proxy import Proxy
+from llmgw.gateway.routes import TABLES, RouteTable
+from llmgw.gateway.upstream import Upstream
 from llmgw.schemas.catalog import Model
+from llmgw.security.api_keys import KeyRing
 from llmgw.telemetry import GatewayMetrics
 from llmgw.temporal import LazyClient
 
@@ -33,6 +41,7 @@ STATIC = Path(__file__).parent / "static"
 
 
 def model_object(m: Model) -> dict:
+    """A model as /v1/models lists it; `owned_by: llmgw-sim` when every profile is simulated (seeds 003)."""
     return {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
 
 
@@ -42,74 +51,52 @@ def json_error(err: APIError) -> JSONResponse:
 
 
 class Gateway:
-    """Everything the gateway process holds: route table, proxy, Temporal client, usage flusher."""
+    """Everything the gateway process holds: route table, keys, limits, proxy, Temporal client, demand."""
 
-    def __init__(self, settings: Settings, engine: AsyncEngine, load_wait_s: float = 5.0):
+    def __init__(self, settings: Settings, engine: AsyncEngine):
         self.settings = settings
         self.engine = engine
-        self.load_wait_s = load_wait_s
-        self.routes = RouteTable(engine, settings.require_database_url(), settings.node_unreachable_after_s,
-                                 settings.route_refresh_s)
+        self.routes = RouteTable(engine, settings.node_unreachable_after_s)
+        self.keys = KeyRing(engine, settings.require_api_key)
+        self.gates = Gates()
+        self.routes.on_refresh.append(self.gates.sync)
+        self.feed = ChangeFeed(settings.require_database_url(), settings.route_refresh_s)
+        self.feed.subscribe("routes", TABLES, self.routes.refresh)
+        self.feed.subscribe("keys", {"api_keys"}, self.keys.refresh)
         self.metrics = GatewayMetrics()
-        self.proxy = Proxy(self.routes, self.on_missing, metrics=self.metrics)
         self.temporal = LazyClient(settings)
-        self._last_demand: dict[str, float] = {}
+        self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s)
+        self.upstream = Upstream(settings.upstream_timeout_s)
+        self.proxy = Proxy(self.routes, self.demand, self.gates,
+                           Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         self.temporal.start()
-        await self.routes.start()
-        await self.proxy.start()
-        self._tasks.append(asyncio.create_task(self._flush_usage(), name="usage"))
+        await self.feed.start()
+        self._tasks.append(asyncio.create_task(self.demand.flush_loop(), name="usage"))
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        await self.proxy.close()
-        await self.routes.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.feed.close()
+        await self.upstream.close()
         await self.temporal.close()
 
-    async def on_missing(self, route: ModelRoute, asked: str) -> ModelRoute:
-        """No Ready replica: ask for a load when the model may run, wait briefly, else 503 + Retry-After.
-
-        Seeds 003 ("Load a model when someone asks for it"): refusing makes on-demand useless, waiting
-        without bound turns a request into a job; so wait `load_wait_s`, then say the model is loading.
-        """
-        model = route.model
-        sc = model.effective_scaling
-        if not model.profiles:
-            raise errors.unavailable(model.name, "none of its endpoints is reachable")
-        if sc.off:
-            raise errors.unavailable(model.name, "it is switched off in the catalog (scaling max 0)", retry_after_s=60)
-        loop = asyncio.get_running_loop()
-        if sc.on_demand and loop.time() - self._last_demand.get(model.name, -math.inf) > 2.0:
-            self._last_demand[model.name] = loop.time()
-            async with self.engine.begin() as conn:
-                await catalog_repo.record_demand(conn, model.name)
-            await self.temporal.wake(f"demand for {model.name}")
-        ready = await self.routes.wait_for_endpoint(model.name, self.load_wait_s)
-        if ready and ready.endpoints:
-            return ready
-        raise errors.loading(model.name, retry_after_s=10)
-
-    async def _flush_usage(self) -> None:
-        """Every second, mark models used now (requests in flight or just ended): the idle clock starts
-        when the last request ends, so a busy model is never stopped for idleness."""
-        while True:
-            await asyncio.sleep(1.0)
-            names = self.proxy.usage.take()
-            if not names:
-                continue
-            try:
-                async with self.engine.begin() as conn:
-                    for n in names:
-                        await catalog_repo.record_use(conn, n)
-            except Exception:  # noqa: BLE001 - next tick retries; log and count
-                log.exception("recording model use failed")
+    def scrape(self) -> bytes:
+        """The metrics page, with the route-table gauges filled in at scrape time."""
+        now = asyncio.get_running_loop().time()
+        for name, r in self.routes.models.items():
+            self.metrics.ready.labels(name).set(len(r.endpoints))
+            self.metrics.open_breakers.labels(name).set(sum(1 for e in r.endpoints if not self.proxy.balancer.usable(e, now)))
+            gate = self.gates.get(name)
+            self.metrics.queued.labels(name).set(len(gate.waiters) if gate else 0)
+        return self.metrics.render()
 
 
 def create_gateway_app(gw: Gateway):
-    """The ASGI app: the hot path for inference, FastAPI for the rest."""
+    """The ASGI app: the hot path for inference, FastAPI for the rest, the API key checked on /v1/."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -119,7 +106,7 @@ def create_gateway_app(gw: Gateway):
         finally:
             await gw.close()
 
-    api = FastAPI(title="llmgw gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    api = FastAPI(title="llmgw gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -139,6 +126,11 @@ def create_gateway_app(gw: Gateway):
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return json_error(errors.bad_request(first.get("msg", "invalid request"), param=param))
 
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return json_error(errors.internal())
+
     @api.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_object(m) for m in gw.routes.catalog.models]}
@@ -156,19 +148,28 @@ def create_gateway_app(gw: Gateway):
 
     @api.get("/metrics")
     async def metrics():
-        for name, r in gw.routes.models.items():
-            gw.metrics.ready.labels(name).set(len(r.endpoints))
-        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(gw.scrape(), media_type="text/plain; version=0.0.4")
 
     @api.get("/", include_in_schema=False)
     async def chat_page():
         return FileResponse(STATIC / "chat.html", media_type="text/html")
 
+    proxy = gw.proxy
+    keys = gw.keys
+
     async def app(scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in REQUIRED:
-            await gw.proxy(scope, receive, send)
-        else:
-            await api(scope, receive, send)
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith("/v1/") and not keys.allows(scope["headers"]):
+                await send_error(send, errors.unauthorized())
+                return
+            if path in REQUIRED:
+                if scope["method"] == "POST":
+                    await proxy(scope, receive, send)
+                else:
+                    await send_error(send, errors.method_not_allowed(scope["method"], path, "POST"))
+                return
+        await api(scope, receive, send)
 
     app.fastapi = api  # type: ignore[attr-defined]
     return app

@@ -1,6 +1,9 @@
 """The OpenAI error envelope: `{"error": {"message", "type", "param", "code"}}`, one shape for every error.
 
-Nothing expected is ever a 500, and no body ever carries a traceback.
+Nothing expected is ever a 500, and no body ever carries a traceback. Statuses: 400 a bad request (naming
+the field in `param`), 401 no valid API key, 404 unknown model or route, 405 wrong method, 413 body too
+large, 429 the model's queue is full, 502 the engine failed, 503 loading / unavailable / queued too long
+(with Retry-After), 504 the engine did not answer in time.
 """
 
 from __future__ import annotations
@@ -54,3 +57,62 @@ def upstream_failed(why: str) -> APIError:
 
 def upstream_timeout(seconds: float) -> APIError:
     return APIError(504, f"the engine did not answer within {seconds:g}s", type="upstream_error", code="engine_timeout")
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "a valid API key is required: send `Authorization: Bearer <key>` (keys come from "
+                    "`llmgw ctl keys create`)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def method_not_allowed(method: str, path: str, allow: str) -> APIError:
+    return APIError(405, f"{method} is not allowed on {path}; use {allow}", code="method_not_allowed",
+                    headers={"Allow": allow})
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit // (1 << 20)} MiB", code="request_too_large")
+
+
+def overloaded(name: str, retry_after_s: int = 1) -> APIError:
+    """429: the model's queue (`limits.max_queue`) is full."""
+    return APIError(429, f"the model `{name}` is at its concurrency limit and its queue is full; retry shortly",
+                    type="rate_limit_exceeded", code="model_overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+def queue_timeout(name: str, waited_s: float, retry_after_s: int = 5) -> APIError:
+    """503: waited `limits.queue_timeout_s` for a slot."""
+    return APIError(503, f"the model `{name}` is busy: no slot within {waited_s:g}s", type="service_unavailable",
+                    code="model_busy", headers={"Retry-After": str(retry_after_s)})
+
+
+def circuit_open(name: str, retry_after_s: int) -> APIError:
+    return APIError(503, f"every replica of `{name}` failed recently; retry in about {retry_after_s}s",
+                    type="service_unavailable", code="engine_unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
+def engine_error(status: int, why: str) -> APIError:
+    """An engine's error answer turned into our envelope: 4xx kept, 503 kept (with Retry-After), other 5xx as 502."""
+    if status == 503:
+        return APIError(503, f"the engine is unavailable: {why}", type="service_unavailable", code="engine_unavailable",
+                        headers={"Retry-After": "5"})
+    if 400 <= status < 500:
+        return APIError(status, why, code="engine_refused")
+    return APIError(502, f"the engine failed (HTTP {status}): {why}", type="upstream_error", code="engine_error")
+
+
+def content_filter(guard: str, stage: str, detail: str, param: str | None) -> APIError:
+    """400: the guard model refused the request or the response (seeds 003, "A judge model on the cluster")."""
+    what = "request" if stage == "request" else "response"
+    extra = f" ({detail})" if detail else ""
+    return APIError(400, f"the {what} was refused by the guard model `{guard}`{extra}", param=param,
+                    code="content_filter")
+
+
+def guard_unavailable(guard: str, why: str, retry_after_s: int = 10) -> APIError:
+    """503: the guard model could not judge; the request is not served unjudged."""
+    return APIError(503, f"the guard model `{guard}` could not judge the request: {why}", type="service_unavailable",
+                    code="guard_unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
+def internal() -> APIError:
+    return APIError(500, "internal error in the gateway; it has been logged", type="server_error", code="internal_error")

@@ -1,16 +1,23 @@
 """The hot path: OpenAI inference requests relayed to a Ready replica, as a bare ASGI handler.
 
-Measured choice (issue 5): FastAPI + httpx adds milliseconds per request; a bare ASGI handler with one
-shared aiohttp session adds a fraction of one, so inference requests bypass the framework while FastAPI
-owns everything else.
+Measured choice (issue 5, bench/overhead.py): FastAPI adds work per request that the relay does not need,
+and aiohttp's client costs three times the CPU of `gateway/upstream.py`; so POST /v1/chat/completions,
+/v1/completions and /v1/embeddings come here straight from the ASGI server, and FastAPI owns the rest.
 
-- The body is read once and passed on as bytes; fields we do not know reach the engine untouched. Only
-  an alias is rewritten to the model's name.
-- Least-outstanding-requests across Ready replicas; a connection that fails before anything was sent
-  to the client is retried on another replica.
-- Streams are relayed chunk by chunk as they arrive (no buffering, no Content-Length), bytes untouched,
-  so multi-byte characters split across writes reach the client whole. A client that disconnects
-  cancels the upstream request.
+For each request:
+- the body is read once and passed on as bytes, so fields we do not know reach the engine untouched;
+  only an alias (or a fallback) is rewritten to the serving model's name;
+- a guard policy's request check runs first (gateway/guard.py);
+- the route: the model's Ready replicas, then its fallbacks' in catalog order; with none at all, the
+  model is loaded on demand (gateway/demand.py);
+- the model's concurrency gate (gateway/admission.py), then least-outstanding balancing with a circuit
+  breaker per endpoint (gateway/balancer.py); a replica that fails before anything reached the client
+  (no connection, or a 502/503/504 answer) is replaced by another;
+- the answer is relayed chunk by chunk as it arrives (no buffering, no Content-Length), bytes untouched,
+  so multi-byte characters split across writes reach the client whole; an SSE stream always ends with
+  `data: [DONE]`, or with an error event if the engine broke off;
+- a client that disconnects cancels the request wherever it is (queued, loading, streaming), and the
+  engine's connection is dropped, which cancels its work.
 """
 
 from __future__ import annotations
@@ -18,215 +25,333 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from typing import Any, Awaitable, Callable
 
-import aiohttp
-
 from llmgw.gateway import errors
+from llmgw.gateway.admission import Gates
+from llmgw.gateway.balancer import Balancer
+from llmgw.gateway.demand import Demand
 from llmgw.gateway.errors import APIError
+from llmgw.gateway.guard import Guard, answer_text, conversation
+from llmgw.gateway.openai_api import (
+    Receive, Send, engine_error, parse_request, read_body, send_error, sse_error,
+)
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.upstream import ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout
+from llmgw.schemas.catalog import GuardPolicy
+from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-# path -> the field a request must carry besides `model`
-REQUIRED = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
-HOP_HEADERS = {b"content-type"}
-
-Send = Callable[[dict], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict]]
-
-
-async def read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ConnectionResetError("client disconnected")
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(chunks)
+GUARDED = ("/v1/chat/completions", "/v1/completions")
+MAX_HELD = 16 << 20  # an answer held for a response check
+SSE = b"text/event-stream"
+DONE = b"data: [DONE]\n\n"
+RETRYABLE = (502, 503, 504)
+WATCH_AFTER_S = 0.05
 
 
-async def send_error(send: Send, err: APIError) -> None:
-    body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+class _Exchange:
+    """One client request's state, shared with its disconnect watcher.
 
+    The watcher is a task waiting on ASGI `receive()` for `http.disconnect`, which then cancels the
+    request's task. Measured (bench/relays.py), starting one per request costs about a fifth of the relay's
+    CPU; so it starts only once a request has lasted `WATCH_AFTER_S`: a request that ends sooner has
+    nothing worth cancelling, and a client that leaves a longer one is noticed within that delay.
+    """
 
-def parse_request(path: str, body: bytes) -> dict[str, Any]:
-    """Decode and check the request; raises a 400 `APIError` naming the field."""
-    try:
-        req = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise errors.bad_request("the request body is not valid JSON") from None
-    if not isinstance(req, dict):
-        raise errors.bad_request("the request body must be a JSON object")
-    model = req.get("model")
-    if not isinstance(model, str) or not model:
-        raise errors.bad_request("`model` is required: the name of a model from /v1/models", param="model")
-    field = REQUIRED[path]
-    value = req.get(field)
-    if value is None or (field == "messages" and (not isinstance(value, list) or not value)):
-        what = "a non-empty list of {role, content} messages" if field == "messages" else "required"
-        raise errors.bad_request(f"`{field}` is {what}", param=field)
-    if "stream" in req and not isinstance(req["stream"], bool):
-        raise errors.bad_request("`stream` must be true or false", param="stream")
-    return req
-
-
-class Usage:
-    """Per-model requests in flight and last use on this gateway, flushed to Postgres by the app."""
+    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone")
 
     def __init__(self) -> None:
-        self.in_flight: dict[str, int] = {}
-        self.ended: set[str] = set()
+        self.task: asyncio.Task | None = None
+        self.receive: Receive | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.watcher: asyncio.Task | None = None
+        self.started = False  # the response has begun: errors can no longer change its status
+        self.finished = False  # the last byte is being sent: a disconnect now is the normal end
+        self.gone = False  # the client went away first
 
-    def begin(self, model: str) -> None:
-        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+    def watch(self, receive: Receive) -> None:
+        self.task = asyncio.current_task()
+        self.receive = receive
+        self.timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watcher)
 
-    def end(self, model: str) -> None:
-        self.in_flight[model] -= 1
-        self.ended.add(model)
+    def _start_watcher(self) -> None:
+        self.timer = None
+        if not self.finished:
+            self.watcher = asyncio.ensure_future(self._watch())
 
-    def take(self) -> set[str]:
-        """Models to mark used now: those with requests in flight and those that ended since last time."""
-        out = {m for m, n in self.in_flight.items() if n > 0} | self.ended
-        self.ended = set()
-        return out
+    async def _watch(self) -> None:
+        assert self.receive is not None
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        if not self.finished and self.task is not None:
+            self.gone = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 class Proxy:
     """The ASGI handler for POST /v1/chat/completions, /v1/completions and /v1/embeddings."""
 
-    def __init__(self, routes: RouteTable, on_missing: Callable[[ModelRoute, str], Awaitable[ModelRoute]],
-                 upstream_timeout_s: float = 300.0, metrics: Any = None):
+    def __init__(self, routes: RouteTable, demand: Demand, gates: Gates, balancer: Balancer, upstream: Upstream,
+                 metrics: GatewayMetrics):
         self.routes = routes
-        self.on_missing = on_missing
-        self.upstream_timeout_s = upstream_timeout_s
-        self.usage = Usage()
+        self.demand = demand
+        self.gates = gates
+        self.balancer = balancer
+        self.upstream = upstream
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.upstream_timeout_s),
-            auto_decompress=False,
-        )
-
-    async def close(self) -> None:
-        if self.session:
-            await self.session.close()
+        self.guard = Guard(self.call)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
-        path = scope["path"]
         started = time.perf_counter()
-        metric_model = "unknown"  # never a client-chosen string: label cardinality stays bounded
-        status = 500
+        label = "unknown"  # never a client-chosen string: label cardinality stays bounded
+        status = 0
+        ttft = None
+        x = _Exchange()
+        counted = False
         try:
-            body = await read_body(receive)
-            req = parse_request(path, body)
-            model_name = req["model"]
-            route = self.routes.resolve(model_name)
+            path = scope["path"]
+            req_body = await read_body(receive)
+            req = parse_request(path, req_body)
+            route = self.routes.resolve(req["model"])
             if route is None:
-                raise errors.model_not_found(model_name)
-            if not route.endpoints:
-                route = await self.on_missing(route, model_name)
-            name = metric_model = route.model.name
-            if model_name != name:
-                req["model"] = name
-                body = json.dumps(req).encode()
-            self.usage.begin(name)
-            try:
-                status = await self._forward(route, path, body, bool(req.get("stream")), receive, send)
-            finally:
-                self.usage.end(name)
+                raise errors.model_not_found(req["model"])
+            label = route.model.name
+            self.metrics.begin(label)
+            counted = True
+            x.watch(receive)
+            status, ttft = await self._serve(route, path, req, req_body, send, x, started)
         except APIError as err:
             status = err.status
-            await send_error(send, err)
+            if not x.started:
+                await send_error(send, err)
+        except asyncio.CancelledError:
+            if not x.gone:
+                raise
+            status = 499
+            if x.task is not None:
+                x.task.uncancel()
         except ConnectionResetError:
             status = 499
+        except Exception:  # noqa: BLE001 - a bug: log it, answer in the envelope, never a traceback
+            log.exception("unexpected error relaying %s", scope.get("path"))
+            status = 500
+            if not x.started:
+                await send_error(send, errors.internal())
         finally:
-            if self.metrics is not None:
-                self.metrics.observe(metric_model, status, time.perf_counter() - started)
+            x.stop()
+            if counted:
+                self.metrics.end(label)
+            self.metrics.observe(label, status, time.perf_counter() - started, ttft)
 
-    async def _forward(self, route: ModelRoute, path: str, body: bytes, stream: bool, receive: Receive, send: Send) -> int:
-        assert self.session is not None
-        tried: set[str] = set()
-        last_error = "no replica"
-        while True:
-            candidates = [e for e in route.endpoints if e.replica_id not in tried]
-            if not candidates:
-                raise errors.upstream_failed(last_error)
-            ep = min(candidates, key=lambda e: e.outstanding)
-            tried.add(ep.replica_id)
-            ep.outstanding += 1
+    # ---- one request -----------------------------------------------------------------------------
+    async def _serve(self, route: ModelRoute, path: str, req: dict, body: bytes, send: Send, x: _Exchange,
+                     started: float) -> tuple[int, float | None]:
+        policy = route.model.guard if path in GUARDED else None
+        if policy is not None and "request" in policy.check:
+            await self._judge(route.model.name, policy, "request", conversation(path, req),
+                              "messages" if path.endswith("chat/completions") else "prompt")
+
+        async def consume(resp: Response) -> tuple[int, float | None]:
+            if policy is not None and "response" in policy.check:
+                return await self._send_judged(resp, route.model.name, policy, path, req, send, x), None
+            return await self._relay(resp, send, x, started)
+
+        return await self._exchange(route, path, req, body, consume)
+
+    def _plan(self, route: ModelRoute) -> list[ModelRoute]:
+        """The models to try in order: the asked one if it has endpoints, then its fallbacks that do."""
+        if route.endpoints and not route.model.fallbacks:
+            return [route]
+        if not route.endpoints:
+            self.demand.ask(route)  # load it for next time even while a fallback serves
+        return [r for r in (route, *self.routes.fallbacks(route)) if r.endpoints]
+
+    async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
+                        consume: Callable[[Response], Awaitable[Any]]) -> Any:
+        """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
+        requests, breaker, use for the idle clock, the concurrency slot) whatever happens."""
+        plan = self._plan(route)
+        if not plan:
+            plan = [await self.demand.wait(route)]
+        name = plan[0].model.name
+        gate = self.gates.get(name)
+        if gate is not None:
+            await gate.acquire()
+        usage = self.demand.usage
+        usage.begin(name)
+        try:
+            resp, ep = await self._open(plan, path, req, body)
+            healthy: bool | None = None
             try:
-                return await self._relay(ep, path, body, receive, send)
-            except _NotSent as exc:
-                last_error = str(exc)
-                log.warning("replica %s at %s failed before the first byte (%s); trying another", ep.replica_id, ep.url, exc)
+                result = await consume(resp)
+                healthy = True
+                return result
+            except APIError as err:
+                healthy = err.status not in (502, 504)
+                raise
             finally:
-                ep.outstanding -= 1
-
-    async def _relay(self, ep: Endpoint, path: str, body: bytes, receive: Receive, send: Send) -> int:
-        assert self.session is not None
-        try:
-            resp = await self.session.post(ep.url + path, data=body, headers={"Content-Type": "application/json"})
-        except asyncio.TimeoutError:
-            raise errors.upstream_timeout(self.upstream_timeout_s) from None
-        except aiohttp.ClientError as exc:
-            raise _NotSent(f"{type(exc).__name__}: {exc}") from None
-        try:
-            headers = [(b"content-type", resp.headers.get("Content-Type", "application/json").encode())]
-            relay = asyncio.ensure_future(self._stream(resp, headers, send))
-            disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-            done, _ = await asyncio.wait([relay, disconnect], return_when=asyncio.FIRST_COMPLETED)
-            if relay not in done:
-                relay.cancel()  # the client went away: closing the upstream response cancels the engine's work
-                await asyncio.gather(relay, return_exceptions=True)
-                return 499
-            disconnect.cancel()
-            return relay.result()
+                self._done(ep, healthy)
+                resp.release()
         finally:
-            resp.close()
+            usage.end(name)
+            if gate is not None:
+                gate.release()
 
-    async def _stream(self, resp: aiohttp.ClientResponse, headers: list, send: Send) -> int:
-        started = False
-        try:
-            first = await resp.content.readany()
-            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-            started = True
-            if first:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
+    def _done(self, ep: Endpoint, healthy: bool | None) -> None:
+        ep.outstanding -= 1
+        if healthy is True:
+            self.balancer.succeeded(ep)
+        elif healthy is False:
+            self.balancer.failed(ep, asyncio.get_running_loop().time())
+        else:
+            ep.trial = False  # cancelled: no verdict on the endpoint
+
+    async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes) -> tuple[Response, Endpoint]:
+        """Send the request to the best endpoint, moving on to the next while nothing has reached the
+        client. Returns an answer with a status below 400, its endpoint counted as outstanding."""
+        loop = asyncio.get_running_loop()
+        tried: set[str] = set()
+        last: APIError | None = None
+        for mr in plan:
+            name = mr.model.name
+            data = body if req["model"] == name else json.dumps({**req, "model": name}).encode()
             while True:
-                chunk = await resp.content.readany()
-                if not chunk:
+                ep = self.balancer.pick(mr.endpoints, tried, loop.time())
+                if ep is None:
                     break
+                if tried:
+                    self.metrics.retries.labels(plan[0].model.name).inc()
+                tried.add(ep.replica_id)
+                ep.outstanding += 1
+                try:
+                    resp = await self.upstream.post(ep.target, path, data)
+                except ConnectFailed as exc:
+                    self._done(ep, False)
+                    log.warning("%s at %s failed before answering (%s); trying another", ep.replica_id, ep.url, exc)
+                    last = errors.upstream_failed(str(exc))
+                    continue
+                except UpstreamTimeout:
+                    self._done(ep, False)
+                    raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
+                except UpstreamBroken as exc:
+                    self._done(ep, False)
+                    raise errors.upstream_failed(str(exc)) from None
+                except BaseException:
+                    self._done(ep, None)
+                    raise
+                status = resp.status
+                if status < 400:
+                    return resp, ep
+                try:
+                    err = engine_error(status, await resp.read(64 << 10))
+                except UpstreamError as exc:
+                    err = errors.upstream_failed(str(exc))
+                except BaseException:
+                    resp.abort()
+                    self._done(ep, None)
+                    raise
+                resp.release()  # (resets the response for the connection's next use)
+                self._done(ep, status < 500)
+                if status not in RETRYABLE:
+                    raise err
+                log.warning("%s at %s answered HTTP %d before anything was relayed; trying another",
+                            ep.replica_id, ep.url, status)
+                last = err
+        if last is not None:
+            raise last
+        waits = [w for w in (self.balancer.reopens_in(mr.endpoints, loop.time()) for mr in plan) if w is not None]
+        raise errors.circuit_open(plan[0].model.name, max(1, math.ceil(min(waits, default=1.0))))
+
+    async def _relay(self, resp: Response, send: Send, x: _Exchange, started: float) -> tuple[int, float | None]:
+        """Relay the answer as it arrives. Returns (status, seconds to the first streamed byte or None)."""
+        ctype = resp.header(b"content-type") or b"application/json"
+        sse = ctype.startswith(SSE)
+        try:
+            chunk = await resp.next_chunk()
+        except UpstreamTimeout:
+            raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
+        except UpstreamBroken as exc:
+            raise errors.upstream_failed(str(exc)) from None
+        headers = [(b"content-type", ctype)]
+        if sse:
+            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        x.started = True
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        ttft = time.perf_counter() - started if sse else None
+        tail = b""
+        try:
+            while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
+                tail = (tail + chunk[-32:])[-32:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return resp.status
-        except asyncio.TimeoutError:
-            if not started:
-                raise errors.upstream_timeout(self.upstream_timeout_s) from None
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return 504
-        except aiohttp.ClientError as exc:
-            if not started:
-                raise errors.upstream_failed(f"{type(exc).__name__}: {exc}") from None
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return 502
+                chunk = await resp.next_chunk()
+        except UpstreamError as exc:
+            err = (errors.upstream_timeout(self.upstream.read_timeout_s) if isinstance(exc, UpstreamTimeout)
+                   else errors.upstream_failed(str(exc)))
+            log.warning("the engine broke off an answer mid-way: %s", exc)
+            x.finished = True
+            await send({"type": "http.response.body", "body": sse_error(err) if sse else b"", "more_body": False})
+            raise err from None
+        x.finished = True
+        tail = (tail + chunk[-32:])[-32:]
+        if sse and not tail.rstrip().endswith(b"data: [DONE]"):
+            chunk += DONE
+        await send({"type": "http.response.body", "body": chunk, "more_body": False})
+        return resp.status, ttft
 
+    async def _send_judged(self, resp: Response, label: str, policy: GuardPolicy, path: str, req: dict,
+                           send: Send, x: _Exchange) -> int:
+        """Hold the whole answer, have the guard judge it, then send it (or the refusal)."""
+        ctype = resp.header(b"content-type") or b"application/json"
+        try:
+            data = await resp.read(MAX_HELD)
+        except UpstreamTimeout:
+            raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
+        except UpstreamBroken as exc:
+            raise errors.upstream_failed(str(exc)) from None
+        messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, ctype.startswith(SSE))}]
+        await self._judge(label, policy, "response", messages, None)
+        x.started = x.finished = True
+        await send({"type": "http.response.start", "status": resp.status, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+        return resp.status
 
-class _NotSent(Exception):
-    """The upstream failed before anything reached the client: safe to retry elsewhere."""
+    async def _judge(self, label: str, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None) -> None:
+        try:
+            await self.guard.judge(policy, stage, messages, param)
+        except APIError as err:
+            if err.code == "content_filter":
+                self.metrics.guard_refusals.labels(label, stage).inc()
+            raise
 
+    # ---- requests the gateway makes itself (the guard's judge) ------------------------------------
+    async def call(self, model: str, path: str, payload: dict) -> tuple[int, Any]:
+        """POST `payload` to `model` like a client request (routing, load on demand, limits, breaker).
+        Returns (status, decoded JSON or None). Raises `APIError` when it cannot be served."""
+        route = self.routes.resolve(model)
+        if route is None:
+            raise errors.model_not_found(model)
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
+        async def consume(resp: Response) -> tuple[int, Any]:
+            try:
+                data = await resp.read(MAX_HELD)
+            except UpstreamTimeout:
+                raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
+            except UpstreamBroken as exc:
+                raise errors.upstream_failed(str(exc)) from None
+            try:
+                return resp.status, json.loads(data)
+            except (ValueError, UnicodeDecodeError):
+                return resp.status, None
+
+        payload = {**payload, "model": route.model.name}
+        return await self._exchange(route, path, payload, json.dumps(payload).encode(), consume)

@@ -1,8 +1,10 @@
 """The gateway's route table: which Ready replicas serve each model, read from Postgres.
 
-Refreshed on every `llmgw_routes` notification (a trigger fires on replica and catalog changes) and on a
-short timer, since a node going silent changes nothing in the tables. Replicas on a node whose heartbeat
-is older than `unreachable_after_s` get no new requests. Never read from Temporal.
+Refreshed by the `ChangeFeed` (gateway/feed.py) when replicas or the catalog change and on a short timer,
+since a node going silent changes nothing in the tables. Only `ready` replicas are routed: Draining,
+Starting and ended ones get no new requests, nor do replicas on a node whose heartbeat is older than
+`unreachable_after_s` (Unreachable). Static `endpoints` of a model are routed as they are. Aliases
+resolve to their model. Never read from Temporal.
 """
 
 from __future__ import annotations
@@ -10,26 +12,34 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
-import psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import catalog_repo, fleet_repo
-from llmgw.db.engine import libpq_url
+from llmgw.gateway.upstream import Target, parse_target
 from llmgw.schemas.catalog import Catalog, Model
 
 log = logging.getLogger(__name__)
-CHANNEL = "llmgw_routes"
+TABLES = {"replicas", "catalog_models", "nodes"}  # what the route table is read from
 
 
 @dataclass
 class Endpoint:
-    """One Ready replica as the gateway sees it; `outstanding` is this gateway's requests in flight."""
+    """One Ready replica (or static endpoint) as this gateway sees it.
+
+    `outstanding`: this gateway's requests in flight to it. `failures`, `open_until` (event-loop time)
+    and `trial`: its circuit breaker (gateway/balancer.py). Kept across refreshes, keyed by replica id.
+    """
 
     replica_id: str
     url: str
     node_id: str
+    target: Target
     outstanding: int = 0
+    failures: int = 0
+    open_until: float = 0.0
+    trial: bool = False
 
 
 @dataclass
@@ -39,24 +49,44 @@ class ModelRoute:
 
 
 class RouteTable:
-    def __init__(self, engine: AsyncEngine, database_url: str, unreachable_after_s: float, refresh_s: float):
+    """Model name or alias -> `ModelRoute`. `on_refresh(catalog)` hooks run after every refresh."""
+
+    def __init__(self, engine: AsyncEngine, unreachable_after_s: float):
         self.engine = engine
-        self.database_url = database_url
         self.unreachable_after_s = unreachable_after_s
-        self.refresh_s = refresh_s
         self.catalog = Catalog()
         self.models: dict[str, ModelRoute] = {}
         self.names: dict[str, str] = {}  # name or alias -> canonical name
         self._endpoints: dict[str, Endpoint] = {}
         self.changed = asyncio.Condition()
-        self._tasks: list[asyncio.Task] = []
-        self._dirty = asyncio.Event()
+        self.on_refresh: list[Callable[[Catalog], None]] = []
 
     def resolve(self, name: str) -> ModelRoute | None:
         canonical = self.names.get(name)
         return self.models.get(canonical) if canonical else None
 
+    def fallbacks(self, route: ModelRoute) -> list[ModelRoute]:
+        """The routes of `route`'s fallbacks, in catalog order (resolved at catalog load, seeds 003)."""
+        out = []
+        for name in route.model.fallbacks:
+            r = self.resolve(name)
+            if r is not None and r is not route:
+                out.append(r)
+        return out
+
+    def _endpoint(self, key: str, url: str, node_id: str) -> Endpoint | None:
+        url = url.rstrip("/")
+        ep = self._endpoints.get(key)
+        if ep is not None and ep.url == url:
+            return ep
+        try:
+            return Endpoint(key, url, node_id, parse_target(url))
+        except ValueError as exc:
+            log.warning("not routing to %s: %s", key, exc)
+            return None
+
     async def refresh(self) -> None:
+        """Reload catalog and Ready replicas; keep each endpoint's counters and breaker."""
         async with self.engine.connect() as conn:
             catalog = await catalog_repo.get_catalog(conn)
             rows = await fleet_repo.routable_replicas(conn)
@@ -70,17 +100,20 @@ class RouteTable:
         for m in catalog.models:
             for i, url in enumerate(m.endpoints):  # static endpoints: engines run elsewhere
                 key = f"static:{m.name}:{i}"
-                ep = self._endpoints.get(key) or Endpoint(key, url.rstrip("/"), "static")
-                ep.url = url.rstrip("/")
-                seen[key] = ep
-                models[m.name].endpoints.append(ep)
+                ep = self._endpoint(key, url, "static")
+                if ep is not None:
+                    seen[key] = ep
+                    models[m.name].endpoints.append(ep)
         for r in rows:
             if r.model not in models or r.node_age_s >= self.unreachable_after_s:
                 continue
-            ep = self._endpoints.get(r.replica_id) or Endpoint(r.replica_id, r.endpoint.rstrip("/"), r.node_id)
-            seen[r.replica_id] = ep
-            models[r.model].endpoints.append(ep)
+            ep = self._endpoint(r.replica_id, r.endpoint, r.node_id)
+            if ep is not None:
+                seen[r.replica_id] = ep
+                models[r.model].endpoints.append(ep)
         self.catalog, self.models, self.names, self._endpoints = catalog, models, names, seen
+        for hook in self.on_refresh:
+            hook(catalog)
         async with self.changed:
             self.changed.notify_all()
 
@@ -100,43 +133,3 @@ class RouteTable:
                     await asyncio.wait_for(self.changed.wait(), left)
                 except TimeoutError:
                     return self.resolve(name)
-
-    async def start(self) -> None:
-        await self.refresh()
-        self._tasks = [asyncio.create_task(self._listen(), name="routes-listen"),
-                       asyncio.create_task(self._tick(), name="routes-tick"),
-                       asyncio.create_task(self._refresher(), name="routes-refresh")]
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _refresher(self) -> None:
-        while True:
-            await self._dirty.wait()
-            self._dirty.clear()
-            try:
-                await self.refresh()
-            except Exception:  # noqa: BLE001 - keep serving the last table; count and log
-                log.exception("route refresh failed")
-                await asyncio.sleep(1)
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            self._dirty.set()
-
-    async def _listen(self) -> None:
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(libpq_url(self.database_url), autocommit=True) as conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
-                    self._dirty.set()  # anything missed while not listening
-                    async for _ in conn.notifies():
-                        self._dirty.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - reconnect; the timer keeps the table fresh meanwhile
-                log.warning("LISTEN %s lost (%s); reconnecting", CHANNEL, exc)
-                await asyncio.sleep(2)

@@ -17,12 +17,24 @@ from llmgw.serving import TLS, Listener, install_stop_handlers, serve
 log = logging.getLogger(__name__)
 
 
-async def run_server(settings: Settings, migrate: bool = True, load_wait_s: float = 5.0) -> None:
+def main(settings: Settings, migrate: bool = True) -> None:
+    """Run the server process on uvloop when it is installed: the measured difference on the relay's CPU
+    time per request is about a quarter (bench/overhead.py)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings it on Linux and macOS
+        asyncio.run(run_server(settings, migrate=migrate))
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run_server(settings, migrate=migrate))
+
+
+async def run_server(settings: Settings, migrate: bool = True) -> None:
     url = settings.require_database_url()
     if migrate:
         await asyncio.to_thread(upgrade, url)
     engine = async_engine(url, pool_size=10)
-    gw = Gateway(settings, engine, load_wait_s=load_wait_s)
+    gw = Gateway(settings, engine)
     fleet = FleetService(engine, gw.temporal)
     stop = asyncio.Event()
     install_stop_handlers(stop)

@@ -101,3 +101,23 @@ class NodeView(_Strict):
     status: str
     last_heartbeat: datetime | None
     inventory: Inventory
+
+
+class KeyCreateRequest(_Strict):
+    """Admin API: create a gateway API key. `name` says whose it is (free text)."""
+
+    name: str = Field("", max_length=200)
+
+
+class KeyView(_Strict):
+    """A gateway API key as listed: never the key itself, only its first characters (`prefix`)."""
+
+    id: str
+    name: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+
+class KeyCreated(KeyView):
+    key: str  # shown once, at creation

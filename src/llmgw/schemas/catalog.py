@@ -135,8 +135,32 @@ class Profile(_Strict):
         return self.nodes if self.tensor_parallel else 1
 
 
+class Limits(_Strict):
+    """How much traffic each gateway lets through to a model at once (gateway/admission.py).
+
+    - `max_concurrency`: requests forwarded at once, per gateway (unset: no limit);
+    - `max_queue`: requests that may wait for a slot beyond that; one more is refused at once with 429;
+    - `queue_timeout_s`: how long a request waits in the queue before 503 (seconds).
+    """
+
+    max_concurrency: int | None = Field(None, ge=1)
+    max_queue: int = Field(0, ge=0)
+    queue_timeout_s: float = Field(30.0, gt=0)
+
+
+class GuardPolicy(_Strict):
+    """A judge for this model's traffic: `model` names a catalog model with `role: guard`; `check` says
+    whether it judges the request, the response, or both (seeds 003, "A judge model on the cluster")."""
+
+    model: str
+    check: list[Literal["request", "response"]] = Field(default_factory=lambda: ["request"], min_length=1)
+
+
 class Model(_Strict):
-    """A catalog entry. `profiles` say how to run it; `endpoints` instead route to engines run elsewhere."""
+    """A catalog entry. `profiles` say how to run it; `endpoints` instead route to engines run elsewhere.
+
+    `limits` caps concurrent requests per gateway; `guard` names the guard model that judges its traffic.
+    """
 
     name: str
     aliases: list[str] = Field(default_factory=list)
@@ -146,6 +170,8 @@ class Model(_Strict):
     role: Literal["chat", "guard", "embedding"] = "chat"
     profiles: list[Profile] = Field(default_factory=list)
     endpoints: list[str] = Field(default_factory=list)
+    limits: Limits | None = None
+    guard: GuardPolicy | None = None
 
     @field_validator("name")
     @classmethod

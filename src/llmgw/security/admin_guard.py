@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.gateway.errors import APIError
-from llmgw.gateway.proxy import send_error
+from llmgw.gateway.openai_api import send_error
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
 

@@ -1,0 +1,120 @@
+"""The OpenAI API on the wire, for the hot path: reading and checking a request, and writing errors.
+
+Only what the gateway relies on is checked (`model`, the one field each path needs, a few types); the
+rest of the body is the engine's to judge and reaches it untouched. An engine's error answer is rewritten
+into the OpenAI envelope (gateway/errors.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+from llmgw.gateway import errors
+from llmgw.gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+# path -> the field a request must carry besides `model`
+REQUIRED = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
+MAX_BODY = 64 << 20
+
+Send = Callable[[dict], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict]]
+
+
+async def read_body(receive: Receive, limit: int = MAX_BODY) -> bytes:
+    """The whole request body. Raises ConnectionResetError if the client leaves, 413 when too large."""
+    msg = await receive()
+    if msg["type"] == "http.disconnect":
+        raise ConnectionResetError("client disconnected")
+    body = msg.get("body", b"")
+    if not msg.get("more_body"):
+        return body
+    chunks, size = [body], len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ConnectionResetError("client disconnected")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(limit)
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+async def send_error(send: Send, err: APIError) -> None:
+    body = err.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _positive_int(req: dict, field: str) -> None:
+    v = req.get(field)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise errors.bad_request(f"`{field}` must be a positive integer", param=field)
+
+
+def parse_request(path: str, body: bytes) -> dict[str, Any]:
+    """Decode and check the request; raises a 400 `APIError` naming the field. Only what the gateway
+    relies on is checked; everything else is the engine's to judge."""
+    try:
+        req = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise errors.bad_request("the request body is not valid JSON") from None
+    if not isinstance(req, dict):
+        raise errors.bad_request("the request body must be a JSON object")
+    model = req.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.bad_request("`model` is required: the name of a model from /v1/models", param="model")
+    field = REQUIRED[path]
+    value = req.get(field)
+    if field == "messages":
+        if not isinstance(value, list) or not value:
+            raise errors.bad_request("`messages` is required: a non-empty list of {role, content} messages",
+                                     param="messages")
+        for i, m in enumerate(value):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise errors.bad_request(f"`messages[{i}]` must be an object with a `role`", param=f"messages[{i}]")
+    elif value is None:
+        raise errors.bad_request(f"`{field}` is required", param=field)
+    if "stream" in req and not isinstance(req["stream"], bool):
+        raise errors.bad_request("`stream` must be true or false", param="stream")
+    _positive_int(req, "max_tokens")
+    _positive_int(req, "max_completion_tokens")
+    _positive_int(req, "n")
+    return req
+
+
+def engine_error(status: int, body: bytes) -> APIError:
+    """An engine's error answer in our envelope. A 4xx keeps the engine's message, param and code (they are
+    about the client's request); a 5xx says only what failed, since an engine's own error text may carry
+    its internals (tracebacks, paths), and is logged instead."""
+    message = param = code = None
+    try:
+        obj = json.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) and isinstance(obj.get("error"), dict) else obj
+        if isinstance(err, dict):
+            message = err.get("message") if isinstance(err.get("message"), str) else None
+            param = err.get("param") if isinstance(err.get("param"), str) else None
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+    except (ValueError, UnicodeDecodeError):
+        pass
+    if status >= 500:
+        log.warning("engine answered HTTP %d: %s", status, body[:2000].decode("utf-8", "replace"))
+        message = "see the gateway's log"
+    elif not message:
+        message = " ".join(body.decode("utf-8", "replace").split())[:300] or f"HTTP {status}"
+    out = errors.engine_error(status, message)
+    if 400 <= status < 500:
+        out.param, out.code = param, code or out.code
+    return out
+
+
+def sse_error(err: APIError) -> bytes:
+    return b"data: " + err.body() + b"\n\n"

@@ -1,0 +1,308 @@
+"""The gateway's HTTP/1.1 client to engines: keep-alive connections per endpoint, bodies as they arrive.
+
+Measured choice (issue 5, bench/overhead.py): on the bench machine aiohttp's client spends about 260 us
+of CPU per proxied request; this client, an asyncio protocol around httptools' response parser (the one
+uvicorn uses for requests), about 80 us. It does only what the gateway needs: POST a JSON body, read
+status and headers, then hand the body over chunk by chunk with no buffering beyond what has arrived.
+
+Errors, by what the caller may do about them:
+- `ConnectFailed`: no connection, or it closed before any byte of the answer. The engine did not answer,
+  so the request may go to another replica.
+- `UpstreamTimeout`: the engine sent nothing for `read_timeout_s` (before its answer or between chunks).
+- `UpstreamBroken`: the connection broke, or the engine sent something that is not HTTP, mid-answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httptools
+
+HIGH_WATER = 256 * 1024  # stop reading from an engine while this much waits for a slow client ...
+LOW_WATER = 64 * 1024  # ... and read again below this
+MAX_IDLE_PER_TARGET = 64
+
+
+class UpstreamError(Exception):
+    """Base of the errors below; `str()` says what happened, for logs and error bodies."""
+
+
+class ConnectFailed(UpstreamError):
+    """Nothing was answered: safe to send the request to another replica."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine stayed silent for the read timeout."""
+
+
+class UpstreamBroken(UpstreamError):
+    """The answer started and then broke off (or was not HTTP)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an endpoint URL points: `http://host:port/prefix`. A trailing `/v1` in the URL is dropped,
+    since the gateway appends the full OpenAI path (`/v1/chat/completions`)."""
+
+    scheme: str
+    host: str
+    port: int
+    prefix: str
+    host_header: bytes
+
+
+def parse_target(url: str) -> Target:
+    """Parse an engine or static endpoint URL. Raises ValueError for anything but http(s)://host[:port]/..."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"endpoint {url!r} is not an http(s):// URL")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    prefix = parts.path.rstrip("/")
+    if prefix.endswith("/v1"):
+        prefix = prefix[:-3]
+    return Target(parts.scheme, parts.hostname, port, prefix, parts.netloc.encode("idna"))
+
+
+class Response(asyncio.Protocol):
+    """One keep-alive connection to an engine, and the answer being read on it.
+
+    After `Upstream.post` returns it: `status` and `headers` are set; `next_chunk()` returns body bytes as
+    they arrive and `b""` at the end; `release()` returns the connection to the pool (or closes it when the
+    answer was not read to the end); `abort()` drops it, which an engine notices as a cancelled request.
+    """
+
+    def __init__(self, upstream: "Upstream", target: Target):
+        self.upstream = upstream
+        self.target = target
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.headers_done = False
+        self.done = False
+        self.error: UpstreamError | None = None
+        self.got_bytes = False
+        self.keep_alive = True
+        self.until_eof = False
+        self.paused = False
+        self.waiter: asyncio.Future | None = None
+
+    # ---- asyncio protocol -------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamBroken("the engine tried to upgrade the connection"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamBroken(f"the engine's answer is not valid HTTP ({exc})"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.headers_done and self.until_eof and not self.done:
+            self.done = True  # an answer without length or chunking ends when the connection does
+        elif not self.done and self.error is None:
+            why = f": {exc}" if exc else ""
+            self.error = (UpstreamBroken(f"the engine closed the connection mid-answer{why}") if self.headers_done
+                          else ConnectFailed(f"the engine closed the connection without answering{why}"))
+        self._wake()
+
+    # ---- httptools callbacks ------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        names = {n for n, _ in self.headers}
+        self.until_eof = b"content-length" not in names and b"transfer-encoding" not in names and self.status not in (204, 304)
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self._wake()
+
+    # ---- waiting --------------------------------------------------------------------------------
+    def _fail(self, err: UpstreamError) -> None:
+        if self.error is None:
+            self.error = err
+        self.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def _wait(self) -> None:
+        fut = self.loop.create_future()
+        self.waiter = fut
+        timer = self.loop.call_later(self.upstream.read_timeout_s, _expire, fut, self.upstream.read_timeout_s)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    # ---- the caller's side ----------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived and been taken: the chunk in hand is the last."""
+        return self.done and not self.chunks
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header `name` (lower case), or None."""
+        for n, v in self.headers:
+            if n == name:
+                return v
+        return None
+
+    async def _send(self, head: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self.transport.write(body)
+        while not self.headers_done:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    async def next_chunk(self) -> bytes:
+        """The body bytes that arrived since the last call (waiting for some), or b"" at the end."""
+        while True:
+            if self.chunks:
+                data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+                self.chunks.clear()
+                self.buffered = 0
+                if self.paused and self.transport is not None:
+                    self.paused = False
+                    self.transport.resume_reading()
+                return data
+            if self.done:
+                return b""
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    async def read(self, limit: int = 1 << 20) -> bytes:
+        """The rest of the body, up to `limit` bytes (the rest is dropped with the connection)."""
+        out = bytearray()
+        while len(out) < limit:
+            chunk = await self.next_chunk()
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out[:limit])
+
+    def release(self) -> None:
+        """Done with the answer: keep the connection for the next request if it was read to the end."""
+        if self.done and self.keep_alive and not self.closed and self.error is None:
+            self._reset()
+            self.upstream._put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the connection now (the engine sees its request cancelled)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _expire(fut: asyncio.Future, seconds: float) -> None:
+    if not fut.done():
+        fut.set_exception(UpstreamTimeout(f"the engine sent nothing for {seconds:g}s"))
+
+
+class Upstream:
+    """Connections to engines, kept open between requests, one pool per target."""
+
+    def __init__(self, read_timeout_s: float, connect_timeout_s: float = 5.0):
+        self.read_timeout_s = read_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.idle: dict[Target, list[Response]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _put(self, conn: Response) -> None:
+        pool = self.idle.setdefault(conn.target, [])
+        if len(pool) < MAX_IDLE_PER_TARGET:
+            pool.append(conn)
+        else:
+            conn.abort()
+
+    async def _connect(self, target: Target) -> Response:
+        loop = asyncio.get_running_loop()
+        kw: dict = {}
+        if target.scheme == "https":
+            self._ssl = self._ssl or ssl.create_default_context()
+            kw = {"ssl": self._ssl, "server_hostname": target.host}
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: Response(self, target), target.host, target.port, **kw),
+                self.connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectFailed(f"no connection to {target.host}:{target.port} within {self.connect_timeout_s:g}s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {target.host}:{target.port}: {exc.strerror or exc}") from None
+        return conn
+
+    async def post(self, target: Target, path: str, body: bytes) -> Response:
+        """POST `body` (JSON) to `target` + `path`; returns once status and headers have arrived.
+
+        Raises `ConnectFailed`, `UpstreamTimeout` or `UpstreamBroken`. A kept-alive connection that the
+        engine had closed meanwhile is retried once on a fresh one.
+        """
+        head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                b"User-Agent: llmgw\r\n\r\n" % ((target.prefix + path).encode(), target.host_header, len(body)))
+        pool = self.idle.get(target)
+        while pool:
+            conn = pool.pop()
+            if conn.closed:
+                continue
+            try:
+                await conn._send(head, body)
+                return conn
+            except ConnectFailed:
+                conn.abort()  # closed by the engine while idle: try a fresh connection
+                break
+            except BaseException:
+                conn.abort()
+                raise
+        conn = await self._connect(target)
+        try:
+            await conn._send(head, body)
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    async def close(self) -> None:
+        for pool in self.idle.values():
+            for conn in pool:
+                conn.abort()
+        self.idle.clear()

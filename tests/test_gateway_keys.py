@@ -1,0 +1,106 @@
+"""API keys through the real path: `llmgw ctl keys ...` → admin API → Postgres (hashed) → NOTIFY → the
+gateway process. Open until the first key exists, then every /v1/ request needs a valid one; a revoked
+key stops working within a moment; the official openai client works both before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import aiohttp
+import psycopg
+import pytest
+from openai import AsyncOpenAI, AuthenticationError
+
+from llmgw.dev.procs import free_port
+from tests.fake_engine import FakeEngines
+from tests.helpers import ControlPlane
+
+pytestmark = pytest.mark.integration
+
+
+async def ctl(cp: ControlPlane, *args: str) -> tuple[int, str, str]:
+    env = {**os.environ, "LLMGW_ADMIN_URL": cp.admin}
+    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "llmgw", "ctl", "keys", *args, env=env,
+                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await p.communicate()
+    return p.returncode, out.decode(), err.decode()
+
+
+async def status_of(cp: ControlPlane, key: str | None, path: str = "/v1/chat/completions") -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as s:
+        if path == "/v1/models":
+            async with s.get(cp.gateway + path, headers=headers) as r:
+                body = await r.json()
+        else:
+            async with s.post(cp.gateway + path, headers=headers, json={
+                    "model": "echo", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                body = await r.json()
+        if r.status == 401:
+            assert body["error"]["code"] == "invalid_api_key" and r.headers["WWW-Authenticate"] == "Bearer"
+        return r.status
+
+
+async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, database_url):
+    engines = await FakeEngines().start()
+    cp = ControlPlane(tmp_path, database_url, f"127.0.0.1:{free_port()}", LLMGW_ROUTE_REFRESH_S="30")
+    try:
+        await asyncio.to_thread(cp.start, worker=False)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(cp.admin + "/admin/v1/catalog",
+                              json={"catalog": {"models": [{"name": "echo", "endpoints": [engines.url("echo")]}]}}) as r:
+                assert r.status == 200
+        deadline = time.monotonic() + 10
+        while await status_of(cp, None) != 200:  # no key exists yet: open, as `llmgw dev` needs
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        client = AsyncOpenAI(base_url=cp.gateway + "/v1", api_key="anything")
+        assert (await client.models.list()).data[0].id == "echo"
+
+        code, key, err = await ctl(cp, "create", "--name", "ci")
+        assert code == 0, err
+        key = key.strip()
+        assert key.startswith("llmgw-") and len(key) > 40
+        with psycopg.connect(database_url) as conn:  # only a hash is stored
+            stored = conn.execute("SELECT key_hash, prefix FROM api_keys").fetchall()
+        assert len(stored) == 1 and key not in stored[0][0] and key.startswith(stored[0][1])
+
+        # The refresh timer is 30 s here: only the change notification can make these prompt.
+        t0 = time.monotonic()
+        while await status_of(cp, None) != 401:
+            assert time.monotonic() - t0 < 2, "the new key was not required within 2s"
+            await asyncio.sleep(0.05)
+        assert await status_of(cp, None, "/v1/models") == 401
+        assert await status_of(cp, "llmgw-not-a-key") == 401
+        assert await status_of(cp, key) == 200
+        assert await status_of(cp, key, "/v1/models") == 200
+        with pytest.raises(AuthenticationError):
+            await AsyncOpenAI(base_url=cp.gateway + "/v1", api_key="wrong").models.list()
+        r = await AsyncOpenAI(base_url=cp.gateway + "/v1", api_key=key).chat.completions.create(
+            model="echo", messages=[{"role": "user", "content": "x"}])
+        assert r.choices[0].message.content == "echo: x"
+        async with aiohttp.ClientSession() as s:  # health and metrics stay open for probes and scrapers
+            for path in ("/healthz", "/metrics"):
+                async with s.get(cp.gateway + path) as r:
+                    assert r.status == 200
+
+        code, listing, _ = await ctl(cp, "list")
+        key_id = listing.split()[0]
+        assert code == 0 and "ci" in listing and "active" in listing and key not in listing
+        code, _, _ = await ctl(cp, "revoke", key_id, "--yes")
+        assert code == 0
+        t0 = time.monotonic()
+        while await status_of(cp, key) != 401:
+            assert time.monotonic() - t0 < 2, "the revoked key still worked after 2s"
+            await asyncio.sleep(0.05)
+        assert await status_of(cp, None) == 401  # revoking the last key does not open the gateway
+        code, listing, _ = await ctl(cp, "list")
+        assert "revoked" in listing
+        code, _, err = await ctl(cp, "revoke", "no-such-id", "--yes")
+        assert code != 0 and "no API key" in err
+    finally:
+        await asyncio.to_thread(cp.stop)
+        await engines.close()

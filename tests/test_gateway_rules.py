@@ -1,0 +1,127 @@
+"""The gateway's pure rules, one by one (the same rules go through real HTTP in test_gateway_api.py):
+guard verdicts, engine errors in the envelope, endpoint URLs, the concurrency gate, the breaker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from llmgw.catalog.loader import CatalogError, parse_catalog
+from llmgw.gateway.admission import Gate
+from llmgw.gateway.balancer import Balancer
+from llmgw.gateway.errors import APIError
+from llmgw.gateway.guard import answer_text, conversation, verdict
+from llmgw.gateway.openai_api import engine_error
+from llmgw.gateway.routes import Endpoint
+from llmgw.gateway.upstream import parse_target
+from llmgw.schemas.catalog import Limits
+
+
+@pytest.mark.parametrize("text,allowed", [
+    ("safe", True), ("  Safe.", True), ("No", True), ("unsafe\nS1", False), ("Yes, it is harmful", False),
+    ("", None), ("I cannot judge this", None),
+])
+def test_guard_verdicts(text, allowed):
+    assert verdict(text)[0] is allowed
+
+
+def test_guard_reads_the_answer_streamed_or_not_and_the_prompt_as_a_conversation():
+    sse = b'data: {"choices":[{"delta":{"content":"un"}}]}\n\ndata: {"choices":[{"delta":{"content":"safe"}}]}\n\ndata: [DONE]\n\n'
+    assert answer_text(sse, sse=True) == "unsafe"
+    assert answer_text(json.dumps({"choices": [{"message": {"content": "hi"}}]}).encode(), sse=False) == "hi"
+    assert answer_text(json.dumps({"choices": [{"text": "yo"}]}).encode(), sse=False) == "yo"
+    assert conversation("/v1/completions", {"prompt": ["a", "b"]}) == [{"role": "user", "content": "a\nb"}]
+
+
+def test_engine_errors_keep_a_4xx_message_and_hide_a_5xx_body():
+    vllm = json.dumps({"object": "error", "message": "too long", "type": "BadRequestError", "param": "max_tokens",
+                       "code": 400}).encode()
+    err = engine_error(400, vllm)
+    assert (err.status, err.message, err.param) == (400, "too long", "max_tokens")
+    err = engine_error(500, b"Traceback (most recent call last): secret path")
+    assert err.status == 502 and "Traceback" not in err.message and "secret" not in err.message
+    err = engine_error(503, b"")
+    assert err.status == 503 and err.headers["Retry-After"]
+    assert set(json.loads(engine_error(404, b"<html>nope</html>").body())["error"]) == {"message", "type", "param", "code"}
+
+
+def test_endpoint_urls():
+    t = parse_target("http://10.0.0.5:8000/v1/")
+    assert (t.host, t.port, t.prefix) == ("10.0.0.5", 8000, "")
+    assert parse_target("https://api.example.com/openai/v1").port == 443
+    assert parse_target("https://api.example.com/openai/v1").prefix == "/openai"
+    with pytest.raises(ValueError):
+        parse_target("ftp://x")
+
+
+async def test_gate_admits_the_limit_queues_in_order_and_refuses_beyond_the_queue():
+    gate = Gate("m", Limits(max_concurrency=2, max_queue=2, queue_timeout_s=60))
+    await gate.acquire()
+    await gate.acquire()
+    order: list[int] = []
+
+    async def queued(i: int) -> None:
+        await gate.acquire()
+        order.append(i)
+
+    waiting = [asyncio.create_task(queued(i)) for i in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(APIError) as refused:
+        await gate.acquire()
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"]
+    gate.release()
+    await asyncio.sleep(0)
+    assert order == [0]
+    gate.release()
+    await asyncio.gather(*waiting)
+    assert order == [0, 1] and gate.active == 2
+
+
+async def test_gate_slot_of_a_cancelled_waiter_is_not_lost():
+    gate = Gate("m", Limits(max_concurrency=1, max_queue=5, queue_timeout_s=60))
+    await gate.acquire()
+    gone = asyncio.create_task(gate.acquire())
+    stays = asyncio.create_task(gate.acquire())
+    await asyncio.sleep(0)
+    gone.cancel()
+    gate.release()
+    await stays  # the cancelled waiter's turn passed on
+    gate.release()
+    assert gate.active == 0 and not gate.waiters
+
+
+def test_breaker_opens_after_consecutive_failures_and_lets_one_trial_through():
+    b = Balancer(failures=2, open_s=10)
+    ep = Endpoint("r1", "http://x", "n", parse_target("http://x"))
+    b.failed(ep, now=0)
+    assert b.usable(ep, now=0)  # one failure: still closed
+    b.failed(ep, now=0)
+    assert not b.usable(ep, now=5)  # open
+    assert b.pick([ep], set(), now=5) is None
+    assert b.pick([ep], set(), now=11) is ep  # half-open: one trial ...
+    assert b.pick([ep], set(), now=11) is None  # ... at a time
+    b.succeeded(ep)
+    assert b.usable(ep, now=11) and ep.failures == 0
+
+
+def test_breaker_prefers_the_least_outstanding_endpoint():
+    b = Balancer()
+    a, c = (Endpoint(i, "http://x", "n", parse_target("http://x")) for i in ("a", "c"))
+    a.outstanding = 3
+    assert b.pick([a, c], set(), now=0) is c
+    assert b.pick([a, c], {"c"}, now=0) is a
+
+
+def test_catalog_guard_policy_must_name_a_guard_model():
+    judge = {"name": "judge", "role": "guard", "endpoints": ["http://j"]}
+    ok = parse_catalog({"models": [judge, {"name": "m", "endpoints": ["http://m"], "guard": {"model": "judge"}}]})
+    assert ok.get("m").guard.check == ["request"]
+    with pytest.raises(CatalogError, match="guard.model"):
+        parse_catalog({"models": [{"name": "m", "endpoints": ["http://m"], "guard": {"model": "nope"}}]})
+    with pytest.raises(CatalogError, match="role: guard"):
+        parse_catalog({"models": [{"name": "x", "endpoints": ["http://x"]},
+                                  {"name": "m", "endpoints": ["http://m"], "guard": {"model": "x"}}]})
+    with pytest.raises(CatalogError, match="limits.max_concurrency"):
+        parse_catalog({"models": [{"name": "m", "endpoints": ["http://m"], "limits": {"max_concurrency": 0}}]})

@@ -7,7 +7,6 @@ already started (or adopted after a worker restart) instead of starting a second
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -16,7 +15,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from llmgw.catalog.policy import PolicyError, check_profile
-from llmgw.engines.base import EngineError, ShardSpec
+from llmgw.engines.base import EngineError, ShardSpec, reserve_port
 from llmgw.schemas.payloads import (
     FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
     OpenRendezvousInput, Rendezvous, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
@@ -27,12 +26,6 @@ from llmgw.workers.reclaim import reclaim
 
 if TYPE_CHECKING:
     from llmgw.workers.agent import Agent
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NodeActivities:
@@ -78,7 +71,7 @@ class NodeActivities:
             host = self.agent.settings.advertise_host
             spec = ShardSpec(shard_id=inp.shard_id, replica_id=inp.replica_id, model=inp.model, profile=inp.profile,
                              rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host,
-                             port=0 if inp.rank > 0 else free_port(host), rendezvous=inp.rendezvous)
+                             port=0 if inp.rank > 0 else reserve_port(host), rendezvous=inp.rendezvous)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None

@@ -13,7 +13,19 @@ import psutil
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, picked below Linux's ephemeral range (32768-60999), so that the
+    outgoing connections every test makes cannot take it between this check and the server's bind."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # the low range is crowded: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
 

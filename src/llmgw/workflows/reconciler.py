@@ -10,6 +10,7 @@ history short.
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 
 from temporalio import workflow
@@ -70,8 +71,10 @@ class ReconcilerWorkflow:
             acting = [d.line() for d in plan.decisions if d.kind not in ("keep", "wait")]
             workflow.logger.info("reconcile pass: %s", "; ".join(acting))
             # A pass that does something is a span, with every decision and refusal (no-op when tracing is off).
-            otel.completed_span("reconcile pass", attributes={
-                "llmgw.decisions": lines, "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]})
+            with warnings.catch_warnings():  # without the tracing interceptor this is a no-op that warns
+                warnings.simplefilter("ignore", DeprecationWarning)
+                otel.completed_span("reconcile pass", attributes={
+                    "llmgw.decisions": lines, "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]})
         await workflow.execute_activity(
             "record_decisions", RecordDecisionsInput(lines=lines, refusals=plan.explanations()),
             task_queue=CONTROL_QUEUE, **options.CONTROL,

@@ -15,7 +15,7 @@ import sys
 import aiohttp
 
 from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
-from llmgw.engines.metrics_text import gauge_sum
+from llmgw.engines.metrics_text import scrape_gauge
 
 
 def has_module(python: str, module: str) -> bool:
@@ -52,9 +52,4 @@ class SglangAdapter(EngineAdapter):
         return LaunchPlan(argv=argv, env=base_env(spec) | dict(p.env), endpoint=endpoint)
 
     async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
-        try:
-            async with session.get(endpoint + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                n = gauge_sum(await r.text(), "sglang:num_running_reqs")
-                return None if n is None else int(n)
-        except (aiohttp.ClientError, TimeoutError):
-            return None
+        return await scrape_gauge(session, endpoint, "sglang:num_running_reqs")

@@ -24,7 +24,7 @@ import sys
 import aiohttp
 
 from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
-from llmgw.engines.metrics_text import gauge_sum
+from llmgw.engines.metrics_text import scrape_gauge
 
 
 class VllmAdapter(EngineAdapter):
@@ -71,9 +71,4 @@ class VllmAdapter(EngineAdapter):
                           endpoint=f"http://{spec.host}:{spec.port}")
 
     async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
-        try:
-            async with session.get(endpoint + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                n = gauge_sum(await r.text(), "vllm:num_requests_running")
-                return None if n is None else int(n)
-        except (aiohttp.ClientError, TimeoutError):
-            return None
+        return await scrape_gauge(session, endpoint, "vllm:num_requests_running")

@@ -312,18 +312,22 @@ class Proxy:
                            send: Send, x: _Exchange) -> int:
         """Hold the whole answer, have the guard judge it, then send it (or the refusal)."""
         ctype = resp.header(b"content-type") or b"application/json"
-        try:
-            data = await resp.read(MAX_HELD)
-        except UpstreamTimeout:
-            raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
-        except UpstreamBroken as exc:
-            raise errors.upstream_failed(str(exc)) from None
+        data = await self._read_held(resp)
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, ctype.startswith(SSE))}]
         await self._judge(label, policy, "response", messages, None)
         x.started = x.finished = True
         await send({"type": "http.response.start", "status": resp.status, "headers": [(b"content-type", ctype)]})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return resp.status
+
+    async def _read_held(self, resp: Response) -> bytes:
+        """A whole answer (up to MAX_HELD bytes), with engine failures as OpenAI errors (504/502)."""
+        try:
+            return await resp.read(MAX_HELD)
+        except UpstreamTimeout:
+            raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
+        except UpstreamBroken as exc:
+            raise errors.upstream_failed(str(exc)) from None
 
     async def _judge(self, label: str, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None) -> None:
         try:
@@ -342,12 +346,7 @@ class Proxy:
             raise errors.model_not_found(model)
 
         async def consume(resp: Response) -> tuple[int, Any]:
-            try:
-                data = await resp.read(MAX_HELD)
-            except UpstreamTimeout:
-                raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
-            except UpstreamBroken as exc:
-                raise errors.upstream_failed(str(exc)) from None
+            data = await self._read_held(resp)
             try:
                 return resp.status, json.loads(data)
             except (ValueError, UnicodeDecodeError):

@@ -262,6 +262,17 @@ def ctl_replicas(all: bool = typer.Option(False, "--all", help="Include stopped 
         why = r.get("ended_reason") or r.get("failure")
         if why and r["status"] in ("stopped", "failed", "lost"):
             typer.echo("    " + why.splitlines()[0][:200])
+        for sh in r.get("shards", []):
+            if sh.get("progress"):
+                typer.echo(f"    {sh['node_id']}: {progress_line(sh['progress'])}")
+
+
+def progress_line(p: dict) -> str:
+    """`downloading SOURCE: 45.2 of 98.4 MB (46%)`, or `... 45.2 MB so far` when the size is unknown."""
+    got = p["bytes"] / 1e6
+    if p.get("total"):
+        return f"downloading {p['source']}: {got:.1f} of {p['total'] / 1e6:.1f} MB ({100 * p['bytes'] // p['total']}%)"
+    return f"downloading {p['source']}: {got:.1f} MB so far"
 
 
 @ctl_app.command("nodes")

@@ -16,6 +16,7 @@ from temporalio.exceptions import ApplicationError
 
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, ShardSpec, reserve_port
+from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
     FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
     OpenRendezvousInput, Rendezvous, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
@@ -44,8 +45,11 @@ class NodeActivities:
         seen: dict = {}
 
         def progress(n: int, total: int | None) -> None:
-            # Called from the (possibly shared) download task: only record; this activity heartbeats.
+            # Called from the (possibly shared) download task: only record; this activity heartbeats, and
+            # the agent's heartbeat carries it to the control plane (`ctl replicas` shows it).
             seen.update(bytes=n, total=total)
+            self.agent.downloads[inp.replica_id] = DownloadProgress(
+                replica_id=inp.replica_id, source=inp.source or "", bytes=n, total=total)
 
         beat = asyncio.create_task(_keepalive(seen))
         try:
@@ -54,6 +58,7 @@ class NodeActivities:
             raise ApplicationError(str(exc), type="FetchError", non_retryable=not exc.retryable) from None
         finally:
             beat.cancel()
+            self.agent.downloads.pop(inp.replica_id, None)
         if got.fetched:
             self.agent.inventory_dirty = True
         return FetchWeightsResult(path=got.path, bytes=got.bytes, fetched=got.fetched)

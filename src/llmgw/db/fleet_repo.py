@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw.db.tables import ENDED_STATUSES, nodes, replicas, shards
-from llmgw.schemas.inventory import Inventory, ShardReport
+from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement
 
 # Allowed transitions: target status -> statuses it may come from.
@@ -183,8 +183,23 @@ async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limi
         srows = (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).mappings().all()
         for sr in srows:
             by_rep.setdefault(sr["replica_id"], []).append(
-                {"node_id": sr["node_id"], "rank": sr["rank"], "gpus": list(sr["gpus"] or []), "status": sr["status"]})
+                {"node_id": sr["node_id"], "rank": sr["rank"], "gpus": list(sr["gpus"] or []), "status": sr["status"],
+                 "progress": sr["progress"]})
     return [{**r, "shards": by_rep.get(r["id"], [])} for r in rows]
+
+
+async def set_progress(conn: AsyncConnection, node_id: str, downloads: list[DownloadProgress]) -> None:
+    """Record what `node_id` is downloading for its starting shards, and clear what it no longer reports.
+    Not a state transition: the shard stays `starting` (seeds 001)."""
+    ids = [d.replica_id for d in downloads]
+    clear = update(shards).where(and_(shards.c.node_id == node_id, shards.c.progress.is_not(None)))
+    if ids:
+        clear = clear.where(shards.c.replica_id.not_in(ids))
+    await conn.execute(clear.values(progress=None))
+    for d in downloads:
+        await conn.execute(update(shards).where(and_(
+            shards.c.node_id == node_id, shards.c.replica_id == d.replica_id, shards.c.status == "starting"))
+            .values(progress=d.model_dump(mode="json")))
 
 
 async def active_replicas_with_shards(conn: AsyncConnection):
@@ -201,7 +216,7 @@ async def active_replicas_with_shards(conn: AsyncConnection):
 
 async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> str | None:
     """Apply a node's report about one of its shards. Returns the replica's status (None if unknown)."""
-    values: dict = {"status": report.state, "updated_at": func.now()}
+    values: dict = {"status": report.state, "updated_at": func.now(), "progress": None}  # a transition ends a download
     for field in ("pid", "endpoint", "exit_code", "output_tail"):
         v = getattr(report, field)
         if v is not None:

@@ -68,6 +68,7 @@ shards = Table(
     Column("endpoint", Text),
     Column("exit_code", Integer),
     Column("output_tail", Text),
+    Column("progress", JSONB),  # a download in progress: {"source", "bytes", "total"?}; cleared by any transition
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

@@ -93,6 +93,8 @@ class FleetService:
     async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatResponse:
         async with self.engine.begin() as conn:
             known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory)
+            if known:
+                await fleet_repo.set_progress(conn, req.node_id, req.downloads)
         return HeartbeatResponse(ok=known, reregister=not known)
 
     async def shard_status(self, req: ShardStatusRequest) -> None:

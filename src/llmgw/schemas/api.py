@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmgw.schemas.inventory import Inventory, ShardReport
+from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 
 
 class _Strict(BaseModel):
@@ -36,6 +36,7 @@ class HeartbeatRequest(_Strict):
     boot_id: str
     shards: list[ShardReport] = Field(default_factory=list)
     inventory: Inventory | None = None
+    downloads: list[DownloadProgress] = Field(default_factory=list)
 
 
 class HeartbeatResponse(_Strict):
@@ -76,6 +77,7 @@ class ShardView(_Strict):
     rank: int
     gpus: list[int] = Field(default_factory=list)
     status: str
+    progress: DownloadProgress | None = None  # weights being fetched for it now
 
 
 class ReplicaView(_Strict):

@@ -88,3 +88,13 @@ class ShardReport(_Strict):
     exit_code: int | None = None
     output_tail: str | None = None
     profile_hash: str | None = None  # `profile_hash()` of the profile it was launched with (adoption)
+
+
+class DownloadProgress(_Strict):
+    """Weights being fetched for a replica on this node. `total` is None when the server sent no length:
+    no percentage is invented (seeds 001, "Carry a download's progress to where somebody is looking")."""
+
+    replica_id: str
+    source: str
+    bytes: int
+    total: int | None = None

@@ -23,7 +23,7 @@ from llmgw.engines.registry import Engines
 from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
-from llmgw.schemas.inventory import ShardReport
+from llmgw.schemas.inventory import DownloadProgress, ShardReport
 from llmgw.schemas.simulate import SimulatedNode
 from llmgw.temporal import connect
 from llmgw.weights.fetcher import Fetcher
@@ -54,6 +54,7 @@ class Agent:
         self.http: aiohttp.ClientSession | None = None
         self.registered = asyncio.Event()
         self.inventory_dirty = False
+        self.downloads: dict[str, DownloadProgress] = {}  # replica id -> weights being fetched for it
         self._gpus = None
         self._fabrics = None
         self.metrics = AgentMetrics()
@@ -149,7 +150,7 @@ class Agent:
                 inv = self.inventory() if beats % 10 == 0 or self.inventory_dirty else None
                 self.inventory_dirty = False
                 hb = HeartbeatRequest(node_id=self.node_id, boot_id=self.boot_id, shards=self.shard_reports(),
-                                      inventory=inv)
+                                      inventory=inv, downloads=list(self.downloads.values()))
                 resp = HeartbeatResponse.model_validate(await self._post("/node/v1/heartbeat", hb))
                 need_register = resp.reregister
                 delay = 1.0

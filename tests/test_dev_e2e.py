@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import yaml
 from openai import OpenAI
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
@@ -187,6 +188,15 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     assert second.returncode != 0
     assert "already running" in second.stderr + second.stdout
 
+    # A change made with `llmgw ctl apply` survives the next start (the catalog file did not change).
+    changed = dev.state / "changed.yaml"
+    cat = yaml.safe_load((dev.state / "catalog.yaml").read_text())
+    next(m for m in cat["models"] if m["name"] == "sim-small")["aliases"] = ["greek"]
+    changed.write_text(yaml.safe_dump(cat))
+    applied = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "apply", "-f", str(changed), "--yes"],
+                             env=dev.env, capture_output=True, text=True, timeout=60)
+    assert applied.returncode == 0, applied.stderr
+
     # Ctrl-C stops every process it started, engines included.
     procs = dev.descendants()
     assert any("llama-server" in " ".join(p.cmdline()) for p in procs)
@@ -202,8 +212,10 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     dev.log_path.write_text("")
     dev.start()
     dev.wait_up()
-    assert "0 added, 0 changed, 0 removed, 2 unchanged" in dev.output()
+    assert "is unchanged since the last start; keeping the control plane's catalog (2 models" in dev.output()
     assert mirror_file.stat().st_mtime_ns == mtime
+    catalog_now = httpx.get(dev.admin + "/admin/v1/catalog", timeout=10).json()
+    assert next(m for m in catalog_now["models"] if m["name"] == "sim-small")["aliases"] == ["greek"]
     for m in MODELS:
         wait_until(lambda m=m: dev.ready(m), timeout_s=120, what=f"{m} ready after restart")
         wait_until(lambda m=m: httpx.post(dev.gateway + "/v1/chat/completions", timeout=60, json={

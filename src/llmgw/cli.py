@@ -66,7 +66,10 @@ def dev(
     def _interrupt(*_):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops everything, like Ctrl-C
+    # SIGTERM stops everything, like Ctrl-C; SIGINT is installed explicitly because a shell starts
+    # background jobs with it ignored, and `kill -INT` must still stop dev.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     setup_logging()
     settings = Settings()
     if state_dir:

@@ -79,6 +79,10 @@ class EmbeddedPostgres:
             pass
         return None
 
+    def running(self) -> bool:
+        """Whether a PostgreSQL is already running on this data directory and port."""
+        return self._running_pid() is not None and port_open(self.port)
+
     def start(self, timeout_s: float = 60) -> None:
         """Initialise the cluster if new, start it (or reuse one already running on this data), create the db."""
         self._prepare_user()

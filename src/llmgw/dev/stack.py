@@ -11,6 +11,7 @@ starts nothing twice. Ctrl-C stops every process it started, engines included.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ import yaml
 
 from llmgw.config import Settings
 from llmgw.dev.postgres import EmbeddedPostgres
-from llmgw.dev.procs import kill_pid_file, stop_process, wait_port
+from llmgw.dev.procs import kill_pid_file, port_open, stop_process, wait_port
 from llmgw.dev.temporal_server import TemporalDevServer
 from llmgw.workers.supervisor import kill_leftover_engines
 
@@ -70,6 +71,29 @@ class DevStack:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
+
+    def stop_leftovers(self) -> None:
+        """Processes a killed `llmgw dev` left behind (pid files under <state>/run): stop them first."""
+        for name in ("agent", "worker", "server", "mirror"):
+            kill_pid_file(self.run_dir / f"{name}.pid", "llmgw")
+        kill_pid_file(self.run_dir / "temporal.pid", "start-dev")
+        kill_leftover_engines(self.s.shard_dir)
+
+    def check_ports(self) -> None:
+        """Refuse to start when a port dev needs is taken, naming the port and the setting that moves it."""
+        wanted = [("gateway", self.s.gateway_port), ("admin", self.s.admin_port), ("mirror", self.s.mirror_port),
+                  ("node_api", self.s.node_api_port)]
+        if not self.s.temporal_address:
+            wanted += [("temporal", self.s.temporal_port), ("temporal_ui", self.s.temporal_ui_port)]
+        if not self.s.database_url and not EmbeddedPostgres(self.state / "postgres", self.s.postgres_port).running():
+            wanted.append(("postgres", self.s.postgres_port))
+        if self.s.agent_metrics_port:
+            wanted.append(("agent_metrics", self.s.agent_metrics_port))
+        taken = [(name, port) for name, port in wanted if port_open(port)]
+        if taken:
+            lines = [f"  port {port} ({name}) is in use: set LLMGW_{name.upper()}_PORT to a free port" for name, port in taken]
+            raise SystemExit("llmgw dev cannot start:\n" + "\n".join(lines)
+                             + f"\nfor example: LLMGW_{taken[0][0].upper()}_PORT={taken[0][1] + 10000} llmgw dev")
 
     # ---- dependencies ---------------------------------------------------------------------------
     def start_postgres(self) -> None:
@@ -156,13 +180,35 @@ class DevStack:
         self.children.append((name, proc))
         return proc
 
-    def apply_catalog(self, path: Path) -> None:
-        raw = yaml.safe_load(path.read_text())
-        r = httpx.post(f"http://127.0.0.1:{self.s.admin_port}/admin/v1/catalog", json={"catalog": raw}, timeout=30)
+    def wait_child(self, name: str, proc: subprocess.Popen, port: int, timeout_s: float) -> None:
+        """Wait for a child to listen on `port`; if it dies or hangs, say so with the end of its log."""
+        try:
+            wait_port(port, timeout_s, proc, f"`llmgw {name}`")
+        except (RuntimeError, TimeoutError) as exc:
+            log_path = self.log_dir / f"{name}.log"
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:]) if log_path.exists() else ""
+            raise SystemExit(f"{exc}; the end of {log_path}:\n{tail}") from None
+
+    def apply_catalog(self, path: Path, always: bool) -> None:
+        """Apply the catalog file, unless it is the file dev applied last time and the control plane has a
+        catalog: then what is there now, changes made with `llmgw ctl apply` included, is kept."""
+        text = path.read_text()
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        marker = self.run_dir / "catalog.applied"
+        admin = f"http://127.0.0.1:{self.s.admin_port}"
+        if not always and marker.exists() and marker.read_text() == digest:
+            current = httpx.get(admin + "/admin/v1/catalog", timeout=30).json().get("models", [])
+            if current:
+                self.echo(f"catalog: {path} is unchanged since the last start; keeping the control plane's catalog "
+                          f"({len(current)} models, `llmgw ctl apply` changes included)")
+                return
+        raw = yaml.safe_load(text)
+        r = httpx.post(admin + "/admin/v1/catalog", json={"catalog": raw}, timeout=30)
         if r.status_code != 200:
             detail = r.json().get("error", {}).get("message", r.text)
             raise SystemExit(f"the catalog {path} was refused:\n{detail}")
         diff = r.json()
+        marker.write_text(digest)
         self.echo(f"catalog {path}: {len(diff['added'])} added, {len(diff['changed'])} changed, "
                   f"{len(diff['removed'])} removed, {len(diff['unchanged'])} unchanged")
 
@@ -171,7 +217,7 @@ class DevStack:
                "chat": f"http://127.0.0.1:{self.s.gateway_port}/",
                "metrics": f"http://127.0.0.1:{self.s.gateway_port}/metrics",
                "admin": f"http://127.0.0.1:{self.s.admin_port}",
-               "mirror": f"http://127.0.0.1:{self.s.mirror_port}/files/"}
+               "mirror": f"http://127.0.0.1:{self.s.mirror_port}/files"}
         if self.temporal and self.temporal.ui_port:
             out["temporal-ui"] = f"http://127.0.0.1:{self.temporal.ui_port}"
         out["temporal"] = self.s.temporal_address or ""
@@ -181,6 +227,8 @@ class DevStack:
     # ---- run ------------------------------------------------------------------------------------
     def start(self) -> None:
         self.lock()
+        self.stop_leftovers()
+        self.check_ports()
         self.start_postgres()
         self.start_temporal()
         from llmgw.db.migrate import upgrade
@@ -192,11 +240,11 @@ class DevStack:
         mirror = self.spawn("mirror", "mirror", "serve")
         server = self.spawn("server", "server", "--no-migrate")
         self.spawn("worker", "worker")
-        wait_port(self.s.mirror_port, 30, mirror, "the mirror")
-        wait_port(self.s.admin_port, 60, server, "the admin API")
-        wait_port(self.s.gateway_port, 60, server, "the gateway")
+        self.wait_child("mirror", mirror, self.s.mirror_port, 30)
+        self.wait_child("server", server, self.s.admin_port, 60)
+        self.wait_child("server", server, self.s.gateway_port, 60)
         self.spawn("agent", "agent", "--node-id", self.s.node_id or "local", "--stop-engines-on-exit")
-        self.apply_catalog(catalog)
+        self.apply_catalog(catalog, always=self.catalog_path is not None)
         urls = self.urls()
         (self.run_dir / "urls.json").write_text(json.dumps(urls))
         self.echo("llmgw dev is up:")

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.db import catalog_repo
 from llmgw.gateway import errors
 from llmgw.gateway.routes import ModelRoute, RouteTable
+from llmgw.placement.decisions import refusal
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,21 @@ class Demand:
         ready = await self.routes.wait_for_endpoint(model.name, self.load_wait_s)
         if ready and ready.endpoints:
             return ready
+        why = await self._refused(model.name)
+        if why is not None:
+            raise errors.unplaceable(model.name, why)
         raise errors.loading(model.name, retry_after_s=LOADING_RETRY_AFTER_S)
+
+    async def _refused(self, name: str) -> str | None:
+        """Why the reconciler's latest pass could not place `name`, or None when it did not refuse it (then
+        the model is genuinely loading, or about to be). A client told "loading" would retry forever."""
+        try:
+            async with self.engine.connect() as conn:
+                lines, _ = await catalog_repo.get_decisions_at(conn, name)
+        except Exception:  # noqa: BLE001 - cannot tell: say loading, the next request asks again
+            log.exception("reading the latest decisions for %s failed", name)
+            return None
+        return refusal(lines or [], name)
 
     async def flush_loop(self) -> None:
         """Every `flush_s`, mark models used now (requests in flight or just ended)."""

@@ -46,6 +46,12 @@ def loading(name: str, retry_after_s: int) -> APIError:
                     code="model_loading", headers={"Retry-After": str(retry_after_s)})
 
 
+def unplaceable(name: str, why: str) -> APIError:
+    """No node can take the model now (the reconciler's latest pass refused it): not "loading"."""
+    return APIError(503, f"the model `{name}` cannot be started now: {why} (`llmgw ctl explain {name}` says more)",
+                    type="service_unavailable", code="model_unplaceable", headers={"Retry-After": "60"})
+
+
 def unavailable(name: str, why: str, retry_after_s: int = 5) -> APIError:
     return APIError(503, f"the model `{name}` is not available: {why}", type="service_unavailable",
                     code="model_unavailable", headers={"Retry-After": str(retry_after_s)})

@@ -12,6 +12,15 @@ from llmgw.schemas.payloads import ShardPlacement
 DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep"]
 
 
+REFUSED = "cannot place"
+
+
+def refusal(lines: list[str], model: str) -> str | None:
+    """The reason in a pass's lines (`Plan.explanations()[model]`) when it refused to place `model`, else None."""
+    head = f"{REFUSED} {model}: "
+    return next((line[len(head):] for line in lines if line.startswith(head)), None)
+
+
 class Decision(BaseModel):
     """One thing a pass decided.
 
@@ -51,7 +60,7 @@ class Decision(BaseModel):
             "evict": f"evict replica {rid} of {self.model} (drain, then stop)",
             "lost": f"replica {rid} of {self.model} is lost",
             "cleanup": f"stop every shard of {self.final_status} replica {rid} of {self.model}",
-            "refuse": f"cannot place {self.model}",
+            "refuse": f"{REFUSED} {self.model}",
             "wait": f"hold {self.model}",
             "keep": f"keep {self.model}",
         }[self.kind]

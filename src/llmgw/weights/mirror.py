@@ -68,6 +68,8 @@ def create_mirror_app(root: Path) -> Starlette:
 
     async def files(request: Request) -> Response:
         name = request.path_params["name"]
+        if name == "":
+            return await index(request)
         path = resolve(root, name)
         if path is None:
             return JSONResponse({"error": "invalid name: use segments of letters, digits, '.', '_' and '-'"}, 400)

@@ -1,0 +1,27 @@
+"""A request for an on-demand model that no node can take is told so (503 `model_unplaceable` with the
+reconciler's reason), not "loading": a client told "loading" would retry forever."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def test_unplaceable_on_demand_model_says_why(control_plane):
+    cp = control_plane
+    cp.env["LLMGW_LOAD_WAIT_S"] = "3"
+    cp.start()
+    agent = cp.agent("n1")
+    wait_until(lambda: "registered node n1" in agent.log(), timeout_s=30, what="agent registered")
+    assert cp.apply({"models": [{"name": "huge", "scaling": {"min": 0, "max": 1},
+                                 "profiles": [{"engine": "sim", "memory_gb": 100000}]}]}).status_code == 200
+    r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
+                   json={"model": "huge", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503 and r.headers["Retry-After"]
+    err = r.json()["error"]
+    assert err["code"] == "model_unplaceable", err
+    assert "no node can take it" in err["message"] and "llmgw ctl explain huge" in err["message"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +52,26 @@ def _run(coro_fn) -> None:
         await coro_fn(stop)
 
     asyncio.run(main())
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Leave a process that holds a Temporal client once its work is done and flushed.
+
+    The Temporal SDK's Rust runtime keeps threads that may still call into Python while the interpreter
+    finalizes; about one exit in three then aborted with "PyGILState_Release: thread state must be current"
+    (reproduced by stopping an agent repeatedly). Everything is stopped and flushed by the time we get
+    here, so the process ends without finalizing: spans and logs flushed explicitly first.
+    """
+    import os
+
+    from llmgw.telemetry import shutdown_tracing
+
+    shutdown_tracing()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @app.command()
@@ -98,6 +119,7 @@ def server(migrate: bool = typer.Option(True, help="Apply database migrations at
 
     settings = setup_process("llmgw-server")
     run_server(settings, migrate=migrate)
+    exit_now(0)
 
 
 @app.command()

@@ -171,3 +171,14 @@ def setup_tracing(spec: str, service: str) -> bool:
     trace.set_tracer_provider(provider)
     _tracing_on = True
     return True
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the tracer provider, if tracing is on (spans still batched are exported)."""
+    if not _tracing_on:
+        return
+    from opentelemetry import trace
+
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):
+        provider.shutdown()

@@ -234,6 +234,9 @@ def ctl_apply(
 
     from llmgw.catalog.loader import CatalogError, load_catalog
 
+    if not file.is_file():
+        typer.echo(f"error: {file}: no such file; give the catalog YAML with -f", err=True)
+        raise typer.Exit(2)
     try:
         load_catalog(file)  # refuse locally first, with the same errors the server gives
     except CatalogError as exc:
@@ -256,6 +259,7 @@ def ctl_apply(
             typer.echo("no changes")
             return
         if not yes and not typer.confirm("apply?"):
+            typer.echo("not applied")
             raise typer.Exit(1)
         r = c.post("/admin/v1/catalog", json={"catalog": raw})
         if r.status_code != 200:
@@ -266,12 +270,14 @@ def ctl_apply(
 @ctl_app.command("models")
 def ctl_models():
     """Models in the catalog: how they scale, their priority, and their replicas by status."""
-    for m in _get("/admin/v1/models"):
-        reps = ", ".join(f"{n} {s}" for s, n in m["replicas"].items()) or "no replicas"
-        sim = " (simulated)" if m["simulated"] else ""
-        mode = m.get("mode", f"min {m['min']}")
-        typer.echo(f"{m['name']}{sim}  engines={','.join(m['engines']) or 'static'}  {mode} (min={m['min']} max={m['max']})"
-                   f"  priority={m.get('priority', 0)}  {reps}")
+    models = _get("/admin/v1/models")
+    width = max([len(m["name"]) for m in models] + [5])
+    typer.echo(f"{'MODEL':{width}s}  {'ENGINES':10s} {'MIN':>3s} {'MAX':>3s} {'PRIO':>4s}  REPLICAS")
+    for m in models:
+        reps = ", ".join(f"{n} {s}" for s, n in m["replicas"].items()) or "none"
+        sim = "  (simulated)" if m["simulated"] else ""
+        typer.echo(f"{m['name']:{width}s}  {','.join(m['engines']) or 'static':10s} {m['min']:>3d} {m['max']:>3d} "
+                   f"{m.get('priority', 0):>4d}  {reps}{sim}")
 
 
 def _shards(r: dict) -> str:

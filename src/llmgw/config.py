@@ -2,7 +2,7 @@
 
 One `Settings` object, read from the environment with the `LLMGW_` prefix (for example
 `LLMGW_DATABASE_URL`, `LLMGW_TEMPORAL_ADDRESS`, `LLMGW_GATEWAY_PORT`), then overridden by CLI flags.
-Default ports are the ones in DESIGN.md: gateway 8080, admin 127.0.0.1:8081, mirror 8082, node API 8443,
+Default ports (README, docs/architecture.md): gateway 8080, admin 127.0.0.1:8081, mirror 8082, node API 8443,
 Temporal 7233 with its web UI on 8233. The embedded dev Postgres listens on 55432 so that it never
 collides with a system PostgreSQL on 5432.
 """

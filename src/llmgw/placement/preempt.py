@@ -1,6 +1,6 @@
 """Eviction and preemption: make room for a higher-priority model by draining lower-priority replicas.
 
-Rules (DESIGN.md "Workflows"; issue 3): only replicas of models with a strictly lower `priority` are
+Rules (docs/architecture.md, "How a replica starts"; issue 3): only replicas of models with a strictly lower `priority` are
 candidates, lowest priority first and, within a priority, the model used least recently (never used
 counts as oldest); a replica already draining is not a candidate, it is already leaving. A replica is
 evicted only when its going makes the placement possible: victims are added in that order until the

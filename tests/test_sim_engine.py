@@ -48,3 +48,13 @@ def test_bad_requests_get_openai_errors(sim):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(sim + "/v1/embeddings", json={"model": "s"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_usage_counts_the_prompt_and_streams_when_asked(sim):
+    body = {"model": "s", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 2}
+    assert httpx.post(sim + "/v1/chat/completions", json=body).json()["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    with httpx.stream("POST", sim + "/v1/chat/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = [e for e in b"".join(r.iter_raw()).split(b"\n\n") if e]
+    assert b'"usage": {"prompt_tokens": 3' in events[-2] and events[-1] == b"data: [DONE]"

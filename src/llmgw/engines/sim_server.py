@@ -117,6 +117,9 @@ class SimEngine:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        prompt = body.get("messages") if chat else body.get("prompt")
+        usage = {"prompt_tokens": prompt_tokens(prompt), "completion_tokens": n}
+        usage["total_tokens"] = usage["prompt_tokens"] + n
         self.in_flight += 1
         try:
             if self.group is not None:
@@ -129,8 +132,7 @@ class SimEngine:
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                           if chat else {"index": 0, "text": text, "finish_reason": "length"})
                 return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
-                                          "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": n,
-                                                                         "total_tokens": n + 1}})
+                                          "choices": [choice], "usage": usage})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -145,11 +147,22 @@ class SimEngine:
                     choice = {"index": 0, "text": self.token(i), "finish_reason": "length" if last else None}
                 event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [],
+                         "usage": usage}
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
         finally:
             self.in_flight -= 1
+
+
+def prompt_tokens(prompt) -> int:
+    """A rough count (words) of a prompt or a message list, for `usage`."""
+    if isinstance(prompt, list):
+        return sum(prompt_tokens(m.get("content") if isinstance(m, dict) else m) for m in prompt) or 1
+    return max(1, len(str(prompt or "").split()))
 
 
 def make_app(engine: SimEngine) -> web.Application:

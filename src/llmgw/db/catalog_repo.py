@@ -146,11 +146,6 @@ async def save_decisions(conn: AsyncConnection, decisions: dict[str, list[str]])
                                                       set_={"decisions": lines, "decided_at": func.now()}))
 
 
-async def get_decisions(conn: AsyncConnection, name: str) -> list[str] | None:
-    row = (await conn.execute(select(model_state.c.decisions).where(model_state.c.name == name))).first()
-    return row.decisions if row else None
-
-
 async def get_decisions_at(conn: AsyncConnection, name: str) -> tuple[list[str] | None, datetime | None]:
     """(the latest pass's lines about `name` ([] before any pass), when that pass ran); (None, None) for a
     model the catalog never had."""

@@ -159,10 +159,6 @@ async def settle_replica(conn: AsyncConnection, replica_id: str, reason: str | N
     return False, cur.status if cur else None, cur.model if cur else None
 
 
-async def get_replica(conn: AsyncConnection, replica_id: str):
-    return (await conn.execute(select(replicas).where(replicas.c.id == replica_id))).mappings().first()
-
-
 async def replica_shards(conn: AsyncConnection, replica_id: str) -> list[ShardPlacement]:
     rows = (await conn.execute(select(shards).where(shards.c.replica_id == replica_id).order_by(shards.c.rank))).all()
     return [ShardPlacement(node_id=r.node_id, rank=r.rank, gpus=list(r.gpus or [])) for r in rows]

@@ -82,7 +82,5 @@ api_keys = Table(
     Column("revoked_at", DateTime(timezone=True)),
 )
 
-# Replica statuses and what they mean to the gateway and the reconciler.
-ACTIVE_STATUSES = ("pending", "starting", "ready", "draining")  # hold resources
-ROUTABLE_STATUS = "ready"
+# Replica statuses that end a replica (see db/fleet_repo.py for the lifecycle).
 ENDED_STATUSES = ("stopped", "failed", "lost")

@@ -43,7 +43,6 @@ class EmbeddedPostgres:
         self.database = database
         self.log_path = log_path or data_dir.parent / "postgres.log"
         self.proc: subprocess.Popen | None = None
-        self.reused = False
         self.user: str | None = None
         self.durable = durable  # tests turn fsync off; dev keeps it on
 
@@ -100,7 +99,6 @@ class EmbeddedPostgres:
         pid = self._running_pid()
         if pid is not None and port_open(self.port):
             log.info("reusing the PostgreSQL already running on this data (pid %d)", pid)
-            self.reused = True
         else:
             if pid is not None:
                 # Running on our data but not on our port: stop it, it is a leftover.

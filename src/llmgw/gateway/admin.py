@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
+from llmgw.gateway.errors import APIError, json_error
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.status import node_status
 from llmgw.schemas.api import (
@@ -107,9 +108,8 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             lines, at = await catalog_repo.get_decisions_at(conn, model)
             rows = await fleet_repo.list_replicas(conn, include_ended=True, limit=10, model=model)
         if lines is None and not rows:
-            return JSONResponse(status_code=404, content={"error": {
-                "message": f"no model or alias named {model!r} in the catalog",
-                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
+            return json_error(APIError(404, f"no model or alias named {model!r} in the catalog", param="model",
+                                       code="model_not_found"))
         return {"model": model, "decisions": lines or [], "decided_at": at,
                 "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}
 
@@ -128,9 +128,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     async def revoke_key(key_id: str):
         row = await keys.revoke(key_id)
         if row is None:
-            return JSONResponse(status_code=404, content={"error": {"message": f"no API key with id {key_id!r}",
-                                                                    "type": "invalid_request_error", "param": "id",
-                                                                    "code": "not_found"}})
+            return json_error(APIError(404, f"no API key with id {key_id!r}", param="id", code="not_found"))
         return KeyView(**row)
 
     return AdminGuard(app)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,7 +25,7 @@ from llmgw.gateway import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
-from llmgw.gateway.errors import APIError
+from llmgw.gateway.errors import APIError, json_error
 from llmgw.gateway.feed import ChangeFeed
 from llmgw.gateway.openai_api import REQUIRED, send_error
 from llmgw.gateway.proxy import Proxy
@@ -43,11 +43,6 @@ STATIC = Path(__file__).parent / "static"
 def model_object(m: Model) -> dict:
     """A model as /v1/models lists it; `owned_by: llmgw-sim` when every profile is simulated (seeds 003)."""
     return {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
-
-
-def json_error(err: APIError) -> JSONResponse:
-    return JSONResponse(status_code=err.status, content={"error": {"message": err.message, "type": err.type,
-                        "param": err.param, "code": err.code}}, headers=err.headers)
 
 
 class Gateway:

@@ -122,3 +122,11 @@ def guard_unavailable(guard: str, why: str, retry_after_s: int = 10) -> APIError
 
 def internal() -> APIError:
     return APIError(500, "internal error in the gateway; it has been logged", type="server_error", code="internal_error")
+
+
+def json_error(err: APIError):
+    """`err` as a Starlette JSONResponse (for FastAPI handlers; the hot path sends `err.body()` itself)."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(status_code=err.status, content={"error": {"message": err.message, "type": err.type,
+                        "param": err.param, "code": err.code}}, headers=err.headers)

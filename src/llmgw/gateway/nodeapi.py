@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from llmgw.gateway.errors import APIError, json_error
 
 from llmgw.gateway.fleet_service import FleetService
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
@@ -18,32 +18,29 @@ from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterReque
 log = logging.getLogger(__name__)
 
 
-class IdentityError(Exception):
-    def __init__(self, status: int, message: str):
-        self.status = status
-        self.message = message
+def identity_error(status: int, message: str) -> APIError:
+    return APIError(status, message, type="forbidden", param="node_id", code="node_identity")
 
 
 def check_identity(request: Request, claimed: str, require: bool) -> None:
-    """Raise `IdentityError` unless the client certificate's common name is `claimed`."""
+    """Raise an `APIError` (401/403, code `node_identity`) unless the client certificate's common name is `claimed`."""
     if not require:
         return
     tls = request.scope.get("extensions", {}).get("tls", {})
     cn = tls.get("client_cert_name")
     if cn is None:
-        raise IdentityError(401, "a client certificate from the llmgw CA is required (llmgw ctl cert node NODE_ID)")
+        raise identity_error(401, "a client certificate from the llmgw CA is required (llmgw ctl cert node NODE_ID)")
     if cn != claimed:
         log.warning("refused a request claiming node %r from a certificate for %r", claimed, cn)
-        raise IdentityError(403, f"the client certificate is for node {cn!r}, but the request claims {claimed!r}")
+        raise identity_error(403, f"the client certificate is for node {cn!r}, but the request claims {claimed!r}")
 
 
 def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
     app = FastAPI(title="llmgw node API", docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(IdentityError)
-    async def _identity(request: Request, exc: IdentityError):
-        return JSONResponse(status_code=exc.status, content={"error": {"message": exc.message, "type": "forbidden",
-                                                                       "param": "node_id", "code": "node_identity"}})
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return json_error(exc)
 
     @app.post("/node/v1/register", response_model=RegisterResponse)
     async def register(req: RegisterRequest, request: Request) -> RegisterResponse:

@@ -22,8 +22,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-HIGH_WATER = 256 * 1024  # stop reading from an engine while this much waits for a slow client ...
-LOW_WATER = 64 * 1024  # ... and read again below this
+HIGH_WATER = 256 * 1024  # stop reading from an engine while this much waits for a slow client; read again once taken
 MAX_IDLE_PER_TARGET = 64
 
 
@@ -92,7 +91,6 @@ class Response(asyncio.Protocol):
         self.headers_done = False
         self.done = False
         self.error: UpstreamError | None = None
-        self.got_bytes = False
         self.keep_alive = True
         self.until_eof = False
         self.paused = False
@@ -103,7 +101,6 @@ class Response(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:

@@ -194,14 +194,22 @@ def sweep_engines(state: Path, node_id: str = "*") -> None:
     kill_leftover_engines(state / "shards", node_id)
 
 
-def wait_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: str = "condition"):
+def wait_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: str = "condition", why=None):
+    """Poll `fn` until it returns something true. On timeout the error carries `why()` (when given): what
+    the system says went wrong, so a CI log shows the cause and not only the wait."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         v = fn()
         if v:
             return v
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    detail = ""
+    if why is not None:
+        try:
+            detail = f"\n{why()}"
+        except Exception as exc:  # noqa: BLE001 - the timeout is the failure; the detail is a courtesy
+            detail = f"\n(could not say why: {exc})"
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{detail}")
 
 
 async def await_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: str = "condition"):

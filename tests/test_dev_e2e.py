@@ -77,6 +77,14 @@ class Dev:
     def ready(self, model: str) -> list[dict]:
         return [r for r in self.replicas() if r["model"] == model and r["status"] == "ready"]
 
+    def failures(self, model: str) -> str:
+        """What `ctl replicas --all` shows for `model`'s replicas that did not serve: the failure text."""
+        bad = [r for r in self.replicas() if r["model"] == model and r["status"] in ("failed", "lost")]
+        if not bad:
+            return f"{model}: no failed replica; replicas: " + ", ".join(f"{r['id'][:8]} {r['status']}" for r in self.replicas())
+        return "\n".join(f"{model} replica {r['id'][:8]} {r['status']}: {r.get('failure') or r.get('ended_reason')}"
+                         for r in bad[:3])
+
     def descendants(self) -> list[psutil.Process]:
         assert self.proc
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -154,7 +162,7 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     assert set(ids) == MODELS
     assert ids["sim-small"] == "llmgw-sim" and ids["smollm2-135m"] == "llmgw"
     for m in MODELS:
-        wait_until(lambda m=m: dev.ready(m), timeout_s=120, what=f"{m} ready")
+        wait_until(lambda m=m: dev.ready(m), timeout_s=120, what=f"{m} ready", why=lambda m=m: dev.failures(m))
     for m in MODELS:
         wait_until(lambda m=m: httpx.post(dev.gateway + "/v1/chat/completions", timeout=60, json={
             "model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).status_code == 200,
@@ -178,7 +186,7 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
                timeout_s=5, interval_s=0.1, what="killed replica out of routing")
     assert time.monotonic() - killed_at < 5
     wait_until(lambda: [r for r in dev.ready("smollm2-135m") if r["id"] != old["id"]], timeout_s=60,
-               what="a replacement replica")
+               what="a replacement replica", why=lambda: dev.failures("smollm2-135m"))
     wait_until(lambda: httpx.post(dev.gateway + "/v1/chat/completions", timeout=60, json={
         "model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code == 200,
         timeout_s=30, what="traffic on the replacement")
@@ -217,7 +225,8 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     catalog_now = httpx.get(dev.admin + "/admin/v1/catalog", timeout=10).json()
     assert next(m for m in catalog_now["models"] if m["name"] == "sim-small")["aliases"] == ["greek"]
     for m in MODELS:
-        wait_until(lambda m=m: dev.ready(m), timeout_s=120, what=f"{m} ready after restart")
+        wait_until(lambda m=m: dev.ready(m), timeout_s=120, what=f"{m} ready after restart",
+                   why=lambda m=m: dev.failures(m))
         wait_until(lambda m=m: httpx.post(dev.gateway + "/v1/chat/completions", timeout=60, json={
             "model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200,
             timeout_s=30, what=f"{m} served after restart")

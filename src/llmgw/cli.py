@@ -24,6 +24,8 @@ ctl_app.add_typer(keys_app, name="keys")
 app.add_typer(mirror_app, name="mirror")
 app.add_typer(ctl_app, name="ctl")
 app.add_typer(db_app, name="db")
+selftest_app = typer.Typer(no_args_is_help=True, help="Prove that an engine installed on this machine runs here.")
+app.add_typer(selftest_app, name="selftest")
 
 
 def setup_process(service: str, settings: Settings | None = None) -> Settings:
@@ -468,6 +470,23 @@ def db_upgrade():
 
     upgrade(Settings().require_database_url())
     typer.echo("database at head")
+
+
+@selftest_app.command("llamacpp")
+def selftest_llamacpp(
+    binary: Optional[str] = typer.Option(None, "--binary", help="llama-server to check (default: as the node finds it)"),
+    timeout: float = typer.Option(120.0, help="Seconds to wait for llama-server to become healthy"),
+):
+    """Check that llama-server is a portable build (no AVX-512/AMX) and answers one completion on SmolLM2."""
+    from llmgw.engines.selftest import run_llamacpp_selftest
+
+    res = run_llamacpp_selftest(binary or Settings().llama_server, timeout_s=timeout)
+    for line in res.lines:
+        typer.echo(f"selftest: {line}")
+    if not res.ok:
+        typer.echo("selftest: FAILED: llama-server cannot serve on this machine", err=True)
+        raise typer.Exit(1)
+    typer.echo("selftest: llama-server OK")
 
 
 def main() -> None:

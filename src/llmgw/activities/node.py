@@ -108,7 +108,7 @@ class NodeActivities:
                 code = sup.poll(shard)
                 if code is not None:
                     raise ApplicationError(
-                        f"worker shard {inp.shard_id} exited with code {code} before it joined rank 0; output:\n"
+                        f"worker shard {inp.shard_id} {adapter.describe_exit(code)}, before it joined rank 0; output:\n"
                         f"{sup.tail(shard)[-1500:]}", type="EngineExited", non_retryable=True)
                 if await adapter.joined(session, shard.spec):
                     break
@@ -137,7 +137,8 @@ class NodeActivities:
                 if code is not None:
                     tail = sup.tail(shard)
                     raise ApplicationError(
-                        f"engine for shard {inp.shard_id} exited with code {code} before it was ready; output:\n{tail[-1500:]}",
+                        f"engine for shard {inp.shard_id} {adapter.describe_exit(code)}, before it was ready; output:\n"
+                        f"{tail[-1500:]}",
                         type="EngineExited", non_retryable=True,
                     )
                 if await adapter.is_ready(session, shard.endpoint):

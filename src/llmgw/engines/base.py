@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from llmgw.engines.exits import describe_exit
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import Rendezvous
 
@@ -85,6 +86,13 @@ class EngineAdapter:
 
     name = "base"
     health_path = "/health"
+    # Engine-specific causes for a signal that killed the engine (see `describe_exit`).
+    exit_hints: dict[int, str] = {}
+
+    def describe_exit(self, code: int | None) -> str:
+        """How this engine's process ended, with the likely cause: "killed by SIGILL (illegal instruction):
+        ...", "exited with code 1". Used in every failure the node reports."""
+        return describe_exit(code, self.exit_hints)
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         raise NotImplementedError

@@ -9,6 +9,7 @@ llama-server's own: `--model`, `--host`, `--port`, `--alias`; GPUs via `--n-gpu-
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import aiohttp
@@ -36,6 +37,10 @@ def find_llama_server(configured: str | None = None) -> str | None:
 
 class LlamaCppAdapter(EngineAdapter):
     name = "llamacpp"
+    exit_hints = {signal.SIGILL: (
+        "the llama-server binary uses CPU instructions this machine cannot run (built for another CPU, or AMX/"
+        "AVX-512 the kernel does not allow); rebuild it for the portable baseline with scripts/setup and check it "
+        "with `llmgw selftest llamacpp`")}
 
     def __init__(self, binary: str | None = None):
         self.configured = binary

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.db.tables import ENDED_STATUSES
+from llmgw.engines.exits import describe_exit
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.inventory import ShardReport
@@ -104,12 +105,12 @@ class FleetService:
         async with self.engine.begin() as conn:
             status = await fleet_repo.update_shard(conn, req.node_id, s)
             if s.state == "failed" and status is not None and status not in ENDED_STATUSES:
-                why = f"shard {s.shard_id} on {req.node_id} exited with code {s.exit_code}"
+                why = f"shard {s.shard_id} on {req.node_id} {s.exit_reason or describe_exit(s.exit_code)}"
                 if s.output_tail and s.output_tail.strip():
                     why += "; last output:\n" + s.output_tail.strip()[-1500:]
                 applied, _ = await fleet_repo.mark_replica(conn, s.replica_id, "failed", failure=why)
                 if applied:
                     failed_replica = s.replica_id
         if failed_replica:
-            log.warning("replica %s failed: shard %s exited with code %s", failed_replica, s.shard_id, s.exit_code)
+            log.warning("replica %s failed: shard %s %s", failed_replica, s.shard_id, s.exit_reason or describe_exit(s.exit_code))
             await self.temporal.wake(f"replica {failed_replica} failed")

@@ -86,6 +86,7 @@ class ShardReport(_Strict):
     pid: int | None = None
     endpoint: str | None = None
     exit_code: int | None = None
+    exit_reason: str | None = None  # the exit in words, from the engine's adapter ("killed by SIGILL ...")
     output_tail: str | None = None
     profile_hash: str | None = None  # `profile_hash()` of the profile it was launched with (adoption)
 

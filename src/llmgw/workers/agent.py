@@ -19,6 +19,8 @@ from temporalio.worker import Worker
 
 from llmgw.activities.node import NodeActivities
 from llmgw.config import Settings
+from llmgw.engines.base import EngineError
+from llmgw.engines.exits import UNKNOWN_EXIT, describe_exit
 from llmgw.engines.registry import Engines
 from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest,
@@ -133,7 +135,14 @@ class Agent:
                                       rank=int(rank) if rank.isdigit() else 0, state="stopped"))
 
     async def _on_exit(self, shard: Shard, tail: str) -> None:
-        await self.report(shard.report("failed", tail=tail[-2000:]))
+        if shard.proc is None:  # adopted: not our child, so its exit status cannot be read
+            why = UNKNOWN_EXIT
+        else:
+            try:
+                why = self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
+            except EngineError:  # an engine no longer installed here: the generic words
+                why = describe_exit(shard.exit_code)
+        await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
 
     async def heartbeat_loop(self) -> None:
         """Register, then heartbeat. Re-register after the control plane forgets us or comes back."""

@@ -27,6 +27,14 @@ log = logging.getLogger(__name__)
 WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow]
 
 
+def workflow_runner() -> SandboxedWorkflowRunner:
+    """The sandbox every workflow runs in, on the worker and in the replay tests alike. Pydantic and
+    OpenTelemetry pass through: payload models keep their identity, and spans made inside workflows reach
+    the process's tracer provider rather than a sandboxed no-op one."""
+    return SandboxedWorkflowRunner(
+        restrictions=SandboxRestrictions.default.with_passthrough_modules("pydantic", "opentelemetry"))
+
+
 async def ensure_reconciler(client, settings: Settings) -> None:
     await client.start_workflow(
         ReconcilerWorkflow.run, ReconcilerInput(interval_s=settings.reconcile_interval_s),
@@ -38,12 +46,8 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     engine = async_engine(settings.require_database_url())
     client = await connect(settings)
     acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s)
-    # Pydantic and OpenTelemetry pass through the sandbox: payload models keep their identity, and spans
-    # made inside workflows reach the process's tracer provider rather than a sandboxed no-op one.
-    runner = SandboxedWorkflowRunner(
-        restrictions=SandboxRestrictions.default.with_passthrough_modules("pydantic", "opentelemetry"))
     worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all(),
-                    workflow_runner=runner)
+                    workflow_runner=workflow_runner())
     try:
         async with worker:
             await ensure_reconciler(client, settings)

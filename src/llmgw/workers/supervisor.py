@@ -51,11 +51,11 @@ class Shard:
     def shard_id(self) -> str:
         return self.spec.shard_id
 
-    def report(self, state: str | None = None, tail: str | None = None) -> ShardReport:
+    def report(self, state: str | None = None, tail: str | None = None, exit_reason: str | None = None) -> ShardReport:
         return ShardReport(
             shard_id=self.shard_id, replica_id=self.spec.replica_id, model=self.spec.model,
             profile=self.spec.profile.name, rank=self.spec.rank, gpus=self.spec.gpus, state=state or self.state, pid=self.pid,
-            endpoint=self.endpoint, exit_code=self.exit_code, output_tail=tail,
+            endpoint=self.endpoint, exit_code=self.exit_code, exit_reason=exit_reason, output_tail=tail,
             profile_hash=self.spec.profile.spec_hash(),
         )
 

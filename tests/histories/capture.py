@@ -1,0 +1,96 @@
+"""Capture workflow histories from real runs, for the replay tests (`tests/test_replay.py`).
+
+Not part of the suite (the file name does not match `test_*.py`). Run it explicitly against the code whose
+histories you want to keep, before changing workflow code:
+
+    LLMGW_HISTORIES_OUT=tests/histories/v1 .venv/bin/python -m pytest tests/histories/capture.py
+
+Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
+workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history
+format, `WorkflowHistory.to_json()`). Commit the files: from then on a change to workflow code that
+cannot replay them fails CI, and must be versioned (`workflow.patched`) instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from tests.fleet import sim_spec
+from tests.helpers import wait_until
+
+OUT = os.environ.get("LLMGW_HISTORIES_OUT")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not OUT, reason="set LLMGW_HISTORIES_OUT to the folder to write histories to")]
+
+
+async def _export(address: str, namespace: str, scenario: str) -> list[Path]:
+    client = await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
+    out = Path(OUT or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    async for wf in client.list_workflows():
+        h = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+        name = f"{scenario}--{re.sub(r'[^A-Za-z0-9._-]', '_', wf.id)}--{wf.run_id[-8:]}.json"
+        (out / name).write_text(h.to_json())
+        written.append(out / name)
+    return written
+
+
+def export(temporal, namespace: str, scenario: str) -> list[Path]:
+    return asyncio.run(_export(temporal.address, namespace, scenario))
+
+
+def chat(cp, model: str) -> int:
+    return httpx.post(cp.gateway + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code
+
+
+def test_place_two_shards_fail_and_drain(control_plane, temporal, namespace):
+    """Reconciler passes that place, stop and clean up; a two-shard (TP8 over two nodes) start; a failed
+    start (a shard dies before it is ready); a drain and stop when the model leaves the catalog."""
+    cp = control_plane.start()
+    for n in ("gpu-a", "gpu-b"):
+        cp.agent(n, simulate=sim_spec(gpus=4, fabric="ib-a"))
+    cp.agent("cpu-c", simulate=sim_spec(gpus=0))
+    cp.wait_nodes("gpu-a", "gpu-b", "cpu-c")
+    big = {"name": "big", "scaling": {"min": 1, "max": 1},
+           "profiles": [{"engine": "sim", "tp": 8, "nodes": 2, "gpu_memory_gb": 40, "args": ["--tokens-per-second", "0"]}]}
+    assert cp.apply({"models": [big]}).status_code == 200
+    cp.wait_replicas("big", timeout_s=90)
+    wait_until(lambda: chat(cp, "big") == 200, timeout_s=20, what="big serving")
+    # A start that fails: the sim engine refuses an argument it does not know and exits.
+    broken = {"name": "broken", "scaling": {"min": 1, "max": 1},
+              "profiles": [{"engine": "sim", "args": ["--startup-delay", "not-a-number"]}]}
+    assert cp.apply({"models": [big, broken]}).status_code == 200
+    cp.wait_replicas("broken", "failed", timeout_s=60)
+    # The model leaves the catalog: drained, then stopped.
+    assert cp.apply({"models": [broken]}).status_code == 200
+    cp.wait_replicas("big", "stopped", timeout_s=60)
+    wait_until(lambda: all(r["status"] in ("stopped", "failed") for r in cp.replicas()), timeout_s=30,
+               what="every replica ended")
+    assert len(export(temporal, namespace, "place-fail-drain")) >= 4
+
+
+def test_evict_for_a_higher_priority_model(control_plane, temporal, namespace):
+    """Reconciler passes that evict a lower-priority replica (drain, stop) and place the higher one."""
+    cp = control_plane.start()
+    cp.agent("node-a", simulate=sim_spec(gpus=4))
+    cp.wait_nodes("node-a")
+    low = {"name": "low", "priority": 0, "scaling": {"min": 1, "max": 1},
+           "profiles": [{"engine": "sim", "tp": 4, "args": ["--tokens-per-second", "0"]}]}
+    high = {"name": "high", "priority": 10, "scaling": {"min": 1, "max": 1},
+            "profiles": [{"engine": "sim", "tp": 4, "args": ["--tokens-per-second", "0"]}]}
+    assert cp.apply({"models": [low]}).status_code == 200
+    cp.wait_replicas("low", timeout_s=60)
+    assert cp.apply({"models": [low, high]}).status_code == 200
+    cp.wait_replicas("high", timeout_s=90)
+    cp.wait_replicas("low", "stopped", timeout_s=30)
+    assert len(export(temporal, namespace, "evict")) >= 4

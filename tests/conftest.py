@@ -15,7 +15,7 @@ from llmgw.db.migrate import upgrade
 from llmgw.dev.postgres import EmbeddedPostgres
 from llmgw.dev.procs import free_port
 from llmgw.dev.temporal_server import TemporalDevServer
-from tests.helpers import ControlPlane
+from tests.helpers import TEMPORAL_DYNAMIC_CONFIG, ControlPlane
 
 TEMPLATE = "llmgw_template"
 
@@ -65,7 +65,8 @@ def temporal(tmp_path_factory):
     """One Temporal dev server; each test gets a namespace of its own (created at launch, so there is no
     namespace-cache delay), which keeps workflow ids such as the reconciler's singleton apart."""
     root = tmp_path_factory.mktemp("temporal")
-    server = TemporalDevServer(free_port(), None, None, root / "temporal.log", namespaces=NAMESPACES)
+    server = TemporalDevServer(free_port(), None, None, root / "temporal.log", namespaces=NAMESPACES,
+                               dynamic_config=TEMPORAL_DYNAMIC_CONFIG)
     server.start()
     server.free_namespaces = list(NAMESPACES)  # type: ignore[attr-defined]
     try:

@@ -15,6 +15,11 @@ import httpx
 from llmgw.dev.procs import free_port, stop_process, wait_port
 
 REPO = Path(__file__).resolve().parent.parent
+# Test Temporal servers end idle long polls after LONG_POLL_S (60 s in Temporal's default), so the poller
+# witness of node liveness is fresh within seconds; control planes allow that much age (POLLER_GRACE_S).
+LONG_POLL_S = 3
+POLLER_GRACE_S = 4
+TEMPORAL_DYNAMIC_CONFIG = {"matching.longPollExpirationInterval": f"{LONG_POLL_S}s"}
 
 
 class Proc:
@@ -60,6 +65,7 @@ class ControlPlane:
             "LLMGW_ADMIN_PORT": str(self.ports["admin"]), "LLMGW_MIRROR_PORT": str(self.ports["mirror"]),
             "LLMGW_NODE_API_PORT": str(self.ports["node_api"]), "LLMGW_RECONCILE_INTERVAL_S": "2",
             "LLMGW_HEARTBEAT_INTERVAL_S": "1", "LLMGW_AGENT_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1",
+            "LLMGW_POLLER_GRACE_S": str(POLLER_GRACE_S), "LLMGW_RECONNECT_MAX_S": "5",
         })
         self.pki = tmp / "pki"
         self._make_pki()

@@ -292,6 +292,8 @@ def ctl_replicas(all: bool = typer.Option(False, "--all", help="Include stopped 
     """Replicas with status, shards (node, rank, GPUs) and endpoint; why an ended one stopped."""
     for r in _get(f"/admin/v1/replicas?all={str(all).lower()}"):
         typer.echo(f"{r['id'][:8]}  {r['model']:24s} {r['status']:9s} {_shards(r)}  {r['endpoint'] or ''}")
+        if r.get("silent_nodes") and r["status"] not in ("stopped", "failed", "lost"):
+            typer.echo(f"    node {', '.join(r['silent_nodes'])}: not routed to (heartbeats and pollers silent)")
         why = r.get("ended_reason") or r.get("failure")
         if why and r["status"] in ("stopped", "failed", "lost"):
             typer.echo("    " + why.splitlines()[0][:200])
@@ -310,8 +312,11 @@ def progress_line(p: dict) -> str:
 
 @ctl_app.command("nodes")
 def ctl_nodes():
-    """Nodes with status and inventory (GPUs, fabrics, disk)."""
-    for n in _get("/admin/v1/nodes"):
+    """Nodes with status, both liveness witnesses (heartbeats, pollers) and inventory (GPUs, fabrics, disk)."""
+    nodes = _get("/admin/v1/nodes")
+    for note in (nodes[0].get("notes") or []) if nodes else []:
+        typer.echo(f"note: {note}")
+    for n in nodes:
         inv = n["inventory"]
         gpus = inv["gpus"]
         gpu = f"gpus={len(gpus)}" + (f"x{gpus[0]['memory_mb'] // 1024}GiB" if gpus else "")
@@ -321,6 +326,9 @@ def ctl_nodes():
         sim = " (simulated)" if inv.get("simulated") else ""
         typer.echo(f"{n['id']:16s} {n['status']:12s} cpus={inv['cpus']} mem={inv['memory_mb'] // 1024}GiB {gpu} "
                    f"fabrics={fabrics} disk_free={inv['disk_free_mb'] // 1024}GiB engines={','.join(inv['engines'])}{sim}")
+        hb = f"{n['heartbeat_age_s']:.0f}s ago" if n.get("heartbeat_age_s") is not None else "never"
+        polled = f"{n['poll_age_s']:.0f}s ago" if n.get("poll_age_s") is not None else "never seen"
+        typer.echo(f"    heartbeat {hb}, polled {polled}: {n.get('liveness', '')}")
         for note in inv.get("notes", []):
             if not note.startswith("simulated inventory"):
                 typer.echo(f"    {note}")

@@ -74,6 +74,7 @@ class Settings(BaseSettings):
     ray: str | None = None  # `ray` executable for multi-node vLLM (default: PATH)
     sglang_python: str | None = None  # a Python that can import sglang (default: this one)
     heartbeat_interval_s: float = 2.0
+    reconnect_max_s: float = 30.0  # longest wait between attempts to reach the node API (jittered, doubling)
     # InfiniBand fabrics this node is on, as the operator declares them: {"fabric": ["mlx5_0", ...]}.
     # Checked against sysfs before anything is advertised (workers/infiniband.py).
     fabrics: dict[str, list[str]] = Field(default_factory=dict)
@@ -84,11 +85,26 @@ class Settings(BaseSettings):
     # "otlp:<http endpoint>" (needs the opentelemetry-exporter-otlp-proto-http package).
     tracing: str = "off"
 
-    # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
+    # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003), and a
+    # node is silent only when its heartbeats and its pollers on node/<id> both are (placement/liveness.py).
     reconcile_interval_s: float = 10.0
     node_unreachable_after_s: float = 15.0
     node_lost_after_s: float = 300.0
     route_refresh_s: float = 2.0
+    # How long an idle poller's last access may age: Temporal's matching.longPollExpirationInterval.
+    poller_grace_s: float = 60.0
+    # More than this share of nodes silent together: the observer is doubted and no node is declared lost.
+    silent_share: float = Field(0.5, ge=0, le=1)
+    # Replicas of lost nodes torn down at most per window; the rest wait for later passes.
+    lost_teardown_limit: int = Field(10, ge=0)
+    lost_teardown_window_s: float = 60.0
+    # A replica `starting` for longer is failed by the planner (a profile's `start_timeout` overrides it).
+    start_budget_s: float = 3600.0
+
+    # Test hooks (tests/faults/): SIGKILL the control worker right after the named control activity's commit
+    # (`mark_replica` or `mark_replica:ready`), once per marker file. Unset in any real deployment.
+    test_crash_after_commit: str | None = None
+    test_crash_marker: Path | None = None
 
     # Gateway (docs/gateway.md). A request for a model that is loading waits `load_wait_s`, then gets 503
     # + Retry-After; an engine silent for `upstream_timeout_s` (before its answer starts, or between

@@ -37,6 +37,24 @@ nodes = Table(
     Column("inventory", JSONB, nullable=False),
     Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_heartbeat", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("polled_at", DateTime(timezone=True)),  # its worker last seen polling node/<id> (0005)
+)
+
+# One row per node-API process, ticked while it runs: when the control plane could receive heartbeats (0005).
+observers = Table(
+    "observers", metadata,
+    Column("id", Text, primary_key=True),
+    Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Results of control activities whose transaction committed, by workflow run + activity id (0005).
+activity_results = Table(
+    "activity_results", metadata,
+    Column("key", Text, primary_key=True),
+    Column("activity", Text, nullable=False),
+    Column("result", JSONB),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 replicas = Table(
@@ -54,6 +72,7 @@ replicas = Table(
     Column("ended_at", DateTime(timezone=True)),
     Column("settled_at", DateTime(timezone=True)),  # every shard asked to stop, failure counted (0003_fleet)
     Column("ended_reason", Text),  # why it stopped: idle, evicted, node lost, ... (0003_fleet)
+    Column("generation", Integer, nullable=False, server_default="1"),  # fencing; bumped towards stopping (0005)
 )
 
 shards = Table(

@@ -5,6 +5,7 @@ Offline, one process, SQLite file for persistence (or in memory for tests), web 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -26,8 +27,12 @@ def temporal_binary() -> str:
 
 class TemporalDevServer:
     def __init__(self, port: int, ui_port: int | None, db_file: Path | None, log_path: Path,
-                 namespaces: list[str] | None = None):
+                 namespaces: list[str] | None = None, dynamic_config: dict[str, object] | None = None):
+        """`dynamic_config`: server settings (`--dynamic-config-value`), for example
+        `{"matching.longPollExpirationInterval": "3s"}`, which bounds how old an idle poller's last access
+        gets (the liveness witness; tests scale it down with `LLMGW_POLLER_GRACE_S`)."""
         self.namespaces = namespaces or []
+        self.dynamic_config = dynamic_config or {}
         self.port = port
         self.ui_port = ui_port
         self.db_file = db_file
@@ -49,6 +54,8 @@ class TemporalDevServer:
             argv += ["--db-filename", str(self.db_file)]
         for ns in self.namespaces:
             argv += ["--namespace", ns]
+        for key, value in self.dynamic_config.items():
+            argv += ["--dynamic-config-value", f"{key}={json.dumps(value)}"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -12,19 +12,37 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.gateway.errors import APIError, json_error
 from llmgw.db import catalog_repo, fleet_repo
-from llmgw.placement.status import node_status
+from llmgw.placement.liveness import FleetLiveness, fleet_liveness
 from llmgw.schemas.api import (
     ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, NodeView, ReplicaView, ShardView,
 )
-from llmgw.schemas.payloads import ReclaimInput, ReclaimResult
+from llmgw.schemas.payloads import (
+    LivenessFacts, NodeSnap, ReclaimInput, ReclaimResult, ReplicaSnap, ShardPlacement, Snapshot,
+)
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.security.admin_guard import AdminGuard
 from llmgw.security.api_keys import ApiKeyService
 from llmgw.temporal import LazyClient
 
 
-def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float):
+def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float,
+                     liveness: LivenessFacts | None = None):
+    """`liveness` carries the liveness settings (poller grace, silent share) the planner uses too."""
     app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None)
+    facts = liveness or LivenessFacts()
+
+    async def fleet(conn) -> tuple[list, FleetLiveness]:
+        """Nodes and their liveness as the planner judges it (both witnesses, the blind observer)."""
+        rows = await fleet_repo.list_nodes(conn)
+        reps = await fleet_repo.active_replicas_with_shards(conn)
+        snap = Snapshot(
+            now=await fleet_repo.db_now(conn), unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s,
+            liveness=facts.model_copy(update={"observer_since": await fleet_repo.observer_since(conn, unreachable_after_s)}),
+            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at) for n in rows],
+            replicas=[ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
+                                  shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"]) for s in shards])
+                      for r, shards in reps])
+        return rows, fleet_liveness(snap)
 
     @app.exception_handler(CatalogError)
     async def _catalog_error(request: Request, exc: CatalogError):
@@ -77,15 +95,18 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     async def replicas(all: bool = False):
         async with engine.connect() as conn:
             rows = await fleet_repo.list_replicas(conn, include_ended=all)
-        return [_replica_view(r) for r in rows]
+            _, live = await fleet(conn)
+        return [_replica_view(r, live) for r in rows]
 
     @app.get("/admin/v1/nodes", response_model=list[NodeView])
     async def nodes():
+        """Every node with its status and both witnesses: heartbeats (node API) and pollers (Temporal)."""
         async with engine.connect() as conn:
-            rows = await fleet_repo.list_nodes(conn)
-            now = await fleet_repo.db_now(conn)
-        return [NodeView(id=n.id, status=node_status(n.last_heartbeat, now, unreachable_after_s, lost_after_s),
-                         last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in rows]
+            rows, live = await fleet(conn)
+        return [NodeView(id=n.id, status=live.status(n.id), last_heartbeat=n.last_heartbeat, inventory=n.inventory,
+                         heartbeat_age_s=round(n.age_s, 1),
+                         polled_at=n.polled_at, poll_age_s=None if n.poll_age_s is None else round(n.poll_age_s, 1),
+                         liveness=live.nodes[n.id].describe(), notes=live.notes) for n in rows]
 
     @app.post("/admin/v1/reclaim", response_model=ReclaimResult)
     async def reclaim(req: ReclaimInput) -> ReclaimResult:
@@ -111,7 +132,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             return json_error(APIError(404, f"no model or alias named {model!r} in the catalog", param="model",
                                        code="model_not_found"))
         return {"model": model, "decisions": lines or [], "decided_at": at,
-                "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}
+                "replicas": [_replica_view(r, None).model_dump(mode="json") for r in rows]}
 
     keys = ApiKeyService(engine)
 
@@ -134,8 +155,11 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     return AdminGuard(app)
 
 
-def _replica_view(r) -> ReplicaView:
+def _replica_view(r, live: FleetLiveness | None) -> ReplicaView:
+    """A replica row as the admin API shows it; with `live`, the nodes of its shards that are not Ready."""
+    silent = sorted({f"{s['node_id']} {live.status(s['node_id'])}" for s in r.get("shards", [])
+                     if live is not None and live.status(s["node_id"]) != "ready"})
     return ReplicaView(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
                        endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
                        shards=[ShardView(**s) for s in r.get("shards", [])], reason=r.get("reason"),
-                       ended_reason=r.get("ended_reason"))
+                       ended_reason=r.get("ended_reason"), silent_nodes=silent)

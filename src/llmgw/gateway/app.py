@@ -51,7 +51,7 @@ class Gateway:
     def __init__(self, settings: Settings, engine: AsyncEngine):
         self.settings = settings
         self.engine = engine
-        self.routes = RouteTable(engine, settings.node_unreachable_after_s)
+        self.routes = RouteTable(engine, settings.node_unreachable_after_s, settings.poller_grace_s)
         self.keys = KeyRing(engine, settings.require_api_key)
         self.gates = Gates()
         self.routes.on_refresh.append(self.gates.sync)

@@ -105,6 +105,11 @@ class Demand:
         why = await self._refused(model.name)
         if why is not None:
             raise errors.unplaceable(model.name, why)
+        silent = self.routes.unreachable.get(model.name)
+        if silent:
+            raise errors.unavailable(model.name, f"its Ready replica(s) are on node(s) {', '.join(silent)}, which "
+                                     "the control plane cannot reach now (heartbeats and pollers silent)",
+                                     retry_after_s=LOADING_RETRY_AFTER_S)
         raise errors.loading(model.name, retry_after_s=LOADING_RETRY_AFTER_S)
 
     async def _refused(self, name: str) -> str | None:

@@ -2,9 +2,11 @@
 
 Refreshed by the `ChangeFeed` (gateway/feed.py) when replicas or the catalog change and on a short timer,
 since a node going silent changes nothing in the tables. Only `ready` replicas are routed: Draining,
-Starting and ended ones get no new requests, nor do replicas on a node whose heartbeat is older than
-`unreachable_after_s` (Unreachable). Static `endpoints` of a model are routed as they are. Aliases
-resolve to their model. Never read from Temporal.
+Starting and ended ones get no new requests, nor do replicas on an Unreachable node: one whose heartbeats
+and pollers have both been silent for `unreachable_after_s` (placement/liveness.py; the pollers as the
+control worker last recorded them). A model whose Ready replicas are all on Unreachable nodes is named in
+`unreachable`, so a client is told that rather than "loading". Static `endpoints` of a model are routed as
+they are. Aliases resolve to their model. Never read from Temporal.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.gateway.upstream import Target, parse_target
+from llmgw.placement.liveness import witness_status
 from llmgw.schemas.catalog import Catalog, Model
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,11 @@ class ModelRoute:
 class RouteTable:
     """Model name or alias -> `ModelRoute`. `on_refresh(catalog)` hooks run after every refresh."""
 
-    def __init__(self, engine: AsyncEngine, unreachable_after_s: float):
+    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, poller_grace_s: float = 60.0):
         self.engine = engine
         self.unreachable_after_s = unreachable_after_s
+        self.poller_grace_s = poller_grace_s
+        self.unreachable: dict[str, list[str]] = {}  # model -> Unreachable nodes its Ready replicas are on
         self.catalog = Catalog()
         self.models: dict[str, ModelRoute] = {}
         self.names: dict[str, str] = {}  # name or alias -> canonical name
@@ -90,6 +95,7 @@ class RouteTable:
         async with self.engine.connect() as conn:
             catalog = await catalog_repo.get_catalog(conn)
             rows = await fleet_repo.routable_replicas(conn)
+            observer_age = await fleet_repo.observer_age_s(conn, self.unreachable_after_s)
         models: dict[str, ModelRoute] = {m.name: ModelRoute(m) for m in catalog.models}
         names: dict[str, str] = {}
         for m in catalog.models:
@@ -104,14 +110,21 @@ class RouteTable:
                 if ep is not None:
                     seen[key] = ep
                     models[m.name].endpoints.append(ep)
+        unreachable: dict[str, list[str]] = {}
         for r in rows:
-            if r.model not in models or r.node_age_s >= self.unreachable_after_s:
+            if r.model not in models:
+                continue
+            live = witness_status(r.node_age_s, r.poll_age_s, observer_age, True, self.unreachable_after_s,
+                                  float("inf"), self.poller_grace_s)
+            if live.status != "ready":
+                unreachable.setdefault(r.model, []).append(r.node_id)
                 continue
             ep = self._endpoint(r.replica_id, r.endpoint, r.node_id)
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)
         self.catalog, self.models, self.names, self._endpoints = catalog, models, names, seen
+        self.unreachable = {m: sorted(set(ns)) for m, ns in unreachable.items()}
         for hook in self.on_refresh:
             hook(catalog)
         async with self.changed:

@@ -12,6 +12,7 @@ from llmgw.gateway.admin import create_admin_api
 from llmgw.gateway.app import Gateway, create_gateway_app
 from llmgw.gateway.fleet_service import FleetService
 from llmgw.gateway.nodeapi import create_node_api
+from llmgw.schemas.payloads import LivenessFacts
 from llmgw.serving import TLS, Listener, install_stop_handlers, serve
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,18 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
                     "LLMGW_CA_CERT, LLMGW_NODE_API_CERT and LLMGW_NODE_API_KEY (llmgw ctl cert ...)")
     listeners = [
         Listener(create_gateway_app(gw), settings.host, settings.gateway_port, "gateway"),
-        Listener(create_admin_api(engine, gw.temporal, settings.node_unreachable_after_s, settings.node_lost_after_s),
+        Listener(create_admin_api(engine, gw.temporal, settings.node_unreachable_after_s, settings.node_lost_after_s,
+                                  LivenessFacts(poller_grace_s=settings.poller_grace_s, silent_share=settings.silent_share)),
                  settings.admin_host, settings.admin_port, "admin", lifespan="off"),
         Listener(create_node_api(fleet, require_identity=tls is not None), settings.host, settings.node_api_port,
                  "node-api", lifespan="off", tls=tls),
     ]
     log.info("gateway on %s:%d, admin on %s:%d, node API on %s:%d", settings.host, settings.gateway_port,
              settings.admin_host, settings.admin_port, settings.host, settings.node_api_port)
+    observer = asyncio.create_task(fleet.observe_loop(min(settings.heartbeat_interval_s, 2.0),
+                                                      settings.node_unreachable_after_s), name="observer")
     try:
         await serve(listeners, stop)
     finally:
+        observer.cancel()
         await engine.dispose()

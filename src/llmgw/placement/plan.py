@@ -5,8 +5,11 @@ docs/architecture.md, "How a replica starts"):
 - keep `min` replicas of every model; on demand (`min 0, max > 0`) keep one while it is asked for and
   stop it after `idle_timeout` without use, never with a request in flight; never more than `max`;
 - replicas whose model or profile left the catalog are stopped;
-- a node is Unreachable, then much later Lost (`placement.status`): an Unreachable node keeps its
-  replicas (a blip must not tear down a serving replica), a Lost node's replicas are lost and rebuilt;
+- a node is Unreachable, then much later Lost, only when both witnesses (heartbeats, pollers) are silent;
+  an Unreachable node keeps its replicas (a blip must not tear down a serving replica), a Lost node's
+  replicas are lost and rebuilt; a blind observer declares nothing Lost, and teardown is rate-limited
+  (`placement.liveness`);
+- a replica starting for longer than its start budget is failed (`placement.deadline`);
 - an ended replica not yet settled (a shard failed, a node came back without it) has every shard stopped;
 - at most one placement per pass, because placement depends on what is already allocated; models are
   considered by priority, highest first;
@@ -19,11 +22,12 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from llmgw.placement.deadline import overdue_start
 from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.fit import HOLDING
+from llmgw.placement.liveness import FleetLiveness, TeardownBudget, fleet_liveness, held_decision
 from llmgw.placement.place import place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
-from llmgw.placement.status import node_status
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
 
@@ -54,9 +58,11 @@ def _where(r: ReplicaSnap) -> str:
     return ", ".join(sorted({s.node_id for s in r.shards})) or "no node"
 
 
-def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]) -> list[ReplicaSnap]:
-    """Decide lost, orphaned and unsettled replicas; return the live ones (active, model still wanted)."""
+def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model],
+                       fleet: FleetLiveness) -> list[ReplicaSnap]:
+    """Decide lost, orphaned, overdue and unsettled replicas; return the live ones (active, model still wanted)."""
     live: list[ReplicaSnap] = []
+    budget = TeardownBudget.of(snapshot)
     for r in snapshot.replicas:
         if r.status not in HOLDING:
             if not r.settled:
@@ -66,9 +72,16 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
             continue
         lost_nodes = sorted({s.node_id for s in r.shards if plan.node_status.get(s.node_id, "lost") == "lost"})
         model = catalog.get(r.model)
-        if lost_nodes:
+        held = held_decision(r, fleet, budget, lost_nodes)
+        overdue = overdue_start(r, model, snapshot)
+        if held is not None:
+            plan.decisions.append(held)
+            live.append(r)
+        elif lost_nodes:
             plan.decisions.append(Decision(kind="lost", model=r.model, replica_id=r.id, drain=False,
                                            final_status="lost", reason=f"node {', '.join(lost_nodes)} is lost"))
+        elif overdue is not None:
+            plan.decisions.append(overdue)
         elif model is None or model.profile(r.profile) is None:
             what = "model" if model is None else f"profile {r.profile!r}"
             plan.decisions.append(Decision(kind="stop", model=r.model, replica_id=r.id,
@@ -83,13 +96,14 @@ def plan_pass(snapshot: Snapshot) -> Plan:
     now = snapshot.now
     plan = Plan()
     nodes: list[NodeSnap] = []
+    fleet = fleet_liveness(snapshot)
     for n in snapshot.nodes:
-        status = node_status(n.last_heartbeat, now, snapshot.unreachable_after_s, snapshot.lost_after_s)
+        status = fleet.status(n.id)
         plan.node_status[n.id] = status
         nodes.append(n.model_copy(update={"status": status}))
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}
-    live = _ended_and_orphans(snapshot, plan, catalog)
+    live = _ended_and_orphans(snapshot, plan, catalog, fleet)
     evicting: set[str] = set()
 
     acted = False  # a placement or an eviction this pass: the next one waits for a fresh snapshot

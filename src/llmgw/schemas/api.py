@@ -96,13 +96,24 @@ class ReplicaView(_Strict):
     shards: list[ShardView] = Field(default_factory=list)
     reason: str | None = None
     ended_reason: str | None = None
+    silent_nodes: list[str] = Field(default_factory=list)  # "node status" of its shards' nodes that are not Ready
 
 
 class NodeView(_Strict):
+    """A node. `status` is judged from both witnesses: node-API heartbeats (`heartbeat_age_s`) and its
+    worker's pollers on `node/<id>` as the control worker last saw them (`poll_age_s`, None: never);
+    `liveness` says it in words, and why a silent node is not declared lost; `notes` what the control
+    plane itself cannot see now."""
+
     id: str
     status: str
     last_heartbeat: datetime | None
     inventory: Inventory
+    heartbeat_age_s: float | None = None
+    polled_at: datetime | None = None
+    poll_age_s: float | None = None
+    liveness: str = ""
+    notes: list[str] = Field(default_factory=list)
 
 
 class KeyCreateRequest(_Strict):

@@ -84,6 +84,8 @@ class Profile(_Strict):
     - `gpu_memory_gb`: GPU memory needed on each GPU; `memory_gb`: host memory for CPU-only profiles;
       `disk_gb`: disk the weights take in the node's cache (not needed where the node already holds them).
     - `args`, `env`: extra engine flags and environment, checked by the engine policy.
+    - `start_timeout`: how long a replica may take from placement to Ready, fetching included (seconds or
+      a duration); past it the planner fails the replica. Unset: the control plane's `start_budget_s`.
 
     The arithmetic and the upgrade repairs are checked by `llmgw.catalog` (see docs/catalog.md).
     """
@@ -100,6 +102,12 @@ class Profile(_Strict):
     disk_gb: float | None = Field(None, ge=0)
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    start_timeout: float | None = Field(None, gt=0)
+
+    @field_validator("start_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> object:
+        return parse_duration_s(v)
 
     @property
     def simulated(self) -> bool:
@@ -107,10 +115,11 @@ class Profile(_Strict):
 
     def spec_hash(self) -> str:
         """sha256 of the profile as launched: lets the control plane recognise an engine it did not start
-        (after losing its database) as running exactly what the catalog asks for."""
+        (after losing its database) as running exactly what the catalog asks for. Fields that do not change
+        the engine's process (`start_timeout`) are left out, so setting them adopts what runs."""
         import hashlib
 
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:32]
+        return hashlib.sha256(self.model_dump_json(exclude={"start_timeout"}).encode()).hexdigest()[:32]
 
     @property
     def tensor_parallel(self) -> bool:

@@ -1,0 +1,128 @@
+"""Node liveness from two witnesses, the blind observer, the teardown rate limit and the start deadline, as
+pure rules (placement/liveness.py, placement/deadline.py). The same rules through real processes:
+tests/faults/."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+from llmgw.placement.liveness import witness_status
+from llmgw.placement.plan import plan_pass
+from llmgw.schemas.payloads import LivenessFacts
+from tests.fleet import NOW, model, node, replica, snapshot
+
+UNREACHABLE, LOST, GRACE = 15.0, 300.0, 60.0
+
+
+def status(hb: float | None, poll: float | None, observer: float | None = 10_000, readable: bool = True) -> str:
+    return witness_status(hb, poll, observer, readable, UNREACHABLE, LOST, GRACE).status
+
+
+def test_a_node_is_silent_only_when_both_witnesses_are():
+    assert status(hb=1000, poll=1000) == "lost"
+    assert status(hb=1000, poll=1) == "ready"  # node API path broken, worker polling: alive
+    assert status(hb=1, poll=1000) == "ready"  # Temporal path broken, heartbeats arriving: alive
+    assert status(hb=1000, poll=GRACE + UNREACHABLE + 1) == "unreachable"
+    assert status(hb=1000, poll=None) == "lost"  # never seen polling: that witness is silent
+
+
+def test_an_idle_poll_may_age_by_the_long_poll_interval():
+    assert status(hb=1000, poll=GRACE - 1) == "ready"
+    assert status(hb=1000, poll=GRACE + UNREACHABLE - 1) == "ready"
+
+
+def test_a_witness_that_cannot_see_says_nothing():
+    # The node API has not been receiving (frozen server, Postgres down): heartbeats say nothing.
+    assert status(hb=1000, poll=1000, observer=None) == "ready"
+    # It has been receiving again for 20 s: heartbeats count as silent for 20 s, not 1000.
+    live = witness_status(1000, 1000, 20, True, UNREACHABLE, LOST, GRACE)
+    assert live.status == "unreachable" and live.heartbeat_silent_s == 20
+    # Pollers unreadable this pass.
+    assert status(hb=1000, poll=1000, readable=False) == "ready"
+
+
+def facts(**kw) -> LivenessFacts:
+    return LivenessFacts(observer_since=NOW - timedelta(hours=1), poller_grace_s=GRACE, **kw)
+
+
+def polled(n, age_s: float):
+    return n.model_copy(update={"polled_at": NOW - timedelta(seconds=age_s)})
+
+
+def fleet_snapshot(silent: list[str], alive: list[str], replicas=None, **kw):
+    nodes = [polled(node(n, gpus=2, age_s=1000), 1000) for n in silent] + [polled(node(n, gpus=2), 1) for n in alive]
+    s = snapshot([model("m", min=len(replicas or []) or 1)], nodes, replicas or [])
+    return s.model_copy(update={"liveness": facts(**kw)})
+
+
+def test_one_silent_node_of_two_is_lost_and_its_replica_torn_down():
+    plan = plan_pass(fleet_snapshot(["a"], ["b"], [replica("r1", "m", [("a", [0])])]))
+    assert plan.node_status == {"a": "lost", "b": "ready"}
+    assert [d.replica_id for d in plan.of_kind("lost")] == ["r1"]
+
+
+def test_a_blind_observer_declares_nothing_lost_and_says_why():
+    plan = plan_pass(fleet_snapshot(["a", "b"], [], [replica("r1", "m", [("a", [0])])]))
+    assert plan.node_status == {"a": "unreachable", "b": "unreachable"}
+    assert not plan.of_kind("lost")
+    [held] = [d for d in plan.for_model("m") if d.replica_id == "r1"]
+    assert held.kind == "keep"
+    assert "2 of 2 nodes are silent together" in held.reason and "nothing is torn down" in held.reason
+    assert any("observer is the likelier fault" in line for line in plan.explanations()["m"])
+
+
+def test_the_share_is_configurable_and_strictly_more_than():
+    reps = [replica("r1", "m", [("a", [0])])]
+    assert plan_pass(fleet_snapshot(["a", "b"], ["c", "d"], reps)).of_kind("lost")  # 2 of 4 = 50 %: not more
+    assert not plan_pass(fleet_snapshot(["a", "b", "c"], ["d"], reps)).of_kind("lost")  # 3 of 4
+    assert plan_pass(fleet_snapshot(["a", "b", "c"], ["d"], reps, silent_share=0.8)).of_kind("lost")
+
+
+def test_an_empty_node_long_gone_does_not_make_the_observer_doubt():
+    # "old" has been silent far longer than lost_after_s and holds nothing: it says nothing about today.
+    old = polled(node("old", gpus=2, age_s=10 * LOST), 10 * LOST)
+    s = fleet_snapshot(["a"], ["b"], [replica("r1", "m", [("a", [0])])])
+    s = s.model_copy(update={"nodes": [old, *s.nodes]})
+    assert [d.replica_id for d in plan_pass(s).of_kind("lost")] == ["r1"]
+
+
+def test_teardown_for_lost_nodes_is_rate_limited():
+    reps = [replica(f"r{i}", "m", [("a", [i])]) for i in range(2)]
+    plan = plan_pass(fleet_snapshot(["a"], ["b"], reps, lost_teardown_limit=3, recent_lost=2))
+    assert len(plan.of_kind("lost")) == 1
+    [kept] = [d for d in plan.decisions if d.kind == "keep" and d.replica_id]
+    assert "rate-limited to 3 per 60s" in kept.reason
+
+
+def test_a_replica_starting_past_its_budget_is_failed():
+    m = model("m")
+    s = snapshot([m], [node("a", gpus=2)], [replica("r1", "m", [("a", [0])], status="starting", age_s=4000)])
+    [d] = plan_pass(s).of_kind("stop")
+    assert (d.replica_id, d.final_status, d.drain) == ("r1", "failed", False)
+    assert "starting for 4000s, longer than its start budget of 3600s" in d.reason
+
+
+def test_a_profiles_start_timeout_overrides_the_budget():
+    m = model("m", start_timeout="2h")
+    s = snapshot([m], [node("a", gpus=2)], [replica("r1", "m", [("a", [0])], status="starting", age_s=4000)])
+    assert not plan_pass(s).of_kind("stop")
+    m = model("m", start_timeout="10m")
+    s = snapshot([m], [node("a", gpus=2)], [replica("r1", "m", [("a", [0])], status="starting", age_s=601)])
+    assert plan_pass(s).of_kind("stop")[0].final_status == "failed"
+
+
+def test_start_timeout_does_not_change_what_an_engine_runs():
+    from llmgw.schemas.catalog import Profile
+
+    assert Profile(engine="sim", start_timeout=60).spec_hash() == Profile(engine="sim").spec_hash()
+
+
+def test_snapshots_recorded_before_liveness_are_judged_by_heartbeats_alone():
+    # What the committed workflow histories hold: no `liveness`, no `polled_at`.
+    s = snapshot([model("m")], [node("a", gpus=2, age_s=1000), node("b", gpus=2, age_s=1000)],
+                 [replica("r1", "m", [("a", [0])])])
+    assert s.liveness is None
+    plan = plan_pass(s)
+    assert plan.node_status == {"a": "lost", "b": "lost"} and plan.of_kind("lost")
+    assert math.isfinite(witness_status(1, 1, 1, True, 1, 2, 0).heartbeat_silent_s or 0)

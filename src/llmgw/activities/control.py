@@ -1,51 +1,84 @@
 """Control-plane activities, run by the control worker. Every database write goes through `llmgw.db`.
 
-All are idempotent on the ids the workflow gives them: a retried `record_placement` finds its replica,
-a retried `mark_replica` finds the transition already made.
+The state changes (`record_placement`, `mark_replica`, `settle_replica`, `record_replica_failure`) are
+idempotent under retry-after-commit: each stores its result with its effect, keyed by the workflow run and
+activity id, and a retry returns that result (`activities/idempotent.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from datetime import timedelta
+
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
 
+from llmgw.activities.idempotent import CrashHook, once
+from llmgw.activities.liveness import poll_ages
+from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.plan import backoff_delay
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
+    AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult, LivenessFacts,
     MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
     ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
     Snapshot,
 )
+from llmgw.workflows.queues import replica_start_id
 
 
 class ControlActivities:
-    """Bound to one database engine. Register `all()` on the control worker."""
+    """Bound to one database engine (and, for the liveness witness and start fencing, the Temporal client).
+    Register `all()` on the control worker."""
 
-    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float):
+    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float,
+                 client: Client | None = None, settings: Settings | None = None):
         self.engine = engine
         self.unreachable_after_s = unreachable_after_s
         self.lost_after_s = lost_after_s
+        self.client = client
+        self.settings = settings or Settings(node_unreachable_after_s=unreachable_after_s, node_lost_after_s=lost_after_s)
+        self.crash = CrashHook(self.settings.test_crash_after_commit, self.settings.test_crash_marker)
 
     def all(self) -> list:
         return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
                 self.settle_replica, self.record_replica_failure, self.reset_model_failures, self.get_replica_shards,
-                self.reclaim_targets]
+                self.reclaim_targets, self.check_replica, self.await_start_closed]
 
     @activity.defn(name="read_snapshot")
     async def read_snapshot(self) -> Snapshot:
-        """Catalog, model state, nodes, active replicas and unsettled ended ones, read in one transaction."""
+        """Catalog, model state, nodes, active replicas and unsettled ended ones, read in one transaction;
+        first, the second liveness witness (pollers on node queues) is read and kept (`nodes.polled_at`)."""
+        s = self.settings
+        pollers_error = "no Temporal client in this worker"
+        ages: dict[str, float] = {}
+        if self.client is not None:
+            async with self.engine.connect() as conn:
+                ids = [n.id for n in await fleet_repo.list_nodes(conn)]
+            ages, pollers_error = await poll_ages(self.client, ids)
         async with self.engine.begin() as conn:
             now = await fleet_repo.db_now(conn)
+            await fleet_repo.set_polled(conn, {n: now - timedelta(seconds=a) for n, a in ages.items()})
             catalog = await catalog_repo.get_catalog(conn)
             states = await catalog_repo.model_states(conn)
             nodes = await fleet_repo.list_nodes(conn)
             reps = await fleet_repo.active_replicas_with_shards(conn)
+            liveness = LivenessFacts(
+                observer_since=await fleet_repo.observer_since(conn, self.unreachable_after_s),
+                pollers_error=pollers_error, poller_grace_s=s.poller_grace_s, silent_share=s.silent_share,
+                lost_teardown_limit=s.lost_teardown_limit, lost_teardown_window_s=s.lost_teardown_window_s,
+                recent_lost=await fleet_repo.recent_lost(conn, s.lost_teardown_window_s))
         return Snapshot(
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
+            liveness=liveness, start_budget_s=s.start_budget_s,
             models=catalog.models, model_states=states,
-            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in nodes],
+            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
+                            inventory=n.inventory) for n in nodes],
             replicas=[
                 ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
                             created_at=r["created_at"], updated_at=r["updated_at"], settled=r["settled_at"] is not None,
@@ -56,8 +89,9 @@ class ControlActivities:
 
     @activity.defn(name="record_placement")
     async def record_placement(self, inp: RecordPlacementInput) -> None:
-        async with self.engine.begin() as conn:
+        async def body(conn) -> None:
             await fleet_repo.create_replica(conn, inp.replica_id, inp.model, inp.profile, inp.shards, inp.reason)
+        await once(self.engine, "record_placement", None, body, self.crash)
 
     @activity.defn(name="record_decisions")
     async def record_decisions(self, inp: RecordDecisionsInput) -> None:
@@ -66,27 +100,31 @@ class ControlActivities:
 
     @activity.defn(name="mark_replica")
     async def mark_replica(self, inp: MarkReplicaInput) -> MarkReplicaResult:
-        async with self.engine.begin() as conn:
-            applied, status = await fleet_repo.mark_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure,
-                                                            inp.reason)
-        return MarkReplicaResult(applied=applied, status=status or "unknown")
+        """Move a replica to `inp.status`; a retry after the commit gets the first attempt's answer."""
+        async def body(conn) -> MarkReplicaResult:
+            t = await fleet_repo.transition_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure,
+                                                    inp.reason)
+            return MarkReplicaResult(applied=t.applied, status=t.status or "unknown", generation=t.generation)
+        return await once(self.engine, "mark_replica", MarkReplicaResult, body, self.crash, detail=inp.status)
 
     @activity.defn(name="settle_replica")
     async def settle_replica(self, inp: SettleReplicaInput) -> SettleReplicaResult:
         """Mark an ended replica settled (every shard asked to stop). `applied` only for the first caller."""
-        async with self.engine.begin() as conn:
+        async def body(conn) -> SettleReplicaResult:
             applied, status, model = await fleet_repo.settle_replica(conn, inp.replica_id, inp.reason or None)
-        return SettleReplicaResult(applied=applied, status=status or "unknown", model=model or "")
+            return SettleReplicaResult(applied=applied, status=status or "unknown", model=model or "")
+        return await once(self.engine, "settle_replica", SettleReplicaResult, body, self.crash)
 
     @activity.defn(name="record_replica_failure")
     async def record_replica_failure(self, model: str) -> None:
         """Count a failed start against `model` and set its jittered exponential backoff (seeds 003)."""
-        async with self.engine.begin() as conn:
+        async def body(conn) -> None:
             states = {s.name: s for s in await catalog_repo.model_states(conn)}
             failures = (states[model].failures if model in states else 0) + 1
             now = await fleet_repo.db_now(conn)
             until = now + backoff_delay(failures, random.random())
             await catalog_repo.record_failure(conn, model, until)
+        await once(self.engine, "record_replica_failure", None, body, self.crash)
 
     @activity.defn(name="reset_model_failures")
     async def reset_model_failures(self, model: str) -> None:
@@ -96,9 +134,48 @@ class ControlActivities:
     @activity.defn(name="get_replica_shards")
     async def get_replica_shards(self, inp: ReplicaShardsInput) -> ReplicaShardsResult:
         async with self.engine.begin() as conn:
-            return ReplicaShardsResult(shards=await fleet_repo.replica_shards(conn, inp.replica_id))
+            status, generation = await fleet_repo.replica_state(conn, inp.replica_id)
+            return ReplicaShardsResult(shards=await fleet_repo.replica_shards(conn, inp.replica_id),
+                                       status=status or "", generation=generation)
 
+    @activity.defn(name="check_replica")
+    async def check_replica(self, inp: CheckReplicaInput) -> CheckReplicaResult:
+        """Is the replica still wanted by its start (still `starting`), and its fencing generation. A start
+        asks before every launch, so a replica stopped while it fetched never launches."""
+        async with self.engine.begin() as conn:
+            status, generation = await fleet_repo.replica_state(conn, inp.replica_id)
+        return CheckReplicaResult(wanted=status == "starting", status=status or "unknown", generation=generation)
 
+    @activity.defn(name="await_start_closed")
+    async def await_start_closed(self, inp: AwaitStartClosedInput) -> AwaitStartClosedResult:
+        """Cancel the replica's start workflow (when `cancel`) and wait until it has closed, heartbeating, up
+        to `timeout_s`. A stop waits here before it stops shards and frees GPUs, so a start cannot launch
+        onto GPUs placement has handed to someone else. A start that never closes (wedged) is waited for
+        only `timeout_s`: the nodes' fences still refuse its launches."""
+        if self.client is None:
+            return AwaitStartClosedResult(closed=False, status="no Temporal client in this worker")
+        handle = self.client.get_workflow_handle(replica_start_id(inp.replica_id))
+        deadline = time.monotonic() + inp.timeout_s
+        cancelled = not inp.cancel
+        while True:
+            try:
+                desc = await handle.describe()
+            except RPCError as exc:
+                if exc.status == RPCStatusCode.NOT_FOUND:
+                    return AwaitStartClosedResult(closed=True, status="no start workflow")
+                raise
+            if desc.status not in (None, WorkflowExecutionStatus.RUNNING):
+                return AwaitStartClosedResult(closed=True, status=desc.status.name.lower())
+            if not cancelled:
+                try:
+                    await handle.cancel()
+                except RPCError as exc:  # closed between describe and cancel: the next describe says so
+                    activity.logger.info("cancel of %s: %s", handle.id, exc)
+                cancelled = True
+            if time.monotonic() > deadline:
+                return AwaitStartClosedResult(closed=False, status=f"still running after {inp.timeout_s:g}s")
+            activity.heartbeat()
+            await asyncio.sleep(0.25)
 
     @activity.defn(name="reclaim_targets")
     async def reclaim_targets(self) -> ReclaimTargets:

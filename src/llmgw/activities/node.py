@@ -2,11 +2,16 @@
 
 Each is idempotent on the shard id the workflow gives it: a retried `launch_shard` finds the shard it
 already started (or adopted after a worker restart) instead of starting a second engine.
+
+Fencing (workers/fences.py): `stop_shard` records the replica's fence on disk before it stops anything;
+`fetch_weights` and `launch_shard` refuse a replica fenced at a later generation than theirs, so a replica
+this node was told to stop never launches here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -28,6 +33,14 @@ from llmgw.workers.reclaim import reclaim
 if TYPE_CHECKING:
     from llmgw.workers.agent import Agent
 
+log = logging.getLogger(__name__)
+
+
+def replica_of(shard_id: str) -> str:
+    """The replica id in a shard id `<replica_id>-r<rank>`."""
+    replica_id, sep, rank = shard_id.rpartition("-r")
+    return replica_id if sep and rank.isdigit() else shard_id
+
 
 class NodeActivities:
     """Bound to one running `Agent` (supervisor, fetcher, engines, node API client)."""
@@ -39,9 +52,19 @@ class NodeActivities:
         return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.wait_shard_joined,
                 self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache]
 
+    def _check_fence(self, replica_id: str, generation: int, what: str) -> None:
+        fence = self.agent.fences.refuses(replica_id, generation)
+        if fence is not None:
+            log.warning("refused to %s for replica %s (generation %d): told to stop it at generation %d",
+                        what, replica_id, generation, fence)
+            raise ApplicationError(
+                f"node {self.agent.node_id} refuses to {what} for replica {replica_id}: it was told to stop it "
+                f"(fence generation {fence}, this command's {generation})", type="Fenced", non_retryable=True)
+
     @activity.defn(name="fetch_weights")
     async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
         """Fetch the profile's source into the cache, heartbeating progress (bytes, total)."""
+        self._check_fence(inp.replica_id, inp.generation, "fetch weights")
         seen: dict = {}
 
         def progress(n: int, total: int | None) -> None:
@@ -67,6 +90,8 @@ class NodeActivities:
     async def launch_shard(self, inp: LaunchShardInput) -> LaunchShardResult:
         """Start the engine for one shard, after the node's own policy check. Returns pid and endpoint."""
         sup = self.agent.supervisor
+        # No await between this check and the launch: a stop (which fences first) cannot slip in between.
+        self._check_fence(inp.replica_id, inp.generation, f"launch shard {inp.shard_id}")
         existing = sup.get(inp.shard_id)
         if existing is not None and sup.poll(existing) is None:
             return LaunchShardResult(shard_id=inp.shard_id, pid=existing.pid, endpoint=existing.endpoint, adopted=True)
@@ -175,7 +200,8 @@ class NodeActivities:
 
     @activity.defn(name="stop_shard")
     async def stop_shard(self, inp: StopShardInput) -> StopShardResult:
-        """Stop the shard's process group (SIGTERM, then SIGKILL after `grace_s`)."""
+        """Fence the replica (on disk), then stop the shard's process group (SIGTERM, SIGKILL after `grace_s`)."""
+        self.agent.fences.record(inp.replica_id or replica_of(inp.shard_id), inp.generation)
         was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
         await self.agent.report_stopped(inp.shard_id)
         return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)

@@ -9,13 +9,13 @@ has asked every one of its shards to stop and counted its failure; until then th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, case, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from llmgw.db.tables import ENDED_STATUSES, nodes, replicas, shards
+from llmgw.db.tables import ENDED_STATUSES, nodes, observers, replicas, shards
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement
 
@@ -62,12 +62,59 @@ class NodeRow:
     inventory: Inventory
     last_heartbeat: datetime
     age_s: float  # seconds since the last heartbeat, by the database clock
+    polled_at: datetime | None = None  # its worker last seen polling node/<id> (the second witness)
+    poll_age_s: float | None = None
 
 
 async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
-    rows = (await conn.execute(select(nodes, age.label("age")).order_by(nodes.c.id))).all()
-    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age)) for r in rows]
+    poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
+    rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
+    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age),
+                    r.polled_at, None if r.poll_age is None else float(r.poll_age)) for r in rows]
+
+
+async def set_polled(conn: AsyncConnection, polled: dict[str, datetime]) -> None:
+    """Record when each node's worker was last seen polling; never moves a time backwards (Temporal forgets
+    its pollers when it restarts, and a node not seen since keeps the time it was last seen)."""
+    for node_id, at in polled.items():
+        await conn.execute(update(nodes).where(and_(
+            nodes.c.id == node_id, (nodes.c.polled_at.is_(None)) | (nodes.c.polled_at < at))).values(polled_at=at))
+
+
+# ---- the observer: when the node API could receive heartbeats ----------------------------------
+
+async def observer_tick(conn: AsyncConnection, observer_id: str, gap_s: float) -> None:
+    """One node-API process says it is running. A tick after a gap longer than `gap_s` starts a new
+    continuous run (`started_at`): heartbeats missed in the gap were the observer's fault."""
+    stmt = insert(observers).values(id=observer_id)
+    gap = timedelta(seconds=gap_s)
+    await conn.execute(stmt.on_conflict_do_update(index_elements=[observers.c.id], set_={
+        "started_at": case((observers.c.seen_at < func.now() - gap, func.now()), else_=observers.c.started_at),
+        "seen_at": func.now(),
+    }))
+    await conn.execute(delete(observers).where(observers.c.seen_at < func.now() - timedelta(days=1)))
+
+
+async def observer_since(conn: AsyncConnection, fresh_s: float) -> datetime | None:
+    """Since when the node API has been continuously receiving: the earliest start among node-API
+    processes that ticked within `fresh_s`. None when none did (the control plane cannot hear nodes)."""
+    return (await conn.execute(select(func.min(observers.c.started_at)).where(
+        observers.c.seen_at >= func.now() - timedelta(seconds=fresh_s)))).scalar_one_or_none()
+
+
+async def observer_age_s(conn: AsyncConnection, fresh_s: float) -> float | None:
+    """Seconds since `observer_since` (None when the node API is not receiving now)."""
+    since = await observer_since(conn, fresh_s)
+    if since is None:
+        return None
+    return max(0.0, (await db_now(conn) - since).total_seconds())
+
+
+async def recent_lost(conn: AsyncConnection, window_s: float) -> int:
+    """Replicas that ended `lost` within the last `window_s` (the teardown rate limit counts them)."""
+    return (await conn.execute(select(func.count()).select_from(replicas).where(and_(
+        replicas.c.status == "lost", replicas.c.ended_at >= func.now() - timedelta(seconds=window_s))))).scalar_one()
 
 
 # ---- replicas and shards ------------------------------------------------------------------------
@@ -106,13 +153,37 @@ async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport
     ).on_conflict_do_nothing())
 
 
+@dataclass
+class Transition:
+    """The outcome of asking a replica to change status: whether this call changed it, the status after,
+    and the fencing generation after (0 when the replica does not exist)."""
+
+    applied: bool
+    status: str | None
+    generation: int = 0
+
+
+# Steps towards stopping: each bumps the fencing generation, so a launch read before it is refused.
+_FENCING = ("draining", *ENDED_STATUSES)
+
+
 async def mark_replica(
     conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
     reason: str | None = None,
 ) -> tuple[bool, str | None]:
-    """Move a replica to `status` if the transition is allowed. Returns (applied, status after).
+    """Move a replica to `status` if the transition is allowed. Returns (applied, status after)."""
+    t = await transition_replica(conn, replica_id, status, endpoint, failure, reason)
+    return t.applied, t.status
 
-    `reason` is kept as `ended_reason` when `status` ends the replica (why it stopped)."""
+
+async def transition_replica(
+    conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
+    reason: str | None = None,
+) -> Transition:
+    """Move a replica to `status` if the transition is allowed (`_TRANSITIONS`).
+
+    `reason` is kept as `ended_reason` when `status` ends the replica (why it stopped). A step towards
+    stopping (draining, stopped, failed, lost) bumps the fencing generation."""
     allowed = _TRANSITIONS.get(status)
     if allowed is None:
         raise ValueError(f"unknown replica status {status!r}")
@@ -127,18 +198,26 @@ async def mark_replica(
         values["ended_at"] = func.now()
         if reason or failure:
             values["ended_reason"] = (reason or failure or "")[:2000]
+    if status in _FENCING:
+        values["generation"] = replicas.c.generation + 1
     res = await conn.execute(
         update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(allowed))).values(**values)
-        .returning(replicas.c.status)
+        .returning(replicas.c.status, replicas.c.generation)
     )
     row = res.first()
     if row is not None:
         if status in ENDED_STATUSES:
             await conn.execute(update(shards).where(and_(shards.c.replica_id == replica_id, shards.c.status.not_in(ENDED_STATUSES)))
                                .values(status="stopped" if status == "stopped" else status, updated_at=func.now()))
-        return True, row.status
-    cur = (await conn.execute(select(replicas.c.status).where(replicas.c.id == replica_id))).first()
-    return False, cur.status if cur else None
+        return Transition(True, row.status, row.generation)
+    cur = (await conn.execute(select(replicas.c.status, replicas.c.generation).where(replicas.c.id == replica_id))).first()
+    return Transition(False, cur.status if cur else None, cur.generation if cur else 0)
+
+
+async def replica_state(conn: AsyncConnection, replica_id: str) -> tuple[str | None, int]:
+    """(status, fencing generation) of a replica; (None, 0) when there is no such replica."""
+    cur = (await conn.execute(select(replicas.c.status, replicas.c.generation).where(replicas.c.id == replica_id))).first()
+    return (cur.status, cur.generation) if cur else (None, 0)
 
 
 async def settle_replica(conn: AsyncConnection, replica_id: str, reason: str | None = None) -> tuple[bool, str | None, str | None]:
@@ -230,7 +309,7 @@ async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport)
 
 async def shards_on_node(conn: AsyncConnection, node_id: str):
     """Shard rows on `node_id` whose replica is not ended."""
-    q = (select(shards.c.id, shards.c.replica_id, shards.c.status, replicas.c.status.label("replica_status"))
+    q = (select(shards.c.id, shards.c.replica_id, shards.c.status, shards.c.pid, replicas.c.status.label("replica_status"))
          .join(replicas, replicas.c.id == shards.c.replica_id)
          .where(and_(shards.c.node_id == node_id, replicas.c.status.not_in(ENDED_STATUSES))))
     return (await conn.execute(q)).mappings().all()
@@ -250,19 +329,23 @@ class RouteRow:
     replica_id: str
     endpoint: str
     node_id: str
-    node_age_s: float
+    node_age_s: float  # since the rank-0 node's last heartbeat
+    poll_age_s: float | None = None  # since its worker was last seen polling (None: never)
 
 
 async def routable_replicas(conn: AsyncConnection) -> list[RouteRow]:
-    """Ready replicas with the age of their rank-0 node's heartbeat (the gateway drops stale nodes)."""
+    """Ready replicas with the ages of their rank-0 node's two witnesses (the gateway drops silent nodes)."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
+    poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
     q = (
-        select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"))
+        select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
+               poll_age.label("poll_age"))
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
         .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None)))
     )
-    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age)) for r in (await conn.execute(q)).all()]
+    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), None if r.poll_age is None else float(r.poll_age))
+            for r in (await conn.execute(q)).all()]
 
 
 async def db_now(conn: AsyncConnection) -> datetime:

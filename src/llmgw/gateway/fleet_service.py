@@ -8,12 +8,18 @@
   it runs exactly what the catalog asks for: its model and profile are in the catalog, its profile hash
   matches, and the profile is a single-shard one;
 - anything else (unidentifiable, left the catalog, its replica ended) is stopped: a process holding
-  resources that nothing can describe is worse than no process, because placement hands them out again.
+  resources that nothing can describe is worse than no process, because placement hands them out again;
+- every heartbeat is compared too (issue 9): a shard the node had launched and no longer lists fails its
+  replica (out of routing within one heartbeat); a shard the node reports `stopped` while its replica is
+  live (its agent stopped its engines on exit) makes the replica lost. The agent sends one request at a
+  time, built when sent, so a heartbeat is never older than a report it follows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -45,10 +51,29 @@ def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
     return None
 
 
+def launched(row) -> bool:
+    """Did the node say it launched this shard (a row from `fleet_repo.shards_on_node`)? Rows start as
+    `starting` with no pid at placement; the node's launch report sets the pid, readiness `ready`."""
+    return row["status"] in ("ready", "draining") or row["pid"] is not None
+
+
 class FleetService:
     def __init__(self, engine: AsyncEngine, temporal: LazyClient):
         self.engine = engine
         self.temporal = temporal
+        self.observer_id = f"node-api/{uuid.uuid4().hex[:12]}"
+
+    async def observe_loop(self, interval_s: float, gap_s: float) -> None:
+        """Tick this process's observer row every `interval_s` while it runs (placement/liveness.py): a
+        node's heartbeats count as silent only while the node API was there to receive them. A tick after
+        a gap of more than `gap_s` (this process frozen, Postgres down) starts a new run of sight."""
+        while True:
+            try:
+                async with self.engine.begin() as conn:
+                    await fleet_repo.observer_tick(conn, self.observer_id, gap_s)
+            except Exception as exc:  # noqa: BLE001 - Postgres away: the gap is the point; keep ticking
+                log.warning("observer tick failed: %s", exc)
+            await asyncio.sleep(interval_s)
 
     async def register(self, req: RegisterRequest) -> RegisterResponse:
         reported = {s.shard_id: s for s in req.shards}
@@ -92,14 +117,28 @@ class FleetService:
         return resp
 
     async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatResponse:
+        gone: list[str] = []
         async with self.engine.begin() as conn:
             known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory)
             if known:
                 await fleet_repo.set_progress(conn, req.node_id, req.downloads)
+                listed = {s.shard_id for s in req.shards}
+                for row in await fleet_repo.shards_on_node(conn, req.node_id):
+                    if row["id"] in listed or not launched(row):
+                        continue
+                    applied, _ = await fleet_repo.mark_replica(
+                        conn, row["replica_id"], "failed",
+                        failure=f"node {req.node_id} no longer runs shard {row['id']} (its heartbeat does not list it)")
+                    if applied:
+                        gone.append(row["replica_id"])
+        if gone:
+            log.warning("node %s no longer runs replicas %s; marked failed", req.node_id, ", ".join(gone))
+            await self.temporal.wake(f"node {req.node_id} no longer runs {', '.join(gone)}")
         return HeartbeatResponse(ok=known, reregister=not known)
 
     async def shard_status(self, req: ShardStatusRequest) -> None:
-        """A shard changed state on its node. A failure takes its replica out of routing at once."""
+        """A shard changed state on its node. A failure takes its replica out of routing at once; so does a
+        stop the control plane did not ask for (the agent stopped its engines as it exited): lost."""
         s = req.shard
         failed_replica = None
         async with self.engine.begin() as conn:
@@ -111,6 +150,13 @@ class FleetService:
                 applied, _ = await fleet_repo.mark_replica(conn, s.replica_id, "failed", failure=why)
                 if applied:
                     failed_replica = s.replica_id
+            elif s.state == "stopped" and status is not None and status not in ENDED_STATUSES:
+                applied, _ = await fleet_repo.mark_replica(
+                    conn, s.replica_id, "lost", failure=f"node {req.node_id} stopped shard {s.shard_id} on its own "
+                    "(its agent stopped its engines as it exited)")
+                if applied:
+                    failed_replica = s.replica_id
         if failed_replica:
-            log.warning("replica %s failed: shard %s %s", failed_replica, s.shard_id, s.exit_reason or describe_exit(s.exit_code))
-            await self.temporal.wake(f"replica {failed_replica} failed")
+            log.warning("replica %s ended: shard %s %s", failed_replica, s.shard_id,
+                        "stopped by its node" if s.state == "stopped" else s.exit_reason or describe_exit(s.exit_code))
+            await self.temporal.wake(f"replica {failed_replica} {'lost' if s.state == 'stopped' else 'failed'}")

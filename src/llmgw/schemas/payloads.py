@@ -33,8 +33,9 @@ class ModelState(_Strict):
 
 class NodeSnap(_Strict):
     id: str
-    status: str  # ready | unreachable | lost (derived from last_heartbeat by placement.status)
+    status: str  # ready | unreachable | lost (derived from both witnesses by placement.liveness)
     last_heartbeat: datetime | None = None
+    polled_at: datetime | None = None  # its worker last seen beginning a poll on node/<id> (Temporal)
     inventory: Inventory = Field(default_factory=Inventory)
 
 
@@ -61,12 +62,39 @@ class ReplicaSnap(_Strict):
     settled: bool = False
 
 
+class LivenessFacts(_Strict):
+    """What the control plane could see when the snapshot was read (placement/liveness.py).
+
+    - `observer_since`: since when the node API has been continuously able to receive heartbeats (its
+      processes tick into Postgres); None when no process is ticking now (blind).
+    - `pollers_error`: why the pollers on node queues could not be read (then that witness says nothing).
+    - `poller_grace_s`: how long an idle poller's last access may age (Temporal's long-poll interval).
+    - `silent_share`: more than this share of nodes silent together means the observer is doubted.
+    - `lost_teardown_limit` per `lost_teardown_window_s`: replicas of lost nodes torn down at most;
+      `recent_lost` were in the current window.
+    """
+
+    observer_since: datetime | None = None
+    pollers_error: str | None = None
+    poller_grace_s: float = 60.0
+    silent_share: float = 0.5
+    lost_teardown_limit: int = 10
+    lost_teardown_window_s: float = 60.0
+    recent_lost: int = 0
+
+
 class Snapshot(_Strict):
-    """Everything one reconcile pass needs, read in one transaction. `now` is the database clock."""
+    """Everything one reconcile pass needs, read in one transaction. `now` is the database clock.
+
+    `liveness` is None in snapshots recorded before it existed: nodes are then judged by heartbeats alone.
+    `start_budget_s`: how long a replica may be `starting` before the planner fails it (a profile's
+    `start_timeout` overrides it)."""
 
     now: datetime
     unreachable_after_s: float = 15.0
     lost_after_s: float = 300.0
+    liveness: LivenessFacts | None = None
+    start_budget_s: float = 3600.0
     models: list[Model] = Field(default_factory=list)
     model_states: list[ModelState] = Field(default_factory=list)
     nodes: list[NodeSnap] = Field(default_factory=list)
@@ -139,8 +167,11 @@ class MarkReplicaInput(_Strict):
 
 
 class MarkReplicaResult(_Strict):
+    """`generation`: the replica's fencing generation after the call (0 from code before issue 9)."""
+
     applied: bool
     status: str
+    generation: int = 0
 
 
 class SettleReplicaInput(_Strict):
@@ -165,6 +196,34 @@ class ReplicaShardsInput(_Strict):
 class ReplicaShardsResult(_Strict):
     shards: list[ShardPlacement] = Field(default_factory=list)
     in_flight: int = 0
+    status: str = ""  # the replica's status when read ("" from code before issue 9)
+    generation: int = 0
+
+
+class CheckReplicaInput(_Strict):
+    replica_id: str
+
+
+class CheckReplicaResult(_Strict):
+    """Is the replica still wanted by its start (it is `starting`)? `generation` is what its node commands
+    carry: a node refuses a launch older than a stop it was given (docs/architecture.md, "Fencing")."""
+
+    wanted: bool
+    status: str
+    generation: int = 1
+
+
+class AwaitStartClosedInput(_Strict):
+    """Wait until the replica's start workflow has closed (or `timeout_s`); cancel it first when `cancel`."""
+
+    replica_id: str
+    timeout_s: float = 60.0
+    cancel: bool = True
+
+
+class AwaitStartClosedResult(_Strict):
+    closed: bool
+    status: str = ""  # the start workflow's final status, or why it was not waited for
 
 
 # ---- node activities ----------------------------------------------------------------------------
@@ -172,6 +231,7 @@ class ReplicaShardsResult(_Strict):
 class FetchWeightsInput(_Strict):
     replica_id: str
     source: str | None
+    generation: int = 0  # fencing: refused on a node told to stop this replica at a later generation
 
 
 class FetchWeightsResult(_Strict):
@@ -213,6 +273,7 @@ class LaunchShardInput(_Strict):
     gpus: list[int] = Field(default_factory=list)
     weights_path: str | None = None
     rendezvous: Rendezvous | None = None  # set for every shard of a multi-node replica
+    generation: int = 0  # fencing: refused on a node told to stop this replica at a later generation
 
 
 class LaunchShardResult(_Strict):
@@ -245,8 +306,13 @@ class WaitShardJoinedResult(_Strict):
 
 
 class StopShardInput(_Strict):
+    """Stop a shard. The node first records the fence (`replica_id`, `generation`) on disk, so no launch of
+    that replica at an earlier generation runs afterwards, even across an agent restart."""
+
     shard_id: str
     grace_s: float = 10.0
+    replica_id: str = ""  # "" from code before issue 9: derived from the shard id
+    generation: int = 0
 
 
 class StopShardResult(_Strict):

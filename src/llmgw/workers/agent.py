@@ -4,7 +4,12 @@ It discovers the hardware, registers with the control plane over the node API (i
 it runs, none included), heartbeats, and polls its own Temporal task queue `node/<node_id>` for node
 activities (fetch, launch, readiness, drain, stop). It supervises engine processes and reports every
 transition, with the tail of the engine's output on failure. Engines keep running when the worker
-exits (a restarted worker adopts them) unless it was started with `stop_engines_on_exit`.
+exits (a restarted worker adopts them) unless it was started with `stop_engines_on_exit`; then it reports
+each stop before it exits, so their replicas leave routing at once.
+
+Requests to the node API go one at a time, each built when it is sent: a heartbeat lists the shards running
+when it was built, and the control plane receives it before any later report, so a shard missing from a
+heartbeat is one this node no longer runs (gateway/fleet_service.py compares them on every heartbeat).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import uuid
 import aiohttp
 from temporalio.worker import Worker
 
-from llmgw.activities.node import NodeActivities
+from llmgw.activities.node import NodeActivities, replica_of
 from llmgw.config import Settings
 from llmgw.engines.base import EngineError
 from llmgw.engines.exits import UNKNOWN_EXIT, describe_exit
@@ -30,6 +35,7 @@ from llmgw.schemas.simulate import SimulatedNode
 from llmgw.temporal import connect
 from llmgw.weights.fetcher import Fetcher
 from llmgw.workers.discovery import discover, discover_gpus
+from llmgw.workers.fences import Fences
 from llmgw.workers.infiniband import discover_fabrics
 from llmgw.telemetry import AgentMetrics
 from llmgw.workers.simulate import simulated_inventory
@@ -52,6 +58,8 @@ class Agent:
         self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url)
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit)
+        self.fences = Fences(node_dir / "fences")
+        self._post_lock = asyncio.Lock()
         self.api = settings.resolved_node_api_url.rstrip("/")
         self.http: aiohttp.ClientSession | None = None
         self.registered = asyncio.Event()
@@ -78,15 +86,22 @@ class Agent:
         return ctx
 
     async def _post(self, path: str, body) -> dict:
+        """POST one body (or what `body()` builds, at send time) to the node API; one request at a time."""
         assert self.http is not None
-        async with self.http.post(self.api + path, data=body.model_dump_json(),
-                                  headers={"Content-Type": "application/json"}) as r:
-            if r.status >= 400:
-                raise RuntimeError(f"node API {path}: HTTP {r.status}: {(await r.text())[:300]}")
-            return await r.json()
+        async with self._post_lock:
+            data = (body() if callable(body) else body).model_dump_json()
+            async with self.http.post(self.api + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                if r.status >= 400:
+                    raise RuntimeError(f"node API {path}: HTTP {r.status}: {(await r.text())[:300]}")
+                return await r.json()
 
     def shard_reports(self) -> list[ShardReport]:
         return [s.report() for s in self.supervisor.running()]
+
+    def heartbeat_reports(self) -> list[ShardReport]:
+        """Every shard this worker holds, an exited one included until its exit has been reported: what a
+        heartbeat lists, and the control plane takes a shard missing from it as gone."""
+        return [s.report("failed" if s.exit_code is not None else None) for s in list(self.supervisor.shards.values())]
 
     def inventory(self):
         if self.simulate is not None:
@@ -107,21 +122,28 @@ class Agent:
 
     async def register(self) -> None:
         inv = self.inventory()
-        body = RegisterRequest(node_id=self.node_id, boot_id=self.boot_id, inventory=inv, shards=self.shard_reports())
+        sent: list[RegisterRequest] = []
+
+        def body() -> RegisterRequest:
+            sent.append(RegisterRequest(node_id=self.node_id, boot_id=self.boot_id, inventory=inv,
+                                        shards=self.shard_reports()))
+            return sent[-1]
         resp = RegisterResponse.model_validate(await self._post("/node/v1/register", body))
         for shard_id in resp.stop:
             log.warning("control plane asks to stop shard %s, which it cannot identify or no longer wants", shard_id)
+            shard = self.supervisor.get(shard_id)
+            self.fences.record(shard.spec.replica_id if shard else replica_of(shard_id), 0)
             await self.supervisor.stop(shard_id)
         if not self.registered.is_set():
             for note in inv.notes:
                 log.info("inventory: %s", note)
         self.registered.set()
         log.info("registered node %s (%d shard(s) running, engines: %s, GPUs: %d, fabrics: %s)", self.node_id,
-                 len(body.shards), ", ".join(inv.engines), len(inv.gpus), ", ".join(f.name for f in inv.fabrics) or "none")
+                 len(sent[-1].shards), ", ".join(inv.engines), len(inv.gpus), ", ".join(f.name for f in inv.fabrics) or "none")
 
-    async def report(self, report: ShardReport) -> None:
+    async def report(self, report: ShardReport, attempts: int = 5) -> None:
         """Send one shard transition; retried briefly, then left to the next registration."""
-        for attempt in range(5):
+        for attempt in range(attempts):
             try:
                 await self._post("/node/v1/shards", ShardStatusRequest(node_id=self.node_id, boot_id=self.boot_id, shard=report))
                 return
@@ -129,10 +151,10 @@ class Agent:
                 log.warning("reporting shard %s failed (%s); retrying", report.shard_id, exc)
                 await asyncio.sleep(0.5 * (attempt + 1))
 
-    async def report_stopped(self, shard_id: str) -> None:
+    async def report_stopped(self, shard_id: str, attempts: int = 5) -> None:
         replica_id, _, rank = shard_id.rpartition("-r")
         await self.report(ShardReport(shard_id=shard_id, replica_id=replica_id, model="", profile="",
-                                      rank=int(rank) if rank.isdigit() else 0, state="stopped"))
+                                      rank=int(rank) if rank.isdigit() else 0, state="stopped"), attempts)
 
     async def _on_exit(self, shard: Shard, tail: str) -> None:
         if shard.proc is None:  # adopted: not our child, so its exit status cannot be read
@@ -158,9 +180,9 @@ class Agent:
                 # The inventory rides along every 10th beat, or at once after a fetch changed the cache.
                 inv = self.inventory() if beats % 10 == 0 or self.inventory_dirty else None
                 self.inventory_dirty = False
-                hb = HeartbeatRequest(node_id=self.node_id, boot_id=self.boot_id, shards=self.shard_reports(),
-                                      inventory=inv, downloads=list(self.downloads.values()))
-                resp = HeartbeatResponse.model_validate(await self._post("/node/v1/heartbeat", hb))
+                resp = HeartbeatResponse.model_validate(await self._post("/node/v1/heartbeat", lambda: HeartbeatRequest(
+                    node_id=self.node_id, boot_id=self.boot_id, shards=self.heartbeat_reports(), inventory=inv,
+                    downloads=list(self.downloads.values()))))
                 need_register = resp.reregister
                 delay = 1.0
                 await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -170,13 +192,25 @@ class Agent:
                 log.warning("control plane unreachable at %s (%s); retrying in %.0fs", self.api, exc, delay)
                 need_register = True
                 await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 30.0)
+                delay = min(delay * 2, self.settings.reconnect_max_s)
+
+    async def _stop_engines(self) -> None:
+        """Stop every engine and report each stop before exiting: its replica leaves routing now, rather
+        than when the node is judged silent (issue 9). Reports are tried twice, briefly; a control plane
+        that does not answer learns it from the next registration instead."""
+        ids = list(self.supervisor.shards)
+        log.info("stopping %d engine(s)", len(ids))
+        await self.supervisor.stop_all()
+        if self.http is not None:
+            for shard_id in ids:
+                await self.report_stopped(shard_id, attempts=2)
 
     # ---- main ----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         adopted, dead = self.supervisor.adopt_all()
         if adopted or dead:
             log.info("adopted %d running shard(s); %d were gone", len(adopted), len(dead))
+        self.fences.prune()
         if self.settings.agent_metrics_port:
             self.metrics.serve(self.settings.agent_metrics_port, self.settings.host)
         client = await connect(self.settings)
@@ -198,8 +232,7 @@ class Agent:
             for t in tasks[1:]:
                 t.cancel()
             if self.stop_engines_on_exit:
-                log.info("stopping %d engine(s)", len(self.supervisor.shards))
-                await self.supervisor.stop_all()
+                await self._stop_engines()
             try:
                 await asyncio.wait_for(worker.shutdown(), 10)
             except Exception:  # noqa: BLE001 - shutting down anyway

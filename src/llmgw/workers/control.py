@@ -45,7 +45,8 @@ async def ensure_reconciler(client, settings: Settings) -> None:
 async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     engine = async_engine(settings.require_database_url())
     client = await connect(settings)
-    acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s)
+    acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s,
+                             client=client, settings=settings)
     worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all(),
                     workflow_runner=workflow_runner())
     try:

@@ -234,12 +234,15 @@ class Supervisor:
                     tail = self.tail(shard)
                     log.warning("shard %s exited with code %s", shard.shard_id, shard.exit_code)
                     shard.state = "exited"
-                    self._forget(shard.shard_id)
+                    # Reported before it is forgotten: until then heartbeats still list it (as exited), so
+                    # the control plane hears why it exited rather than only that it is gone.
                     if self.on_exit is not None:
                         try:
                             await self.on_exit(shard, tail)
                         except Exception:  # noqa: BLE001 - keep watching the others; the error is logged
                             log.exception("reporting the exit of shard %s failed", shard.shard_id)
+                    if self.shards.get(shard.shard_id) is shard:
+                        self._forget(shard.shard_id)
             await asyncio.sleep(interval_s)
 
 

@@ -50,3 +50,12 @@ def drain(timeout_s: float) -> dict:
         schedule_to_start_timeout=timedelta(seconds=30),
         retry_policy=RetryPolicy(maximum_attempts=1),
     )
+
+
+def await_close(timeout_s: float) -> dict:
+    """Waiting for a workflow to close (a control activity that heartbeats while it polls)."""
+    return dict(
+        start_to_close_timeout=timedelta(seconds=timeout_s + 30),
+        heartbeat_timeout=timedelta(seconds=10),
+        retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)),
+    )

@@ -13,6 +13,12 @@ Placement is decided before `ReplicaStartWorkflow` runs. Per shard, on the node'
 One shard failing fails the replica: every shard is stopped, the failure recorded, and the model backs
 off (jittered, exponential; seeds 003). A replica is *settled* when that is done, exactly once, so the
 failure is counted once whichever workflow gets there first.
+
+A stopped replica never launches (issue 9; versioned with `workflow.patched`, so histories recorded
+before keep their old path): the start asks whether the replica is still wanted before fetching and
+before each launch, and carries the replica's fencing generation in every node command; a stop marks the
+replica first (bumping the generation), then cancels the start and waits for it to close, then stops every
+shard with the new generation, which each node records on disk and holds against later launches.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
+        AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
         FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, MarkReplicaInput,
         MarkReplicaResult, OpenRendezvousInput, Rendezvous, ReplicaShardsInput, ReplicaShardsResult,
         ReplicaStartInput, ReplicaStartResult, ReplicaStopInput, SettleReplicaInput, SettleReplicaResult,
@@ -32,6 +39,11 @@ with workflow.unsafe.imports_passed_through():
     )
     from llmgw.workflows import options
     from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID, node_queue
+
+# workflow.patched ids: each names a change to the commands these workflows issue (tests/test_replay.py).
+FENCED_START = "issue9-fenced-start"
+STOP_FENCES_START = "issue9-stop-fences-start"
+START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
 
 
 def shard_id(replica_id: str, rank: int) -> str:
@@ -78,19 +90,41 @@ async def settle(replica_id: str, reason: str) -> SettleReplicaResult:
     return res
 
 
-async def stop_shards(replica_id: str, shards: list[ShardPlacement]) -> None:
+async def stop_shards(replica_id: str, shards: list[ShardPlacement], generation: int = 0) -> None:
     """Stop every shard at once, best effort per node. The replica is already out of routing (draining,
-    failed or lost), and one unreachable node must not keep the others' GPUs held while it times out."""
+    failed or lost), and one unreachable node must not keep the others' GPUs held while it times out.
+    Each node fences the replica at `generation` first (0: every launch of it)."""
     async def one(s: ShardPlacement) -> None:
         try:
             await workflow.execute_activity(
-                "stop_shard", StopShardInput(shard_id=shard_id(replica_id, s.rank)),
+                "stop_shard", StopShardInput(shard_id=shard_id(replica_id, s.rank), replica_id=replica_id,
+                                             generation=generation),
                 result_type=StopShardResult, task_queue=node_queue(s.node_id), **options.STOP,
             )
         except ActivityError as exc:
             workflow.logger.warning("stop of shard %s on %s failed: %s", shard_id(replica_id, s.rank), s.node_id, failure_text(exc))
 
     await asyncio.gather(*[one(s) for s in shards])
+
+
+class NotWanted(Exception):
+    """The replica stopped being `starting` (stopped, evicted, lost, failed) before a launch."""
+
+    def __init__(self, status: str, before: str):
+        super().__init__(f"{status} before {before}")
+        self.status = status
+        self.before = before
+
+
+async def still_wanted(replica_id: str, before: str) -> int:
+    """The replica's fencing generation if it is still `starting`; else raise `NotWanted`."""
+    res: CheckReplicaResult = await workflow.execute_activity(
+        "check_replica", CheckReplicaInput(replica_id=replica_id), result_type=CheckReplicaResult,
+        task_queue=CONTROL_QUEUE, **options.CONTROL,
+    )
+    if not res.wanted:
+        raise NotWanted(res.status, before)
+    return res.generation
 
 
 @workflow.defn(name="ReplicaStartWorkflow")
@@ -105,11 +139,12 @@ class ReplicaStartWorkflow:
         return self._phase
 
     async def _launch(self, inp: ReplicaStartInput, s: ShardPlacement, path: str | None,
-                      rdv: Rendezvous | None) -> LaunchShardResult:
+                      rdv: Rendezvous | None, generation: int = 0) -> LaunchShardResult:
         return await workflow.execute_activity(
             "launch_shard",
             LaunchShardInput(shard_id=shard_id(inp.replica_id, s.rank), replica_id=inp.replica_id, model=inp.model,
-                             profile=inp.profile, rank=s.rank, gpus=s.gpus, weights_path=path, rendezvous=rdv),
+                             profile=inp.profile, rank=s.rank, gpus=s.gpus, weights_path=path, rendezvous=rdv,
+                             generation=generation),
             result_type=LaunchShardResult, task_queue=node_queue(s.node_id), **options.LAUNCH,
         )
 
@@ -118,11 +153,15 @@ class ReplicaStartWorkflow:
         rid = inp.replica_id
         rank0 = next(s for s in inp.shards if s.rank == 0)
         workers = sorted((s for s in inp.shards if s.rank != 0), key=lambda s: s.rank)
+        fenced = workflow.patched(FENCED_START)
+        gen = 0
         try:
+            if fenced:
+                gen = await still_wanted(rid, "fetching weights")
             self._phase = "fetching weights"
             fetched: list[FetchWeightsResult] = await asyncio.gather(*[
                 workflow.execute_activity(
-                    "fetch_weights", FetchWeightsInput(replica_id=rid, source=inp.profile.source),
+                    "fetch_weights", FetchWeightsInput(replica_id=rid, source=inp.profile.source, generation=gen),
                     result_type=FetchWeightsResult, task_queue=node_queue(s.node_id), **options.FETCH,
                 )
                 for s in inp.shards
@@ -136,10 +175,14 @@ class ReplicaStartWorkflow:
                     OpenRendezvousInput(replica_id=rid, engine=inp.profile.engine, world_size=len(inp.shards)),
                     result_type=Rendezvous, task_queue=node_queue(rank0.node_id), **options.NODE_QUICK,
                 )
+                if fenced:
+                    gen = await still_wanted(rid, "launching the workers")
                 self._phase = f"launching {len(workers)} worker(s)"
-                await asyncio.gather(*[self._launch(inp, s, paths[s.rank], rdv) for s in workers])
+                await asyncio.gather(*[self._launch(inp, s, paths[s.rank], rdv, gen) for s in workers])
+            if fenced:
+                gen = await still_wanted(rid, "launching rank 0")
             self._phase = "launching rank 0"
-            await self._launch(inp, rank0, paths[0], rdv)
+            await self._launch(inp, rank0, paths[0], rdv, gen)
             self._phase = "waiting for the workers to join rank 0 and for rank 0 to be ready" if workers \
                 else "waiting for readiness"
             waits = [
@@ -155,6 +198,13 @@ class ReplicaStartWorkflow:
             )
             results = await asyncio.gather(*waits, ready_task)
             ready: WaitShardReadyResult = results[-1]
+        except NotWanted as exc:
+            # Stopped while starting: launch nothing more; whatever did launch is stopped (the stop that
+            # ended it does the same and settles it).
+            self._phase = f"abandoned ({exc.status}) before {exc.before}"
+            await stop_shards(rid, inp.shards)
+            raise ApplicationError(f"replica {rid} became {exc.status} before {exc.before}; nothing more was launched",
+                                   non_retryable=True) from None
         except (ActivityError, asyncio.CancelledError) as exc:
             reason = failure_text(exc) if isinstance(exc, ActivityError) else "start was cancelled"
             await self._fail(inp, reason)
@@ -180,8 +230,8 @@ class ReplicaStartWorkflow:
 
     async def _cleanup(self, inp: ReplicaStartInput, reason: str) -> None:
         # Failed first: out of routing, and the exits the stop causes are not news to anyone.
-        await mark(inp.replica_id, "failed", failure=reason[-2000:], reason="failed to start")
-        await stop_shards(inp.replica_id, inp.shards)
+        res = await mark(inp.replica_id, "failed", failure=reason[-2000:], reason="failed to start")
+        await stop_shards(inp.replica_id, inp.shards, res.generation)
         await settle(inp.replica_id, "failed to start")
         await wake_reconciler(f"replica {inp.replica_id} failed")
 
@@ -207,19 +257,36 @@ class ReplicaStopWorkflow:
         )
         final = inp.final_status
         failure = (inp.reason or None) if final != "stopped" else None
-        if final == "stopped" and inp.drain_timeout_s > 0:
+        fences = workflow.patched(STOP_FENCES_START)
+        # A starting replica has nothing in flight to drain; marking it draining would let its start's
+        # cleanup record it as failed. It is marked with its final status at once instead.
+        if final == "stopped" and inp.drain_timeout_s > 0 and not (fences and info.status == "starting"):
             res = await mark(rid, "draining")
             rank0 = next((s for s in info.shards if s.rank == 0), None)
             if res.applied and rank0 is not None:
-                try:
-                    await workflow.execute_activity(
-                        "drain_shard", WaitShardReadyInput(shard_id=shard_id(rid, 0), timeout_s=inp.drain_timeout_s),
-                        task_queue=node_queue(rank0.node_id), **options.drain(inp.drain_timeout_s),
-                    )
-                except ActivityError as exc:
-                    workflow.logger.warning("drain of %s did not finish: %s", rid, failure_text(exc))
-        await mark(rid, final, failure=failure, reason=inp.reason or None)
-        await stop_shards(rid, info.shards)
+                await self._drain(rid, rank0, inp.drain_timeout_s)
+        marked = await mark(rid, final, failure=failure, reason=inp.reason or None)
+        if fences:
+            # Marked first, so the start's next check sees it is not wanted; then the start is cancelled and
+            # waited for, so nothing launches onto GPUs this stop is about to free.
+            closed: AwaitStartClosedResult = await workflow.execute_activity(
+                "await_start_closed", AwaitStartClosedInput(replica_id=rid, timeout_s=START_CLOSE_WAIT_S),
+                result_type=AwaitStartClosedResult, task_queue=CONTROL_QUEUE, **options.await_close(START_CLOSE_WAIT_S),
+            )
+            if not closed.closed:
+                workflow.logger.warning("start of %s did not close (%s); its launches stay fenced", rid, closed.status)
+            await stop_shards(rid, info.shards, marked.generation)
+        else:
+            await stop_shards(rid, info.shards)
         res = await settle(rid, inp.reason)
         await wake_reconciler(f"replica {rid} {res.status}")
         return res.status
+
+    async def _drain(self, rid: str, rank0: ShardPlacement, timeout_s: float) -> None:
+        try:
+            await workflow.execute_activity(
+                "drain_shard", WaitShardReadyInput(shard_id=shard_id(rid, 0), timeout_s=timeout_s),
+                task_queue=node_queue(rank0.node_id), **options.drain(timeout_s),
+            )
+        except ActivityError as exc:
+            workflow.logger.warning("drain of %s did not finish: %s", rid, failure_text(exc))

@@ -1,0 +1,67 @@
+"""A node refuses to fetch for or launch a shard of a replica it has been told to stop, across a restart of
+its worker (workers/fences.py). Node activities run as Temporal runs them (`ActivityEnvironment`) on a real
+`Agent`; the whole path, through the control plane, is tests/faults/test_start_faults.py."""
+
+from __future__ import annotations
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from llmgw.activities.node import NodeActivities
+from llmgw.config import Settings
+from llmgw.schemas.catalog import Profile
+from llmgw.schemas.payloads import FetchWeightsInput, LaunchShardInput, StopShardInput
+from llmgw.workers.agent import Agent
+from llmgw.workers.fences import FENCE_ALL, Fences
+
+
+def agent(tmp_path) -> Agent:
+    a = Agent(Settings(state_dir=tmp_path, node_id="n1", mirror_url="http://127.0.0.1:9"))
+    reports = []
+
+    async def report(r, attempts: int = 5):  # no control plane here: keep what would have been reported
+        reports.append(r)
+    a.report = report  # type: ignore[method-assign]
+    a.reports = reports  # type: ignore[attr-defined]
+    return a
+
+
+def launch(replica: str, generation: int) -> LaunchShardInput:
+    return LaunchShardInput(shard_id=f"{replica}-r0", replica_id=replica, model="m", profile=Profile(engine="sim"),
+                            generation=generation)
+
+
+async def test_a_stopped_replica_is_refused_even_after_the_worker_restarts(tmp_path):
+    env = ActivityEnvironment()
+    acts = NodeActivities(agent(tmp_path))
+    # Told to stop replica rep1 (its start is still fetching somewhere): nothing runs yet, the fence is kept.
+    res = await env.run(acts.stop_shard, StopShardInput(shard_id="rep1-r0", replica_id="rep1", generation=3))
+    assert not res.was_running
+
+    for a in (acts, NodeActivities(agent(tmp_path))):  # the same worker, then a restarted one
+        with pytest.raises(ApplicationError) as exc:
+            await env.run(a.launch_shard, launch("rep1", generation=2))
+        assert exc.value.type == "Fenced" and "told to stop it (fence generation 3" in str(exc.value)
+        with pytest.raises(ApplicationError) as exc:
+            await env.run(a.fetch_weights, FetchWeightsInput(replica_id="rep1", source=None, generation=2))
+        assert exc.value.type == "Fenced"
+        assert a.agent.supervisor.get("rep1-r0") is None  # nothing was started
+
+    # Another replica is not affected: it launches, and a stop from code that carried no generation (0)
+    # fences every launch of it.
+    other = await env.run(acts.launch_shard, launch("rep2", generation=1))
+    assert other.pid > 0
+    await env.run(acts.stop_shard, StopShardInput(shard_id="rep2-r0"))
+    assert acts.agent.fences.get("rep2") == FENCE_ALL
+    with pytest.raises(ApplicationError):
+        await env.run(acts.launch_shard, launch("rep2", generation=1))
+
+
+def test_fences_never_go_down_and_are_pruned_when_old(tmp_path):
+    f = Fences(tmp_path / "fences")
+    assert f.record("r", 5) == 5 and f.record("r", 2) == 5
+    assert f.refuses("r", 4) == 5 and f.refuses("r", 5) is None  # a launch at the fence's generation is newer
+    assert f.refuses("unknown", 0) is None
+    assert f.record("../../etc/passwd", 1) == 1 and not (tmp_path / "etc").exists()  # names are never paths
+    assert f.prune(keep_s=-1) == 2 and f.get("r") is None

@@ -8,6 +8,9 @@
   handed to an engine that fails on it (seeds 000).
 - A version (source ending in `/`) is fetched from its manifest, every file into one directory, which is
   renamed into place only when every file is complete.
+- Hashing a whole file (a resumed partial, a version's files already present) runs in a thread: the node
+  worker's event loop also carries its heartbeats and activity heartbeats, and hashing 100 GB takes
+  minutes (issue 9).
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ class Fetcher:
             if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
                 raise FetchError(f"manifest names file {fname!r}, which is not a plain file name", retryable=False)
             dest = work / fname
-            if dest.exists() and dest.stat().st_size == f.get("size") and f.get("sha256") and _sha256(dest) == f["sha256"]:
+            if (dest.exists() and dest.stat().st_size == f.get("size") and f.get("sha256")
+                    and await asyncio.to_thread(_sha256, dest) == f["sha256"]):
                 done += dest.stat().st_size
                 continue
             part = work / (fname + ".part")
@@ -173,9 +177,7 @@ async def download_file(
     have = partial.stat().st_size if partial.exists() else 0
     hasher = hashlib.sha256()
     if have:
-        with open(partial, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK), b""):
-                hasher.update(block)
+        hasher, have = await asyncio.to_thread(_hash_prefix, partial)
     headers = {"Range": f"bytes={have}-"} if have else {}
     async with session.get(url, headers=headers) as r:
         if r.status == 416 and have:
@@ -219,6 +221,17 @@ def _size(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     return path.stat().st_size
+
+
+def _hash_prefix(path: Path) -> tuple["hashlib._Hash", int]:
+    """A sha256 of `path` as it is now, ready to continue, and how many bytes it covers (run in a thread)."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.update(block)
+            n += len(block)
+    return h, n
 
 
 def _sha256(path: Path) -> str:

@@ -1,0 +1,227 @@
+"""The fault suite's fleet: a real control plane (`llmgw server` + `llmgw worker`), its own PostgreSQL and
+Temporal (which these tests stop and start, so never the session's shared ones), two simulated GPU nodes
+(`llmgw agent --simulate`), each talking to the node API and to Temporal through a relay the test can
+partition, sim engines, and steady client traffic. Timeouts are scaled down by settings, never slept out.
+
+A module shares one fleet between its cases where that stays honest: each case starts from a converged
+fleet (`FaultFleet.steady()`), records the engines' pids and replicas, injects one fault, and checks
+afterwards against what it recorded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw.db.migrate import upgrade
+from llmgw.dev.postgres import EmbeddedPostgres
+from llmgw.dev.procs import free_port
+from llmgw.dev.temporal_server import TemporalDevServer
+from tests.faults.netproxy import PartitionableRelay
+from tests.fleet import sim_spec
+from tests.helpers import ControlPlane, Proc, wait_until
+
+UNREACHABLE_S = 4.0
+LOST_S = 10.0
+LONG_POLL_S = 2
+SETTINGS = {
+    "LLMGW_NODE_UNREACHABLE_AFTER_S": str(UNREACHABLE_S), "LLMGW_NODE_LOST_AFTER_S": str(LOST_S),
+    "LLMGW_HEARTBEAT_INTERVAL_S": "0.5", "LLMGW_RECONCILE_INTERVAL_S": "1", "LLMGW_ROUTE_REFRESH_S": "1",
+    "LLMGW_RECONNECT_MAX_S": "30", "LLMGW_POLLER_GRACE_S": str(LONG_POLL_S + 1),
+}
+NODES = ("node-a", "node-b")
+
+
+def sim_model(name: str, priority: int = 0, **profile) -> dict:
+    return {"name": name, "priority": priority, "scaling": {"min": 1, "max": 1},
+            "profiles": [{"engine": "sim", "gpus_per_node": 1, "args": ["--tokens-per-second", "0"], **profile}]}
+
+
+@dataclass
+class Infra:
+    """PostgreSQL and Temporal of this module alone: stoppable without touching anyone else's."""
+
+    pg: EmbeddedPostgres
+    temporal: TemporalDevServer
+    root: Path
+
+    def stop_postgres(self) -> None:
+        self.pg.stop()
+
+    def start_postgres(self) -> None:
+        self.pg.start()
+
+    def stop_temporal(self) -> None:
+        self.temporal.stop()
+
+    def start_temporal(self) -> None:
+        self.temporal.start()
+
+
+@pytest.fixture(scope="module")
+def infra():
+    # Not under pytest's tmp tree (see tests/conftest.py: PostgreSQL may run as another user).
+    root = Path(tempfile.mkdtemp(prefix="llmgw-faults-"))
+    pg = EmbeddedPostgres(root / "pg", free_port(), root / "postgres.log", database="llmgw", durable=False)
+    temporal = TemporalDevServer(free_port(), None, root / "temporal.db", root / "temporal.log",
+                                 dynamic_config={"matching.longPollExpirationInterval": f"{LONG_POLL_S}s"})
+    try:
+        pg.start()
+        upgrade(pg.url)
+        temporal.start()
+        yield Infra(pg, temporal, root)
+    finally:
+        temporal.stop()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class Traffic:
+    """Chat requests to each model, one after another per model, recorded as (monotonic time, status)."""
+
+    gateway: str
+    models: list[str]
+    results: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    paused: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def _run(self, model: str) -> None:
+        out = self.results.setdefault(model, [])
+        with httpx.Client(timeout=10) as c:
+            while not self.done.is_set():
+                if self.paused.is_set():
+                    time.sleep(0.05)
+                    continue
+                try:
+                    code = c.post(self.gateway + "/v1/chat/completions", json={
+                        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code
+                except httpx.HTTPError:
+                    code = 0
+                out.append((time.monotonic(), code))
+                time.sleep(0.05)
+
+    def failures(self, model: str, since: float = 0.0) -> list[tuple[float, int]]:
+        return [(t, c) for t, c in self.results.get(model, []) if t >= since and c != 200]
+
+    def count(self, model: str, since: float = 0.0) -> int:
+        return sum(1 for t, _ in self.results.get(model, []) if t >= since)
+
+
+class FaultFleet:
+    """The control plane, two agents behind partitionable relays, and helpers to look at what runs."""
+
+    def __init__(self, tmp: Path, infra: Infra, **extra_env: str):
+        self.infra = infra
+        self.cp = ControlPlane(tmp, infra.pg.url, infra.temporal.address, **SETTINGS, **extra_env)
+        self.relays: dict[str, dict[str, PartitionableRelay]] = {}
+
+    def start(self, nodes=NODES, gpus: int = 2) -> "FaultFleet":
+        self.cp.start()
+        for n in nodes:
+            api = PartitionableRelay(self.cp.ports["node_api"], f"{n}-node-api")
+            tq = PartitionableRelay(self.infra.temporal.port, f"{n}-temporal")
+            self.relays[n] = {"api": api, "temporal": tq}
+            self.cp.agent(n, simulate=sim_spec(gpus=gpus), LLMGW_NODE_API_URL=f"https://127.0.0.1:{api.port}",
+                          LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{tq.port}")
+        self.cp.wait_nodes(*nodes, timeout_s=60)
+        return self
+
+    def close(self) -> None:
+        try:
+            self.cp.stop()
+        finally:
+            for r in self.relays.values():
+                for relay in r.values():
+                    relay.close()
+
+    # ---- faults ----------------------------------------------------------------------------------
+    def partition(self, node: str) -> None:
+        """Cut `node` off from the control plane: its heartbeats and its pollers both stop arriving."""
+        for relay in self.relays[node].values():
+            relay.block()
+
+    def heal(self, node: str) -> None:
+        for relay in self.relays[node].values():
+            relay.heal()
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in reversed(self.cp.procs) if p.name == name and p.alive())
+
+    def freeze(self, name: str) -> Proc:
+        p = self.proc(name)
+        p.proc.send_signal(signal.SIGSTOP)
+        return p
+
+    @staticmethod
+    def thaw(p: Proc) -> None:
+        p.proc.send_signal(signal.SIGCONT)
+
+    def restart_worker(self, **env: str) -> Proc:
+        for p in self.cp.procs:
+            if p.name == "worker" and p.alive():
+                p.stop()
+        return self.cp.spawn("worker", "worker", env=env)
+
+    # ---- looking -----------------------------------------------------------------------------------
+    def replicas(self, model: str | None = None) -> list[dict]:
+        return [r for r in self.cp.replicas() if model is None or r["model"] == model]
+
+    def serving(self) -> dict[str, tuple[str, str, int]]:
+        """model -> (replica id, node, engine pid) for every Ready replica, pids from the nodes' spec files."""
+        out = {}
+        for r in self.cp.replicas(all=False):
+            if r["status"] == "ready":
+                out[r["model"]] = (r["id"], r["node_id"], self.cp.shard_pid(r["node_id"], f"{r['id']}-r0"))
+        return out
+
+    def nodes(self) -> dict[str, dict]:
+        return {n["id"]: n for n in httpx.get(self.cp.admin + "/admin/v1/nodes", timeout=10).json()}
+
+    def launches(self, replica_id: str) -> int:
+        """How many times any agent launched a shard of `replica_id` (its log line per launch)."""
+        return sum(p.log().count(f"launched shard {replica_id}-r") for p in self.cp.procs if p.name.startswith("agent"))
+
+    def steady(self, models: list[str], timeout_s: float = 90) -> dict[str, tuple[str, str, int]]:
+        """Wait until every model has exactly one Ready replica that answers, every node is ready and
+        nothing is starting or stopping; return `serving()`."""
+        def converged():
+            reps = self.cp.replicas(all=False)
+            if any(r["status"] != "ready" for r in reps):
+                return None
+            if sorted(r["model"] for r in reps) != sorted(models):
+                return None
+            if any(n["status"] != "ready" for n in self.nodes().values()):
+                return None
+            for m in models:
+                try:
+                    if httpx.post(self.cp.gateway + "/v1/chat/completions", timeout=10, json={
+                            "model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code != 200:
+                        return None
+                except httpx.HTTPError:
+                    return None
+            return self.serving()
+        return wait_until(converged, timeout_s=timeout_s, interval_s=0.5, what=f"a converged fleet serving {models}",
+                          why=lambda: f"replicas {self.cp.replicas()}\nnodes {self.nodes()}\n{self.cp.logs()}")
+
+    @contextmanager
+    def traffic(self, models: list[str]):
+        t = Traffic(self.cp.gateway, models)
+        threads = [threading.Thread(target=t._run, args=(m,), daemon=True) for m in models]
+        for th in threads:
+            th.start()
+        try:
+            yield t
+        finally:
+            t.done.set()
+            for th in threads:
+                th.join(15)

@@ -24,7 +24,7 @@ from temporalio.client import Client
 from llmgw.workflows.queues import node_queue
 
 CONCURRENCY = 16
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0  # for all nodes together: the snapshot activity must stay well inside its own timeout
 
 
 async def poll_ages(client: Client, node_ids: list[str]) -> tuple[dict[str, float], str | None]:
@@ -34,14 +34,14 @@ async def poll_ages(client: Client, node_ids: list[str]) -> tuple[dict[str, floa
 
     async def one(node_id: str) -> float | None:
         async with sem:
-            resp = await asyncio.wait_for(client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+            resp = await client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
                 namespace=client.namespace, task_queue=TaskQueue(name=node_queue(node_id)),
-                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)), TIMEOUT_S)
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY))
         seen = [p.last_access_time.ToNanoseconds() / 1e9 for p in resp.pollers if p.HasField("last_access_time")]
         return max(0.0, time.time() - max(seen)) if seen else None
 
     try:
-        ages = await asyncio.gather(*[one(n) for n in node_ids])
+        ages = await asyncio.wait_for(asyncio.gather(*[one(n) for n in node_ids]), TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - RPCError, timeout: the witness is unreadable this pass, and says so
         return {}, f"{type(exc).__name__}: {exc}"[:300]
     return {n: a for n, a in zip(node_ids, ages) if a is not None}, None

@@ -4,8 +4,10 @@ from datetime import timedelta
 
 from temporalio.common import RetryPolicy
 
+# A control activity is one short transaction (or a few RPCs): one that has not finished in 10 s is retried,
+# and a worker that died after its commit is noticed that soon (the retry returns the stored result).
 CONTROL = dict(
-    start_to_close_timeout=timedelta(seconds=30),
+    start_to_close_timeout=timedelta(seconds=10),
     retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)),
 )
 # A node that never picks up its work is down: give up on it rather than wait forever.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
@@ -206,9 +206,11 @@ class ReplicaStartWorkflow:
             raise ApplicationError(f"replica {rid} became {exc.status} before {exc.before}; nothing more was launched",
                                    non_retryable=True) from None
         except (ActivityError, asyncio.CancelledError) as exc:
-            reason = failure_text(exc) if isinstance(exc, ActivityError) else "start was cancelled"
+            # Cancelled (a stop cancels the start): its activities may report the cancellation as theirs.
+            cancelled = isinstance(exc, asyncio.CancelledError) or (fenced and is_cancelled_exception(exc))
+            reason = "start was cancelled" if cancelled else failure_text(exc)
             await self._fail(inp, reason)
-            if isinstance(exc, asyncio.CancelledError):
+            if cancelled:
                 raise
             raise ApplicationError(f"replica {rid} failed to start: {reason}", non_retryable=True) from None
 

@@ -1,0 +1,137 @@
+"""Faults while a replica starts (issue 9): the control worker dies between a commit and its completion, a
+stop is decided while the replica fetches its weights, Temporal stops in the middle of a download. Real
+server, worker, Postgres, Temporal, two simulated nodes, sim engines, a weights server whose downloads the
+test holds, and traffic to a model that is already serving (it must not notice anything)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError
+
+from tests.faults.conftest import FaultFleet, sim_model
+from tests.faults.slow_source import SlowSource
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+STEADY = sim_model("steady", priority=10)
+
+
+@pytest.fixture(scope="module")
+def source():
+    s = SlowSource()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(infra, tmp_path_factory):
+    f = FaultFleet(tmp_path_factory.mktemp("start"), infra).start()
+    try:
+        assert f.cp.apply({"models": [STEADY]}).status_code == 200
+        f.steady(["steady"])
+        yield f
+    finally:
+        f.close()
+
+
+def start_status(fleet: FaultFleet, replica_id: str) -> WorkflowExecutionStatus | None:
+    """The status of the replica's start workflow in Temporal (None when Temporal does not answer)."""
+    async def ask():
+        client = await Client.connect(fleet.infra.temporal.address)
+        return (await client.get_workflow_handle(f"replica/{replica_id}/start").describe()).status
+    try:
+        return asyncio.run(ask())
+    except (RPCError, RuntimeError):
+        return None
+
+
+def closed(fleet: FaultFleet, replica_id: str) -> bool:
+    return start_status(fleet, replica_id) not in (None, WorkflowExecutionStatus.RUNNING)
+
+
+def only_replica(fleet: FaultFleet, model: str, status: str | None = None, timeout_s: float = 60) -> dict:
+    def one():
+        reps = fleet.replicas(model)
+        return reps[0] if len(reps) == 1 and (status is None or reps[0]["status"] == status) else None
+    return wait_until(one, timeout_s=timeout_s, what=f"one {status or ''} replica of {model}",
+                      why=lambda: f"{fleet.replicas(model)}\n{fleet.cp.logs()}")
+
+
+def test_worker_killed_between_commit_and_completion_the_replica_ends_ready_once(fleet, tmp_path):
+    """The control worker is SIGKILLed right after `mark_replica(ready)` committed, before Temporal heard
+    it completed (a test hook, once). The restarted worker retries the activity, which returns the stored
+    result: the replica stays Ready with the engine it has, nothing is stopped, nothing placed again."""
+    marker = tmp_path / "crashed-after-commit"
+    hooked = fleet.restart_worker(LLMGW_TEST_CRASH_AFTER_COMMIT="mark_replica:ready", LLMGW_TEST_CRASH_MARKER=str(marker))
+    with fleet.traffic(["steady"]) as t:
+        assert fleet.cp.apply({"models": [STEADY, sim_model("gamma")]}).status_code == 200
+        wait_until(lambda: marker.exists() and not hooked.alive(), timeout_s=90, what="the worker killed after the commit",
+                   why=fleet.cp.logs)
+        rep = only_replica(fleet, "gamma", "ready")  # committed before the kill
+        pid = fleet.cp.shard_pid(rep["node_id"], f"{rep['id']}-r0")
+        fleet.restart_worker()
+        wait_until(lambda: start_status(fleet, rep["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=90,
+                   what="the start workflow completed after the retry", why=fleet.cp.logs)
+        fleet.steady(["steady", "gamma"])
+    worker_log = "\n".join(p.log() for p in fleet.cp.procs if p.name == "worker")
+    assert "mark_replica retried after it committed" in worker_log
+    assert only_replica(fleet, "gamma", "ready")["id"] == rep["id"]
+    assert fleet.cp.shard_pid(rep["node_id"], f"{rep['id']}-r0") == pid and psutil.pid_exists(pid)
+    assert fleet.launches(rep["id"]) == 1
+    assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
+
+
+def test_stop_decided_while_fetching_no_engine_ever_starts(fleet, source):
+    """A replica is stopped (its model leaves the catalog) while it fetches its weights. The stop marks it,
+    cancels its start and waits for it; no engine is ever launched for it, not even once the download could
+    have finished; its node holds the fence."""
+    source.hold()
+    delta = sim_model("delta", source=source.url("delta.bin"))
+    assert fleet.cp.apply({"models": [STEADY, delta]}).status_code == 200
+    rep = only_replica(fleet, "delta", "starting")
+    assert source.served_head.wait(60), "the download never started"
+    assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
+    wait_until(lambda: fleet.replicas("delta")[0]["status"] == "stopped", timeout_s=60, what="delta stopped",
+               why=fleet.cp.logs)
+    source.release()  # a fetch still going would complete now, and a launch would follow
+    wait_until(lambda: closed(fleet, rep["id"]), timeout_s=60, what="delta's start closed", why=fleet.cp.logs)
+    time.sleep(3)
+    assert fleet.launches(rep["id"]) == 0
+    # Cancelled by the stop while it fetched (not failed by a refused launch: the node's fence is the
+    # second line of defence, tests/test_fences.py).
+    assert start_status(fleet, rep["id"]) == WorkflowExecutionStatus.CANCELED
+    node = rep["shards"][0]["node_id"]
+    assert not (fleet.cp.state / "shards" / node / f"{rep['id']}-r0.json").exists()
+    assert (fleet.cp.state / "shards" / node / "fences" / rep["id"]).exists()
+    fleet.steady(["steady"])
+
+
+def test_temporal_stopped_mid_download_resumes_and_launches_once(fleet, source):
+    """Temporal is stopped while a replica downloads its weights, then started again. Serving never needed
+    it (zero failed requests); the download carries on where it was, and the replica is launched once."""
+    source.hold()
+    eps_url = source.url("epsilon.bin")
+    with fleet.traffic(["steady"]) as t:
+        assert fleet.cp.apply({"models": [STEADY, sim_model("epsilon", source=eps_url)]}).status_code == 200
+        rep = only_replica(fleet, "epsilon", "starting")
+        assert source.served_head.wait(60), "the download never started"
+        fleet.infra.stop_temporal()
+        try:
+            time.sleep(8)
+        finally:
+            fleet.infra.start_temporal()
+        source.release()
+        fleet.steady(["steady", "epsilon"], timeout_s=120)
+    assert only_replica(fleet, "epsilon", "ready")["id"] == rep["id"]
+    assert fleet.launches(rep["id"]) == 1
+    asked = [rng for path, rng in source.requests if path == "/epsilon.bin"]
+    assert asked[0] is None and all(r is not None for r in asked[1:]), asked  # never started over
+    assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")

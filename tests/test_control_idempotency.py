@@ -1,0 +1,65 @@
+"""Control activities give the same answer when retried after their transaction committed (issue 9, item 4):
+each is run as Temporal runs it (`ActivityEnvironment`), against a real Postgres, twice with the same
+workflow run and activity id, as a retry after a lost completion would be. The retry through the real
+worker, killed after the commit, is tests/faults/test_start_faults.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from sqlalchemy import select
+from temporalio.testing import ActivityEnvironment
+
+from llmgw.activities.control import ControlActivities
+from llmgw.db import catalog_repo
+from llmgw.db.engine import async_engine
+from llmgw.db.tables import replicas
+from llmgw.schemas.payloads import MarkReplicaInput, RecordPlacementInput, SettleReplicaInput, ShardPlacement
+
+pytestmark = pytest.mark.integration
+
+
+def attempt(activity_id: str, n: int, run: str = "run-1") -> ActivityEnvironment:
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, workflow_run_id=run, activity_id=activity_id, attempt=n)
+    return env
+
+
+async def test_retried_state_changes_answer_the_same_and_act_once(database_url):
+    engine = async_engine(database_url)
+    acts = ControlActivities(engine, 15, 300)
+    try:
+        place = RecordPlacementInput(replica_id="r1", model="m", profile="default", shards=[ShardPlacement(node_id="n1")])
+        for n in (1, 2):
+            await attempt("1", n).run(acts.record_placement, place)
+
+        ready = MarkReplicaInput(replica_id="r1", status="ready", endpoint="http://127.0.0.1:1")
+        first = await attempt("2", 1).run(acts.mark_replica, ready)
+        retried = await attempt("2", 2).run(acts.mark_replica, ready)
+        assert first.applied and retried == first  # before: the retry answered "not applied"
+        # The same call as a new activity (another id) is a new question, and gets the honest answer.
+        assert not (await attempt("3", 1).run(acts.mark_replica, ready)).applied
+
+        draining = MarkReplicaInput(replica_id="r1", status="draining")
+        a = await attempt("4", 1).run(acts.mark_replica, draining)
+        b = await attempt("4", 2).run(acts.mark_replica, draining)
+        assert a.applied and b == a
+        failed = MarkReplicaInput(replica_id="r1", status="failed", failure="engine died")
+        f1 = await attempt("5", 1).run(acts.mark_replica, failed)
+        assert (await attempt("5", 3).run(acts.mark_replica, failed)) == f1
+        async with engine.connect() as conn:  # one bump per step towards stopping, not per attempt
+            assert (await conn.execute(select(replicas.c.generation).where(replicas.c.id == "r1"))).scalar_one() == 3
+
+        settle = SettleReplicaInput(replica_id="r1", reason="failed to start")
+        s1 = await attempt("6", 1).run(acts.settle_replica, settle)
+        s2 = await attempt("6", 2).run(acts.settle_replica, settle)
+        assert s1.applied and s2 == s1  # so the failure is counted by this workflow, once
+
+        for n in (1, 2, 3):
+            await attempt("7", n).run(acts.record_replica_failure, "m")
+        async with engine.connect() as conn:
+            [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "m"]
+        assert state.failures == 1
+    finally:
+        await engine.dispose()

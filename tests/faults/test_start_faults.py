@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import psutil
+import psycopg
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
@@ -135,3 +136,28 @@ def test_temporal_stopped_mid_download_resumes_and_launches_once(fleet, source):
     asked = [rng for path, rng in source.requests if path == "/epsilon.bin"]
     assert asked[0] is None and all(r is not None for r in asked[1:]), asked  # never started over
     assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
+
+
+def test_a_start_past_its_budget_is_failed_by_the_planner(fleet, source):
+    """A start that cannot finish (its download is held) outlives its profile's `start_timeout`: the planner
+    fails the replica, which cancels the start workflow, stops what it had and frees its GPUs; the failure
+    counts against the model's backoff. Nothing was ever launched."""
+    source.hold()
+    zeta = sim_model("zeta", source=source.url("zeta.bin"), start_timeout="4s")
+    try:
+        assert fleet.cp.apply({"models": [STEADY, zeta]}).status_code == 200
+        rep = only_replica(fleet, "zeta", "starting")
+        wait_until(lambda: next(r for r in fleet.replicas("zeta") if r["id"] == rep["id"])["status"] == "failed",
+                   timeout_s=60, what="zeta failed by the planner", why=fleet.cp.logs)
+        failed = next(r for r in fleet.replicas("zeta") if r["id"] == rep["id"])
+        assert "longer than its start budget of 4s" in failed["failure"], failed
+        wait_until(lambda: closed(fleet, rep["id"]), timeout_s=60, what="zeta's start closed", why=fleet.cp.logs)
+        assert start_status(fleet, rep["id"]) == WorkflowExecutionStatus.CANCELED
+        assert fleet.launches(rep["id"]) == 0
+        with psycopg.connect(fleet.infra.pg.url) as conn:
+            [(failures,)] = conn.execute("SELECT failures FROM model_state WHERE name = 'zeta'").fetchall()
+        assert failures >= 1
+    finally:
+        assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
+        source.release()
+    fleet.steady(["steady"])

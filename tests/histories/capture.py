@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -94,3 +95,43 @@ def test_evict_for_a_higher_priority_model(control_plane, temporal, namespace):
     cp.wait_replicas("high", timeout_s=90)
     cp.wait_replicas("low", "stopped", timeout_s=30)
     assert len(export(temporal, namespace, "evict")) >= 4
+
+
+def test_fenced_starts_and_stops(control_plane, temporal, namespace):
+    """Issue 9's paths (tests/histories/v2-faults): starts that check they are still wanted and carry the
+    fencing generation; a failed start; a stop decided while the replica fetches (the start is cancelled and
+    waited for); a start failed by the planner past its start_timeout; a drain and stop of a Ready replica."""
+    from tests.faults.slow_source import SlowSource
+
+    source = SlowSource()
+    try:
+        cp = control_plane.start()
+        cp.agent("node-a", simulate=sim_spec(gpus=4))
+        cp.wait_nodes("node-a")
+
+        def sim(name: str, **profile) -> dict:
+            return {"name": name, "scaling": {"min": 1, "max": 1},
+                    "profiles": [{"engine": "sim", "gpus_per_node": 1, "args": ["--tokens-per-second", "0"], **profile}]}
+        plain = sim("plain")
+        assert cp.apply({"models": [plain]}).status_code == 200
+        cp.wait_replicas("plain", timeout_s=60)
+        broken = sim("broken", args=["--startup-delay", "not-a-number"])
+        assert cp.apply({"models": [plain, broken]}).status_code == 200
+        cp.wait_replicas("broken", "failed", timeout_s=60)
+        slow = sim("slow", source=source.url("slow.bin"))
+        assert cp.apply({"models": [plain, slow]}).status_code == 200
+        cp.wait_replicas("slow", "starting", timeout_s=60)
+        assert source.served_head.wait(60)
+        assert cp.apply({"models": [plain]}).status_code == 200
+        cp.wait_replicas("slow", "stopped", timeout_s=60)
+        late = sim("late", source=source.url("late.bin"), start_timeout="3s")
+        assert cp.apply({"models": [plain, late]}).status_code == 200
+        cp.wait_replicas("late", "failed", timeout_s=60)
+        assert cp.apply({"models": []}).status_code == 200
+        cp.wait_replicas("plain", "stopped", timeout_s=60)
+        wait_until(lambda: all(r["status"] in ("stopped", "failed") for r in cp.replicas()), timeout_s=60,
+                   what="every replica ended")
+        time.sleep(3)  # the last stops settle and their workflows close
+    finally:
+        source.close()
+    assert len(export(temporal, namespace, "fenced")) >= 6

@@ -124,6 +124,8 @@ def test_every_node_partitioned_the_observer_is_doubted(fleet):
         assert "2 of 2 nodes are silent together" in explained and "nothing is torn down" in explained, explained
         shown = fleet.cp.ctl("nodes").stdout
         assert "not declared lost" in shown, shown
+        listed = fleet.cp.ctl("replicas").stdout
+        assert "node node-a unreachable: not routed to" in listed and "node node-b unreachable" in listed, listed
     finally:
         for n in NODES:
             fleet.heal(n)

@@ -3,7 +3,8 @@ Temporal (which these tests stop and start, so never the session's shared ones),
 (`llmgw agent --simulate`), each talking to the node API and to Temporal through a relay the test can
 partition, sim engines, and steady client traffic. Timeouts are scaled down by settings, never slept out.
 
-A module shares one fleet between its cases where that stays honest: each case starts from a converged
+The suite shares one Postgres and one Temporal (cases that stop them start them again), and a module
+shares one fleet between its cases where that stays honest: each case starts from a converged
 fleet (`FaultFleet.steady()`), records the engines' pids and replicas, injects one fault, and checks
 afterwards against what it recorded.
 """
@@ -31,7 +32,7 @@ from tests.fleet import sim_spec
 from tests.helpers import ControlPlane, Proc, wait_until
 
 UNREACHABLE_S = 4.0
-LOST_S = 10.0
+LOST_S = 8.0
 LONG_POLL_S = 2
 SETTINGS = {
     "LLMGW_NODE_UNREACHABLE_AFTER_S": str(UNREACHABLE_S), "LLMGW_NODE_LOST_AFTER_S": str(LOST_S),
@@ -67,7 +68,7 @@ class Infra:
         self.temporal.start()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def infra():
     # Not under pytest's tmp tree (see tests/conftest.py: PostgreSQL may run as another user).
     root = Path(tempfile.mkdtemp(prefix="llmgw-faults-"))

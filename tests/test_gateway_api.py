@@ -280,7 +280,7 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
 
     from llmgw.db import fleet_repo
     from llmgw.db.engine import async_engine
-    from llmgw.db.tables import nodes
+    from llmgw.db.tables import nodes, observers
     from llmgw.schemas.inventory import Inventory
     from llmgw.schemas.payloads import ShardPlacement
 
@@ -315,8 +315,11 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
             await fleet_repo.mark_replica(conn, "r3", "ready", endpoint=engines.url("echo"))
         await eventually(True)
         async with engine.begin() as conn:  # the node goes silent: Unreachable
-            await conn.execute(update(nodes).where(nodes.c.id == "n1")
-                               .values(last_heartbeat=func.now() - func.make_interval(0, 0, 0, 0, 0, 10)))
+            ten_minutes_ago = func.now() - func.make_interval(0, 0, 0, 0, 0, 10)
+            await conn.execute(update(nodes).where(nodes.c.id == "n1").values(last_heartbeat=ten_minutes_ago))
+            # ... while the node API has been there to hear it all along (its run of ticks began before), and
+            # its worker was never seen polling: both witnesses silent.
+            await conn.execute(update(observers).values(started_at=ten_minutes_ago))
         await eventually(False)
     finally:
         await engine.dispose()

@@ -1,6 +1,7 @@
 """The node checks engine policy again before launching, whatever sent the profile (seeds 003): a start
 workflow carrying LD_PRELOAD or --trust-remote-code, which the catalog would have refused, fails on the
-node with the reason, and no engine process is started."""
+node with the reason, and no engine process is started. (The replica is recorded as placed first: a start
+for a replica the database does not have as `starting` launches nothing at all.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from llmgw.db import fleet_repo
+from llmgw.db.engine import async_engine
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import ReplicaStartInput, ShardPlacement
 from llmgw.workflows.queues import CONTROL_QUEUE
@@ -28,6 +31,12 @@ def test_node_refuses_a_profile_the_catalog_would_have_refused(control_plane, te
     wait_until(lambda: "registered node n1" in agent.log(), timeout_s=30, what="agent registered")
 
     async def start():
+        engine = async_engine(cp.env["LLMGW_DATABASE_URL"])
+        try:
+            async with engine.begin() as conn:
+                await fleet_repo.create_replica(conn, "evil", "m", "default", [ShardPlacement(node_id="n1")])
+        finally:
+            await engine.dispose()
         client = await Client.connect(temporal.address, namespace=namespace, data_converter=pydantic_data_converter)
         return await client.execute_workflow(
             "ReplicaStartWorkflow",

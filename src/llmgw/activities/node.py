@@ -4,8 +4,9 @@ Each is idempotent on the shard id the workflow gives it: a retried `launch_shar
 already started (or adopted after a worker restart) instead of starting a second engine.
 
 Fencing (workers/fences.py): `stop_shard` records the replica's fence on disk before it stops anything;
-`fetch_weights` and `launch_shard` refuse a replica fenced at a later generation than theirs, so a replica
-this node was told to stop never launches here.
+`fetch_weights`, `open_rendezvous` and `launch_shard` (every command that fetches, opens or starts
+something) refuse a replica fenced at a later generation than theirs, so a replica this node was told to
+stop never launches here. Waiting, draining and stopping start nothing and carry no generation.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class NodeActivities:
     @activity.defn(name="open_rendezvous")
     async def open_rendezvous(self, inp: OpenRendezvousInput) -> Rendezvous:
         """Choose, on rank 0's node, where the shards of a multi-node replica meet (the engine decides how)."""
+        self._check_fence(inp.replica_id, inp.generation, "open a rendezvous")
         try:
             adapter = self.agent.engines.get(inp.engine)
         except EngineError as exc:

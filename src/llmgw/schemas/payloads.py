@@ -262,6 +262,7 @@ class OpenRendezvousInput(_Strict):
     replica_id: str
     engine: str
     world_size: int
+    generation: int = 0  # fencing, as for a launch
 
 
 class LaunchShardInput(_Strict):

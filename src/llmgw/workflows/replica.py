@@ -172,7 +172,8 @@ class ReplicaStartWorkflow:
                 self._phase = "opening the rendezvous on rank 0's node"
                 rdv = await workflow.execute_activity(
                     "open_rendezvous",
-                    OpenRendezvousInput(replica_id=rid, engine=inp.profile.engine, world_size=len(inp.shards)),
+                    OpenRendezvousInput(replica_id=rid, engine=inp.profile.engine, world_size=len(inp.shards),
+                                        generation=gen),
                     result_type=Rendezvous, task_queue=node_queue(rank0.node_id), **options.NODE_QUICK,
                 )
                 if fenced:

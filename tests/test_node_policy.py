@@ -1,7 +1,8 @@
 """The node checks engine policy again before launching, whatever sent the profile (seeds 003): a start
 workflow carrying LD_PRELOAD or --trust-remote-code, which the catalog would have refused, fails on the
-node with the reason, and no engine process is started. (The replica is recorded as placed first: a start
-for a replica the database does not have as `starting` launches nothing at all.)"""
+node with the reason, and no engine process is started. (The replica is recorded as placed first, as a
+replica of a model the catalog wants and no node can take, so the reconciler keeps it rather than stopping
+it: a start for a replica the database does not have as `starting` launches nothing at all.)"""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ pytestmark = pytest.mark.integration
 ])
 def test_node_refuses_a_profile_the_catalog_would_have_refused(control_plane, temporal, namespace, profile):
     cp = control_plane.start()
-    agent = cp.agent("n1")
+    agent = cp.agent("n1")  # no GPUs: the catalog's own profile for m needs one, so nothing else is placed
     wait_until(lambda: "registered node n1" in agent.log(), timeout_s=30, what="agent registered")
+    wanted = {"name": "m", "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "sim", "gpus_per_node": 1}]}
+    assert cp.apply({"models": [wanted]}).status_code == 200
 
     async def start():
         engine = async_engine(cp.env["LLMGW_DATABASE_URL"])

@@ -318,8 +318,12 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
             ten_minutes_ago = func.now() - func.make_interval(0, 0, 0, 0, 0, 10)
             await conn.execute(update(nodes).where(nodes.c.id == "n1").values(last_heartbeat=ten_minutes_ago))
             # ... while the node API has been there to hear it all along (its run of ticks began before), and
-            # its worker was never seen polling: both witnesses silent.
+            # its worker was never seen polling while the control worker was reading the pollers (this
+            # module runs no control worker: the test ticks for it): both witnesses silent.
             await conn.execute(update(observers).values(started_at=ten_minutes_ago))
+            await fleet_repo.observer_tick(conn, fleet_repo.POLLERS, 15)
+            await conn.execute(update(observers).where(observers.c.id == fleet_repo.POLLERS)
+                               .values(started_at=ten_minutes_ago))
         await eventually(False)
     finally:
         await engine.dispose()

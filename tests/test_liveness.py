@@ -15,8 +15,8 @@ from tests.fleet import NOW, model, node, replica, snapshot
 UNREACHABLE, LOST, GRACE = 15.0, 300.0, 60.0
 
 
-def status(hb: float | None, poll: float | None, observer: float | None = 10_000, readable: bool = True) -> str:
-    return witness_status(hb, poll, observer, readable, UNREACHABLE, LOST, GRACE).status
+def status(hb: float | None, poll: float | None, observer: float | None = 10_000, pollers: float | None = 10_000) -> str:
+    return witness_status(hb, poll, observer, pollers, UNREACHABLE, LOST, GRACE).status
 
 
 def test_a_node_is_silent_only_when_both_witnesses_are():
@@ -36,14 +36,17 @@ def test_a_witness_that_cannot_see_says_nothing():
     # The node API has not been receiving (frozen server, Postgres down): heartbeats say nothing.
     assert status(hb=1000, poll=1000, observer=None) == "ready"
     # It has been receiving again for 20 s: heartbeats count as silent for 20 s, not 1000.
-    live = witness_status(1000, 1000, 20, True, UNREACHABLE, LOST, GRACE)
+    live = witness_status(1000, 1000, 20, 10_000, UNREACHABLE, LOST, GRACE)
     assert live.status == "unreachable" and live.heartbeat_silent_s == 20
-    # Pollers unreadable this pass.
-    assert status(hb=1000, poll=1000, readable=False) == "ready"
+    # Pollers unreadable this pass, or not read for a while (the control worker or Postgres was away).
+    assert status(hb=1000, poll=1000, pollers=None) == "ready"
+    # Read again for 20 s: they count as silent for 20 s at most.
+    assert witness_status(1000, 1000, 10_000, 20, UNREACHABLE, LOST, GRACE).poller_silent_s == 20
 
 
 def facts(**kw) -> LivenessFacts:
-    return LivenessFacts(observer_since=NOW - timedelta(hours=1), poller_grace_s=GRACE, **kw)
+    return LivenessFacts(observer_since=NOW - timedelta(hours=1), pollers_since=NOW - timedelta(hours=1),
+                         poller_grace_s=GRACE, **kw)
 
 
 def polled(n, age_s: float):
@@ -70,6 +73,19 @@ def test_a_blind_observer_declares_nothing_lost_and_says_why():
     assert held.kind == "keep"
     assert "2 of 2 nodes are silent together" in held.reason and "nothing is torn down" in held.reason
     assert any("observer is the likelier fault" in line for line in plan.explanations()["m"])
+
+
+def test_after_a_doubt_every_node_gets_lost_after_s_afresh():
+    # Both nodes were cut off; node b came back first. a has been silent far past lost_after_s, but the
+    # observer was in doubt 5 s ago: a is not lost for being the last to come back.
+    reps = [replica("r1", "m", [("a", [0])])]
+    plan = plan_pass(fleet_snapshot(["a"], ["b"], reps, doubted_at=NOW - timedelta(seconds=5)))
+    assert plan.node_status["a"] == "unreachable" and not plan.of_kind("lost")
+    [held] = [d for d in plan.decisions if d.replica_id == "r1"]
+    assert "the observer was in doubt 5s ago" in held.reason
+    # lost_after_s after the doubt, it is.
+    plan = plan_pass(fleet_snapshot(["a"], ["b"], reps, doubted_at=NOW - timedelta(seconds=LOST)))
+    assert [d.replica_id for d in plan.of_kind("lost")] == ["r1"]
 
 
 def test_the_share_is_configurable_and_strictly_more_than():
@@ -125,4 +141,4 @@ def test_snapshots_recorded_before_liveness_are_judged_by_heartbeats_alone():
     assert s.liveness is None
     plan = plan_pass(s)
     assert plan.node_status == {"a": "lost", "b": "lost"} and plan.of_kind("lost")
-    assert math.isfinite(witness_status(1, 1, 1, True, 1, 2, 0).heartbeat_silent_s or 0)
+    assert math.isfinite(witness_status(1, 1, 1, 1, 1, 2, 0).heartbeat_silent_s or 0)

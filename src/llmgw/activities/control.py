@@ -21,6 +21,7 @@ from llmgw.activities.idempotent import CrashHook, once
 from llmgw.activities.liveness import poll_ages
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo
+from llmgw.placement.liveness import fleet_liveness
 from llmgw.placement.plan import backoff_delay
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
@@ -64,16 +65,20 @@ class ControlActivities:
         async with self.engine.begin() as conn:
             now = await fleet_repo.db_now(conn)
             await fleet_repo.set_polled(conn, {n: now - timedelta(seconds=a) for n, a in ages.items()})
+            if pollers_error is None:  # the poller witness was read now: its run of sight goes on (or starts)
+                await fleet_repo.observer_tick(conn, fleet_repo.POLLERS, self.unreachable_after_s)
             catalog = await catalog_repo.get_catalog(conn)
             states = await catalog_repo.model_states(conn)
             nodes = await fleet_repo.list_nodes(conn)
             reps = await fleet_repo.active_replicas_with_shards(conn)
             liveness = LivenessFacts(
                 observer_since=await fleet_repo.observer_since(conn, self.unreachable_after_s),
-                pollers_error=pollers_error, poller_grace_s=s.poller_grace_s, silent_share=s.silent_share,
+                pollers_error=pollers_error,
+                pollers_since=await fleet_repo.observer_since(conn, self.unreachable_after_s, fleet_repo.POLLERS),
+                doubted_at=await fleet_repo.observer_seen(conn, fleet_repo.DOUBT), poller_grace_s=s.poller_grace_s, silent_share=s.silent_share,
                 lost_teardown_limit=s.lost_teardown_limit, lost_teardown_window_s=s.lost_teardown_window_s,
                 recent_lost=await fleet_repo.recent_lost(conn, s.lost_teardown_window_s))
-        return Snapshot(
+        snapshot = Snapshot(
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
             liveness=liveness, start_budget_s=s.start_budget_s,
             models=catalog.models, model_states=states,
@@ -86,6 +91,12 @@ class ControlActivities:
                 for r, shards in reps
             ],
         )
+        if fleet_liveness(snapshot).blind:
+            # Remembered for the passes after the doubt ends (LivenessFacts.doubted_at).
+            async with self.engine.begin() as conn:
+                await fleet_repo.observer_tick(conn, fleet_repo.DOUBT, self.lost_after_s)
+                snapshot.liveness.doubted_at = await fleet_repo.observer_seen(conn, fleet_repo.DOUBT)  # type: ignore[union-attr]
+        return snapshot
 
     @activity.defn(name="record_placement")
     async def record_placement(self, inp: RecordPlacementInput) -> None:

@@ -93,19 +93,30 @@ async def observer_tick(conn: AsyncConnection, observer_id: str, gap_s: float) -
         "started_at": case((observers.c.seen_at < func.now() - gap, func.now()), else_=observers.c.started_at),
         "seen_at": func.now(),
     }))
-    await conn.execute(delete(observers).where(observers.c.seen_at < func.now() - timedelta(days=1)))
+    await conn.execute(delete(observers).where(and_(observers.c.seen_at < func.now() - timedelta(days=1),
+                                                    observers.c.id != DOUBT)))
 
 
-async def observer_since(conn: AsyncConnection, fresh_s: float) -> datetime | None:
-    """Since when the node API has been continuously receiving: the earliest start among node-API
-    processes that ticked within `fresh_s`. None when none did (the control plane cannot hear nodes)."""
-    return (await conn.execute(select(func.min(observers.c.started_at)).where(
-        observers.c.seen_at >= func.now() - timedelta(seconds=fresh_s)))).scalar_one_or_none()
+NODE_API = "node-api/"  # observer ids of node-API processes: node-api/<process>
+POLLERS = "pollers"  # the observer id ticked when the control worker has read the pollers on node queues
+DOUBT = "doubt"  # ticked by every snapshot that finds the observer doubtful (placement/liveness.py)
 
 
-async def observer_age_s(conn: AsyncConnection, fresh_s: float) -> float | None:
-    """Seconds since `observer_since` (None when the node API is not receiving now)."""
-    since = await observer_since(conn, fresh_s)
+async def observer_since(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> datetime | None:
+    """Since when a witness has been continuously observed: the earliest start among observers of `kind`
+    (id prefix) that ticked within `fresh_s`. None when none did (that witness cannot see now)."""
+    return (await conn.execute(select(func.min(observers.c.started_at)).where(and_(
+        observers.c.id.startswith(kind), observers.c.seen_at >= func.now() - timedelta(seconds=fresh_s))))).scalar_one_or_none()
+
+
+async def observer_seen(conn: AsyncConnection, observer_id: str) -> datetime | None:
+    """When observer `observer_id` last ticked, however long ago (None: never)."""
+    return (await conn.execute(select(observers.c.seen_at).where(observers.c.id == observer_id))).scalar_one_or_none()
+
+
+async def observer_age_s(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> float | None:
+    """Seconds since `observer_since` (None when that witness cannot see now)."""
+    since = await observer_since(conn, fresh_s, kind)
     if since is None:
         return None
     return max(0.0, (await db_now(conn) - since).total_seconds())

@@ -37,7 +37,10 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         reps = await fleet_repo.active_replicas_with_shards(conn)
         snap = Snapshot(
             now=await fleet_repo.db_now(conn), unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s,
-            liveness=facts.model_copy(update={"observer_since": await fleet_repo.observer_since(conn, unreachable_after_s)}),
+            liveness=facts.model_copy(update={
+                "observer_since": await fleet_repo.observer_since(conn, unreachable_after_s),
+                "pollers_since": await fleet_repo.observer_since(conn, unreachable_after_s, fleet_repo.POLLERS),
+                "doubted_at": await fleet_repo.observer_seen(conn, fleet_repo.DOUBT)}),
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at) for n in rows],
             replicas=[ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
                                   shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"]) for s in shards])

@@ -61,7 +61,7 @@ class FleetService:
     def __init__(self, engine: AsyncEngine, temporal: LazyClient):
         self.engine = engine
         self.temporal = temporal
-        self.observer_id = f"node-api/{uuid.uuid4().hex[:12]}"
+        self.observer_id = f"{fleet_repo.NODE_API}{uuid.uuid4().hex[:12]}"
 
     async def observe_loop(self, interval_s: float, gap_s: float) -> None:
         """Tick this process's observer row every `interval_s` while it runs (placement/liveness.py): a

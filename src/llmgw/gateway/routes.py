@@ -4,7 +4,7 @@ Refreshed by the `ChangeFeed` (gateway/feed.py) when replicas or the catalog cha
 since a node going silent changes nothing in the tables. Only `ready` replicas are routed: Draining,
 Starting and ended ones get no new requests, nor do replicas on an Unreachable node: one whose heartbeats
 and pollers have both been silent for `unreachable_after_s` (placement/liveness.py; the pollers as the
-control worker last recorded them). A model whose Ready replicas are all on Unreachable nodes is named in
+control worker last recorded them, and only while it has been recording them). A model whose Ready replicas are all on Unreachable nodes is named in
 `unreachable`, so a client is told that rather than "loading". Static `endpoints` of a model are routed as
 they are. Aliases resolve to their model. Never read from Temporal.
 """
@@ -96,6 +96,7 @@ class RouteTable:
             catalog = await catalog_repo.get_catalog(conn)
             rows = await fleet_repo.routable_replicas(conn)
             observer_age = await fleet_repo.observer_age_s(conn, self.unreachable_after_s)
+            pollers_age = await fleet_repo.observer_age_s(conn, self.unreachable_after_s, fleet_repo.POLLERS)
         models: dict[str, ModelRoute] = {m.name: ModelRoute(m) for m in catalog.models}
         names: dict[str, str] = {}
         for m in catalog.models:
@@ -114,7 +115,7 @@ class RouteTable:
         for r in rows:
             if r.model not in models:
                 continue
-            live = witness_status(r.node_age_s, r.poll_age_s, observer_age, True, self.unreachable_after_s,
+            live = witness_status(r.node_age_s, r.poll_age_s, observer_age, pollers_age, self.unreachable_after_s,
                                   float("inf"), self.poller_grace_s)
             if live.status != "ready":
                 unreachable.setdefault(r.model, []).append(r.node_id)

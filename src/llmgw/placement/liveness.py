@@ -8,12 +8,16 @@ The rules, and where they come from:
   multi-node replica costs tens of minutes.
 - **A witness that cannot see is not a witness.** Heartbeats count as silent only from when the node API
   was last continuously receiving them (`observer_age_s`: its processes tick into Postgres; none ticking =
-  blind). An idle poller's last access is when its long poll began, so it may age by Temporal's long-poll
-  interval (`poller_grace_s`) without meaning anything. A witness that cannot be read says nothing, and a
-  node is never declared silent on one witness alone.
+  blind). Pollers likewise, from when the control worker was last continuously reading them
+  (`pollers_age_s`; after a Postgres or control-worker outage the recorded times are stale, not the
+  nodes). An idle poller's last access is when its long poll began, so it may age by Temporal's long-poll
+  interval (`poller_grace_s`) without meaning anything. A witness that cannot see says nothing, and a node
+  is never declared silent on one witness alone.
 - **A blind observer evicts nothing** (Kubernetes' node lifecycle controller): when more than
   `silent_share` of the nodes that matter are silent together, the observer is the likelier fault: no node
-  is declared Lost. Nodes that count: every node that answers, every silent one that holds a replica, and
+  is declared Lost, and once the doubt ends every node gets `lost_after_s` afresh (`doubted_at`), as
+  Kubernetes resets its timers when a zone leaves full disruption: nodes come back one by one, and the
+  last must not be lost for being last. Nodes that count: every node that answers, every silent one that holds a replica, and
   every empty silent one that went silent no more than `lost_after_s` before the longest-silent node that
   holds one (an empty node gone for days says nothing about today's silence).
 - **Teardown is rate-limited**: at most `lost_teardown_limit` replicas of lost nodes per
@@ -59,18 +63,20 @@ class NodeLiveness:
 
 
 def witness_status(heartbeat_age_s: float | None, poll_age_s: float | None, observer_age_s: float | None,
-                   pollers_readable: bool, unreachable_after_s: float, lost_after_s: float,
+                   pollers_age_s: float | None, unreachable_after_s: float, lost_after_s: float,
                    poller_grace_s: float) -> NodeLiveness:
     """One node from its two witnesses (ages in seconds, by one clock).
 
     - `heartbeat_age_s`: since its last node-API heartbeat (None: never);
     - `poll_age_s`: since its worker last began a poll on `node/<id>` (None: never seen polling);
     - `observer_age_s`: since the node API began receiving continuously (None: it is not receiving now);
-    - `pollers_readable`: False when the task-queue description could not be read this time.
+    - `pollers_age_s`: since the control worker began reading the pollers continuously (None: it is not
+      reading them now, or they could not be read).
     """
     hb = None if observer_age_s is None else min(math.inf if heartbeat_age_s is None else heartbeat_age_s,
                                                  observer_age_s)
-    poll = None if not pollers_readable else (math.inf if poll_age_s is None else max(0.0, poll_age_s - poller_grace_s))
+    poll = None if pollers_age_s is None else min(
+        math.inf if poll_age_s is None else max(0.0, poll_age_s - poller_grace_s), pollers_age_s)
     silent = 0.0 if hb is None or poll is None else min(hb, poll)
     status = "lost" if silent >= lost_after_s else "unreachable" if silent >= unreachable_after_s else "ready"
     return NodeLiveness(status, hb, poll)
@@ -105,6 +111,8 @@ def fleet_liveness(snapshot: Snapshot) -> FleetLiveness:
                                                        snapshot.lost_after_s), _age(now, n.last_heartbeat))
         return out
     observer_age = _age(now, facts.observer_since)
+    pollers_age = _age(now, facts.pollers_since) if facts.pollers_error is None else None
+    doubt_age = _age(now, facts.doubted_at)
     if observer_age is None:
         out.notes.append("the node API is not receiving heartbeats (no node-API process has ticked in "
                          f"{snapshot.unreachable_after_s:g}s): heartbeats say nothing until it does")
@@ -113,14 +121,20 @@ def fleet_liveness(snapshot: Snapshot) -> FleetLiveness:
                          "no node is judged silent without them")
     for n in snapshot.nodes:
         out.nodes[n.id] = witness_status(_age(now, n.last_heartbeat), _age(now, n.polled_at), observer_age,
-                                         facts.pollers_error is None, snapshot.unreachable_after_s,
+                                         pollers_age, snapshot.unreachable_after_s,
                                          snapshot.lost_after_s, facts.poller_grace_s)
     holding = {s.node_id for r in snapshot.replicas if r.status in HOLDING for s in r.shards}
     out.blind = blind_observer(out.nodes, holding, snapshot.lost_after_s, facts)
     if out.blind:
-        for n in out.nodes.values():
-            if n.status == "lost":
-                n.status, n.held = "unreachable", "not declared lost: " + out.blind
+        held = "not declared lost: " + out.blind
+    elif doubt_age is not None and doubt_age < snapshot.lost_after_s:
+        held = (f"not declared lost: the observer was in doubt {doubt_age:.0f}s ago, and a node is lost only "
+                f"after {snapshot.lost_after_s:g}s of silence since then")
+    else:
+        return out
+    for n in out.nodes.values():
+        if n.status == "lost":
+            n.status, n.held = "unreachable", held
     return out
 
 

@@ -67,7 +67,11 @@ class LivenessFacts(_Strict):
 
     - `observer_since`: since when the node API has been continuously able to receive heartbeats (its
       processes tick into Postgres); None when no process is ticking now (blind).
-    - `pollers_error`: why the pollers on node queues could not be read (then that witness says nothing).
+    - `pollers_error`: why the pollers on node queues could not be read (then that witness says nothing);
+      `pollers_since`: since when the control worker has been reading them continuously.
+    - `doubted_at`: the last time a pass found the observer doubtful (too many nodes silent together).
+      A node is declared Lost only after `lost_after_s` more of silence: when a partition of the control
+      plane heals, its nodes come back one by one, and the last must not be lost for being last.
     - `poller_grace_s`: how long an idle poller's last access may age (Temporal's long-poll interval).
     - `silent_share`: more than this share of nodes silent together means the observer is doubted.
     - `lost_teardown_limit` per `lost_teardown_window_s`: replicas of lost nodes torn down at most;
@@ -76,6 +80,8 @@ class LivenessFacts(_Strict):
 
     observer_since: datetime | None = None
     pollers_error: str | None = None
+    pollers_since: datetime | None = None
+    doubted_at: datetime | None = None
     poller_grace_s: float = 60.0
     silent_share: float = 0.5
     lost_teardown_limit: int = 10

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
@@ -18,14 +17,13 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from llmgw.activities.idempotent import CrashHook, once
-from llmgw.activities.liveness import poll_ages
+from llmgw.activities.liveness import read_pollers, record_and_read_liveness, remember_doubt
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo
-from llmgw.placement.liveness import fleet_liveness
 from llmgw.placement.plan import backoff_delay
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
-    AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult, LivenessFacts,
+    AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
     MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
     ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
     Snapshot,
@@ -55,32 +53,17 @@ class ControlActivities:
     async def read_snapshot(self) -> Snapshot:
         """Catalog, model state, nodes, active replicas and unsettled ended ones, read in one transaction;
         first, the second liveness witness (pollers on node queues) is read and kept (`nodes.polled_at`)."""
-        s = self.settings
-        pollers_error = "no Temporal client in this worker"
-        ages: dict[str, float] = {}
-        if self.client is not None:
-            async with self.engine.connect() as conn:
-                ids = [n.id for n in await fleet_repo.list_nodes(conn)]
-            ages, pollers_error = await poll_ages(self.client, ids)
+        ages, pollers_error = await read_pollers(self.engine, self.client)
         async with self.engine.begin() as conn:
             now = await fleet_repo.db_now(conn)
-            await fleet_repo.set_polled(conn, {n: now - timedelta(seconds=a) for n, a in ages.items()})
-            if pollers_error is None:  # the poller witness was read now: its run of sight goes on (or starts)
-                await fleet_repo.observer_tick(conn, fleet_repo.POLLERS, self.unreachable_after_s)
+            facts = await record_and_read_liveness(conn, now, ages, pollers_error, self.settings)
             catalog = await catalog_repo.get_catalog(conn)
             states = await catalog_repo.model_states(conn)
             nodes = await fleet_repo.list_nodes(conn)
             reps = await fleet_repo.active_replicas_with_shards(conn)
-            liveness = LivenessFacts(
-                observer_since=await fleet_repo.observer_since(conn, self.unreachable_after_s),
-                pollers_error=pollers_error,
-                pollers_since=await fleet_repo.observer_since(conn, self.unreachable_after_s, fleet_repo.POLLERS),
-                doubted_at=await fleet_repo.observer_seen(conn, fleet_repo.DOUBT), poller_grace_s=s.poller_grace_s, silent_share=s.silent_share,
-                lost_teardown_limit=s.lost_teardown_limit, lost_teardown_window_s=s.lost_teardown_window_s,
-                recent_lost=await fleet_repo.recent_lost(conn, s.lost_teardown_window_s))
         snapshot = Snapshot(
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
-            liveness=liveness, start_budget_s=s.start_budget_s,
+            liveness=facts, start_budget_s=self.settings.start_budget_s,
             models=catalog.models, model_states=states,
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
                             inventory=n.inventory) for n in nodes],
@@ -91,11 +74,7 @@ class ControlActivities:
                 for r, shards in reps
             ],
         )
-        if fleet_liveness(snapshot).blind:
-            # Remembered for the passes after the doubt ends (LivenessFacts.doubted_at).
-            async with self.engine.begin() as conn:
-                await fleet_repo.observer_tick(conn, fleet_repo.DOUBT, self.lost_after_s)
-                snapshot.liveness.doubted_at = await fleet_repo.observer_seen(conn, fleet_repo.DOUBT)  # type: ignore[union-attr]
+        await remember_doubt(self.engine, snapshot)
         return snapshot
 
     @activity.defn(name="record_placement")

@@ -16,11 +16,18 @@ from __future__ import annotations
 import asyncio
 import time
 
+from datetime import datetime, timedelta
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 
+from llmgw.config import Settings
+from llmgw.db import fleet_repo
+from llmgw.placement.liveness import fleet_liveness
+from llmgw.schemas.payloads import LivenessFacts, Snapshot
 from llmgw.workflows.queues import node_queue
 
 CONCURRENCY = 16
@@ -45,3 +52,40 @@ async def poll_ages(client: Client, node_ids: list[str]) -> tuple[dict[str, floa
     except Exception as exc:  # noqa: BLE001 - RPCError, timeout: the witness is unreadable this pass, and says so
         return {}, f"{type(exc).__name__}: {exc}"[:300]
     return {n: a for n, a in zip(node_ids, ages) if a is not None}, None
+
+
+async def read_pollers(engine: AsyncEngine, client: Client | None) -> tuple[dict[str, float], str | None]:
+    """`poll_ages` for every registered node (outside any transaction: these are RPCs)."""
+    if client is None:
+        return {}, "no Temporal client in this worker"
+    async with engine.connect() as conn:
+        ids = [n.id for n in await fleet_repo.list_nodes(conn)]
+    return await poll_ages(client, ids)
+
+
+async def record_and_read_liveness(conn: AsyncConnection, now: datetime, ages: dict[str, float],
+                                   pollers_error: str | None, settings: Settings) -> LivenessFacts:
+    """Keep what the pollers showed (`nodes.polled_at`, and the pollers' run of sight when they could be
+    read), then read every liveness fact a pass needs, in the snapshot's transaction."""
+    await fleet_repo.set_polled(conn, {n: now - timedelta(seconds=a) for n, a in ages.items()})
+    fresh = settings.node_unreachable_after_s
+    if pollers_error is None:
+        await fleet_repo.observer_tick(conn, fleet_repo.POLLERS, fresh)
+    return LivenessFacts(
+        observer_since=await fleet_repo.observer_since(conn, fresh),
+        pollers_error=pollers_error,
+        pollers_since=await fleet_repo.observer_since(conn, fresh, fleet_repo.POLLERS),
+        doubted_at=await fleet_repo.observer_seen(conn, fleet_repo.DOUBT),
+        poller_grace_s=settings.poller_grace_s, silent_share=settings.silent_share,
+        lost_teardown_limit=settings.lost_teardown_limit, lost_teardown_window_s=settings.lost_teardown_window_s,
+        recent_lost=await fleet_repo.recent_lost(conn, settings.lost_teardown_window_s))
+
+
+async def remember_doubt(engine: AsyncEngine, snapshot: Snapshot) -> None:
+    """When this snapshot finds the observer doubtful, record it (`LivenessFacts.doubted_at`): the passes
+    after the doubt ends give every node `lost_after_s` afresh."""
+    if snapshot.liveness is None or not fleet_liveness(snapshot).blind:
+        return
+    async with engine.begin() as conn:
+        await fleet_repo.observer_tick(conn, fleet_repo.DOUBT, snapshot.lost_after_s)
+        snapshot.liveness.doubted_at = await fleet_repo.observer_seen(conn, fleet_repo.DOUBT)

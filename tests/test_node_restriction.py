@@ -146,7 +146,8 @@ def test_an_adopted_endpoint_must_be_at_the_nodes_own_address(server):
 def test_a_node_cannot_fail_or_claim_another_nodes_shards(control_plane):
     cp = control_plane.start()
     cp.agent("node-b")
-    assert cp.apply({"models": [{**CATALOG["models"][0], "scaling": {"min": 1, "max": 1}}]}).status_code == 200
+    other = {"name": "sim-z", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]}
+    assert cp.apply({"models": [{**CATALOG["models"][0], "scaling": {"min": 1, "max": 1}}, other]}).status_code == 200
     [rep] = cp.wait_replicas("sim-a", timeout_s=60)
     assert rep["node_id"] == "node-b"
     chat = {"model": "sim-a", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -157,8 +158,16 @@ def test_a_node_cannot_fail_or_claim_another_nodes_shards(control_plane):
                          state="failed", exit_code=1, exit_reason="exited with code 1")
 
     with node_client(cp, "node-a") as a:
-        register(a, "node-a")
-        # A transition report on B's shard: refused, and B's replica is untouched.
+        # Node A runs a replica of its own (adopted: the control plane had no record of it) ...
+        own = ShardReport(shard_id="rep-a-r0", replica_id="rep-a", model="sim-z", profile="default", state="ready",
+                          pid=4242, endpoint=f"http://127.0.0.1:{free_port()}",
+                          profile_hash=read_catalog({"models": [other]}).catalog.models[0].profiles[0].spec_hash())
+        assert register(a, "node-a", own)["adopted"] == ["rep-a-r0"]
+        # ... and reports its own shard failed under B's replica id: refused (this failed B's replica before).
+        r = report(a, "node-a", own.model_copy(update={"replica_id": rep["id"], "state": "failed", "exit_code": 1}))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "node_restriction"
+        assert f"shard rep-a-r0 belongs to replica rep-a, not {rep['id']}" in r.json()["error"]["message"]
+        # A transition report on B's shard itself: refused, and B's replica is untouched.
         r = report(a, "node-a", theirs)
         assert r.status_code == 403 and r.json()["error"]["code"] == "node_restriction"
         assert f"shard {rep['id']}-r0 is placed on node node-b, not on node-a" in r.json()["error"]["message"]

@@ -237,6 +237,8 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        # Said on the way out, so a stop that came before a drain finished is visible in the shard's log.
+        print(f"sim: stopping with {engine.in_flight} request(s) in flight", flush=True)
     finally:
         await runner.cleanup()
 

@@ -174,3 +174,14 @@ def test_llamacpp_allowlist_names_real_flags_and_their_variables():
         assert flag in have, f"llama-server has no {flag}"
         assert have[flag] == env, f"{flag}: llama-server reads {have[flag]}, the allowlist says {env}"
     assert have["--rpc"] == "LLAMA_ARG_RPC" and have["--api-key"] == "LLAMA_API_KEY"
+
+
+def test_docs_list_every_allowed_flag_and_variable():
+    text = (REPO / "docs" / "catalog.md").read_text()
+    section = text[text.index("### Engine flags and environment"):text.index("### Sources")]
+    for rules in RULES.values():
+        for name in (*rules.flags, *(e for e in rules.env if not e.startswith("LLAMA_ARG_"))):
+            assert f"`{name}`" in section, f"docs/catalog.md does not list {name} ({rules.engine})"
+    from llmgw.catalog.policy import COMMON_ENV, WORKER_ENV
+    for name in (*COMMON_ENV, *WORKER_ENV):
+        assert f"`{name}`" in section, f"docs/catalog.md does not list {name}"

@@ -192,7 +192,7 @@ LLAMACPP_FLAGS: dict[str, str | None] = {
 LLAMACPP = EngineRules(
     engine="llamacpp", split_equals=False, underscores=True,
     flags=frozenset(LLAMACPP_FLAGS),
-    env=frozenset(e for e in LLAMACPP_FLAGS.values() if e) | {"GGML_SCHED_MAX_COPIES"},
+    env=frozenset(e for e in LLAMACPP_FLAGS.values() if e),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {
         "--alias", "--n-gpu-layers", "--split-mode", "--no-webui"}),
 )

@@ -277,14 +277,17 @@ class RouteRow:
 
 async def routable_replicas(conn: AsyncConnection) -> list[RouteRow]:
     """Ready replicas with the age of their rank-0 node's heartbeat (the gateway drops stale nodes) and the
-    engine key rank 0's node reported."""
+    engine key rank 0's node reported. Only where the replica's endpoint is the one rank 0's node reported
+    over the node API, which checked it is at that node's own address (issue 11): an endpoint recorded from
+    anywhere else (a start workflow's result) is not routed, and never gets the engine key."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     q = (
         select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
                shards.c.api_key)
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
-        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None)))
+        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None),
+                    replicas.c.endpoint == shards.c.endpoint))
     )
     return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), r.api_key) for r in (await conn.execute(q)).all()]
 

@@ -185,3 +185,17 @@ def test_a_node_cannot_fail_or_claim_another_nodes_shards(control_plane):
     assert after["status"] == "ready" and after["endpoint"] == rep["endpoint"] and after["node_id"] == "node-b"
     assert cp.shard_pid("node-b", f"{rep['id']}-r0") == pid
     assert httpx.post(cp.gateway + "/v1/chat/completions", json=chat, timeout=10).status_code == 200
+
+
+def test_an_agent_whose_engines_listen_elsewhere_fails_the_start_with_the_reason(control_plane):
+    """Through a real agent: its engine listens on 127.0.0.2 while the agent reaches the node API from
+    127.0.0.1. The control plane refuses the launch report, the agent stops the engine, and the replica
+    fails saying what to set. (An address the certificate names is the node's own: see above.)"""
+    cp = control_plane.start()
+    cp.agent("far", LLMGW_ADVERTISE_HOST="127.0.0.2")
+    assert cp.apply({"models": [{**CATALOG["models"][0], "scaling": {"min": 1, "max": 1}}]}).status_code == 200
+    failed = wait_until(lambda: [r for r in cp.replicas() if r["status"] == "failed"], timeout_s=60,
+                        what="the start refused", why=cp.logs)
+    assert "the control plane refused shard" in failed[0]["failure"]
+    assert "endpoint host 127.0.0.2 is not this node's address" in failed[0]["failure"]
+    assert not list((cp.state / "shards" / "far").glob("*.json"))  # the engine was stopped

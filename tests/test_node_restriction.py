@@ -199,3 +199,32 @@ def test_an_agent_whose_engines_listen_elsewhere_fails_the_start_with_the_reason
     assert "the control plane refused shard" in failed[0]["failure"]
     assert "endpoint host 127.0.0.2 is not this node's address" in failed[0]["failure"]
     assert not list((cp.state / "shards" / "far").glob("*.json"))  # the engine was stopped
+
+
+def test_a_replica_is_routed_only_at_the_endpoint_its_node_reported(database_url):
+    """An endpoint recorded from elsewhere (a start workflow's result, which a node also supplies but the
+    node API never checked) is not routed, and so never gets the engine key."""
+    import asyncio
+
+    from sqlalchemy import update
+
+    from llmgw.db import fleet_repo
+    from llmgw.db.engine import async_engine
+    from llmgw.db.tables import replicas
+
+    async def go() -> tuple[list, list]:
+        engine = async_engine(database_url)
+        try:
+            async with engine.begin() as conn:
+                await fleet_repo.upsert_node(conn, "n1", "b1", Inventory())
+                assert await fleet_repo.adopt_replica(conn, "n1", shard("rep-1", endpoint="http://127.0.0.1:9001"))
+                before = await fleet_repo.routable_replicas(conn)
+                await conn.execute(update(replicas).where(replicas.c.id == "rep-1").values(endpoint="http://10.9.9.9:80"))
+                after = await fleet_repo.routable_replicas(conn)
+            return before, after
+        finally:
+            await engine.dispose()
+
+    before, after = asyncio.run(go())
+    assert [(r.replica_id, r.endpoint, r.api_key) for r in before] == [("rep-1", "http://127.0.0.1:9001", "k" * 43)]
+    assert after == []

@@ -108,7 +108,8 @@ class Dev:
 
 @pytest.fixture
 def dev(tmp_path):
-    ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres", "agent_metrics")}
+    ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres", "agent_metrics",
+                                     "control_metrics")}
     # The state (with Postgres data, run as another user when root) lives outside pytest's tmp tree, whose
     # root every pytest session resets to mode 0700.
     state = Path(tempfile.mkdtemp(prefix="llmgw-test-dev-"))

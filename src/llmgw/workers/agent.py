@@ -60,6 +60,7 @@ class Agent:
         self._gpus = None
         self._fabrics = None
         self.metrics = AgentMetrics()
+        self.metrics.watch_downloads(self.downloads)
 
     # ---- node API ------------------------------------------------------------------------------
     def ssl_context(self):
@@ -134,15 +135,17 @@ class Agent:
         await self.report(ShardReport(shard_id=shard_id, replica_id=replica_id, model="", profile="",
                                       rank=int(rank) if rank.isdigit() else 0, state="stopped"))
 
-    async def _on_exit(self, shard: Shard, tail: str) -> None:
+    def describe_exit(self, shard: Shard) -> str:
+        """How `shard`'s engine ended, in words (its adapter's), e.g. "killed by SIGILL (illegal instruction): ..."."""
         if shard.proc is None:  # adopted: not our child, so its exit status cannot be read
-            why = UNKNOWN_EXIT
-        else:
-            try:
-                why = self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
-            except EngineError:  # an engine no longer installed here: the generic words
-                why = describe_exit(shard.exit_code)
-        await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
+            return UNKNOWN_EXIT
+        try:
+            return self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
+        except EngineError:  # an engine no longer installed here: the generic words
+            return describe_exit(shard.exit_code)
+
+    async def _on_exit(self, shard: Shard, tail: str) -> None:
+        await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=self.describe_exit(shard)))
 
     async def heartbeat_loop(self) -> None:
         """Register, then heartbeat. Re-register after the control plane forgets us or comes back."""

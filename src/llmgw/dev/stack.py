@@ -221,9 +221,9 @@ class DevStack:
                "admin": f"http://127.0.0.1:{self.s.admin_port}",
                "mirror": f"http://127.0.0.1:{self.s.mirror_port}/files"}
         if self.s.control_metrics_port:
-            out["metrics (control)"] = f"http://127.0.0.1:{self.s.control_metrics_port}/metrics"
+            out["metrics-ctl"] = f"http://127.0.0.1:{self.s.control_metrics_port}/metrics"
         if self.s.agent_metrics_port:
-            out["metrics (node)"] = f"http://127.0.0.1:{self.s.agent_metrics_port}/metrics"
+            out["metrics-node"] = f"http://127.0.0.1:{self.s.agent_metrics_port}/metrics"
         if self.temporal and self.temporal.ui_port:
             out["temporal-ui"] = f"http://127.0.0.1:{self.temporal.ui_port}"
         out["temporal"] = self.s.temporal_address or ""

@@ -19,8 +19,8 @@ from llmgw.engines.base import EngineError, ShardSpec, reserve_port
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
     FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
-    OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
-    WaitShardReadyInput, WaitShardReadyResult,
+    OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StopShardInput, StopShardResult,
+    WaitShardJoinedInput, WaitShardJoinedResult, WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
 from llmgw.workers.logs import BadShardId, read_log
@@ -187,7 +187,6 @@ class NodeActivities:
         was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
         await self.agent.report_stopped(inp.shard_id)
         return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)
-
 
     @activity.defn(name="read_shard_log")
     async def read_shard_log(self, inp: ReadShardLogInput) -> ReadShardLogResult:

@@ -111,9 +111,17 @@ class Demand:
         cond = await self.condition(model.name)
         if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
             raise self._failing(model.name, cond)  # backing off: waiting here would change nothing
-        ready = await self.routes.wait_for_endpoint(model.name, self.load_wait_s)
-        if ready and ready.endpoints:
-            return ready
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.load_wait_s
+        while True:
+            ready = await self.routes.wait_for_endpoint(model.name, min(DEMAND_EVERY_S, max(0.0, deadline - loop.time())))
+            if ready and ready.endpoints:
+                return ready
+            if loop.time() >= deadline:
+                break
+            # A request waiting for the load is demand: kept fresh, or a model whose idle_timeout is shorter
+            # than its placement takes (a node registering late) would be let go while it is being waited for.
+            self.ask(route)
         cond = await self.condition(model.name, fresh=True)
         if cond is None or cond.status == ModelStatus.LOADING:
             raise errors.loading(model.name, retry_after_s=LOADING_RETRY_AFTER_S)

@@ -6,6 +6,7 @@ Temporal UI links, engine logs read on the node, and clearing a model's backoff.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from datetime import timedelta
 from urllib.parse import quote
@@ -25,6 +26,7 @@ from llmgw.workflows import attributes
 from llmgw.workflows.queues import CONTROL_QUEUE
 
 log = logging.getLogger(__name__)
+REPLICA_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def not_found(what: str, param: str) -> APIError:
@@ -130,7 +132,11 @@ class StatusService:
         return await self.temporal.attributes.registered(self.temporal.client)
 
     async def resolve(self, ref: str) -> str:
-        """A replica id from an id or its first characters (8 are printed); 404 when none or ambiguous."""
+        """A replica id from an id or its first characters (8 are printed); 404 when none, 400 when ambiguous
+        or not shaped like a replica id."""
+        if not REPLICA_REF.fullmatch(ref):
+            raise APIError(400, f"{ref[:80]!r} is not a replica id: give the id `llmgw ctl replicas` prints (letters, "
+                           "digits and '-', up to 64)", param="replica", code="bad_replica_id")
         async with self.engine.connect() as conn:
             found = await fleet_repo.find_replicas(conn, ref)
         if ref in found:

@@ -5,7 +5,8 @@ Each pass reads a snapshot (activity), plans with the pure `plan_pass`, records 
 continue-as-new): `place` starts a replica; `stop` and `evict` drain then stop one; `lost` and `cleanup`
 stop every shard of one that cannot serve. Woken by the `wake` signal (catalog changed, node registered,
 demand, replica failed or stopped) and by a timer. Continues as new every `MAX_PASSES` passes to keep its
-history short.
+history short. Every child carries a memo (model, profile) and, when the namespace has them registered (the
+snapshot says), llmgw's search attributes (workflows/attributes.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.placement.decisions import Decision, Plan
     from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
-        ReconcilerInput, RecordDecisionsInput, RecordPlacementInput, ReplicaStartInput, ReplicaStopInput, Snapshot,
+        ReconcilerInput, RecordDecisionsInput, RecordPlacementInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput,
+        Snapshot,
     )
     from llmgw.workflows import attributes, options
     from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id
@@ -36,7 +38,7 @@ class ReconcilerWorkflow:
         self._wakes: list[str] = []
         self._last: list[str] = []
         self._search_attributes = False  # the namespace has llmgw's search attributes (from the snapshot)
-        self._nodes: dict[str, list[str]] = {}  # replica id -> its shards' nodes, for the stop's attributes
+        self._replicas: dict[str, ReplicaSnap] = {}  # from the latest snapshot: a stop's profile and nodes
 
     @workflow.signal
     def wake(self, reason: str) -> None:
@@ -56,7 +58,7 @@ class ReconcilerWorkflow:
                 "read_snapshot", result_type=Snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
             )
             self._search_attributes = snapshot.search_attributes
-            self._nodes = {r.id: sorted({s.node_id for s in r.shards}) for r in snapshot.replicas}
+            self._replicas = {r.id: r for r in snapshot.replicas}
             plan = plan_pass(snapshot)
             await self._act(plan, inp, started)
             if plan.more:
@@ -113,6 +115,7 @@ class ReconcilerWorkflow:
 
     async def _stop(self, d: Decision, inp: ReconcilerInput) -> None:
         assert d.replica_id
+        rep = self._replicas.get(d.replica_id)
         try:
             await workflow.start_child_workflow(
                 ReplicaStopWorkflow.run,
@@ -121,8 +124,9 @@ class ReconcilerWorkflow:
                                  final_status=d.final_status),
                 id=replica_stop_id(d.replica_id), task_queue=CONTROL_QUEUE,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                memo=attributes.memo(d.model),
-                search_attributes=attributes.lifecycle("stop", d.model, d.replica_id, self._nodes.get(d.replica_id))
+                memo=attributes.memo(d.model, rep.profile if rep else None),
+                search_attributes=attributes.lifecycle("stop", d.model, d.replica_id,
+                                                       [s.node_id for s in rep.shards] if rep else None)
                 if self._search_attributes else None,
             )
         except WorkflowAlreadyStartedError:

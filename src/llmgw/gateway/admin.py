@@ -8,6 +8,7 @@ from datetime import timedelta
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
@@ -41,6 +42,17 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return json_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown routes and methods, and HTTPExceptions, in the same envelope as every other error."""
+        if exc.status_code == 404:
+            return json_error(APIError(404, f"no such route: {request.method} {request.url.path}", code="not_found"))
+        if exc.status_code == 405:
+            return json_error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                       code="method_not_allowed"))
+        return json_error(APIError(exc.status_code, str(exc.detail), type="service_unavailable"
+                                   if exc.status_code == 503 else "invalid_request_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

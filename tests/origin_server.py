@@ -6,6 +6,7 @@ It serves ROOT with Range support (`bytes=a-`, `bytes=a-b`; 416 with `bytes */si
 no fault applies. `config` (JSON, keyed by URL path unless said otherwise):
 - `rate`: bytes per second for every response (0: unthrottled);
 - `drop`: {path: offset}: the first response of `path` that reaches `offset` closes the connection there;
+- `gone_after_drop`: [paths]: once dropped, the path answers 404 (a file deleted mid-download);
 - `bad_range`: [paths]: a ranged request gets 206 with the whole file and `Content-Range: bytes 0-...`;
 - `ignore_range`: [paths]: ranged requests get 200 and the whole file;
 - `lie_416`: {path: total}: every ranged request gets 416 claiming `bytes */total`;
@@ -71,7 +72,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path in cfg.get("html", []):
             return self._reply(200, b"<!doctype html><html><body>a repository page</body></html>", "text/html; charset=utf-8")
         file = (self.server.root / path.lstrip("/")).resolve()
-        if self.server.root.resolve() not in file.parents or not file.is_file():
+        gone = path in cfg.get("gone_after_drop", []) and path in self.server.dropped
+        if self.server.root.resolve() not in file.parents or not file.is_file() or gone:
             self._record(path, 404, 0, 0)
             return self._reply(404, b"not found", "text/plain")
         size = file.stat().st_size
@@ -160,22 +162,22 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, root: Path, port: int, config: dict):
+    def __init__(self, root: Path, port: int, config: dict, host: str = "127.0.0.1"):
         self.root = root
         self.config = config
         self.log: list[dict] = []
         self.dropped: set[str] = set()
         self.lock = threading.Lock()
-        super().__init__(("127.0.0.1", port), _Handler)
+        super().__init__((host, port), _Handler)
 
 
 class Origin:
     """The origin in a thread of the test process: `url`, `log()`, `stop()`."""
 
-    def __init__(self, root: Path, port: int, config: dict | None = None):
-        self.server = _Server(root, port, config or {})
+    def __init__(self, root: Path, port: int, config: dict | None = None, host: str = "127.0.0.1"):
+        self.server = _Server(root, port, config or {}, host)
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -194,7 +196,7 @@ class Origin:
 
 def main() -> None:
     root, port, config = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    server = _Server(root, port, config)
+    server = _Server(root, port, config, config.get("host", "127.0.0.1"))
     print(f"origin listening on {port}", flush=True)
     try:
         server.serve_forever()

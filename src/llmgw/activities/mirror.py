@@ -142,14 +142,19 @@ class _Beat:
         self.metrics.progress(self.version, self.file, n, self.total)
 
     def set_partial(self, name: str) -> None:
+        """The partial this attempt writes: heartbeated at once, so a restarted worker resumes it."""
         self.partial = name
+        activity.heartbeat(self.details())
+
+    def details(self) -> dict:
+        return {"partial": self.partial, "bytes": self.bytes, "total": self.total}
 
     async def run(self) -> None:
         while True:
-            activity.heartbeat({"partial": self.partial, "bytes": self.bytes, "total": self.total})
+            await asyncio.sleep(1.0)  # after `set_partial`'s beat: the first one that reaches Temporal names it
+            activity.heartbeat(self.details())
             if time.monotonic() - self._sent >= self.every_s and self.bytes != self._sent_bytes:
                 await self._signal()
-            await asyncio.sleep(1.0)
 
     async def finish(self) -> None:
         self.metrics.progress(self.version, self.file, None, None)

@@ -142,9 +142,9 @@ class MirrorProgress(_Strict):
         if self.state == MirrorState.downloading:
             done = f"{human_bytes(self.bytes)} of {human_bytes(self.total)} ({100 * self.bytes // max(self.total, 1)}%)" \
                 if self.total is not None else f"{human_bytes(self.bytes)} so far"
-            return f"downloading {done}, {self.files_done} of {self.files} files"
+            return f"downloading {done}, {self.files_done} of {self.files} file(s) done"
         if self.state == MirrorState.published:
-            return f"published as {self.source} ({self.files} files, {human_bytes(self.bytes)})"
+            return f"published as {self.source} ({self.files} file(s), {human_bytes(self.bytes)})"
         if self.state == MirrorState.failed:
             return f"failed: {self.reason}"
         return self.state.value

@@ -107,10 +107,11 @@ async def follow(handle: WorkflowHandle, name: str) -> int:
                         bar.update(task, note="waiting for the mirror worker (is `llmgw mirror serve` running?)")
                 else:
                     silent_since = time.monotonic()
-                    if p.state != last_state:
+                    if p.state != last_state and p.state not in MirrorState.ended():
                         last_state = p.state
+                        last_line = time.monotonic()
                         line = p.line() if p.state != MirrorState.downloading else \
-                            f"downloading {p.files} files" + (f", {human_bytes(p.total)}" if p.total else "")
+                            f"downloading {p.files} file(s)" + (f", {human_bytes(p.total)}" if p.total else "")
                         if tty:
                             bar.console.print(f"{name}: {line}")
                         else:
@@ -139,7 +140,7 @@ async def follow(handle: WorkflowHandle, name: str) -> int:
         if "Cancel" in type(cause).__name__:
             _say(f"{name}: canceled; nothing was published")
         else:
-            _say(f"{name}: {msg}")
+            _say(f"{name}: failed: {msg.removeprefix(f'mirror of {name} failed: ')}")
         return 1
     _say(f"{name}: published {res.files} file(s), {human_bytes(res.bytes)}; source: {res.source}")
     return 0

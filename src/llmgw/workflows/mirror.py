@@ -22,7 +22,7 @@ import asyncio
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.mirror import (
@@ -83,14 +83,14 @@ class MirrorWorkflow:
             res: PublishResult = await workflow.execute_activity(
                 "publish_mirror_version", PublishInput(name=inp.name, version=inp.version, kind=plan.kind, files=files),
                 result_type=PublishResult, task_queue=MIRROR_QUEUE, **options.MIRROR_PUBLISH)
-        except ActivityError as exc:
+        except (ActivityError, asyncio.CancelledError) as exc:
+            if is_cancelled_exception(exc):  # the workflow was canceled (a fetch may surface it first)
+                await asyncio.shield(self._end(inp, tasks, MirrorState.canceled, None))
+                raise
             reason = failure_text(exc)
             await asyncio.shield(self._end(inp, tasks, MirrorState.failed, reason))
             raise ApplicationError(f"mirror of {inp.name} failed: {reason}", type="MirrorFailed",
                                    non_retryable=True) from None
-        except asyncio.CancelledError:
-            await asyncio.shield(self._end(inp, tasks, MirrorState.canceled, None))
-            raise
         self._p.state = MirrorState.published
         self._p.source = res.source
         self._refresh(memo=True)

@@ -136,10 +136,13 @@ class Mirror:
         return subprocess.run([sys.executable, "-m", "llmgw", "mirror", *args], env=self.env, capture_output=True,
                               text=True, timeout=timeout_s)
 
-    def cli_bg(self, *args: str) -> subprocess.Popen:
-        out = open(self.tmp / "logs" / f"cli-{time.monotonic_ns()}.out", "w+")
-        return subprocess.Popen([sys.executable, "-m", "llmgw", "mirror", *args], env=self.env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    def cli_bg(self, *args: str) -> tuple[subprocess.Popen, Path]:
+        """The CLI in the background (its own session, like a terminal); returns it and its output file."""
+        path = self.tmp / "logs" / f"cli-{time.monotonic_ns()}.out"
+        with open(path, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "llmgw", "mirror", *args], env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, path
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
@@ -208,7 +211,7 @@ async def test_a_three_shard_layout_survives_killing_the_worker_the_cli_and_the_
     mirror.serve()
     source = f"{origin.url}/org/Model-3B/"
 
-    first = mirror.cli_bg("add", source)
+    first, _ = mirror.cli_bg("add", source)
     wait_until(lambda: mirror.metric("llmgw_mirror_download_bytes") > 3 * MiB, timeout_s=60,
                what="the download under way", why=mirror.logs)
     # Not ready yet: a node asking now gets 409, never a partial manifest.
@@ -318,17 +321,30 @@ async def test_two_operators_one_download_then_cancel_and_a_single_file(tmp_path
     with its progress; `mirror cancel` stops it and removes what it staged. A single GGUF is published as
     a file that a node fetches and verifies against the mirror's sha256."""
     files = layout(tmp_path / "origin" / "slow", shards=2, shard_size=4 * MiB)
-    (tmp_path / "origin" / "one.gguf").write_bytes(gguf(2 * MiB, "one"))
-    origin = origin_proc(tmp_path / "origin").start(rate=400_000)
+    (tmp_path / "origin" / "one.gguf").write_bytes(gguf(256 << 10, "one"))
+    origin = origin_proc(tmp_path / "origin").start(rate=150_000)
     mirror = mirror_for()
     mirror.serve()
     source = f"{origin.url}/slow/"
-    a, b = mirror.cli("add", source, "--detach"), mirror.cli("add", source, "--detach")
-    assert a.returncode == b.returncode == 0, a.stdout + a.stderr
-    assert a.stdout.splitlines()[0] == b.stdout.splitlines()[0]  # the same workflow id
-    wait_until(lambda: "downloading" in (out := mirror.cli("list").stdout) and "MiB of" in out, timeout_s=60,
-               what="list showing progress", why=mirror.logs)
+    a = mirror.cli("add", source, "--detach")
+    assert a.returncode == 0, a.stdout + a.stderr
+    follower, out = mirror.cli_bg("add", source)  # a second operator, following the same download
+    wait_until(lambda: "downloading" in out.read_text(), timeout_s=60, what="the follower's progress",
+               why=lambda: out.read_text() + mirror.logs())
+    follower.send_signal(signal.SIGINT)  # Ctrl-C: detach, do not cancel
+    assert follower.wait(20) == 0
+    text = out.read_text()
+    assert text.splitlines()[0] == a.stdout.splitlines()[0]  # the same workflow id
+    assert "detached" in text and "mirror cancel slow" in text, text
+    wait_until(lambda: "downloading" in (listing := mirror.cli("list").stdout) and "MiB of" in listing,
+               timeout_s=60, what="list showing progress", why=mirror.logs)
     assert len([1 for line in mirror.cli("list").stdout.splitlines() if line.startswith("slow ")]) == 1
+    # Where the Temporal UI looks: the workflow's memo (and the mirror's metrics).
+    client = await mirror.client()
+    wid = a.stdout.split("as workflow ")[1].split()[0]
+    memo = await (await client.get_workflow_handle(wid).describe()).memo_value("progress")
+    assert memo["state"] == "downloading" and memo["total"] > 8 * MiB, memo
+    assert mirror.metric("llmgw_mirror_download_size_bytes") > 0
 
     cancel = mirror.cli("cancel", "slow")
     assert cancel.returncode == 0 and "canceled" in cancel.stdout, cancel.stdout + cancel.stderr + mirror.logs()

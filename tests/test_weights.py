@@ -120,6 +120,9 @@ async def test_version_still_being_written_is_not_served(mirror, tmp_path):
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/files/v/") as r:
             assert r.status == 409
+    with pytest.raises(FetchError, match="not ready yet") as exc:  # a node waits (retries); never a partial set
+        await Fetcher(tmp_path / "cache", url).fetch("mirror:v/")
+    assert exc.value.retryable and [p.name for p in (tmp_path / "cache").iterdir()] == [".partial"]
 
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "..%2Fetc%2Fpasswd", "a/../../x", ".hidden"])

@@ -88,10 +88,12 @@ class Downloaded:
 
 def new_session(limits: Limits, policy: AddressPolicy | None = None) -> aiohttp.ClientSession:
     """An HTTP session for weight fetches: bytes as sent (no decompression, so sizes and ranges mean
-    bytes on disk), the address policy enforced at connect time, reads bounded by the stall watchdog."""
+    bytes on disk), the address policy enforced at connect time, reads bounded by the stall watchdog.
+    aiohttp buffers up to twice `read_bufsize` ahead of us, and drops that buffer when the connection
+    fails: half a chunk keeps what a resume fetches again within one chunk (bench/fetch.py)."""
     connector = aiohttp.TCPConnector(resolver=PolicyResolver(policy) if policy else None, limit=64)
     return aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, read_bufsize=CHUNK,
+        connector=connector, auto_decompress=False, read_bufsize=CHUNK // 2,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_s),
         headers={"Accept-Encoding": "identity", "User-Agent": "llmgw"})
 

@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 from llmgw.schemas.mirror import PublishInput, PublishResult
-from llmgw.weights.manifest import INDEX, ManifestError, check_weights_file, file_sha256, fsync_dir, missing_parts, \
+from llmgw.weights.manifest import INDEX, SIDECAR, ManifestError, check_weights_file, file_sha256, fsync_dir, missing_parts, \
     parse_index, read_sidecar, record_sha256, recorded_sha256
 from llmgw.weights.naming import check_mirror_name
 
@@ -120,8 +120,8 @@ def publish(root: Path, inp: PublishInput) -> PublishResult:
             fsync_dir(dest.parent)
             shutil.rmtree(stage, ignore_errors=True)
         else:
-            for stray in stage.iterdir():
-                if stray.name.startswith(".") and stray.name != ".llmgw-sha256.json":
+            for stray in stage.iterdir():  # partials of attempts that lost, locks, the target record
+                if stray.name not in want and stray.name != SIDECAR:
                     stray.unlink()
             fsync_dir(stage)
             dest.parent.mkdir(parents=True, exist_ok=True)

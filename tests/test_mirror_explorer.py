@@ -106,7 +106,8 @@ async def explore(origin, *sources: str):
 
 async def test_a_layout_is_exactly_what_a_replica_reads(origin):
     repo = origin.root / "repo"
-    (repo / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s1.safetensors"}}))
+    index = {"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s1.safetensors"}}
+    (repo / "model.safetensors.index.json").write_text(json.dumps(index))
     for n in ("s1.safetensors", "s2.safetensors"):
         (repo / n).write_bytes(safetensors(100))
     for n in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md",

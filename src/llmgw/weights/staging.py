@@ -25,8 +25,10 @@ import shutil
 from pathlib import Path
 
 from llmgw.schemas.mirror import PublishInput, PublishResult
-from llmgw.weights.manifest import INDEX, SIDECAR, ManifestError, check_weights_file, file_sha256, fsync_dir, missing_parts, \
-    parse_index, read_sidecar, record_sha256, recorded_sha256
+from llmgw.weights.manifest import (
+    INDEX, SIDECAR, ManifestError, check_weights_file, file_sha256, fsync_dir, missing_parts, parse_index, read_sidecar,
+    record_sha256, recorded_sha256,
+)
 from llmgw.weights.naming import check_mirror_name
 
 STAGING = ".staging"

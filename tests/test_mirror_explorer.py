@@ -20,7 +20,7 @@ from llmgw.weights.explorer import ExploreError, Explorer, canonical_sources, de
 from llmgw.weights.manifest import check_weights_file, file_sha256, missing_parts
 from llmgw.weights.mirror import create_mirror_app
 from llmgw.weights.naming import SourceError, check_mirror_name
-from llmgw.weights.staging import PublishError, open_staging, publish, staging_dir
+from llmgw.weights.staging import PublishError, open_staging, publish, published_version, staging_dir
 from llmgw.weights.urls import AddressPolicy
 from tests.origin_server import Origin
 
@@ -196,7 +196,8 @@ def test_publish_is_whole_idempotent_and_never_replaces_a_published_name(tmp_pat
         publish(root, short)
     first = publish(root, inp)
     assert not first.already and first.source == "mirror:m/" and sorted(p.name for p in (root / "m").iterdir()) == [
-        ".llmgw-sha256.json", "config.json", "model.safetensors"]
+        ".llmgw-sha256.json", ".llmgw-version", "config.json", "model.safetensors"]
+    assert published_version(root, "m/") == (True, "v1") and published_version(root, "n") == (False, None)
     assert not staging_dir(root, "m", "v1").exists()
     assert publish(root, inp).already  # a retry after the first one committed
     other = open_staging(root, "m", "v2", "version")

@@ -363,4 +363,6 @@ async def test_two_operators_one_download_then_cancel_and_a_single_file(tmp_path
     assert Path(got.path).read_bytes() == (tmp_path / "origin" / "one.gguf").read_bytes()
     again = mirror.cli("add", f"{origin.url}/one.gguf")  # a second run finds it published: nothing fetched
     assert again.returncode == 0 and "source: mirror:one.gguf" in again.stdout
+    other = mirror.cli("add", f"{origin.url}/slow/config.json", "--name", "one.gguf")  # the name is taken
+    assert other.returncode == 1 and "never changes" in other.stdout, other.stdout
     assert len([e for e in origin.log("/one.gguf") if e["range"] != "bytes=0-0"]) == 1

@@ -98,7 +98,8 @@ def test_evict_for_a_higher_priority_model(control_plane, temporal, namespace):
 
 def test_mirror_a_layout_and_fail_one(tmp_path, temporal, namespace):
     """`MirrorWorkflow`: a two-shard layout with a connection dropped mid-file (a retried fetch, progress
-    signals, publish), a canceled mirror and one that fails (a split GGUF with a part missing)."""
+    signals, publish), the same again (already published), a canceled mirror and one that fails (a split
+    GGUF with a part missing)."""
     import time
 
     from tests.test_mirror_workflow import MiB, Mirror, OriginProcess, gguf, layout
@@ -112,13 +113,14 @@ def test_mirror_a_layout_and_fail_one(tmp_path, temporal, namespace):
     try:
         mirror.serve()
         assert mirror.cli("add", f"{origin.url}/m/").returncode == 0
+        assert mirror.cli("add", f"{origin.url}/m/").returncode == 0  # published already: nothing fetched
         assert mirror.cli("add", f"{origin.url}/g-00001-of-00002.gguf").returncode == 1
         origin.kill()
         origin.start(rate=300_000)
         assert mirror.cli("add", f"{origin.url}/m/", "--name", "c", "--detach").returncode == 0
         time.sleep(2)
         assert mirror.cli("cancel", "c").returncode == 0
-        assert len(export(temporal, namespace, "mirror")) == 3
+        assert len(export(temporal, namespace, "mirror")) == 4
     finally:
         mirror.stop()
         origin.kill()

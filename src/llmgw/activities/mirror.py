@@ -29,7 +29,9 @@ from llmgw.telemetry import MirrorMetrics
 from llmgw.weights.download import FetchError, Limits, download, new_session, sha256_of, target_lock
 from llmgw.weights.explorer import ExploreError, Explorer
 from llmgw.weights.manifest import record_sha256
-from llmgw.weights.staging import PublishError, discard, open_staging, publish, staged_record, staging_dir
+from llmgw.weights.staging import (
+    PublishError, discard, open_staging, publish, published_version, staged_record, staging_dir,
+)
 from llmgw.weights.urls import AddressPolicy
 
 log = logging.getLogger(__name__)
@@ -51,12 +53,21 @@ class MirrorActivities:
     @activity.defn(name="explore_mirror_sources")
     async def explore_mirror_sources(self, inp: ExploreInput) -> MirrorPlan:
         """The exact files the sources stand for (weights/explorer.py); opens the staging directory, from
-        when on the mirror answers the name with "not ready yet"."""
+        when on the mirror answers the name with "not ready yet". A name already published as this version
+        needs nothing more (`published`); one published otherwise is refused before anything is fetched."""
         async with new_session(self.limits, self.policy) as session:
             try:
                 plan = await Explorer(session, self.policy, self.limits).plan(inp)
             except ExploreError as exc:
                 raise ApplicationError(str(exc), type="ExploreError", non_retryable=not exc.retryable) from None
+        exists, version = await asyncio.to_thread(published_version, self.root, inp.name)
+        if exists and version == inp.version:
+            return plan.model_copy(update={"published": True})
+        if exists:
+            raise ApplicationError(
+                f"{inp.name} is already in the mirror{f' (version {version}, from other sources)' if version else ''}; "
+                "a published name never changes (nodes cache weights by name): mirror this under another --name",
+                type="PublishError", non_retryable=True)
         await asyncio.to_thread(open_staging, self.root, inp.name, inp.version, plan.kind)
         return plan
 

@@ -66,6 +66,7 @@ class MirrorPlan(_Strict):
     version: str
     kind: Literal["file", "version"]
     files: list[PlannedFile]
+    published: bool = False  # this version is in the mirror already: nothing to fetch
 
     @property
     def source(self) -> str:

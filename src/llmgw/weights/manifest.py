@@ -200,15 +200,18 @@ def recorded_sha256(path: Path) -> str | None:
     return None
 
 
-def record_sha256(directory: Path, entries: dict[str, str]) -> None:
-    """Record {file name: sha256} for files in `directory` (their size and mtime now), atomically and under
-    a lock, so concurrent writers in one directory do not lose each other's entries."""
+def record_sha256(directory: Path, entries: dict[str, str], version: str | None = None) -> None:
+    """Record {file name: sha256} for files in `directory` (their size and mtime now; with `version`, the
+    mirror version they were published as), atomically and under a lock, so concurrent writers in one
+    directory do not lose each other's entries."""
     with open(directory / (SIDECAR + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = read_sidecar(directory)
         for name, sha in entries.items():
             st = (directory / name).stat()
             data[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+            if version:
+                data[name]["version"] = version
         tmp = directory / f"{SIDECAR}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)

@@ -33,6 +33,7 @@ from llmgw.weights.naming import check_mirror_name
 
 STAGING = ".staging"
 TARGET = ".target.json"
+VERSION = ".llmgw-version"  # in a published version directory: the mirror version it was published as
 
 
 class PublishError(RuntimeError):
@@ -78,6 +79,20 @@ def discard(root: Path, name: str, version: str) -> bool:
     return True
 
 
+def published_version(root: Path, name: str) -> tuple[bool, str | None]:
+    """(whether `name` is in the mirror, the mirror version it was published as when `mirror add` did it)."""
+    dest = root / check_mirror_name(name).rstrip("/")
+    if dest.is_dir():
+        try:
+            return True, (dest / VERSION).read_text().strip() or None
+        except OSError:
+            return True, None
+    if dest.is_file():
+        rec = read_sidecar(dest.parent).get(dest.name)
+        return True, rec.get("version") if isinstance(rec, dict) else None
+    return False, None
+
+
 def _holds(dest: Path, kind: str, want: dict[str, str]) -> bool:
     """Whether `dest` already holds exactly these files ({name: sha256})."""
     if kind == "file":
@@ -118,13 +133,14 @@ def publish(root: Path, inp: PublishInput) -> PublishResult:
                 os.link(stage / f.name, dest)  # fails if the name was taken meanwhile, where rename would replace
             except FileExistsError:
                 raise PublishError(f"{inp.name} was published by someone else meanwhile") from None
-            record_sha256(dest.parent, {dest.name: f.sha256})
+            record_sha256(dest.parent, {dest.name: f.sha256}, version=inp.version)
             fsync_dir(dest.parent)
             shutil.rmtree(stage, ignore_errors=True)
         else:
             for stray in stage.iterdir():  # partials of attempts that lost, locks, the target record
                 if stray.name not in want and stray.name != SIDECAR:
                     stray.unlink()
+            (stage / VERSION).write_text(inp.version)
             fsync_dir(stage)
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:

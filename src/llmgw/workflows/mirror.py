@@ -73,6 +73,13 @@ class MirrorWorkflow:
             self._sizes = {f.name: f.size for f in plan.files}
             self._p.source = plan.source
             self._p.files = len(plan.files)
+            if plan.published:  # mirrored before, from these sources: nothing to do
+                self._done = set(self._bytes)
+                self._bytes = {f.name: f.size or 0 for f in plan.files}
+                self._p.state = MirrorState.published
+                self._refresh(memo=True)
+                return MirrorResult(name=inp.name, version=inp.version, source=plan.source, files=len(plan.files),
+                                    bytes=self._p.bytes)
             self._p.state = MirrorState.downloading
             self._refresh(memo=True)
             gate = asyncio.Semaphore(inp.parallel_files)

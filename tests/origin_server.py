@@ -162,6 +162,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request, client_address) -> None:  # clients hang up mid-answer on purpose
+        pass
+
     def __init__(self, root: Path, port: int, config: dict, host: str = "127.0.0.1"):
         self.root = root
         self.config = config

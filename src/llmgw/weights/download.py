@@ -263,6 +263,8 @@ async def _attempt(session, url, partial: Path, have: int, expect_size, expect_s
                             buf += piece
                             received[0] += len(piece)
                             if len(buf) < step:
+                                if progress:
+                                    progress(n + len(buf), total)
                                 continue
                         if not buf:
                             break

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from llmgw.dev.procs import free_port  # noqa: E402
-from llmgw.weights.download import CHUNK, Limits, download, new_session, target_lock  # noqa: E402
+from llmgw.weights.download import CHUNK, Limits, download, target_lock  # noqa: E402
 from llmgw.weights.fetcher import Fetcher  # noqa: E402
 from llmgw.weights.urls import AddressPolicy  # noqa: E402
 
@@ -91,8 +91,8 @@ def timed(coro_fn) -> tuple[float, float]:
 
 async def mirror_fetch(url: str, work: Path) -> None:
     policy = AddressPolicy.parse("127.0.0.1/32")
-    async with new_session(Limits(), policy) as s, target_lock(work, work / "f.bin"):
-        await download(s, url, work / "f.bin", work, policy=policy)
+    async with target_lock(work, work / "f.bin"):
+        await download(url, work / "f.bin", work, policy=policy)
 
 
 async def node_fetch(url: str, cache: Path) -> None:
@@ -146,14 +146,13 @@ def resume_after_drop(root: Path, size: int) -> tuple[int, int, int]:
     try:
         async def go() -> None:
             policy = AddressPolicy.parse("127.0.0.1/32")
-            async with new_session(Limits(), policy) as s:
-                for _ in range(3):
-                    try:
-                        async with target_lock(work, work / "f.bin"):
-                            await download(s, origin.url + "/f.bin", work / "f.bin", work, policy=policy)
-                        return
-                    except Exception:  # noqa: BLE001 - the drop: try again, as the activity's retry does
-                        continue
+            for _ in range(3):
+                try:
+                    async with target_lock(work, work / "f.bin"):
+                        await download(origin.url + "/f.bin", work / "f.bin", work, policy=policy)
+                    return
+                except Exception:  # noqa: BLE001 - the drop: try again, as the activity's retry does
+                    continue
         asyncio.run(go())
         e = [x for x in origin.entries() if x["path"] == "/f.bin"]
         return at, e[0]["sent"], e[1]["start"]
@@ -166,11 +165,11 @@ _CHILD = """
 import asyncio, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
-from llmgw.weights.download import Limits, download, new_session, target_lock
+from llmgw.weights.download import Limits, download, target_lock
 async def go():
     work = Path(sys.argv[2])
-    async with new_session(Limits()) as s, target_lock(work, work / "f.bin"):
-        await download(s, sys.argv[1], work / "f.bin", work)
+    async with target_lock(work, work / "f.bin"):
+        await download(sys.argv[1], work / "f.bin", work)
 asyncio.run(go())
 """
 
@@ -199,8 +198,8 @@ def resume_after_kill(root: Path, size: int, rate: int) -> tuple[int, int, int]:
         origin = Origin(root)  # unthrottled for the resume
 
         async def go() -> None:
-            async with new_session(Limits()) as s, target_lock(work, work / "f.bin"):
-                await download(s, origin.url + "/f.bin", work / "f.bin", work)
+            async with target_lock(work, work / "f.bin"):
+                await download(origin.url + "/f.bin", work / "f.bin", work)
         asyncio.run(go())
         return on_disk, sent, origin.entries()[0]["start"]
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.dev.procs import free_port
-from llmgw.weights.download import FetchError, Limits, download, new_session, target_lock
+from llmgw.weights.download import FetchError, Limits, download, target_lock
 from llmgw.weights.fetcher import Fetcher
 from llmgw.weights.urls import AddressPolicy, redact
 from tests.origin_server import Origin
@@ -90,10 +90,9 @@ async def test_a_416_that_confirms_a_partial_still_checks_its_sha256(origin, tmp
     work.mkdir()
     (work / "v.gguf.0123456789ab.part").write_bytes(data[:50_000] + b"\0" * 50_000)  # full length, wrong bytes
     origin.config["lie_416"] = {"/v.gguf": 100_000}
-    async with new_session(Limits()) as s:
-        with pytest.raises(FetchError, match="sha256 mismatch"):
-            await download(s, f"{origin.url}/v.gguf", work / "v.gguf", work, expect_size=100_000,
-                           expect_sha=hashlib.sha256(data).hexdigest())
+    with pytest.raises(FetchError, match="sha256 mismatch"):
+        await download(f"{origin.url}/v.gguf", work / "v.gguf", work, expect_size=100_000,
+                       expect_sha=hashlib.sha256(data).hexdigest())
     assert not (work / "v.gguf").exists() and not list(work.glob("*.part"))
 
 
@@ -116,11 +115,11 @@ async def test_each_attempt_writes_its_own_partial(origin, tmp_path):
     work = tmp_path / "w"
     work.mkdir()
     seen: list[str] = []
-    async with new_session(Limits()) as s, target_lock(work, work / "p.gguf"):
-        await download(s, f"{origin.url}/p.gguf", work / "p.gguf", work, on_partial=seen.append)
+    async with target_lock(work, work / "p.gguf"):
+        await download(f"{origin.url}/p.gguf", work / "p.gguf", work, on_partial=seen.append)
     (work / "p.gguf").unlink()
-    async with new_session(Limits()) as s, target_lock(work, work / "p.gguf"):
-        await download(s, f"{origin.url}/p.gguf", work / "p.gguf", work, on_partial=seen.append)
+    async with target_lock(work, work / "p.gguf"):
+        await download(f"{origin.url}/p.gguf", work / "p.gguf", work, on_partial=seen.append)
     assert len(set(seen)) == 2 and all(n.startswith("p.gguf.") and n.endswith(".part") for n in seen)
     assert (work / "p.gguf").read_bytes() == data
 
@@ -209,9 +208,8 @@ async def test_a_web_page_is_not_weights(origin, tmp_path):
 async def test_loopback_in_any_form_is_refused_without_the_setting(origin, tmp_path, host):
     put(origin, "w.gguf", 1000)
     url = f"http://{host}:{origin.port}/w.gguf"
-    async with new_session(Limits(), AddressPolicy()) as s:
-        with pytest.raises(FetchError) as exc:
-            await download(s, url, tmp_path / "w.gguf", tmp_path, policy=AddressPolicy())
+    with pytest.raises(FetchError) as exc:
+        await download(url, tmp_path / "w.gguf", tmp_path, policy=AddressPolicy())
     assert not exc.value.retryable
     assert "LLMGW_MIRROR_PRIVATE_SOURCES" in str(exc.value) or "not a unicast" in str(exc.value)
     assert origin.log() == []  # refused before connecting
@@ -223,17 +221,15 @@ async def test_loopback_in_any_form_is_refused_without_the_setting(origin, tmp_p
                                  "http://100.64.0.1/x", "http://[fd00::1]/x", "http://224.0.0.1/x"])
 async def test_private_and_metadata_addresses_are_refused(tmp_path, url):
     policy = AddressPolicy.parse("127.0.0.0/8")  # a private mirror allowed, but not these
-    async with new_session(Limits(connect_s=2), policy) as s:
-        with pytest.raises(FetchError) as exc:
-            await asyncio.wait_for(download(s, url, tmp_path / "x", tmp_path, policy=policy), 5)
+    with pytest.raises(FetchError) as exc:
+        await asyncio.wait_for(download(url, tmp_path / "x", tmp_path, policy=policy), 5)
     assert not exc.value.retryable
 
 
 async def test_link_local_is_refused_even_when_private_sources_are_allowed(tmp_path):
     policy = AddressPolicy.parse("private,169.254.0.0/16")
-    async with new_session(Limits(connect_s=2), policy) as s:
-        with pytest.raises(FetchError, match="link-local"):
-            await download(s, "http://169.254.169.254/latest/meta-data/", tmp_path / "x", tmp_path, policy=policy)
+    with pytest.raises(FetchError, match="link-local"):
+        await download("http://169.254.169.254/latest/meta-data/", tmp_path / "x", tmp_path, policy=policy)
 
 
 @pytest.mark.parametrize("location,why", [
@@ -246,9 +242,8 @@ async def test_redirects_are_followed_only_within_the_policy(origin, tmp_path, l
     put(origin, "w.gguf", 1000)
     origin.config["redirect"] = {"/start": location.format(port=origin.port), "/loop": "/loop"}
     policy = AddressPolicy.parse("127.0.0.1/32")
-    async with new_session(Limits(connect_s=2), policy) as s:
-        with pytest.raises(FetchError, match=why):
-            await download(s, f"{origin.url}/start", tmp_path / "w.gguf", tmp_path, policy=policy)
+    with pytest.raises(FetchError, match=why):
+        await download(f"{origin.url}/start", tmp_path / "w.gguf", tmp_path, policy=policy)
     assert not (tmp_path / "w.gguf").exists()
     assert all(e["path"] != "/w.gguf" for e in origin.log())
 
@@ -257,8 +252,8 @@ async def test_a_redirect_within_the_policy_is_followed(origin, tmp_path):
     data = put(origin, "w.gguf", 1000)
     origin.config["redirect"] = {"/start": "/w.gguf"}
     policy = AddressPolicy.parse("127.0.0.1")
-    async with new_session(Limits(), policy) as s, target_lock(tmp_path, tmp_path / "w.gguf"):
-        got = await download(s, f"{origin.url}/start", tmp_path / "w.gguf", tmp_path, policy=policy)
+    async with target_lock(tmp_path, tmp_path / "w.gguf"):
+        got = await download(f"{origin.url}/start", tmp_path / "w.gguf", tmp_path, policy=policy)
     assert got.size == 1000 and (tmp_path / "w.gguf").read_bytes() == data
 
 

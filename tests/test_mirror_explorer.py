@@ -15,7 +15,7 @@ import uvicorn
 
 from llmgw.dev.procs import free_port, wait_port
 from llmgw.schemas.mirror import ExploreInput, MirroredFile, MirrorProgress, MirrorState, PublishInput
-from llmgw.weights.download import Limits, new_session
+from llmgw.weights.download import Limits
 from llmgw.weights.explorer import ExploreError, Explorer, canonical_sources, default_name, version_of, web_page_hint
 from llmgw.weights.manifest import check_weights_file, file_sha256, missing_parts
 from llmgw.weights.mirror import create_mirror_app
@@ -100,8 +100,7 @@ def origin(tmp_path):
 
 async def explore(origin, *sources: str):
     policy = AddressPolicy.parse("127.0.0.1")
-    async with new_session(Limits(), policy) as s:
-        return await Explorer(s, policy).plan(ExploreInput(name="n", version="v", sources=list(sources)))
+    return await Explorer(policy).plan(ExploreInput(name="n", version="v", sources=list(sources)))
 
 
 async def test_a_layout_is_exactly_what_a_replica_reads(origin):

@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from llmgw.dev.procs import free_port, wait_port
-from llmgw.weights.download import download, new_session, Limits
+from llmgw.weights.download import download, Limits
 from llmgw.weights.fetcher import FetchError, Fetcher
 from llmgw.weights.mirror import create_mirror_app
 from llmgw.weights.naming import cache_name_for, parse_source
@@ -81,9 +81,8 @@ async def test_interrupted_download_resumes_with_range(mirror, tmp_path):
     data = write(root / "r.gguf", 5_000_000)
     (tmp_path / "r.gguf.0123456789ab.part").write_bytes(data[:1_234_567])  # what an interrupted fetch left
     seen = []
-    async with new_session(Limits()) as s:
-        got = await download(s, url + "/files/r.gguf", tmp_path / "r.gguf", tmp_path,
-                             progress=lambda n, t: seen.append((n, t)))
+    got = await download(url + "/files/r.gguf", tmp_path / "r.gguf", tmp_path,
+                         progress=lambda n, t: seen.append((n, t)))
     assert got.size == len(data) and (tmp_path / "r.gguf").read_bytes() == data
     assert got.resumed_from == 1_234_567 and got.received == len(data) - 1_234_567
     assert seen[0][0] > 1_234_567 and seen[-1] == (len(data), len(data))  # continued, did not restart
@@ -93,9 +92,8 @@ async def test_interrupted_download_resumes_with_range(mirror, tmp_path):
 async def test_checksum_mismatch_is_refused_and_partial_removed(mirror, tmp_path):
     root, url, _ = mirror
     write(root / "x.gguf", 100_000)
-    async with new_session(Limits()) as s:
-        with pytest.raises(FetchError, match="sha256 mismatch"):
-            await download(s, url + "/files/x.gguf", tmp_path / "x.gguf", tmp_path, expect_sha="0" * 64)
+    with pytest.raises(FetchError, match="sha256 mismatch"):
+        await download(url + "/files/x.gguf", tmp_path / "x.gguf", tmp_path, expect_sha="0" * 64)
     assert not list(tmp_path.glob("*.part")) and not (tmp_path / "x.gguf").exists()
 
 

@@ -26,7 +26,7 @@ from llmgw.schemas.mirror import (
     PublishInput, PublishResult,
 )
 from llmgw.telemetry import MirrorMetrics
-from llmgw.weights.download import FetchError, Limits, download, new_session, sha256_of, target_lock
+from llmgw.weights.download import FetchError, Limits, download, sha256_of, target_lock
 from llmgw.weights.explorer import ExploreError, Explorer
 from llmgw.weights.manifest import record_sha256
 from llmgw.weights.staging import (
@@ -55,11 +55,10 @@ class MirrorActivities:
         """The exact files the sources stand for (weights/explorer.py); opens the staging directory, from
         when on the mirror answers the name with "not ready yet". A name already published as this version
         needs nothing more (`published`); one published otherwise is refused before anything is fetched."""
-        async with new_session(self.limits, self.policy) as session:
-            try:
-                plan = await Explorer(session, self.policy, self.limits).plan(inp)
-            except ExploreError as exc:
-                raise ApplicationError(str(exc), type="ExploreError", non_retryable=not exc.retryable) from None
+        try:
+            plan = await Explorer(self.policy, self.limits).plan(inp)
+        except ExploreError as exc:
+            raise ApplicationError(str(exc), type="ExploreError", non_retryable=not exc.retryable) from None
         exists, version = await asyncio.to_thread(published_version, self.root, inp.name)
         if exists and version == inp.version:
             return plan.model_copy(update={"published": True})
@@ -90,10 +89,9 @@ class MirrorActivities:
                     return MirroredFile(name=f.name, size=done[0], sha256=done[1])
                 if hint:
                     log.info("resuming %s of %s/%s from %s", f.name, inp.name, inp.version, hint)
-                async with new_session(self.limits, self.policy) as session:
-                    got = await download(session, f.url, dest, stage, expect_size=f.size, expect_sha=f.sha256,
-                                         progress=beat.update, limits=self.limits, policy=self.policy,
-                                         resume_hint=hint, on_partial=beat.set_partial)
+                got = await download(f.url, dest, stage, expect_size=f.size, expect_sha=f.sha256,
+                                     progress=beat.update, limits=self.limits, policy=self.policy,
+                                     resume_hint=hint, on_partial=beat.set_partial)
                 await asyncio.to_thread(record_sha256, stage, {f.name: got.sha256})
                 self.metrics.fetched.inc(got.received)
                 return MirroredFile(name=f.name, size=got.size, sha256=got.sha256, resumed_from=got.resumed_from,

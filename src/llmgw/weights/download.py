@@ -20,6 +20,10 @@ The rules, each from a way weights went wrong (issue 11, seeds 000):
 - Failures that cannot succeed on retry (4xx, a different size or checksum than promised, a refused
   address) remove the partial; retryable ones (a dropped connection, a stall, 5xx) leave it to resume.
 - Messages and logs carry redacted URLs only (`urls.redact`).
+
+The body is read in a thread with a blocking client (`http.py`): fill a chunk, write it, hand it to a
+second thread that hashes, read the next. Written before hashed, so a killed process loses at most the
+chunk it was reading; a failed connection loses nothing it received.
 """
 
 from __future__ import annotations
@@ -29,19 +33,23 @@ import contextlib
 import fcntl
 import glob
 import hashlib
+import http.client
 import logging
 import os
+import queue
 import re
 import secrets
 import shutil
+import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-import aiohttp
-
+from llmgw.weights.http import abort, open_url
 from llmgw.weights.manifest import SHA256, fsync_dir
-from llmgw.weights.urls import AddressPolicy, PolicyResolver, URLRefused, open_url, redact, scrub
+from llmgw.weights.urls import AddressPolicy, URLRefused, redact, scrub
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
@@ -70,7 +78,6 @@ class Limits:
     stall_bytes: int = 1 << 20
     deadline_s: float = 12 * 3600.0
     max_bytes: int = 1 << 40
-    connect_s: float = 15.0
 
     @classmethod
     def from_settings(cls, s) -> "Limits":
@@ -84,18 +91,6 @@ class Downloaded:
     sha256: str
     resumed_from: int = 0  # bytes already on disk when the last attempt began
     received: int = 0  # bytes received over HTTP by this call, all attempts
-
-
-def new_session(limits: Limits, policy: AddressPolicy | None = None) -> aiohttp.ClientSession:
-    """An HTTP session for weight fetches: bytes as sent (no decompression, so sizes and ranges mean
-    bytes on disk), the address policy enforced at connect time, reads bounded by the stall watchdog.
-    aiohttp buffers up to twice `read_bufsize` ahead of us, and drops that buffer when the connection
-    fails: half a chunk keeps what a resume fetches again within one chunk (bench/fetch.py)."""
-    connector = aiohttp.TCPConnector(resolver=PolicyResolver(policy) if policy else None, limit=64)
-    return aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, read_bufsize=CHUNK // 2,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_s),
-        headers={"Accept-Encoding": "identity", "User-Agent": "llmgw"})
 
 
 @contextlib.asynccontextmanager
@@ -167,35 +162,50 @@ class _Restart(Exception):
     """The partial cannot be continued (wrong range, a 416 that does not confirm it): start from zero."""
 
 
-async def download(session: aiohttp.ClientSession, url: str, dest: Path, work_dir: Path, *,
-                   expect_size: int | None = None, expect_sha: str | None = None, progress: Progress | None = None,
-                   limits: Limits = Limits(), policy: AddressPolicy | None = None, resume_hint: str | None = None,
+class _Stopped(Exception):
+    """The download was cancelled (its task, the activity, the worker stopping)."""
+
+
+async def download(url: str, dest: Path, work_dir: Path, *, expect_size: int | None = None,
+                   expect_sha: str | None = None, progress: Progress | None = None, limits: Limits = Limits(),
+                   policy: AddressPolicy | None = None, resume_hint: str | None = None,
                    on_partial: Callable[[str], None] | None = None, refuse_html: bool = True) -> Downloaded:
     """Fetch `url` into `dest` (see the module docstring), resuming a partial under `work_dir`. The
-    caller holds `target_lock(work_dir, dest)`. `on_partial(name)` learns which partial this attempt
-    writes (the mirror heartbeats it). Returns size and sha256; raises `FetchError`."""
+    caller holds `target_lock(work_dir, dest)`. `progress(bytes, total)` is called on the event loop a few
+    times a second; `on_partial(name)` learns which partial this attempt writes (the mirror heartbeats it).
+    Returns size and sha256; raises `FetchError`. Cancelled, it stops the transfer and keeps what arrived."""
     if expect_sha is not None and not SHA256.fullmatch(expect_sha):
         raise FetchError(f"expected sha256 {expect_sha!r} for {dest.name} is not 64 lowercase hex digits", retryable=False)
     partial = await asyncio.to_thread(adopt_partial, work_dir, dest.name, resume_hint)
     if on_partial:
         on_partial(partial.name)
-    received = [0]
-    try:
-        for _ in range(3):
-            have = partial.stat().st_size
-            if expect_size is not None and have > expect_size:
-                have = _truncate(partial)
-            try:
-                size, sha, have = await _attempt(session, url, partial, have, expect_size, expect_sha, progress,
-                                                 limits, policy, refuse_html, received)
-                break
-            except _Restart as why:
-                log.warning("%s: %s; fetching %s again from the start", redact(url), why, dest.name)
-                _truncate(partial)
+    loop = asyncio.get_running_loop()
+    job = _Transfer(url, partial, expect_size, expect_sha, limits, policy, refuse_html,
+                    (lambda n, t: loop.call_soon_threadsafe(progress, n, t)) if progress else None)
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result=None, error: BaseException | None = None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result = job.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, exc)
         else:
-            raise FetchError(f"{redact(url)}: the server does not answer ranges consistently; gave up")
+            loop.call_soon_threadsafe(settle, result)
+
+    # Its own thread, not the default executor: the transfer blocks for as long as the file takes.
+    threading.Thread(target=run, name=f"fetch {dest.name}", daemon=True).start()
+    try:
+        size, sha, resumed_from = await asyncio.shield(done)
         await asyncio.to_thread(_publish, partial, dest)
-        return Downloaded(size, sha, resumed_from=have, received=received[0])
+        return Downloaded(size, sha, resumed_from=resumed_from, received=job.received)
+    except asyncio.CancelledError:
+        job.stop()
+        await asyncio.gather(done, return_exceptions=True)  # the thread has written what it had, and closed
+        raise
     except URLRefused as exc:
         partial.unlink(missing_ok=True)
         raise FetchError(str(exc), retryable=False) from None
@@ -203,7 +213,7 @@ async def download(session: aiohttp.ClientSession, url: str, dest: Path, work_di
         if not exc.retryable or isinstance(exc, _ShaMismatch):
             partial.unlink(missing_ok=True)
         raise
-    except (aiohttp.ClientError, OSError) as exc:
+    except (OSError, http.client.HTTPException) as exc:
         raise FetchError(f"{redact(url)}: {scrub(f'{type(exc).__name__}: {exc}', url)}") from None
 
 
@@ -220,119 +230,197 @@ def _publish(partial: Path, dest: Path) -> None:
     fsync_dir(dest.parent)
 
 
-async def _attempt(session, url, partial: Path, have: int, expect_size, expect_sha, progress, limits: Limits,
-                   policy, refuse_html: bool, received: list[int]) -> tuple[int, str, int]:
-    """One request. Returns (size, sha256, bytes the partial had when the body began)."""
-    loop = asyncio.get_running_loop()
-    overall = loop.time() + limits.deadline_s
-    hasher = await asyncio.to_thread(sha256_of, partial) if have else hashlib.sha256()
-    headers = {"Range": f"bytes={have}-"} if have else {}
-    n = have
-    watchdog = asyncio.timeout_at(min(loop.time() + limits.stall_s, overall))
-    try:
-        async with watchdog:
-            async with open_url(session, url, policy, headers) as opened:
-                r = opened.response
-                total = _check_response(r, url, have, expect_size, limits, refuse_html)
-                if r.status == 416:
-                    return (*_verify(have, hasher.hexdigest(), expect_size, expect_sha, url), have)
-                if r.status == 200 and have:
-                    log.info("%s ignored the range request; fetching from the start", redact(url))
-                    have = n = _truncate(partial)
-                    hasher = hashlib.sha256()
-                expect_sha = expect_sha or _declared_sha(r.headers, url)
-                if total is not None:
-                    free = shutil.disk_usage(partial.parent).free
-                    if total - have > free:
-                        raise FetchError(f"{redact(url)}: needs {total - have} more bytes but {partial.parent} has "
-                                         f"{free} free", retryable=False)
-                cap = min(x for x in (total, expect_size, limits.max_bytes) if x is not None)
-                step = max(1, min(CHUNK, limits.stall_bytes))
-                mark = n
-                fd = os.open(partial, os.O_WRONLY | os.O_APPEND)
-                pending: asyncio.Future | None = None
-                buf = bytearray()
+class _Transfer:
+    """One file's transfer, run in its own thread (`run`); `stop` from any thread ends it promptly."""
+
+    def __init__(self, url: str, partial: Path, expect_size: int | None, expect_sha: str | None, limits: Limits,
+                 policy: AddressPolicy | None, refuse_html: bool, progress: Progress | None):
+        self.url = url
+        self.partial = partial
+        self.expect_size = expect_size
+        self.expect_sha = expect_sha
+        self.limits = limits
+        self.policy = policy
+        self.refuse_html = refuse_html
+        self.progress = progress
+        self.received = 0
+        self._stop = threading.Event()
+        self._conn: http.client.HTTPConnection | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        abort(self._conn)
+
+    def _on_conn(self, conn: http.client.HTTPConnection) -> None:
+        self._conn = conn
+        if self._stop.is_set():
+            abort(conn)
+
+    def run(self) -> tuple[int, str, int]:
+        for _ in range(3):
+            have = self.partial.stat().st_size
+            if self.expect_size is not None and have > self.expect_size:
+                have = _truncate(self.partial)
+            try:
+                return self._attempt(have)
+            except _Restart as why:
+                log.warning("%s: %s; fetching %s again from the start", redact(self.url), why, self.partial.name)
+                _truncate(self.partial)
+        raise FetchError(f"{redact(self.url)}: the server does not answer ranges consistently; gave up")
+
+    def _attempt(self, have: int) -> tuple[int, str, int]:
+        """One request. Returns (size, sha256, bytes the partial had when the body began)."""
+        lim = self.limits
+        started = time.monotonic()
+        deadline = started + lim.deadline_s
+        hasher = sha256_of(self.partial) if have else hashlib.sha256()
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        n = have
+        try:
+            opened = open_url(self.url, self.policy, headers, timeout_s=lim.stall_s, on_conn=self._on_conn)
+        except socket.timeout:
+            raise FetchError(f"{redact(self.url)}: no answer within {lim.stall_s:g}s") from None
+        except OSError as exc:
+            if self._stop.is_set():
+                raise _Stopped() from None
+            raise FetchError(f"{redact(self.url)}: {scrub(str(exc), self.url)}") from None
+        try:
+            r = opened.response
+            total = _check_response(r.status, r.headers, self.url, have, self.expect_size, lim, self.refuse_html)
+            if r.status == 416:
+                return (*_verify(have, hasher.hexdigest(), self.expect_size, self.expect_sha, self.url), have)
+            if r.status == 200 and have:
+                log.info("%s ignored the range request; fetching from the start", redact(self.url))
+                have = n = _truncate(self.partial)
+                hasher = hashlib.sha256()
+            expect_sha = self.expect_sha or _declared_sha(r.headers, self.url)
+            if total is not None:
+                free = shutil.disk_usage(self.partial.parent).free
+                if total - have > free:
+                    raise FetchError(f"{redact(self.url)}: needs {total - have} more bytes but {self.partial.parent} "
+                                     f"has {free} free", retryable=False)
+            cap = min(x for x in (total, self.expect_size, lim.max_bytes) if x is not None)
+            n = self._body(opened, n, total, cap, hasher, deadline)
+        finally:
+            opened.close()
+        if total is not None and n != total:
+            raise FetchError(f"{redact(self.url)}: connection ended at {n} of {total} bytes")
+        return (*_verify(n, hasher.hexdigest(), self.expect_size, expect_sha, self.url), have)
+
+    def _body(self, opened, n: int, total: int | None, cap: int, hasher, deadline: float) -> int:
+        """Read the body into the partial from byte `n`; returns the bytes the partial holds after."""
+        lim = self.limits
+        r = opened.response
+        step = max(1, min(CHUNK, lim.stall_bytes))
+        mark, mark_t, told = n, time.monotonic(), 0.0
+        hashing = _Hasher(hasher)
+        fd = os.open(self.partial, os.O_WRONLY | os.O_APPEND)
+        try:
+            while True:
+                buf = bytearray(step)
+                view = memoryview(buf)
+                got = 0
                 try:
-                    while True:
-                        piece = await r.content.read(step - len(buf))
-                        if piece:
-                            if n + len(buf) + len(piece) > cap:
-                                raise FetchError(f"{redact(url)}: the server sent more than {cap} bytes "
-                                                 f"({'as announced' if cap == total else 'the limit'}); refused",
-                                                 retryable=False)
-                            buf += piece
-                            received[0] += len(piece)
-                            if len(buf) < step:
-                                if progress:
-                                    progress(n + len(buf), total)
-                                continue
-                        if not buf:
+                    while got < step:
+                        now = time.monotonic()
+                        if now > deadline:
+                            raise FetchError(f"{redact(self.url)}: stalled at {n + got} bytes: the fetch deadline "
+                                             "(LLMGW_FETCH_DEADLINE_S)")
+                        if now > mark_t + lim.stall_s:
+                            raise socket.timeout()
+                        opened.settimeout(max(0.01, min(mark_t + lim.stall_s, deadline) - now))
+                        piece = r.read1(step - got)  # what one recv gives: a trickle must not block the checks
+                        k = len(piece)
+                        if not k:
                             break
-                        if pending is not None:
-                            await pending
-                        # Writing and hashing run in a thread while the loop reads the next block.
-                        block, buf = buf, bytearray()
-                        pending = asyncio.ensure_future(asyncio.to_thread(_write_hash, fd, hasher, block))
-                        n += len(block)
-                        if progress:
-                            progress(n, total)
-                        need = limits.stall_bytes if total is None else min(limits.stall_bytes, total - mark)
-                        if n - mark >= need:
-                            mark = n
-                            watchdog.reschedule(min(loop.time() + limits.stall_s, overall))
-                        if not piece:
-                            break
-                    if pending is not None:
-                        await pending
+                        view[got:got + k] = piece
+                        got += k
+                        self.received += k
+                        if n + got > cap:
+                            raise FetchError(f"{redact(self.url)}: the server sent more than {cap} bytes "
+                                             f"({'as announced' if cap == total else 'the limit'}); refused",
+                                             retryable=False)
+                        need = lim.stall_bytes if total is None else min(lim.stall_bytes, total - mark)
+                        if n + got - mark >= need:
+                            mark, mark_t = n + got, time.monotonic()
+                        if self.progress and time.monotonic() - told >= 0.2:
+                            told = time.monotonic()
+                            self.progress(n + got, total)
+                except socket.timeout:
+                    raise FetchError(f"{redact(self.url)}: stalled at {n + got} bytes: less than {lim.stall_bytes} "
+                                     f"bytes in {lim.stall_s:g}s (LLMGW_FETCH_STALL_S)") from None
+                except (OSError, http.client.HTTPException) as exc:
+                    if self._stop.is_set():
+                        raise _Stopped() from None
+                    raise FetchError(f"{redact(self.url)}: connection ended at {n + got} bytes "
+                                     f"({type(exc).__name__})") from None
                 finally:
-                    if pending is not None and not pending.done():
-                        await asyncio.gather(pending, return_exceptions=True)
-                    if buf:  # what arrived before a failure is kept: the resume does not fetch it again
-                        _write_hash(fd, hasher, buf)
-                        n += len(buf)
-                    os.close(fd)
-    except TimeoutError:
-        if not watchdog.expired():
-            raise FetchError(f"{redact(url)}: timed out connecting") from None
-        what = "the fetch deadline (LLMGW_FETCH_DEADLINE_S)" if loop.time() >= overall - 0.5 else \
-            f"less than {limits.stall_bytes} bytes in {limits.stall_s:g}s (LLMGW_FETCH_STALL_S)"
-        raise FetchError(f"{redact(url)}: stalled at {n} bytes: {what}") from None
-    if total is not None and n != total:
-        raise FetchError(f"{redact(url)}: connection ended at {n} of {total} bytes")
-    return (*_verify(n, hasher.hexdigest(), expect_size, expect_sha, url), have)
+                    if got:  # written first: what arrived is kept for the resume, whatever happens next
+                        _write_all(fd, view[:got])
+                        hashing.put(view[:got])
+                        n += got
+                if got < step:
+                    break
+        finally:
+            hashing.finish()
+            os.close(fd)
+            if self.progress:
+                self.progress(n, total)
+        return n
 
 
-def _write_hash(fd: int, hasher, block: bytes) -> None:
-    view = memoryview(block)
+class _Hasher:
+    """Hashes blocks in a second thread while the first reads the next (sha256 releases the GIL)."""
+
+    def __init__(self, hasher):
+        self.hasher = hasher
+        self.q: queue.Queue = queue.Queue(maxsize=4)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (block := self.q.get()) is not None:
+            self.hasher.update(block)
+
+    def put(self, block) -> None:
+        self.q.put(block)
+
+    def finish(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+
+def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view):]
-    hasher.update(block)
 
 
-def _check_response(r: aiohttp.ClientResponse, url: str, have: int, expect_size: int | None, limits: Limits,
+def _check_response(status: int, headers, url: str, have: int, expect_size: int | None, limits: Limits,
                     refuse_html: bool) -> int | None:
     """The file's total size as the response states it (None when it does not); raises for statuses and
     ranges that cannot be used, `_Restart` for a partial that cannot be continued."""
-    if r.status == 416:
-        m = _UNSATISFIED.fullmatch(r.headers.get("Content-Range", "").strip())
+    if status == 416:
+        m = _UNSATISFIED.fullmatch((headers.get("Content-Range") or "").strip())
         if not have or m is None or int(m[1]) != have:
-            raise _Restart(f"416 with Content-Range {r.headers.get('Content-Range')!r} for a {have}-byte partial")
+            raise _Restart(f"416 with Content-Range {headers.get('Content-Range')!r} for a {have}-byte partial")
         return have
-    if r.status == 206:
-        m = _RANGE.fullmatch(r.headers.get("Content-Range", "").strip())
+    if status == 206:
+        m = _RANGE.fullmatch((headers.get("Content-Range") or "").strip())
         if m is None or int(m[1]) != have:
             raise _Restart(f"asked for bytes from {have}, the server sent Content-Range "
-                           f"{r.headers.get('Content-Range')!r}")
+                           f"{headers.get('Content-Range')!r}")
         total = None if m[3] == "*" else int(m[3])
-    elif r.status == 200:
-        total = r.content_length
-    elif r.status in (404, 410):
-        raise FetchError(f"{redact(url)}: HTTP {r.status} (no such file)", retryable=False)
-    elif 400 <= r.status < 500 and r.status not in (408, 425, 429):
-        raise FetchError(f"{redact(url)}: HTTP {r.status}", retryable=False)
+    elif status == 200:
+        length = headers.get("Content-Length")
+        total = int(length) if length and length.isdigit() and "chunked" not in \
+            (headers.get("Transfer-Encoding") or "").lower() else None
+    elif status in (404, 410):
+        raise FetchError(f"{redact(url)}: HTTP {status} (no such file)", retryable=False)
+    elif 400 <= status < 500 and status not in (408, 425, 429):
+        raise FetchError(f"{redact(url)}: HTTP {status}", retryable=False)
     else:
-        raise FetchError(f"{redact(url)}: HTTP {r.status}")
-    ctype = r.headers.get("Content-Type", "")
+        raise FetchError(f"{redact(url)}: HTTP {status}")
+    ctype = headers.get("Content-Type") or ""
     if refuse_html and ctype.startswith(("text/html", "application/xhtml")):
         raise FetchError(f"{redact(url)} is a web page ({ctype.split(';')[0]}), not a weights file; give the file's "
                          "download URL", retryable=False)

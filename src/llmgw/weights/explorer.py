@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
-
-import aiohttp
 
 from llmgw.schemas.mirror import ExploreInput, MirrorPlan, PlannedFile
 from llmgw.weights.download import SHA_HEADER, Limits
 from llmgw.weights.manifest import INDEX, MAX_FILES, MAX_JSON_BYTES, SHA256, SPLIT_GGUF, ManifestError, \
     check_file_name, parse_index
 from llmgw.weights.naming import SourceError, check_mirror_name
-from llmgw.weights.urls import AddressPolicy, URLRefused, open_url, redact
+from llmgw.weights.http import open_url, read_small
+from llmgw.weights.urls import AddressPolicy, URLRefused, redact
 
 REQUIRED = ("config.json",)
 OPTIONAL = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -151,10 +151,9 @@ def declared_sha256(headers_seen: list) -> str | None:
 # ---- probing ------------------------------------------------------------------------------------
 
 class Explorer:
-    """Probes sources over HTTP with the mirror's session and address policy."""
+    """Probes sources over HTTP with the mirror's address policy and limits (each request in a thread)."""
 
-    def __init__(self, session: aiohttp.ClientSession, policy: AddressPolicy | None, limits: Limits = Limits()):
-        self.session = session
+    def __init__(self, policy: AddressPolicy | None, limits: Limits = Limits()):
         self.policy = policy
         self.limits = limits
         self._sem = asyncio.Semaphore(PROBES_AT_ONCE)
@@ -224,51 +223,48 @@ class Explorer:
     async def _probe(self, url: str) -> tuple[int | None, str | None] | None:
         """(size, sha256) of `url` as its server states them, or None when it answers 404/410."""
         async with self._sem:
-            try:
-                async with asyncio.timeout(self.limits.stall_s):
-                    async with open_url(self.session, url, self.policy, {"Range": "bytes=0-0"}) as opened:
-                        r = opened.response
-                        if r.status in (404, 410):
-                            return None
-                        self._check(r, url)
-                        size = None
-                        if r.status == 206:
-                            total = r.headers.get("Content-Range", "").rsplit("/", 1)[-1]
-                            size = int(total) if total.isdigit() else None
-                        elif r.content_length is not None:
-                            size = r.content_length
-                        return size, declared_sha256([*opened.hop_headers, r.headers])
-            except URLRefused as exc:
-                raise ExploreError(str(exc)) from None
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                raise ExploreError(f"{redact(url)}: {type(exc).__name__}", retryable=True) from None
+            return await asyncio.to_thread(self._request, url, False)
 
     async def _get_small(self, url: str) -> bytes | None:
         """A small document (an index), or None on 404/410. Refuses more than `MAX_JSON_BYTES`."""
+        return await asyncio.to_thread(self._request, url, True)
+
+    def _request(self, url: str, body: bool):
         try:
-            async with asyncio.timeout(self.limits.stall_s):
-                async with open_url(self.session, url, self.policy) as opened:
-                    r = opened.response
-                    if r.status in (404, 410):
-                        return None
-                    self._check(r, url)
-                    body = bytearray()
-                    async for block in r.content.iter_any():
-                        body += block
-                        if len(body) > MAX_JSON_BYTES:
-                            raise ExploreError(f"{redact(url)} is larger than {MAX_JSON_BYTES} bytes; not an index")
-                    return bytes(body)
+            opened = open_url(url, self.policy, None if body else {"Range": "bytes=0-0"},
+                              timeout_s=self.limits.stall_s)
         except URLRefused as exc:
             raise ExploreError(str(exc)) from None
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (OSError, http.client.HTTPException) as exc:
             raise ExploreError(f"{redact(url)}: {type(exc).__name__}", retryable=True) from None
+        try:
+            status, headers = opened.status, opened.headers
+            if status in (404, 410):
+                return None
+            self._check(status, headers, url)
+            if body:
+                try:
+                    return read_small(opened, MAX_JSON_BYTES)
+                except ValueError:
+                    raise ExploreError(f"{redact(url)} is larger than {MAX_JSON_BYTES} bytes; not an index") from None
+            size = None
+            if status == 206:
+                total = (headers.get("Content-Range") or "").rsplit("/", 1)[-1]
+                size = int(total) if total.isdigit() else None
+            elif (headers.get("Content-Length") or "").isdigit():
+                size = int(headers["Content-Length"])
+            return size, declared_sha256([*opened.hop_headers, headers])
+        except (OSError, http.client.HTTPException) as exc:
+            raise ExploreError(f"{redact(url)}: {type(exc).__name__}", retryable=True) from None
+        finally:
+            opened.close()
 
-    def _check(self, r: aiohttp.ClientResponse, url: str) -> None:
-        if r.status >= 500 or r.status in (408, 429):
-            raise ExploreError(f"{redact(url)}: HTTP {r.status}", retryable=True)
-        if r.status not in (200, 206):
-            raise ExploreError(f"{redact(url)}: HTTP {r.status}")
-        ctype = r.headers.get("Content-Type", "")
+    def _check(self, status: int, headers, url: str) -> None:
+        if status >= 500 or status in (408, 429):
+            raise ExploreError(f"{redact(url)}: HTTP {status}", retryable=True)
+        if status not in (200, 206):
+            raise ExploreError(f"{redact(url)}: HTTP {status}")
+        ctype = headers.get("Content-Type") or ""
         if ctype.startswith(("text/html", "application/xhtml")):
             raise ExploreError(f"{redact(url)} is a web page ({ctype.split(';')[0]}), not a file: give the file's "
                                "download URL, or a directory URL ending in / that holds model.safetensors.index.json")

@@ -16,18 +16,18 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
-from llmgw.weights.download import FetchError, Limits, Progress, download, new_session, target_lock
+from llmgw.weights.download import FetchError, Limits, Progress, download, target_lock
+from llmgw.weights.http import open_url, read_small
 from llmgw.weights.manifest import MAX_JSON_BYTES, ManifestError, fsync_dir, parse_manifest, record_sha256, \
     recorded_sha256
 from llmgw.weights.naming import Source, SourceError, cache_name_for, parse_source
-from llmgw.weights.urls import URLRefused, open_url, redact
+from llmgw.weights.urls import URLRefused, redact
 
 log = logging.getLogger(__name__)
 
@@ -104,23 +104,23 @@ class Fetcher:
                 self._listeners[name].remove(progress)
 
     async def _download(self, src: Source, target: Path, progress: Progress) -> Fetched:
-        async with new_session(self.limits) as session, target_lock(self.partial_dir, target):
+        async with target_lock(self.partial_dir, target):
             if target.exists():  # another process on this cache fetched it while we waited for the lock
                 return Fetched(str(target), _size(target), fetched=False)
             if src.is_version:
-                total = await self._download_version(session, src.url, target, progress)  # type: ignore[arg-type]
+                total = await self._download_version(src.url, target, progress)  # type: ignore[arg-type]
             else:
                 legacy = self.partial_dir / target.name  # earlier versions' fixed partial: resume from it
                 if legacy.is_file():
                     os.replace(legacy, self.partial_dir / f"{target.name}.legacy.part")
-                got = await download(session, src.url, target, self.partial_dir, progress=progress,  # type: ignore[arg-type]
+                got = await download(src.url, target, self.partial_dir, progress=progress,  # type: ignore[arg-type]
                                      limits=self.limits)
                 total = got.size
         log.info("fetched %s into %s (%d bytes)", redact(src.raw or ""), target, total)
         return Fetched(str(target), total, fetched=True)
 
-    async def _download_version(self, session: aiohttp.ClientSession, url: str, target: Path, progress: Progress) -> int:
-        manifest = parse_manifest_or_refuse(await _get_manifest(session, url, self.limits), url)
+    async def _download_version(self, url: str, target: Path, progress: Progress) -> int:
+        manifest = parse_manifest_or_refuse(await asyncio.to_thread(_get_manifest, url, self.limits), url)
         too_big = [f.name for f in manifest.files if f.size > self.limits.max_bytes]
         if too_big:
             raise FetchError(f"version {redact(url)}: {too_big[0]} is over the limit of {self.limits.max_bytes} bytes "
@@ -139,7 +139,7 @@ class Fetcher:
                 progress(base + n, total_size)
 
             async with target_lock(work, dest):
-                got = await download(session, url + f.name, dest, work, expect_size=f.size, expect_sha=f.sha256,
+                got = await download(url + f.name, dest, work, expect_size=f.size, expect_sha=f.sha256,
                                      progress=sub, limits=self.limits)
             await asyncio.to_thread(record_sha256, work, {f.name: got.sha256})
             done += got.size
@@ -160,33 +160,32 @@ def parse_manifest_or_refuse(raw: bytes, url: str):
         raise FetchError(f"version {redact(url)} refused: {exc}", retryable=False) from None
 
 
-async def _get_manifest(session: aiohttp.ClientSession, url: str, limits: Limits) -> bytes:
+def _get_manifest(url: str, limits: Limits) -> bytes:
+    """A version's manifest (blocking; run in a thread). Raises `FetchError`."""
     try:
-        async with asyncio.timeout(limits.stall_s):
-            async with open_url(session, url, None) as opened:
-                r = opened.response
-                if r.status == 409:
-                    text = (await r.content.read(2000)).decode(errors="replace")
-                    raise FetchError(f"version {redact(url)} is not ready yet on the mirror: {text}")
-                if r.status != 200:
-                    raise FetchError(f"manifest {redact(url)}: HTTP {r.status}", retryable=r.status >= 500)
-                ctype = r.headers.get("Content-Type", "")
-                if "json" not in ctype:
-                    raise FetchError(f"{redact(url)} answered {ctype or 'no content type'} where a version manifest "
-                                     "(JSON) was expected; is this a plain file server rather than an llmgw mirror?",
-                                     retryable=False)
-                body = bytearray()
-                async for block in r.content.iter_any():
-                    body += block
-                    if len(body) > MAX_JSON_BYTES:
-                        raise FetchError(f"manifest {redact(url)} is larger than {MAX_JSON_BYTES} bytes", retryable=False)
-                return bytes(body)
+        opened = open_url(url, None, timeout_s=limits.stall_s)
     except URLRefused as exc:
         raise FetchError(str(exc), retryable=False) from None
-    except TimeoutError:
-        raise FetchError(f"manifest {redact(url)}: no answer within {limits.stall_s:g}s") from None
-    except aiohttp.ClientError as exc:
+    except (OSError, http.client.HTTPException) as exc:
         raise FetchError(f"manifest {redact(url)}: {type(exc).__name__}") from None
+    try:
+        status, ctype = opened.status, opened.headers.get("Content-Type") or ""
+        if status == 409:
+            text = opened.response.read(2000).decode(errors="replace")
+            raise FetchError(f"version {redact(url)} is not ready yet on the mirror: {text}")
+        if status != 200:
+            raise FetchError(f"manifest {redact(url)}: HTTP {status}", retryable=status >= 500)
+        if "json" not in ctype:
+            raise FetchError(f"{redact(url)} answered {ctype or 'no content type'} where a version manifest (JSON) "
+                             "was expected; is this a plain file server rather than an llmgw mirror?", retryable=False)
+        try:
+            return read_small(opened, MAX_JSON_BYTES)
+        except ValueError:
+            raise FetchError(f"manifest {redact(url)} is larger than {MAX_JSON_BYTES} bytes", retryable=False) from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise FetchError(f"manifest {redact(url)}: {type(exc).__name__}") from None
+    finally:
+        opened.close()
 
 
 def _size(path: Path) -> int:

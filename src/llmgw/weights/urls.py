@@ -10,25 +10,17 @@
   every address it resolves to is checked, IPv4-mapped and 6to4/NAT64-embedded IPv4 unwrapped first.
   Private, loopback and shared ranges are allowed only when listed in `LLMGW_MIRROR_PRIVATE_SOURCES`
   (private mirrors); link-local (169.254.0.0/16 with cloud metadata, fe80::/10), multicast, unspecified
-  and reserved addresses never are. The same check runs as the connection's resolver, so a name that
-  resolves differently between check and connect (DNS rebinding) is still refused.
-- `open_url`: GET with redirects followed by hand, each hop checked: http(s) only, never https to http,
+  and reserved addresses never are. The connection then goes to exactly the addresses checked
+  (`http.py`), so a name that resolves differently between check and connect (DNS rebinding) gains nothing.
+- Redirects (`http.open_url`) are followed by hand, each hop checked: http(s) only, never https to http,
   at most `MAX_REDIRECTS`, and the address policy on every host.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ipaddress
-import socket
-from dataclasses import dataclass, field
-from typing import AsyncIterator
-from urllib.parse import urljoin, urlsplit, urlunsplit
-
-import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import ThreadedResolver
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
@@ -130,49 +122,6 @@ class AddressPolicy:
                 raise URLRefused(f"{shown}: {why}")
 
 
-async def resolve_checked(policy: AddressPolicy, host: str, port: int) -> list[str]:
-    """Every address `host` resolves to (numeric forms such as `127.1` included), each checked.
-    Raises `URLRefused`."""
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise URLRefused(f"{host}: cannot be resolved ({exc.strerror})") from None
-    addresses = sorted({info[4][0] for info in infos})
-    policy.check_addresses(host, addresses)
-    return addresses
-
-
-class PolicyResolver(AbstractResolver):
-    """aiohttp resolver that refuses names resolving to an address the policy refuses: the check holds at
-    connect time, not only when the URL was looked at."""
-
-    def __init__(self, policy: AddressPolicy):
-        self.policy = policy
-        self._inner = ThreadedResolver()
-
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
-        results = await self._inner.resolve(host, port, family)
-        try:
-            self.policy.check_addresses(host, [r["host"] for r in results])
-        except URLRefused as exc:
-            raise OSError(str(exc)) from None
-        return results
-
-    async def close(self) -> None:
-        await self._inner.close()
-
-
-@dataclass
-class Opened:
-    """The response at the end of the redirects, and headers seen on the way (a CDN redirect may carry
-    the file's checksum, as Hugging Face's `X-Linked-Etag` does)."""
-
-    response: aiohttp.ClientResponse
-    url: str
-    hop_headers: list = field(default_factory=list)
-
-
 def check_url(url: str) -> tuple[str, str, int]:
     """(scheme, host, port) of an http(s) URL. Raises `URLRefused`."""
     try:
@@ -185,32 +134,3 @@ def check_url(url: str) -> tuple[str, str, int]:
     if not p.hostname:
         raise URLRefused(f"{redact(url)}: no host")
     return p.scheme, p.hostname, port or (443 if p.scheme == "https" else 80)
-
-
-@contextlib.asynccontextmanager
-async def open_url(session: aiohttp.ClientSession, url: str, policy: AddressPolicy | None,
-                   headers: dict[str, str] | None = None, max_redirects: int = MAX_REDIRECTS) -> AsyncIterator[Opened]:
-    """GET `url`, following redirects by hand with every hop checked (see the module docstring).
-    Without a policy (the node fetcher: its sources are the operator's mirror and catalog) only the
-    scheme and hop rules apply. Raises `URLRefused`; network errors are aiohttp's."""
-    hops: list = []
-    current = url
-    for _ in range(max_redirects + 1):
-        scheme, host, port = check_url(current)
-        if policy is not None:
-            await resolve_checked(policy, host, port)
-        r = await session.get(current, headers=headers, allow_redirects=False)
-        if r.status in REDIRECTS and "Location" in r.headers:
-            hops.append(r.headers)
-            nxt = urljoin(current, r.headers["Location"])
-            r.release()
-            if scheme == "https" and urlsplit(nxt).scheme == "http":
-                raise URLRefused(f"{redact(current)} redirects from https to plain http ({redact(nxt)}); refused")
-            current = nxt
-            continue
-        try:
-            yield Opened(r, current, hops)
-        finally:
-            r.release()
-        return
-    raise URLRefused(f"{redact(url)}: more than {max_redirects} redirects")

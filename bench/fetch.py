@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from llmgw.dev.procs import free_port  # noqa: E402
-from llmgw.weights.download import CHUNK, Limits, download, target_lock  # noqa: E402
+from llmgw.weights.download import CHUNK, download, target_lock  # noqa: E402
 from llmgw.weights.fetcher import Fetcher  # noqa: E402
 from llmgw.weights.urls import AddressPolicy  # noqa: E402
 
@@ -165,7 +165,7 @@ _CHILD = """
 import asyncio, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
-from llmgw.weights.download import Limits, download, target_lock
+from llmgw.weights.download import download, target_lock
 async def go():
     work = Path(sys.argv[2])
     async with target_lock(work, work / "f.bin"):

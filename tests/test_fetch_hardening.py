@@ -271,5 +271,5 @@ async def test_signed_tokens_never_reach_errors_or_logs(origin, tmp_path, caplog
     text = str(exc.value) + caplog.text
     assert "SECRET0123456789" not in text and "PASSWORD42" not in text
     assert "missing.gguf?<redacted>" in str(exc.value)
-    assert redact(f"https://u:p@h:8443/a/b?sig=1#f") == "https://h:8443/a/b?<redacted>"
+    assert redact("https://u:p@h:8443/a/b?sig=1#f") == "https://h:8443/a/b?<redacted>"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +14,6 @@ import uvicorn
 
 from llmgw.dev.procs import free_port, wait_port
 from llmgw.schemas.mirror import ExploreInput, MirroredFile, MirrorProgress, MirrorState, PublishInput
-from llmgw.weights.download import Limits
 from llmgw.weights.explorer import ExploreError, Explorer, canonical_sources, default_name, version_of, web_page_hint
 from llmgw.weights.manifest import check_weights_file, file_sha256, missing_parts
 from llmgw.weights.mirror import create_mirror_app

@@ -5,7 +5,6 @@ from the mirror is checked by the node's own fetcher."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os

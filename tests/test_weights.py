@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from llmgw.dev.procs import free_port, wait_port
-from llmgw.weights.download import download, Limits
+from llmgw.weights.download import download
 from llmgw.weights.fetcher import FetchError, Fetcher
 from llmgw.weights.mirror import create_mirror_app
 from llmgw.weights.naming import cache_name_for, parse_source

@@ -145,16 +145,12 @@ def _size_or_zero(p: Path) -> int:
         return 0
 
 
-def sha256_of(path: Path, upto: int | None = None) -> "hashlib._Hash":
+def sha256_of(path: Path) -> "hashlib._Hash":
+    """The sha256 state of a file's bytes (to continue hashing a resumed partial)."""
     h = hashlib.sha256()
-    left = upto if upto is not None else -1
     with open(path, "rb") as f:
-        while left != 0:
-            block = f.read(CHUNK if left < 0 else min(CHUNK, left))
-            if not block:
-                break
+        for block in iter(lambda: f.read(CHUNK), b""):
             h.update(block)
-            left -= len(block) if left > 0 else 0
     return h
 
 

@@ -128,11 +128,12 @@ def open_url(url: str, policy: AddressPolicy | None, headers: dict[str, str] | N
         target = (p.path or "/") + (f"?{p.query}" if p.query else "")
         opened = None
         try:
+            conn.connect()
+            if on_conn is not None:
+                on_conn(conn)
             conn.putrequest("GET", target, skip_accept_encoding=True)
             for k, v in {"Accept-Encoding": "identity", "User-Agent": "llmgw", **(headers or {})}.items():
                 conn.putheader(k, v)
-            if on_conn is not None:
-                on_conn(conn)
             conn.endheaders()
             r = conn.getresponse()
             opened = Opened(r, conn, current, hops)

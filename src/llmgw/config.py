@@ -108,6 +108,24 @@ class Settings(BaseSettings):
     breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...
     breaker_open_s: float = 10.0  # ... for this long, then one trial request decides
 
+    # Weight fetches, on nodes and by the mirror (weights/download.py): at least `fetch_stall_bytes` every
+    # `fetch_stall_s`, one attempt at one file within `fetch_deadline_s`, at most `fetch_max_bytes` per file.
+    fetch_stall_s: float = 60.0
+    fetch_stall_bytes: int = 1 << 20
+    fetch_deadline_s: float = 12 * 3600.0
+    fetch_max_bytes: int = 1 << 40
+
+    # The mirror (`llmgw mirror serve`, which also runs the mirror worker on `llmgw-mirror`).
+    # `mirror_private_sources`: non-public networks `llmgw mirror add` may fetch from, comma-separated CIDRs
+    # or addresses, or `private` for every private and loopback range (a private mirror); link-local
+    # addresses (cloud metadata) never. Empty: public addresses only (weights/urls.py).
+    mirror_private_sources: str = ""
+    mirror_worker: bool = True  # `mirror serve` also polls the mirror task queue (downloads run there)
+    mirror_parallel_files: int = 4  # files of one version fetched at once
+    # How soon a mirror download whose worker died is retried elsewhere; how often it reports progress.
+    mirror_heartbeat_timeout_s: float = 30.0
+    mirror_progress_interval_s: float = 2.0
+
     @field_validator("database_url")
     @classmethod
     def _driver(cls, v: str | None) -> str | None:

@@ -94,3 +94,33 @@ def test_evict_for_a_higher_priority_model(control_plane, temporal, namespace):
     cp.wait_replicas("high", timeout_s=90)
     cp.wait_replicas("low", "stopped", timeout_s=30)
     assert len(export(temporal, namespace, "evict")) >= 4
+
+
+def test_mirror_a_layout_and_fail_one(tmp_path, temporal, namespace):
+    """`MirrorWorkflow`: a two-shard layout with a connection dropped mid-file (a retried fetch, progress
+    signals, publish), the same again (already published), a canceled mirror and one that fails (a split
+    GGUF with a part missing)."""
+    import time
+
+    from tests.test_mirror_workflow import MiB, Mirror, OriginProcess, gguf, layout
+
+    layout(tmp_path / "origin" / "m", shards=2, shard_size=3 * MiB)
+    (tmp_path / "origin" / "g-00001-of-00002.gguf").write_bytes(gguf(1000, "g"))
+    (tmp_path / "logs").mkdir()
+    origin = OriginProcess(tmp_path / "origin", tmp_path / "logs").start(
+        rate=2_000_000, drop={"/m/model-00001-of-00002.safetensors": MiB})
+    mirror = Mirror(tmp_path, temporal.address, namespace, "127.0.0.1/32")
+    try:
+        mirror.serve()
+        assert mirror.cli("add", f"{origin.url}/m/").returncode == 0
+        assert mirror.cli("add", f"{origin.url}/m/").returncode == 0  # published already: nothing fetched
+        assert mirror.cli("add", f"{origin.url}/g-00001-of-00002.gguf").returncode == 1
+        origin.kill()
+        origin.start(rate=300_000)
+        assert mirror.cli("add", f"{origin.url}/m/", "--name", "c", "--detach").returncode == 0
+        time.sleep(2)
+        assert mirror.cli("cancel", "c").returncode == 0
+        assert len(export(temporal, namespace, "mirror")) == 4
+    finally:
+        mirror.stop()
+        origin.kill()

@@ -1,4 +1,5 @@
-"""The control worker (`llmgw worker`): runs every workflow and the control-plane activities.
+"""The control worker (`llmgw worker`): runs the fleet's workflows and the control-plane activities.
+(`MirrorWorkflow` runs on the mirror worker, beside the mirror's directory: workers/mirror.py.)
 
 Several can run; Temporal shares the work. On start it makes sure the singleton reconciler is running
 (started with a conflict policy that returns the running one, so a second worker never starts another).
@@ -11,14 +12,13 @@ import logging
 
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from llmgw.activities.control import ControlActivities
 from llmgw.config import Settings
 from llmgw.db.engine import async_engine
 from llmgw.schemas.payloads import ReconcilerInput
 from llmgw.telemetry import ControlMetrics
-from llmgw.temporal import SearchAttributeCheck, connect
+from llmgw.temporal import SearchAttributeCheck, connect, workflow_runner
 from llmgw.workflows import attributes
 from llmgw.workflows.logs import ShardLogWorkflow
 from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID
@@ -28,14 +28,7 @@ from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
 
 log = logging.getLogger(__name__)
 WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, ShardLogWorkflow]
-
-
-def workflow_runner() -> SandboxedWorkflowRunner:
-    """The sandbox every workflow runs in, on the worker and in the replay tests alike. Pydantic and
-    OpenTelemetry pass through: payload models keep their identity, and spans made inside workflows reach
-    the process's tracer provider rather than a sandboxed no-op one."""
-    return SandboxedWorkflowRunner(
-        restrictions=SandboxRestrictions.default.with_passthrough_modules("pydantic", "opentelemetry"))
+__all__ = ["WORKFLOWS", "ensure_reconciler", "run_control_worker", "workflow_runner"]
 
 
 async def ensure_reconciler(client, settings: Settings, search_attributes: bool = False) -> None:

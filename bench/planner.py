@@ -1,0 +1,147 @@
+"""The planner at fleet scale: one reconcile pass's CPU time on synthetic fleets of 64 to 2,048 nodes.
+
+    .venv/bin/python bench/planner.py                  # 64 .. 2,048 nodes (about a minute)
+    .venv/bin/python bench/planner.py --sizes 64,128   # a quick look
+
+A pass is `plan_pass(snapshot)` plus writing out its explanations (every decision's line and refusals, what
+the `decide` activity saves for `llmgw ctl explain`), the work the activity does between reading the
+snapshot and saving; the database is not in it. Fleets come from `bench/fleets.py` (8-GPU nodes, N/2
+models of mixed tp 1/2/4/8, 3 replicas each, spread). Each figure is the fastest of `--repeat` runs (this
+machine is shared; the fastest run is the least disturbed). Growth is the exponent k in time ~ N^k: fitted
+over every size, and over the last doubling alone (where a quadratic part shows first). Rows:
+
+- no change: every model has what it wants; the pass decides `keep` for each.
+- place one: one replica of a tp-1 model is missing.
+- evict: a new tp-8 model at priority 5; no node has 8 free GPUs and only the spread tp-1/2/4 replicas
+  (priority 0) may be evicted, so the search goes through most of them.
+- snapshot: the snapshot's JSON size (what `read_snapshot` would carry through workflow history; the
+  `decide` activity keeps it out of history).
+- place many: an empty fleet and N/2 models wanting one replica each, every one placed in one pass
+  (`max_placements` = N/2); the row is the time per placement (every node is judged for each, since the
+  decision lists every node that could not take it), and placements per second are printed below.
+
+Targets (issue 10): no change <= 50 ms and evict <= 200 ms at 2,048 nodes x 1,024 models; growth <= 1.1
+for every series.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fleets  # noqa: E402
+
+from llmgw.placement.plan import plan_pass  # noqa: E402
+from llmgw.schemas.payloads import Snapshot  # noqa: E402
+
+TARGETS_MS = {"no change": 50.0, "evict": 200.0}  # at 2,048 nodes
+MAX_GROWTH = 1.1
+
+
+def timed_pass(snapshot: Snapshot, repeat: int, **kw) -> tuple[float, object]:
+    best = math.inf
+    plan = None
+    for _ in range(repeat):
+        gc.collect()
+        t = time.perf_counter()
+        plan = plan_pass(snapshot, **kw)
+        plan.explanations()
+        best = min(best, time.perf_counter() - t)
+    return best, plan
+
+
+def growth(sizes: list[int], values: list[float]) -> tuple[float, float]:
+    """(least-squares exponent over all sizes, exponent of the last doubling)."""
+    xs = [math.log(s) for s in sizes]
+    ys = [math.log(v) for v in values]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    fit = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    last = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return fit, last
+
+
+def measure(n: int, repeat: int) -> dict[str, float]:
+    snap = fleets.packed(n)
+    out: dict[str, float] = {}
+    t, plan = timed_pass(snap, repeat)
+    assert not plan.acts(), "the packed fleet should need nothing"
+    out["no change"] = t
+    one = next(i for i, r in enumerate(snap.replicas)
+               if next(m for m in snap.models if m.name == r.model).profiles[0].tp == 1)
+    t, plan = timed_pass(snap.model_copy(update={"replicas": snap.replicas[:one] + snap.replicas[one + 1:]}), repeat)
+    assert len(plan.of_kind("place")) == 1, plan.explanations()
+    out["place one"] = t
+    urgent = fleets.model(n, 8, replicas=1, priority=5, name="urgent")
+    t, plan = timed_pass(snap.model_copy(update={"models": [*snap.models, urgent]}), repeat)
+    assert plan.of_kind("evict"), plan.for_model("urgent")
+    out["evict"] = t
+    out["victims"] = len(plan.of_kind("evict"))
+    out["snapshot"] = len(snap.model_dump_json())
+    empty = fleets.empty(n, n // 2)
+    t, plan = timed_pass(empty, max(1, repeat // 2), max_placements=n)
+    placed = len(plan.of_kind("place"))
+    assert placed == n // 2, f"{placed} placed of {n // 2}"
+    out["place many"] = t
+    out["per placement"] = t / placed
+    out["placed"] = placed
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64,128,256,512,1024,2048", help="node counts, comma separated")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per figure; the fastest is kept")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        rows[n] = measure(n, args.repeat)
+        print(f"  measured {n} nodes", file=sys.stderr)
+
+    def ms(v: float) -> str:
+        return f"{v * 1e3:.1f} ms"
+
+    series = [("no change (N nodes x N/2 models)", "no change", ms),
+              ("place one", "place one", ms),
+              ("evict for one tp-8 model, replicas spread", "evict", ms),
+              ("snapshot size", "snapshot", lambda v: f"{v / 1024:.0f} KB"),
+              ("place N/2 in one pass (empty fleet): per placement", "per placement", ms)]
+    head = ["pass", *[f"{n:,} nodes" for n in sizes], "growth (fit / last x2)"]
+    table = [head]
+    failed = []
+    for label, key, fmt in series:
+        values = [rows[n][key] for n in sizes]
+        cells = [label, *[fmt(v) for v in values]]
+        if len(sizes) >= 2:
+            fit, last = growth(sizes, values)
+            cells.append(f"N^{fit:.2f} / N^{last:.2f}")
+            if max(fit, last) > MAX_GROWTH:
+                failed.append(f"{label}: growth N^{max(fit, last):.2f} > N^{MAX_GROWTH}")
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for i, r in enumerate(table):
+        print(" | ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            print("-+-".join("-" * w for w in widths))
+    big = max(sizes)
+    victims = ", ".join(str(int(rows[n]["victims"])) for n in sizes)
+    print(f"\nvictims chosen by the eviction pass: {victims}")
+    placed, took = rows[big]["placed"], rows[big]["place many"]
+    print(f"placements per second, {big:,}-node empty fleet: {placed / took:,.0f} "
+          f"({int(placed)} placed in one pass in {ms(took)})")
+    if big == 2048:
+        for key, limit in TARGETS_MS.items():
+            got = rows[big][key] * 1e3
+            if got > limit:
+                failed.append(f"{key} at 2,048 nodes: {got:.1f} ms > {limit:g} ms")
+    print("\ntargets: " + ("all met" if not failed else "NOT met: " + "; ".join(failed)))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,8 @@ cert_app = typer.Typer(no_args_is_help=True, help="llmgw's private CA and the no
 ctl_app.add_typer(cert_app, name="cert")
 keys_app = typer.Typer(no_args_is_help=True, help="Gateway API keys: create, list, revoke.")
 ctl_app.add_typer(keys_app, name="keys")
+nodes_app = typer.Typer(invoke_without_command=True, help="Nodes: list them (no command), or remove one.")
+ctl_app.add_typer(nodes_app, name="nodes")
 app.add_typer(mirror_app, name="mirror")
 app.add_typer(ctl_app, name="ctl")
 app.add_typer(db_app, name="db")
@@ -308,9 +310,11 @@ def progress_line(p: dict) -> str:
     return f"downloading {p['source']}: {got:.1f} MB so far"
 
 
-@ctl_app.command("nodes")
-def ctl_nodes():
+@nodes_app.callback()
+def ctl_nodes(ctx: typer.Context):
     """Nodes with status and inventory (GPUs, fabrics, disk)."""
+    if ctx.invoked_subcommand is not None:
+        return
     for n in _get("/admin/v1/nodes"):
         inv = n["inventory"]
         gpus = inv["gpus"]
@@ -326,11 +330,43 @@ def ctl_nodes():
                 typer.echo(f"    {note}")
 
 
+@nodes_app.command("remove")
+def nodes_remove(
+    node_id: str,
+    force: bool = typer.Option(False, "--force", help="Remove it even with live replicas (they are lost and rebuilt elsewhere)"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Remove without asking"),
+):
+    """Forget NODE now (a decommissioned machine), as happens by itself once it has been Lost for
+    LLMGW_NODE_FORGET_AFTER_S. Refused while replicas still run on it, unless --force."""
+    plan = _post(f"/admin/v1/nodes/{node_id}/remove", {"force": force, "dry_run": True})
+    typer.echo(f"  {plan['node_id']}  {plan['status']}")
+    for r in plan["live_replicas"]:
+        typer.echo(f"    live replica {r['id'][:8]} of {r['model']} ({r['status']})")
+    if plan["note"]:
+        typer.echo(f"  note: {plan['note']}")
+    if plan["live_replicas"] and not force:
+        typer.echo(f"not removed: node {node_id} still has {len(plan['live_replicas'])} live replica(s); stop them "
+                   "first (remove their models, or wait until the node is lost and they move), or pass --force to "
+                   "mark them lost and rebuild them elsewhere now", err=True)
+        raise typer.Exit(1)
+    if not yes and not typer.confirm("remove?"):
+        typer.echo("not removed")
+        raise typer.Exit(1)
+    out = _post(f"/admin/v1/nodes/{node_id}/remove", {"force": force})
+    lost = f"; {len(out['live_replicas'])} replica(s) on it are lost and rebuilt elsewhere" if out["live_replicas"] else ""
+    typer.echo(f"removed {node_id}{lost}")
+
+
 @ctl_app.command("explain")
 def ctl_explain(model: str):
     """Why the last reconcile pass did (or did not) place MODEL: every candidate turned down and why, and
     why each of its replicas is where it is."""
     out = _get(f"/admin/v1/explain/{model}")
+    failing = out.get("reconciler_failure")
+    if failing:
+        typer.echo(f"the reconciler's planner is failing (attempt {failing['attempt']}, at {failing['failed_at']}; "
+                   f"last good pass at {failing['last_pass_at'] or 'never'}), retrying with a newer snapshot:")
+        typer.echo(f"  {failing['failure']}")
     at = f" (pass at {out['decided_at']})" if out.get("decided_at") else ""
     if not out["decisions"]:
         typer.echo(f"{model}: no reconcile pass has decided anything about it yet")

@@ -26,8 +26,9 @@ def temporal_binary() -> str:
 
 class TemporalDevServer:
     def __init__(self, port: int, ui_port: int | None, db_file: Path | None, log_path: Path,
-                 namespaces: list[str] | None = None):
+                 namespaces: list[str] | None = None, dynamic_config: dict[str, str] | None = None):
         self.namespaces = namespaces or []
+        self.dynamic_config = dynamic_config or {}  # server settings, e.g. {"limit.historyCount.suggestContinueAsNew": "40"}
         self.port = port
         self.ui_port = ui_port
         self.db_file = db_file
@@ -49,6 +50,8 @@ class TemporalDevServer:
             argv += ["--db-filename", str(self.db_file)]
         for ns in self.namespaces:
             argv += ["--namespace", ns]
+        for key, value in self.dynamic_config.items():
+            argv += ["--dynamic-config-value", f"{key}={value}"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

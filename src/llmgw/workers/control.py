@@ -1,7 +1,11 @@
 """The control worker (`llmgw worker`): runs every workflow and the control-plane activities.
 
-Several can run; Temporal shares the work. On start it makes sure the singleton reconciler is running
-(started with a conflict policy that returns the running one, so a second worker never starts another).
+Several can run; Temporal shares the work. Every `reconciler_watch_s` it makes sure the singleton
+reconciler is running: started with a conflict policy that returns the running one (so a second worker
+never starts another), started again if it ever closed (completed, failed, terminated), and replaced if its
+workflow task keeps failing (a deploy that broke replay, a bug in workflow code). Replacing it is safe: the
+reconciler holds no state of its own (every pass reads a fresh snapshot; its children are abandoned, not
+cancelled, when it closes). docs/architecture.md, "Changing workflow code".
 """
 
 from __future__ import annotations
@@ -9,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from llmgw.activities.control import ControlActivities
+from llmgw.activities.decide import DecideActivities
 from llmgw.config import Settings
 from llmgw.db.engine import async_engine
 from llmgw.schemas.payloads import ReconcilerInput
@@ -35,23 +42,63 @@ def workflow_runner() -> SandboxedWorkflowRunner:
         restrictions=SandboxRestrictions.default.with_passthrough_modules("pydantic", "opentelemetry"))
 
 
-async def ensure_reconciler(client, settings: Settings) -> None:
+# A reconciler whose workflow task has been tried this many times without completing is wedged.
+WEDGED_ATTEMPTS = 3
+
+
+async def ensure_reconciler(client: Client) -> str | None:
+    """Start the reconciler unless it is running; replace it when its workflow task keeps failing.
+    Returns what was done ("started", "restarted after it was <status>", "replaced: ..."), None if nothing."""
+    handle = client.get_workflow_handle(RECONCILER_ID)
+    done = "started"
+    try:
+        desc = await handle.describe()
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+    else:
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            attempt = desc.raw_description.pending_workflow_task.attempt
+            if attempt < WEDGED_ATTEMPTS:
+                return None
+            done = f"replaced: its workflow task failed {attempt - 1} times (non-determinism after a deploy?)"
+            await handle.terminate(reason=f"replaced by the control worker: {done}")
+        else:
+            done = f"restarted after it was {desc.status.name.lower() if desc.status else 'closed'}"
     await client.start_workflow(
-        ReconcilerWorkflow.run, ReconcilerInput(interval_s=settings.reconcile_interval_s),
+        ReconcilerWorkflow.run, ReconcilerInput(),
         id=RECONCILER_ID, task_queue=CONTROL_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
+    return done
+
+
+async def watch_reconciler(client: Client, every_s: float, stop: asyncio.Event) -> None:
+    """`ensure_reconciler` now and every `every_s` seconds until `stop`; errors are logged, never fatal."""
+    while not stop.is_set():
+        try:
+            done = await ensure_reconciler(client)
+            if done == "started":
+                log.info("reconciler started")
+            elif done:
+                log.warning("reconciler %s", done)
+        except Exception:  # noqa: BLE001 - Temporal briefly away: the next round tries again
+            log.exception("could not check the reconciler")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every_s)
+        except asyncio.TimeoutError:
+            pass
 
 
 async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     engine = async_engine(settings.require_database_url())
     client = await connect(settings)
     acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s)
-    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all(),
+    decide = DecideActivities(engine, settings, acts.read_snapshot)
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all() + decide.all(),
                     workflow_runner=workflow_runner())
     try:
         async with worker:
-            await ensure_reconciler(client, settings)
-            log.info("control worker polling %s; reconciler running", CONTROL_QUEUE)
-            await stop.wait()
+            log.info("control worker polling %s", CONTROL_QUEUE)
+            await watch_reconciler(client, settings.reconciler_watch_s, stop)
     finally:
         await engine.dispose()

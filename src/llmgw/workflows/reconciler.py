@@ -1,15 +1,24 @@
 """`ReconcilerWorkflow`: the singleton loop that makes what runs match the catalog.
 
-Each pass reads a snapshot (activity), plans with the pure `plan_pass`, records its decisions for
-`llmgw ctl explain`, and starts child workflows (replica start/stop, abandoned on close so they outlive a
-continue-as-new): `place` starts a replica; `stop` and `evict` drain then stop one; `lost` and `cleanup`
-stop every shard of one that cannot serve. Woken by the `wake` signal (catalog changed, node registered,
-demand, replica failed or stopped) and by a timer. Continues as new every `MAX_PASSES` passes to keep its
-history short.
+Each pass runs the `decide` activity (snapshot, pure planner, decisions saved for `llmgw ctl explain`;
+`activities/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
+abandoned on close so they outlive a continue-as-new): `place` records a replica and starts it; `stop` and
+`evict` drain then stop one; `lost` and `cleanup` stop every shard of one that cannot serve. A pass that
+stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
+(catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
+settings each pass). After every pass, back-to-back ones included, the run continues as new when Temporal
+suggests it or after `MAX_PASSES` passes, to keep its history short.
+
+Runs started before `decide` existed planned inside workflow code (`_legacy_pass`). A run replaying such
+passes keeps them (the decisions were recorded), and moves to `decide` at the first pass it runs live: the
+patch id carries the pass number, because `workflow.patched` decides once per id and run, and one id
+would keep an old run on the old path until it continued as new. docs/architecture.md, "Changing workflow
+code", has the rule.
 """
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from datetime import timedelta
 
@@ -21,13 +30,15 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.placement.decisions import Decision, Plan
     from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
-        ReconcilerInput, RecordDecisionsInput, RecordPlacementInput, ReplicaStartInput, ReplicaStopInput, Snapshot,
+        DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, RecordPlacementInput,
+        ReplicaStartInput, ReplicaStopInput, Snapshot,
     )
     from llmgw.workflows import options
     from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
 
 MAX_PASSES = 100
+DECIDE_PATCH = "decide-in-activity"
 
 
 @workflow.defn(name="ReconcilerWorkflow")
@@ -35,6 +46,7 @@ class ReconcilerWorkflow:
     def __init__(self) -> None:
         self._wakes: list[str] = []
         self._last: list[str] = []
+        self._decides = False
 
     @workflow.signal
     def wake(self, reason: str) -> None:
@@ -42,35 +54,94 @@ class ReconcilerWorkflow:
 
     @workflow.query
     def last_pass(self) -> list[str]:
-        """The last pass's decisions, one line each."""
+        """The last pass's decisions that were not `keep`, one line each."""
         return self._last
+
+    def _decides_in_activity(self, pass_no: int) -> bool:
+        """True from this run's first pass under code that has `decide` (see the module docstring)."""
+        if not self._decides:
+            self._decides = workflow.patched(f"{DECIDE_PATCH}/{pass_no}")
+        return self._decides
 
     @workflow.run
     async def run(self, inp: ReconcilerInput) -> None:
-        for _ in range(MAX_PASSES):
+        passes = 0
+        while True:
             self._wakes.clear()
-            snapshot: Snapshot = await workflow.execute_activity(
-                "read_snapshot", result_type=Snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
-            )
-            plan = plan_pass(snapshot)
-            await self._act(plan, inp)
-            if plan.more:
+            if self._decides_in_activity(passes):
+                res = await self._pass(inp.passes + passes)
+                passes += 1
+                if passes >= MAX_PASSES or workflow.info().is_continue_as_new_suggested():
+                    break
+                more, interval_s = res.more, res.interval_s
+            else:
+                # The loop as it was: the history of a pre-`decide` pass records exactly these commands.
+                more, interval_s = await self._legacy_pass(inp), inp.interval_s
+                passes += 1
+                if more and passes >= MAX_PASSES:
+                    break
+            if more:
                 continue
             try:
-                await workflow.wait_condition(lambda: bool(self._wakes), timeout=timedelta(seconds=inp.interval_s))
+                await workflow.wait_condition(lambda: bool(self._wakes), timeout=timedelta(seconds=interval_s))
             except TimeoutError:
                 pass
-            if workflow.info().is_continue_as_new_suggested():
+            if workflow.info().is_continue_as_new_suggested() or passes >= MAX_PASSES:
                 break
-        workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + MAX_PASSES}))
+        workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + passes}))
 
-    async def _act(self, plan: Plan, inp: ReconcilerInput) -> None:
+    async def _pass(self, pass_no: int) -> DecideResult:
+        res: DecideResult = await workflow.execute_activity(
+            "decide", DecideInput(passes=pass_no), result_type=DecideResult, task_queue=CONTROL_QUEUE, **options.DECIDE,
+        )
+        self._last = res.lines
+        await asyncio.gather(*[self._carry_out(a, res) for a in res.actions])
+        return res
+
+    async def _carry_out(self, a: PassAction, res: DecideResult) -> None:
+        if a.kind == "place":
+            await workflow.execute_activity(
+                "record_placement",
+                RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",
+                                     shards=a.shards, reason=a.line),
+                task_queue=CONTROL_QUEUE, **options.CONTROL,
+            )
+            assert a.profile_spec is not None
+            await workflow.start_child_workflow(
+                ReplicaStartWorkflow.run,
+                ReplicaStartInput(replica_id=a.replica_id, model=a.model, profile=a.profile_spec, shards=a.shards,
+                                  ready_timeout_s=res.ready_timeout_s),
+                id=replica_start_id(a.replica_id), task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            )
+        else:
+            await self._start_stop(a.replica_id, ReplicaStopInput(
+                replica_id=a.replica_id, reason=a.reason, drain_timeout_s=res.drain_timeout_s if a.drain else 0,
+                final_status=a.final_status))
+
+    async def _start_stop(self, replica_id: str, inp: ReplicaStopInput) -> None:
+        try:
+            await workflow.start_child_workflow(
+                ReplicaStopWorkflow.run, inp, id=replica_stop_id(replica_id), task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            )
+        except WorkflowAlreadyStartedError:
+            pass  # already stopping
+
+    # ---- passes of runs started before `decide` (remove once none can be running) --------------------
+
+    async def _legacy_pass(self, inp: ReconcilerInput) -> bool:
+        snapshot: Snapshot = await workflow.execute_activity(
+            "read_snapshot", result_type=Snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
+        )
+        plan = plan_pass(snapshot, one_per_pass=True)
+        await self._legacy_act(plan, inp)
+        return plan.more
+
+    async def _legacy_act(self, plan: Plan, inp: ReconcilerInput) -> None:
         lines = [d.line() for d in plan.decisions]
         self._last = lines
         if plan.acts():
-            acting = [d.line() for d in plan.decisions if d.kind not in ("keep", "wait")]
-            workflow.logger.info("reconcile pass: %s", "; ".join(acting))
-            # A pass that does something is a span, with every decision and refusal (no-op when tracing is off).
             with warnings.catch_warnings():  # without the tracing interceptor this is a no-op that warns
                 warnings.simplefilter("ignore", DeprecationWarning)
                 otel.completed_span("reconcile pass", attributes={
@@ -81,11 +152,14 @@ class ReconcilerWorkflow:
         )
         for d in plan.decisions:
             if d.kind == "place":
-                await self._place(d, inp)
+                await self._legacy_place(d, inp)
             elif d.kind in ("stop", "evict", "lost", "cleanup"):
-                await self._stop(d, inp)
+                assert d.replica_id
+                await self._start_stop(d.replica_id, ReplicaStopInput(
+                    replica_id=d.replica_id, reason=d.reason, drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
+                    final_status=d.final_status))
 
-    async def _place(self, d: Decision, inp: ReconcilerInput) -> None:
+    async def _legacy_place(self, d: Decision, inp: ReconcilerInput) -> None:
         replica_id = str(workflow.uuid4())
         await workflow.execute_activity(
             "record_placement",
@@ -101,17 +175,3 @@ class ReconcilerWorkflow:
             id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
         )
-
-    async def _stop(self, d: Decision, inp: ReconcilerInput) -> None:
-        assert d.replica_id
-        try:
-            await workflow.start_child_workflow(
-                ReplicaStopWorkflow.run,
-                ReplicaStopInput(replica_id=d.replica_id, reason=d.reason,
-                                 drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
-                                 final_status=d.final_status),
-                id=replica_stop_id(d.replica_id), task_queue=CONTROL_QUEUE,
-                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-            )
-        except WorkflowAlreadyStartedError:
-            pass  # already stopping

@@ -10,7 +10,7 @@ import random
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
-from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
+from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.plan import backoff_delay
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
@@ -56,11 +56,8 @@ class ControlActivities:
 
     @activity.defn(name="record_placement")
     async def record_placement(self, inp: RecordPlacementInput) -> None:
-        """Create the replica (`starting`). Its reason is the full one its pass saved (`decide`: the line and
-        every refusal, kept out of workflow history), else `inp.reason`."""
         async with self.engine.begin() as conn:
-            reason = await reconciler_repo.placement_reason(conn, inp.replica_id) or inp.reason
-            await fleet_repo.create_replica(conn, inp.replica_id, inp.model, inp.profile, inp.shards, reason)
+            await fleet_repo.create_replica(conn, inp.replica_id, inp.model, inp.profile, inp.shards, inp.reason)
 
     @activity.defn(name="record_decisions")
     async def record_decisions(self, inp: RecordDecisionsInput) -> None:

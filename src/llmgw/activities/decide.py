@@ -26,7 +26,9 @@ from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.plan import plan_pass
-from llmgw.schemas.payloads import MAX_PASS_LINES, DecideInput, DecideResult, PassAction, Snapshot
+from llmgw.schemas.payloads import (
+    MAX_PASS_LINES, DecideInput, DecideResult, PassAction, RecordPlacementsInput, Snapshot,
+)
 
 log = logging.getLogger(__name__)
 ACTING = ("place", "stop", "evict", "lost", "cleanup")
@@ -43,7 +45,9 @@ def load_hook(spec: str | None) -> Hook | None:
 
 
 class DecideActivities:
-    """`read_snapshot` is the control activities' (one transaction: catalog, states, nodes, replicas)."""
+    """The reconciler's pass: `decide`, then `record_placements` for what it placed.
+
+    `read_snapshot` is the control activities' (one transaction: catalog, states, nodes, replicas)."""
 
     def __init__(self, engine: AsyncEngine, settings: Settings, read_snapshot: Callable[[], Awaitable[Snapshot]]):
         self.engine = engine
@@ -52,7 +56,7 @@ class DecideActivities:
         self.hook = load_hook(settings.planner_hook)
 
     def all(self) -> list:
-        return [self.decide]
+        return [self.decide, self.record_placements]
 
     @activity.defn(name="decide")
     async def decide(self, inp: DecideInput) -> DecideResult:
@@ -96,6 +100,16 @@ class DecideActivities:
             lines=lines[:MAX_PASS_LINES] + ([f"... and {len(lines) - MAX_PASS_LINES} more"] if len(lines) > MAX_PASS_LINES else []),
             interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
             drain_timeout_s=s.replica_drain_timeout_s)
+
+
+    @activity.defn(name="record_placements")
+    async def record_placements(self, inp: RecordPlacementsInput) -> None:
+        """Create every replica the pass placed (`starting`, one shard row per rank), in one transaction.
+        Idempotent on the replica ids. Each reason is the full one `decide` saved, else the decision's line."""
+        async with self.engine.begin() as conn:
+            for p in inp.placements:
+                reason = await reconciler_repo.placement_reason(conn, p.replica_id) or p.reason
+                await fleet_repo.create_replica(conn, p.replica_id, p.model, p.profile, p.shards, reason)
 
 
 def _action(d: Decision) -> PassAction:

@@ -31,7 +31,8 @@ class Decision(BaseModel):
     - `cleanup`: `replica_id` ended (`failed`/`lost`) and may have shards still running: stop every one,
       and count a failure against the model's backoff.
     - `refuse`: `model` needs a replica and nothing can take it; `refusals` give each candidate's reason.
-    - `wait`: `model` needs a replica but is held back (backoff, drains in progress, one placement per pass).
+    - `wait`: `model` needs a replica but is held back (backoff, drains in progress, evictions, the most
+      placements or evictions one pass makes).
     - `keep`: nothing to do for `model`; `reason` says what it has and why that is what it wants.
     """
 
@@ -68,7 +69,8 @@ class Decision(BaseModel):
 
 
 class Plan(BaseModel):
-    """A pass's decisions. `more` is True when the pass stopped early (one placement per pass)."""
+    """A pass's decisions. `more` is True when the pass stopped short (placements or evictions left for the
+    next pass, which then runs at once)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -8,10 +8,12 @@ docs/architecture.md, "How a replica starts"):
 - a node is Unreachable, then much later Lost (`placement.status`): an Unreachable node keeps its
   replicas (a blip must not tear down a serving replica), a Lost node's replicas are lost and rebuilt;
 - an ended replica not yet settled (a shard failed, a node came back without it) has every shard stopped;
-- at most one placement per pass, because placement depends on what is already allocated; models are
-  considered by priority, highest first;
+- models are considered by priority, highest first; every replica a model lacks is placed in the same pass
+  (up to `max_placements`), each accounted in the pass's view of the fleet (`placement.view`) before the
+  next is chosen, because placement depends on what is already allocated;
 - a model in failure backoff is held, and says so;
-- a model that cannot be placed may evict lower-priority replicas (`placement.preempt`);
+- a model that cannot be placed may evict lower-priority replicas (`placement.preempt`), for one model per
+  pass; the room that frees (or that replicas already draining free) is reserved for it in the view;
 - every model gets a line, so `llmgw ctl explain` always describes the latest pass.
 """
 

@@ -143,6 +143,12 @@ class RecordPlacementInput(_Strict):
     reason: str = ""
 
 
+class RecordPlacementsInput(_Strict):
+    """Every replica one pass placed, recorded in one transaction (`record_placements`)."""
+
+    placements: list[RecordPlacementInput] = Field(default_factory=list)
+
+
 class RecordDecisionsInput(_Strict):
     """The pass's decisions as text lines (what was done and every candidate turned down, and why)."""
 

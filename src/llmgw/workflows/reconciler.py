@@ -2,7 +2,8 @@
 
 Each pass runs the `decide` activity (snapshot, pure planner, decisions saved for `llmgw ctl explain`;
 `activities/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
-abandoned on close so they outlive a continue-as-new): `place` records a replica and starts it; `stop` and
+abandoned on close so they outlive a continue-as-new): `place` actions are recorded together
+(`record_placements`) and each replica started; `stop` and
 `evict` drain then stop one; `lost` and `cleanup` stop every shard of one that cannot serve. A pass that
 stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
 (catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
@@ -31,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
         DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, RecordPlacementInput,
-        ReplicaStartInput, ReplicaStopInput, Snapshot,
+        RecordPlacementsInput, ReplicaStartInput, ReplicaStopInput, Snapshot,
     )
     from llmgw.workflows import options
     from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id
@@ -95,17 +96,19 @@ class ReconcilerWorkflow:
             "decide", DecideInput(passes=pass_no), result_type=DecideResult, task_queue=CONTROL_QUEUE, **options.DECIDE,
         )
         self._last = res.lines
+        places = [a for a in res.actions if a.kind == "place"]
+        if places:  # one activity for all of them: a pass's placements start together
+            await workflow.execute_activity(
+                "record_placements", RecordPlacementsInput(placements=[
+                    RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",
+                                         shards=a.shards, reason=a.line) for a in places]),
+                task_queue=CONTROL_QUEUE, **options.CONTROL,
+            )
         await asyncio.gather(*[self._carry_out(a, res) for a in res.actions])
         return res
 
     async def _carry_out(self, a: PassAction, res: DecideResult) -> None:
         if a.kind == "place":
-            await workflow.execute_activity(
-                "record_placement",
-                RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",
-                                     shards=a.shards, reason=a.line),
-                task_queue=CONTROL_QUEUE, **options.CONTROL,
-            )
             assert a.profile_spec is not None
             await workflow.start_child_workflow(
                 ReplicaStartWorkflow.run,

@@ -37,6 +37,18 @@ class NodeUse:
     memory_mb: int = 0
     disk_mb: int = 0
     shards: int = 0
+    _held: str | None = field(default=None, repr=False, compare=False)  # `held()`, once written
+
+    def held(self) -> str:
+        """` (held: MODEL on 0,1; ...)` for the refusal texts ("" when no GPU is held). Written once: a use is
+        not changed after nodes have been judged against it (`FleetView` makes a new one)."""
+        if self._held is None:
+            by_model: dict[str, list[int]] = {}
+            for g, m in sorted(self.gpus.items()):
+                by_model.setdefault(m, []).append(g)
+            self._held = "" if not by_model else (
+                " (held: " + "; ".join(f"{m} on {','.join(map(str, gs))}" for m, gs in sorted(by_model.items())) + ")")
+        return self._held
 
 
 @lru_cache(maxsize=4096)
@@ -162,26 +174,17 @@ def fit_node(profile: Profile, node: NodeSnap, use: NodeUse | None = None) -> No
             def too_small() -> str:
                 small = sorted({g.memory_mb for g in inv.gpus})
                 return (f"needs {need} free GPU(s) with {profile.gpu_memory_gb:g} GB each; {len(big)} free "
-                        f"qualify (cards have {', '.join(_gb(m) for m in small)}){_held(use)}")
+                        f"qualify (cards have {', '.join(_gb(m) for m in small)}){use.held()}")
             return refuse(too_small)
         free = big
     if len(free) < need:
-        return refuse(lambda: f"needs {need} free GPU(s), {len(free)} of {len(inv.gpus)} free{_held(use)}")
+        return refuse(lambda: f"needs {need} free GPU(s), {len(free)} of {len(inv.gpus)} free{use.held()}")
     peers = {g.index: set(g.nvlink_peers) for g in inv.gpus} if need > 1 else {}  # one card needs no peers
     gpus, nvlink = pick_gpus([g.index for g in free], peers, need)
     return NodeFit(node, gpus, None, holds, nvlink, use.shards)
 
 
 _NO_USE = NodeUse()
-
-
-def _held(use: NodeUse) -> str:
-    if not use.gpus:
-        return ""
-    by_model: dict[str, list[int]] = {}
-    for g, m in sorted(use.gpus.items()):
-        by_model.setdefault(m, []).append(g)
-    return " (held: " + "; ".join(f"{m} on {','.join(map(str, gs))}" for m, gs in sorted(by_model.items())) + ")"
 
 
 def pick_gpus(free_indices: list[int], peers: dict[int, set[int]], count: int) -> tuple[list[int], bool | None]:

@@ -14,12 +14,13 @@ from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ShardPlacement
 
 
-def place_one(model: Model, view: FleetView) -> Decision:
+def place_one(model: Model, view: FleetView, explain: bool = True) -> Decision:
     """A `place` decision for one replica of `model`, or a `refuse` with every candidate's reason.
 
     `view` holds the nodes (status derived) and what already holds resources on each. The first profile
     that fits wins; a profile with `nodes` > 1 goes through the fabric planner. Refusal lines read
-    `PROFILE on NODE: why` (or `PROFILE on fabric F: why`).
+    `PROFILE on NODE: why` (or `PROFILE on fabric F: why`); with `explain` False the nodes' lines are left
+    out (a placement the eviction search only wants the shards and reason of).
     """
     if not view.nodes:
         return Decision(kind="refuse", model=model.name, reason="no node has registered")
@@ -27,7 +28,8 @@ def place_one(model: Model, view: FleetView) -> Decision:
     for profile in model.profiles:
         asks = fit_key(profile)
         fits = [view.fit(profile, n, asks) for n in view.nodes]
-        refusals += [f"{profile.name} on {f.node.id}: {f.reason}" for f in fits if not f.ok]
+        if explain:
+            refusals += [f"{profile.name} on {f.node.id}: {f.reason}" for f in fits if not f.ok]
         ok = [f for f in fits if f.ok]
         if profile.shard_count == 1:
             if ok:

@@ -70,7 +70,7 @@ def plan_eviction(model: Model, view: FleetView, live: list[ReplicaSnap], catalo
                 victims.remove(r)
             else:
                 probe.update(view.release([r]))
-        return Eviction(victims, place_one(model, view))
+        return Eviction(victims, place_one(model, view, explain=False))
     finally:
         probe.update(view.restore(victims))
 

@@ -52,13 +52,19 @@ class NodeUse:
 
 
 @lru_cache(maxsize=4096)
-def _cache_name(source: str) -> str:
-    return cache_name_for(source)  # a sha256 per source, not per node and trial
+def cache_name(source: str) -> str:
+    """`cache_name_for`, remembered: a sha256 per source, not per node and trial."""
+    return cache_name_for(source)
+
+
+@lru_cache(maxsize=1024)
+def _cards(sizes_mb: tuple[int, ...]) -> str:
+    return ", ".join(_gb(m) for m in sorted(set(sizes_mb)))
 
 
 def holds_weights(profile: Profile, node: NodeSnap) -> bool:
     """True when the node's cache already has the profile's source (by cache name, seeds 000)."""
-    return bool(profile.source) and _cache_name(profile.source) in node.inventory.cached_sources
+    return bool(profile.source) and cache_name(profile.source) in node.inventory.cached_sources
 
 
 def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profile],
@@ -172,9 +178,9 @@ def fit_node(profile: Profile, node: NodeSnap, use: NodeUse | None = None) -> No
         big = [g for g in free if g.memory_mb >= profile.gpu_memory_gb * 1024]
         if len(big) < need:
             def too_small() -> str:
-                small = sorted({g.memory_mb for g in inv.gpus})
+                cards = _cards(tuple(g.memory_mb for g in inv.gpus))
                 return (f"needs {need} free GPU(s) with {profile.gpu_memory_gb:g} GB each; {len(big)} free "
-                        f"qualify (cards have {', '.join(_gb(m) for m in small)}){use.held()}")
+                        f"qualify (cards have {cards}){use.held()}")
             return refuse(too_small)
         free = big
     if len(free) < need:

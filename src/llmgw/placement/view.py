@@ -9,7 +9,7 @@ one trial costs the victim's shards, not the fleet (issue 10, "Scale").
 
 from __future__ import annotations
 
-from llmgw.placement.fit import HOLDING, NodeFit, NodeUse, fit_node, holds_weights, node_use
+from llmgw.placement.fit import HOLDING, NodeFit, NodeUse, cache_name, fit_node, node_use
 from llmgw.schemas.catalog import Model, Profile
 from llmgw.schemas.payloads import NodeSnap, ReplicaSnap
 
@@ -50,7 +50,8 @@ class FleetView:
 
     def fit(self, profile: Profile, node: NodeSnap, asks: tuple | None = None) -> NodeFit:
         """`fit_node(profile, node, its use)`. `asks` is `fit_key(profile)`, when the caller has it."""
-        key = (node.id, asks or fit_key(profile), holds_weights(profile, node))
+        asks = asks or fit_key(profile)
+        key = (node.id, asks, asks[-1] is not None and asks[-1] in node.inventory.cached_sources)
         version = self._version.get(node.id, 0)
         hit = self._fits.get(key)
         if hit is not None and hit[0] == version:
@@ -85,6 +86,7 @@ class FleetView:
 
 
 def fit_key(profile: Profile) -> tuple:
-    """What `fit_node` reads from a profile, apart from whether the node holds its weights."""
+    """What `fit_node` reads from a profile, apart from whether the node holds its weights; last, the cache
+    name of its weights (or None), which tells that."""
     return (profile.name, profile.engine, profile.disk_gb, profile.memory_gb, profile.gpus_per_shard,
-            profile.gpu_memory_gb)
+            profile.gpu_memory_gb, cache_name(profile.source) if profile.source else None)

@@ -101,7 +101,6 @@ class DecideActivities:
             interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
             drain_timeout_s=s.replica_drain_timeout_s)
 
-
     @activity.defn(name="record_placements")
     async def record_placements(self, inp: RecordPlacementsInput) -> None:
         """Create every replica the pass placed (`starting`, one shard row per rank), in one transaction.

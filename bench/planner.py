@@ -7,8 +7,8 @@ A pass is `plan_pass(snapshot)` plus writing out its explanations (every decisio
 the `decide` activity saves for `llmgw ctl explain`), the work the activity does between reading the
 snapshot and saving; the database is not in it. Fleets come from `bench/fleets.py` (8-GPU nodes, N/2
 models of mixed tp 1/2/4/8, 3 replicas each, spread). Each figure is the CPU time of the process (not wall
-time: this machine is shared, and other processes' load would be counted) for the fastest of `--repeat`
-runs (more below 512 nodes, where a run takes a millisecond), the least disturbed one. Growth is the exponent k in time ~ N^k: fitted
+time: this machine is shared, and other processes' load would be counted) of the fastest of `--repeat`
+rounds, the least disturbed one; a round runs every size in turn (see `measure`). Growth is the exponent k in time ~ N^k: fitted
 over every size, and over the last doubling alone (where a quadratic part shows first). Rows:
 
 - no change: every model has what it wants; the pass decides `keep` for each.
@@ -45,16 +45,12 @@ TARGETS_MS = {"no change": 50.0, "evict": 200.0}  # at 2,048 nodes
 MAX_GROWTH = 1.1
 
 
-def timed_pass(snapshot: Snapshot, repeat: int, **kw) -> tuple[float, object]:
-    best = math.inf
-    plan = None
-    for _ in range(repeat):
-        gc.collect()
-        t = time.process_time()
-        plan = plan_pass(snapshot, **kw)
-        plan.explanations()
-        best = min(best, time.process_time() - t)
-    return best, plan
+def timed_pass(snapshot: Snapshot, **kw) -> tuple[float, object]:
+    gc.collect()
+    t = time.process_time()
+    plan = plan_pass(snapshot, **kw)
+    plan.explanations()
+    return time.process_time() - t, plan
 
 
 def growth(sizes: list[int], values: list[float]) -> tuple[float, float]:
@@ -67,44 +63,65 @@ def growth(sizes: list[int], values: list[float]) -> tuple[float, float]:
     return fit, last
 
 
-def measure(n: int, repeat: int) -> dict[str, float]:
-    repeat *= max(1, 512 // n)  # small fleets take a millisecond: more runs, so one quiet one is among them
+def scenarios(n: int) -> dict[str, tuple[Snapshot, dict]]:
+    """The fleets of one size: name -> (snapshot, plan_pass keywords)."""
     snap = fleets.packed(n)
-    out: dict[str, float] = {}
-    t, plan = timed_pass(snap, repeat)
-    assert not plan.acts(), "the packed fleet should need nothing"
-    out["no change"] = t
     one = next(i for i, r in enumerate(snap.replicas)
                if next(m for m in snap.models if m.name == r.model).profiles[0].tp == 1)
-    t, plan = timed_pass(snap.model_copy(update={"replicas": snap.replicas[:one] + snap.replicas[one + 1:]}), repeat)
-    assert len(plan.of_kind("place")) == 1, plan.explanations()
-    out["place one"] = t
     urgent = fleets.model(n, 8, replicas=1, priority=5, name="urgent")
-    t, plan = timed_pass(snap.model_copy(update={"models": [*snap.models, urgent]}), repeat)
-    assert plan.of_kind("evict"), plan.for_model("urgent")
-    out["evict"] = t
-    out["victims"] = len(plan.of_kind("evict"))
-    out["snapshot"] = len(snap.model_dump_json())
-    empty = fleets.empty(n, n // 2)
-    t, plan = timed_pass(empty, max(1, min(repeat, 10) // 3), max_placements=n)
-    placed = len(plan.of_kind("place"))
-    assert placed == n // 2, f"{placed} placed of {n // 2}"
-    out["place many"] = t
-    out["per placement"] = t / placed
-    out["placed"] = placed
-    return out
+    return {"no change": (snap, {}),
+            "place one": (snap.model_copy(update={"replicas": snap.replicas[:one] + snap.replicas[one + 1:]}), {}),
+            "evict": (snap.model_copy(update={"models": [*snap.models, urgent]}), {}),
+            "place many": (fleets.empty(n, n // 2), {"max_placements": n})}
+
+
+def check(name: str, n: int, plan) -> dict[str, float]:
+    """What each scenario must decide (else the figure measures something else), and what to report."""
+    if name == "no change":
+        assert not plan.acts(), "the packed fleet should need nothing"
+    elif name == "place one":
+        assert len(plan.of_kind("place")) == 1, plan.explanations()
+    elif name == "evict":
+        assert plan.of_kind("evict"), plan.for_model("urgent")
+        return {"victims": len(plan.of_kind("evict"))}
+    elif name == "place many":
+        assert len(plan.of_kind("place")) == n // 2, f"{len(plan.of_kind('place'))} placed of {n // 2}"
+        return {"placed": n // 2}
+    return {}
+
+
+def measure(sizes: list[int], rounds: int) -> dict[int, dict[str, float]]:
+    """The fastest run of every scenario over `rounds` rounds. A round goes over every size in turn, so a busy
+    minute on this shared machine slows one run of each size rather than every run of one size; fleets
+    under 512 nodes (a millisecond a run) get proportionally more runs per round, placing many (seconds at
+    2,048 nodes) one run every third round."""
+    built = {n: scenarios(n) for n in sizes}
+    rows: dict[int, dict[str, float]] = {n: {"snapshot": len(built[n]["no change"][0].model_dump_json())}
+                                         for n in sizes}
+    for r in range(rounds):
+        for n in sizes:
+            for name, (snap, kw) in built[n].items():
+                if name == "place many":
+                    runs = 1 if r % 3 == 0 else 0  # seconds at 2,048 nodes: every third round
+                else:
+                    runs = max(1, 512 // n)
+                for _ in range(runs):
+                    t, plan = timed_pass(snap, **kw)
+                    rows[n][name] = min(rows[n].get(name, math.inf), t)
+                    rows[n].update(check(name, n, plan))
+        print(f"  round {r + 1} of {rounds}", file=sys.stderr)
+    for n in sizes:
+        rows[n]["per placement"] = rows[n]["place many"] / rows[n]["placed"]
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="64,128,256,512,1024,2048", help="node counts, comma separated")
-    ap.add_argument("--repeat", type=int, default=5, help="runs per figure; the fastest is kept")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds; the fastest run of each figure is kept")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    rows: dict[int, dict[str, float]] = {}
-    for n in sizes:
-        rows[n] = measure(n, args.repeat)
-        print(f"  measured {n} nodes", file=sys.stderr)
+    rows = measure(sizes, args.repeat)
 
     def ms(v: float) -> str:
         return f"{v * 1e3:.1f} ms"

@@ -51,7 +51,8 @@ class FleetView:
     def fit(self, profile: Profile, node: NodeSnap, asks: tuple | None = None) -> NodeFit:
         """`fit_node(profile, node, its use)`. `asks` is `fit_key(profile)`, when the caller has it."""
         asks = asks or fit_key(profile)
-        key = (node.id, asks, asks[-1] is not None and asks[-1] in node.inventory.cached_sources)
+        weights = asks[-1]  # profiles that differ only in their weights ask the same of a node that holds neither
+        key = (node.id, asks[:-1], weights is not None and weights in node.inventory.cached_sources)
         version = self._version.get(node.id, 0)
         hit = self._fits.get(key)
         if hit is not None and hit[0] == version:

@@ -339,3 +339,31 @@ def test_a_model_waits_for_replicas_already_draining():
     plan = plan_pass(snapshot([high, *models], nodes, reps, states))
     assert not plan.of_kind("evict")
     assert "waiting for draining replica(s) r-old" in [d for d in plan.for_model("high")][0].reason
+
+
+def test_many_placements_match_placing_them_one_at_a_time_from_scratch():
+    # The pass reuses each node's judgement until the node changes; placing one replica at a time, each from
+    # a fresh view of the snapshot plus the placements before it, must decide exactly the same.
+    import random
+
+    from llmgw.placement.place import place_one
+    from llmgw.placement.view import FleetView
+
+    for seed in range(60):
+        rng = random.Random(seed)
+        nodes = [node(f"n{i}", gpus=rng.choice([1, 2, 4, 8]), peers={} if rng.random() < 0.5 else None,
+                      cached=[cache_name_for("mirror:w1")] if rng.random() < 0.3 else [])
+                 for i in range(rng.randint(1, 6))]
+        models = [model(f"m{i}", min=rng.randint(1, 3), tp=rng.choice([1, 2, 4]),
+                        source=rng.choice([None, "mirror:w1", "mirror:w2"])) for i in range(rng.randint(1, 5))]
+        held = [replica("r0", models[0].name, [(nodes[0].id, [0])])]
+        plan = plan_pass(snapshot(models, nodes, held))
+        placed = plan.of_kind("place")
+        cards = [(s.node_id, g) for d in placed for s in d.shards for g in s.gpus] + [(nodes[0].id, 0)]
+        assert len(cards) == len(set(cards)), (seed, plan.explanations())  # no card handed out twice
+        before: list = list(held)
+        for i, d in enumerate(placed):
+            fresh = place_one(next(m for m in models if m.name == d.model),
+                              FleetView(nodes, before, models))
+            assert (fresh.shards, fresh.refusals) == (d.shards, d.refusals), seed
+            before.append(replica(f"p{i}", d.model, [(s.node_id, s.gpus) for s in d.shards], status="starting"))

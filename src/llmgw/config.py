@@ -85,8 +85,9 @@ class Settings(BaseSettings):
     tracing: str = "off"
 
     # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
-    # The reconciler reads the first six every pass (its `decide` activity runs in the control worker), so
-    # a changed value takes effect at the next pass after the workers restart.
+    # The reconciler's `decide` activity takes these, and `reconcile_max_placements`, from the control
+    # worker's settings every pass (nothing is frozen into the workflow): a changed value takes effect at the
+    # first pass after the control workers restart with it.
     reconcile_interval_s: float = 10.0
     node_unreachable_after_s: float = 15.0
     node_lost_after_s: float = 300.0

@@ -43,11 +43,11 @@ class NodeUse:
         """` (held: MODEL on 0,1; ...)` for the refusal texts ("" when no GPU is held). Written once: a use is
         not changed after nodes have been judged against it (`FleetView` makes a new one)."""
         if self._held is None:
-            by_model: dict[str, list[int]] = {}
-            for g, m in sorted(self.gpus.items()):
-                by_model.setdefault(m, []).append(g)
+            by_model: dict[str, list[str]] = {}
+            for g in sorted(self.gpus):
+                by_model.setdefault(self.gpus[g], []).append(str(g))
             self._held = "" if not by_model else (
-                " (held: " + "; ".join(f"{m} on {','.join(map(str, gs))}" for m, gs in sorted(by_model.items())) + ")")
+                " (held: " + "; ".join(f"{m} on {','.join(by_model[m])}" for m in sorted(by_model)) + ")")
         return self._held
 
 

@@ -20,6 +20,7 @@ target: all 30 Ready within 5 s (it measured 4 after 3 s, 17 after 8 s, 30 after
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,8 +52,21 @@ def ready_count(cp: ControlPlane) -> int:
     return sum(1 for r in httpx.get(cp.admin + "/admin/v1/replicas", timeout=10).json() if r["status"] == "ready")
 
 
-def bring_up(cp: ControlPlane, models: int, timeout_s: float) -> tuple[float | None, dict[int, int], list[tuple[float, int]]]:
-    """(seconds until every replica was Ready or None, Ready count at each mark, the curve)."""
+def cpu_by_pid() -> dict[int, float]:
+    """CPU seconds (user + system) of every process this bench started, and theirs (engines included)."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def bring_up(cp: ControlPlane, models: int, timeout_s: float) -> tuple[float | None, dict[int, int], float]:
+    """(seconds until every replica was Ready or None, Ready count at each mark, CPU seconds the stack used)."""
+    before = cpu_by_pid()
     r = httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(models)}, timeout=30)
     r.raise_for_status()
     t0 = time.monotonic()
@@ -66,7 +81,8 @@ def bring_up(cp: ControlPlane, models: int, timeout_s: float) -> tuple[float | N
             break
         time.sleep(0.2)
     at = {m: max([n for t, n in curve if t <= m], default=0) for m in MARKS_S}
-    return done, at, curve
+    after = cpu_by_pid()
+    return done, at, sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
 
 def tear_down(cp: ControlPlane) -> None:
@@ -107,10 +123,14 @@ def main() -> None:
             tear_down(cp)
             worker.stop()
         print(f"\n{args.nodes} agents (one 80 GB GPU each), {args.nodes} one-GPU sim models applied at once\n")
-        print(f"{'reconciler':12s} {'all Ready':>10s} " + " ".join(f"{f'at {m} s':>7s}" for m in MARKS_S))
-        for label, (done, at, _) in results.items():
+        print(f"{'reconciler':12s} {'all Ready':>10s} " + " ".join(f"{f'at {m} s':>7s}" for m in MARKS_S)
+              + f" {'CPU used':>9s}")
+        for label, (done, at, cpu) in results.items():
             total = f"{done:.1f} s" if done is not None else "never"
-            print(f"{label:12s} {total:>10s} " + " ".join(f"{at[m]:>7d}" for m in MARKS_S))
+            print(f"{label:12s} {total:>10s} " + " ".join(f"{at[m]:>7d}" for m in MARKS_S) + f" {cpu:>7.1f} s")
+        cores = len(os.sched_getaffinity(0))
+        print(f"\nCPU used: by every process of the stack (Postgres, Temporal, server, worker, agents, engines) from "
+              f"the apply until all were Ready; with {cores} cores that alone takes at least CPU / {cores}.")
         new, old = results["per pass 64"][0], results["per pass 1"][0]
         if new and old:
             print(f"\nall Ready {old / new:.1f}x sooner than with one placement per pass; target <= 5 s: "

@@ -143,11 +143,13 @@ def _gb(mb: float) -> str:
     return f"{mb / 1024:.1f} GB"
 
 
-def fit_node(profile: Profile, node: NodeSnap, use: NodeUse | None = None) -> NodeFit:
-    """Judge `node` (its status already derived) for one shard of `profile`. Never raises."""
+def fit_node(profile: Profile, node: NodeSnap, use: NodeUse | None = None, holds: bool | None = None) -> NodeFit:
+    """Judge `node` (its status already derived) for one shard of `profile`. Never raises. `holds`:
+    whether the node holds the profile's weights, when the caller knows (else it is looked up)."""
     use = use or _NO_USE
     inv = node.inventory
-    holds = holds_weights(profile, node)
+    if holds is None:
+        holds = holds_weights(profile, node)
 
     def refuse(why: Callable[[], str]) -> NodeFit:
         return NodeFit(node, None, why, holds, load=use.shards)

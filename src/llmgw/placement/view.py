@@ -52,12 +52,13 @@ class FleetView:
         """`fit_node(profile, node, its use)`. `asks` is `fit_key(profile)`, when the caller has it."""
         asks = asks or fit_key(profile)
         weights = asks[-1]  # profiles that differ only in their weights ask the same of a node that holds neither
-        key = (node.id, asks[:-1], weights is not None and weights in node.inventory.cached_sources)
+        holds = weights is not None and weights in node.inventory.cached_sources
+        key = (node.id, asks[:-1], holds)
         version = self._version.get(node.id, 0)
         hit = self._fits.get(key)
         if hit is not None and hit[0] == version:
             return hit[1]
-        f = fit_node(profile, node, self.use.get(node.id))
+        f = fit_node(profile, node, self.use.get(node.id), holds)
         self._fits[key] = (version, f)
         return f
 

@@ -61,10 +61,11 @@ class DecideActivities:
     @activity.defn(name="decide")
     async def decide(self, inp: DecideInput) -> DecideResult:
         s = self.settings
+        forget_after_s = max(s.node_forget_after_s, s.node_lost_after_s)  # never a node that is not yet Lost
         async with self.engine.begin() as conn:
-            forgotten = await fleet_repo.forget_lost_nodes(conn, s.node_forget_after_s)
+            forgotten = await fleet_repo.forget_lost_nodes(conn, forget_after_s)
         for node_id in forgotten:
-            log.info("forgot node %s: lost for longer than %gs (node_forget_after_s)", node_id, s.node_forget_after_s)
+            log.info("forgot node %s: silent for longer than %gs (node_forget_after_s)", node_id, forget_after_s)
         snapshot = await self.read_snapshot()
         try:
             plan = plan_pass(snapshot, max_placements=s.reconcile_max_placements)

@@ -91,12 +91,21 @@ class Settings(BaseSettings):
     tracing: str = "off"
 
     # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
+    # The reconciler's `decide` activity takes these, and `reconcile_max_placements`, from the control
+    # worker's settings every pass (nothing is frozen into the workflow): a changed value takes effect at the
+    # first pass after the control workers restart with it.
     reconcile_interval_s: float = 10.0
     # A model whose start failed waits base·2^(n-1) seconds (±50 %, at most max) before the next start.
     start_backoff_base_s: float = 5.0
     start_backoff_max_s: float = 600.0
     node_unreachable_after_s: float = 15.0
     node_lost_after_s: float = 300.0
+    node_forget_after_s: float = 86400.0  # a node Lost this long is forgotten (with no live replica left)
+    replica_ready_timeout_s: float = 900.0  # a starting replica not ready by then has failed
+    replica_drain_timeout_s: float = 60.0  # a draining replica is stopped by then, requests in flight or not
+    reconcile_max_placements: int = 64  # per pass; a pass with more to place is followed by another at once
+    reconciler_watch_s: float = 5.0  # how often the control worker checks that the reconciler is running
+    planner_hook: str | None = None  # tests only: "module:function(snapshot, plan) -> plan", applied each pass
     route_refresh_s: float = 2.0
 
     # Gateway (docs/gateway.md). A request for a model that is loading waits `load_wait_s`, then gets 503

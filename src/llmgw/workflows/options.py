@@ -9,6 +9,12 @@ CONTROL = dict(
     start_to_close_timeout=timedelta(seconds=30),
     retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)),
 )
+# The reconciler's `decide`: snapshot, planner, saving the explanations. A failure (a planner bug, the
+# database away) is retried for as long as it takes, each attempt with a newer snapshot.
+DECIDE = dict(
+    start_to_close_timeout=timedelta(seconds=120),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+)
 # A node that never picks up its work is down: give up on it rather than wait forever.
 NODE_PICKUP = timedelta(seconds=60)
 FETCH = dict(

@@ -142,3 +142,15 @@ def test_snapshots_recorded_before_liveness_are_judged_by_heartbeats_alone():
     plan = plan_pass(s)
     assert plan.node_status == {"a": "lost", "b": "lost"} and plan.of_kind("lost")
     assert math.isfinite(witness_status(1, 1, 1, 1, 1, 2, 0).heartbeat_silent_s or 0)
+
+
+def test_only_nodes_judged_lost_by_both_witnesses_are_forgotten():
+    # decide forgets nodes the planner judges Lost and silent for node_forget_after_s (issue 10 + issue 9).
+    from llmgw.activities.decide import forgettable
+
+    s = fleet_snapshot(["a"], ["b"])
+    assert forgettable(s, LOST) == ["a"] and forgettable(s, 2000) == []
+    heard = s.model_copy(update={"nodes": [polled(s.nodes[0], 1), s.nodes[1]]})  # heartbeats silent, pollers not
+    assert forgettable(heard, LOST) == []
+    blind = fleet_snapshot(["a", "b"], [], [replica("r1", "m", [("a", [0])])])  # the observer is doubted
+    assert forgettable(blind, LOST) == []

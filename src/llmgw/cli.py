@@ -39,8 +39,12 @@ def setup_process(service: str, settings: Settings | None = None) -> Settings:
 
 
 def setup_logging(verbose: bool = False) -> None:
+    """Log lines to stderr, each made safe (security/logtext.py: outside text escaped, URL secrets redacted)."""
+    from llmgw.security.logtext import install
+
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install()
     for noisy in ("httpx", "httpcore", "temporalio.activity", "temporalio.workflow", "aiohttp.access", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -116,11 +120,22 @@ def dev(
 
 @app.command()
 def server(migrate: bool = typer.Option(True, help="Apply database migrations at start")):
-    """The gateway (OpenAI API), the admin API (loopback) and the node API."""
+    """The gateway (OpenAI API), the admin API (loopback) and, in a child process, the node API."""
     from llmgw.gateway.server import main as run_server
 
     settings = setup_process("llmgw-server")
     run_server(settings, migrate=migrate)
+    exit_now(0)
+
+
+@app.command("node-api")
+def node_api():
+    """The node API alone (`llmgw server` runs it in a child process; set LLMGW_NODE_API_PORT=0 there to
+    run it as a service of its own instead)."""
+    from llmgw.gateway.server import node_api_main
+
+    settings = setup_process("llmgw-node-api")
+    node_api_main(settings)
     exit_now(0)
 
 
@@ -168,14 +183,14 @@ def mirror_serve(
     port: Optional[int] = typer.Option(None, help="Port (default $LLMGW_MIRROR_PORT or 8082)"),
 ):
     """Serve weight files and version manifests."""
-    import uvicorn
-
+    from llmgw.serving import Listener, serve
     from llmgw.weights.mirror import create_mirror_app
 
     setup_logging()
     s = Settings()
-    uvicorn.run(create_mirror_app(directory or s.mirror_dir), host=s.host, port=port or s.mirror_port,
-                log_level="warning", access_log=False)
+    app = create_mirror_app(directory or s.mirror_dir)
+    _run(lambda stop: serve([Listener(app, s.host, port or s.mirror_port, "mirror", lifespan="off",
+                                      limits=s.listener_limits(64 << 10))], stop))
 
 
 @mirror_app.command("add")
@@ -197,10 +212,16 @@ def mirror_add(
 
 # ---- ctl ---------------------------------------------------------------------------------------------
 
-def _admin():
+def _admin(timeout: float = 30):
+    """An HTTP client for the admin API, sending its bearer token when there is one."""
     import httpx
 
-    return httpx.Client(base_url=Settings().resolved_admin_url, timeout=30)
+    from llmgw.security.admin_token import client_token
+
+    settings = Settings()
+    token = client_token(settings)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=settings.resolved_admin_url, timeout=timeout, headers=headers)
 
 
 def _fail(r) -> None:
@@ -397,9 +418,7 @@ def ctl_reclaim(collect: bool = typer.Option(False, "--collect", help="Ask each 
 
     Only files named like something llmgw fetched are considered; each node re-checks every path itself.
     """
-    import httpx
-
-    with httpx.Client(base_url=Settings().resolved_admin_url, timeout=600) as c:
+    with _admin(timeout=600) as c:
         r = c.post("/admin/v1/reclaim", json={"collect": collect})
     if r.status_code != 200:
         _fail(r)

@@ -99,6 +99,23 @@ class Settings(BaseSettings):
     breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...
     breaker_open_s: float = 10.0  # ... for this long, then one trial request decides
 
+    # Every listener (gateway, admin API, node API, mirror; serving.py, docs/security.md): a request's line
+    # and headers must arrive within `header_timeout_s` and be at most `max_header_bytes`; its body within
+    # `body_timeout_s`, at most `max_request_bytes` on the gateway (16 MiB on the admin and node APIs); a
+    # client that reads nothing of its answer for `send_timeout_s` is dropped; at most `max_connections`
+    # connections per listener (idle ones make way for new ones).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
+    max_header_bytes: int = 64 << 10
+    max_request_bytes: int = 64 << 20
+    max_connections: int = 4096
+
+    # The admin API's bearer token (`Authorization: Bearer ...`). Unset: `<state_dir>/admin.token`, created
+    # at the server's first start. Required whenever the admin API listens beyond loopback; `llmgw ctl`
+    # sends it (security/admin_token.py).
+    admin_token: str | None = None
+
     @field_validator("database_url")
     @classmethod
     def _driver(cls, v: str | None) -> str | None:
@@ -144,6 +161,19 @@ class Settings(BaseSettings):
         import socket
 
         return self.node_id or socket.gethostname()
+
+    def listener_limits(self, max_body_bytes: int | None = None):
+        """These settings as one listener's limits (serving.ListenerLimits)."""
+        from llmgw.serving import ListenerLimits
+
+        return ListenerLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                              send_timeout_s=self.send_timeout_s, max_header_bytes=self.max_header_bytes,
+                              max_body_bytes=max_body_bytes or self.max_request_bytes,
+                              max_connections=self.max_connections)
+
+    @property
+    def admin_token_path(self) -> Path:
+        return self.state_dir / "admin.token"
 
     @classmethod
     def from_file(cls, path: Path | None) -> "Settings":

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.gateway.errors import APIError, json_error
+from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.status import node_status
 from llmgw.schemas.api import (
@@ -23,8 +24,11 @@ from llmgw.security.api_keys import ApiKeyService
 from llmgw.temporal import LazyClient
 
 
-def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float):
-    app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None)
+def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float,
+                     token: str | None = None, require_token: bool = False):
+    """The admin API behind its guard (security/admin_guard.py): with `require_token`, every request
+    must carry `Authorization: Bearer <token>`."""
+    app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(CatalogError)
     async def _catalog_error(request: Request, exc: CatalogError):
@@ -131,7 +135,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             return json_error(APIError(404, f"no API key with id {key_id!r}", param="id", code="not_found"))
         return KeyView(**row)
 
-    return AdminGuard(app)
+    return AdminGuard(BoundedJSON(app), token, require_token)
 
 
 def _replica_view(r) -> ReplicaView:

@@ -63,7 +63,8 @@ class Gateway:
         self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s)
         self.upstream = Upstream(settings.upstream_timeout_s)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
-                           Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics)
+                           Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,
+                           max_body=settings.max_request_bytes)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:

@@ -76,7 +76,7 @@ def method_not_allowed(method: str, path: str, allow: str) -> APIError:
 
 
 def too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit // (1 << 20)} MiB", code="request_too_large")
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
 def overloaded(name: str, retry_after_s: int = 1) -> APIError:

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from llmgw.gateway.errors import APIError, json_error
 
 from llmgw.gateway.fleet_service import FleetService
+from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ def check_identity(request: Request, claimed: str, require: bool) -> None:
         raise identity_error(403, f"the client certificate is for node {cn!r}, but the request claims {claimed!r}")
 
 
-def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
+def create_node_api(fleet: FleetService, require_identity: bool):
+    """The node API's ASGI app; JSON bodies are bounded before they are parsed (gateway/jsonbody.py)."""
     app = FastAPI(title="llmgw node API", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -58,4 +60,4 @@ def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
         await fleet.shard_status(req)
         return {"ok": True}
 
-    return app
+    return BoundedJSON(app)

@@ -13,9 +13,11 @@ For each request:
 - the model's concurrency gate (gateway/admission.py), then least-outstanding balancing with a circuit
   breaker per endpoint (gateway/balancer.py); a replica that fails before anything reached the client
   (no connection, or a 502/503/504 answer) is replaced by another;
-- the answer is relayed chunk by chunk as it arrives (no buffering, no Content-Length), bytes untouched,
-  so multi-byte characters split across writes reach the client whole; an SSE stream always ends with
-  `data: [DONE]`, or with an error event if the engine broke off;
+- the answer keeps OpenAI's contract whatever the engine sends: a non-streaming request gets one JSON
+  body, read whole before its status is sent (an answer cut mid-body is a 502, never a short 200); a
+  streaming one gets well-formed events relayed as each completes (no Content-Length, bytes untouched, so
+  multi-byte characters split across writes reach the client whole) and exactly one `data: [DONE]`,
+  after an error event if the engine broke off (gateway/sse.py);
 - a client that disconnects cancels the request wherever it is (queued, loading, streaming), and the
   engine's connection is dropped, which cancels its work.
 """
@@ -36,21 +38,36 @@ from llmgw.gateway.demand import Demand
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
-    Receive, Send, engine_error, parse_request, read_body, send_error, sse_error,
+    MAX_BODY, Receive, Send, engine_error, parse_request, read_body, send_error, sse_error,
 )
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.sse import SSEFrames, StreamBroken
 from llmgw.gateway.upstream import ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout
 from llmgw.schemas.catalog import GuardPolicy
+from llmgw.security.logtext import printable
 from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
 GUARDED = ("/v1/chat/completions", "/v1/completions")
 MAX_HELD = 16 << 20  # an answer held for a response check
+MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
 SSE = b"text/event-stream"
-DONE = b"data: [DONE]\n\n"
+STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 RETRYABLE = (502, 503, 504)
 WATCH_AFTER_S = 0.05
+
+
+def _require_stream(resp: Response) -> None:
+    if not (resp.header(b"content-type") or b"").startswith(SSE):
+        raise errors.upstream_failed("it answered a streaming request without a stream")
+
+
+def looks_like_json(data: bytes) -> bool:
+    """A JSON object or array from its first to its last byte (a cheap check: an answer cut short, an
+    event stream or an HTML page fails it; the engine's JSON itself is the client's to read)."""
+    head, tail = data[:64].lstrip(), data[-64:].rstrip()
+    return head[:1] in (b"{", b"[") and tail[-1:] in (b"}", b"]")
 
 
 class _Exchange:
@@ -102,13 +119,14 @@ class Proxy:
     """The ASGI handler for POST /v1/chat/completions, /v1/completions and /v1/embeddings."""
 
     def __init__(self, routes: RouteTable, demand: Demand, gates: Gates, balancer: Balancer, upstream: Upstream,
-                 metrics: GatewayMetrics):
+                 metrics: GatewayMetrics, max_body: int = MAX_BODY):
         self.routes = routes
         self.demand = demand
         self.gates = gates
         self.balancer = balancer
         self.upstream = upstream
         self.metrics = metrics
+        self.max_body = max_body
         self.guard = Guard(self.call)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -120,7 +138,7 @@ class Proxy:
         counted = False
         try:
             path = scope["path"]
-            req_body = await read_body(receive)
+            req_body = await read_body(receive, self.max_body)
             req = parse_request(path, req_body)
             route = self.routes.resolve(req["model"])
             if route is None:
@@ -164,7 +182,7 @@ class Proxy:
         async def consume(resp: Response) -> tuple[int, float | None]:
             if policy is not None and "response" in policy.check:
                 return await self._send_judged(resp, route.model.name, policy, path, req, send, x), None
-            return await self._relay(resp, send, x, started)
+            return await self._relay(resp, req.get("stream") is True, send, x, started)
 
         return await self._exchange(route, path, req, body, consume)
 
@@ -272,62 +290,92 @@ class Proxy:
         waits = [w for w in (self.balancer.reopens_in(mr.endpoints, loop.time()) for mr in plan) if w is not None]
         raise errors.circuit_open(plan[0].model.name, max(1, math.ceil(min(waits, default=1.0))))
 
-    async def _relay(self, resp: Response, send: Send, x: _Exchange, started: float) -> tuple[int, float | None]:
-        """Relay the answer as it arrives. Returns (status, seconds to the first streamed byte or None)."""
-        ctype = resp.header(b"content-type") or b"application/json"
-        sse = ctype.startswith(SSE)
+    async def _relay(self, resp: Response, stream: bool, send: Send, x: _Exchange,
+                     started: float) -> tuple[int, float | None]:
+        """Relay the answer as the client-facing contract says (gateway/sse.py): a streaming request gets
+        well-formed events as they complete, a non-streaming one a single JSON body. Returns (status,
+        seconds to the first streamed byte or None)."""
+        if not stream:
+            data = await self._read_whole(resp, stream=False)
+            x.started = x.finished = True
+            await send({"type": "http.response.start", "status": resp.status, "headers": [
+                (b"content-type", resp.header(b"content-type") or b"application/json"),
+                (b"content-length", b"%d" % len(data))]})
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+            return resp.status, None
+        _require_stream(resp)
+        frames = SSEFrames()
         try:
             chunk = await resp.next_chunk()
         except UpstreamTimeout:
             raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
         except UpstreamBroken as exc:
             raise errors.upstream_failed(str(exc)) from None
-        headers = [(b"content-type", ctype)]
-        if sse:
-            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         x.started = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        ttft = time.perf_counter() - started if sse else None
-        tail = b""
+        await send({"type": "http.response.start", "status": resp.status, "headers": STREAM_HEADERS})
+        ttft = time.perf_counter() - started
         try:
             while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
-                tail = (tail + chunk[-32:])[-32:]
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                out = frames.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()
-        except UpstreamError as exc:
+            out = frames.feed(chunk)
+        except (UpstreamError, StreamBroken) as exc:
             err = (errors.upstream_timeout(self.upstream.read_timeout_s) if isinstance(exc, UpstreamTimeout)
                    else errors.upstream_failed(str(exc)))
-            log.warning("the engine broke off an answer mid-way: %s", exc)
             x.finished = True
-            await send({"type": "http.response.body", "body": sse_error(err) if sse else b"", "more_body": False})
+            resp.abort()
+            tail = frames.broken(sse_error(err))
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            if not tail:  # it had said [DONE]: what came after is not the client's concern
+                return resp.status, ttft
+            log.warning("the engine broke off an answer mid-way: %s", exc)
             raise err from None
         x.finished = True
-        tail = (tail + chunk[-32:])[-32:]
-        if sse and not tail.rstrip().endswith(b"data: [DONE]"):
-            chunk += DONE
-        await send({"type": "http.response.body", "body": chunk, "more_body": False})
+        tail = frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+        await send({"type": "http.response.body", "body": out + tail, "more_body": False})
+        if tail.startswith(b"data: {"):
+            log.warning("the engine's stream ended mid-event")
+            raise errors.upstream_failed("its stream ended mid-event")
         return resp.status, ttft
 
     async def _send_judged(self, resp: Response, label: str, policy: GuardPolicy, path: str, req: dict,
                            send: Send, x: _Exchange) -> int:
-        """Hold the whole answer, have the guard judge it, then send it (or the refusal)."""
-        ctype = resp.header(b"content-type") or b"application/json"
-        data = await self._read_held(resp)
-        messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, ctype.startswith(SSE))}]
+        """Hold the whole answer, have the guard judge it, then send it (or the refusal), under the same
+        contract as `_relay`."""
+        stream = req.get("stream") is True
+        data = await self._read_whole(resp, stream, MAX_HELD)
+        if stream:
+            frames = SSEFrames()
+            data = frames.feed(data)
+            data += frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+        messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
         await self._judge(label, policy, "response", messages, None)
         x.started = x.finished = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": [(b"content-type", ctype)]})
+        headers = STREAM_HEADERS if stream else [(b"content-type", resp.header(b"content-type") or b"application/json"),
+                                                 (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return resp.status
 
-    async def _read_held(self, resp: Response) -> bytes:
-        """A whole answer (up to MAX_HELD bytes), with engine failures as OpenAI errors (504/502)."""
+    async def _read_whole(self, resp: Response, stream: bool, limit: int = MAX_ANSWER) -> bytes:
+        """A whole answer (up to `limit` bytes) in the form the request asked for: one JSON body, or an
+        event stream; engine failures as OpenAI errors (504/502), so a body cut short is never a 200."""
+        if stream:
+            _require_stream(resp)
+        elif (resp.header(b"content-type") or b"").startswith(SSE):
+            raise errors.upstream_failed("it streamed an answer to a request that did not ask for a stream")
         try:
-            return await resp.read(MAX_HELD)
+            data = await resp.read_whole(limit)
         except UpstreamTimeout:
             raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
         except UpstreamBroken as exc:
             raise errors.upstream_failed(str(exc)) from None
+        if not stream and not looks_like_json(data):
+            log.warning("the engine's answer is not one JSON body: %s", printable(data, 300))
+            raise errors.upstream_failed("its answer is not one JSON body")
+        return data
 
     async def _judge(self, label: str, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None) -> None:
         try:
@@ -346,7 +394,7 @@ class Proxy:
             raise errors.model_not_found(model)
 
         async def consume(resp: Response) -> tuple[int, Any]:
-            data = await self._read_held(resp)
+            data = await self._read_whole(resp, stream=False, limit=MAX_HELD)
             try:
                 return resp.status, json.loads(data)
             except (ValueError, UnicodeDecodeError):

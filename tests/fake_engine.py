@@ -247,3 +247,67 @@ class FakeEngines:
 
     async def _busy503(self, request, body, kind):
         return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=503)
+
+
+class RawEngine:
+    """An engine written at the byte level, for what aiohttp would never send: a second answer after the
+    first, bytes on an idle kept-alive connection, informational (1xx) answers, a 1 MiB header. The
+    first path segment picks the behaviour; every answer's content is `answer(N)` where N counts requests."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.server: asyncio.AbstractServer | None = None
+        self.requests = 0
+        self.tasks: set[asyncio.Task] = set()
+
+    def url(self, behaviour: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{behaviour}"
+
+    async def start(self) -> "RawEngine":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    @staticmethod
+    def response(text: str, extra_headers: bytes = b"") -> bytes:
+        body = json.dumps(answer(text, {})).encode()
+        return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra_headers +
+                b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.tasks.add(task)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next((ln.split(b":", 1)[1] for ln in head.split(b"\r\n")
+                                   if ln.lower().startswith(b"content-length:")), b"0"))
+                await reader.readexactly(length)
+                behaviour = head.split(b" ", 2)[1].split(b"/")[1].decode()
+                self.requests += 1
+                mine = self.response(f"answer {self.requests}")
+                if behaviour == "extra":  # the answer, and at once another nobody asked for
+                    writer.write(mine + self.response("smuggled"))
+                elif behaviour == "late":  # the answer; a moment later, another on the idle connection
+                    writer.write(mine)
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+                    writer.write(self.response("smuggled"))
+                elif behaviour == "informational":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </s.css>\r\n\r\n" + mine)
+                elif behaviour == "bighead":
+                    writer.write(self.response("big", b"X-Big: " + b"a" * (1 << 20) + b"\r\n"))
+                else:
+                    writer.write(mine)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.tasks.discard(task)
+            writer.close()

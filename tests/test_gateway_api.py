@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from llmgw.dev.procs import free_port
-from tests.fake_engine import UTF8_TEXT, FakeEngines
+from tests.fake_engine import UTF8_TEXT, FakeEngines, RawEngine
 from tests.helpers import ControlPlane
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,16 @@ async def engines():
         await fe.close()
 
 
-def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0.1:9") -> dict:
+@pytest.fixture(scope="module")
+async def raw():
+    engine = await RawEngine().start()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0.1:9", raw: RawEngine | None = None) -> dict:
     sim_off = {"scaling": {"min": 0, "max": 0}, "profiles": [{"engine": "sim"}]}
     return {"models": [
         {"name": "echo", "aliases": ["echo-alias"], "endpoints": [e.url("echo")]},
@@ -58,6 +67,8 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "busy", "endpoints": [e.url("busy503"), e.url("echo")]},
         {"name": "fail500", "endpoints": [e.url("fail500")]},
         {"name": "refuse400", "endpoints": [e.url("refuse400")]},
+        *([{"name": f"raw-{b}", "endpoints": [raw.url(b)]} for b in ("extra", "late", "informational", "bighead")]
+          if raw else []),
         {"name": "held", "endpoints": [e.url("hold")], "limits": {"max_concurrency": 1, "max_queue": 4,
                                                                   "queue_timeout_s": 0.5}},
         {"name": "all-dead", "endpoints": [dead, dead2]},
@@ -72,7 +83,7 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
 
 
 @pytest.fixture(scope="module")
-async def gw(tmp_path_factory, module_database_url, engines):
+async def gw(tmp_path_factory, module_database_url, engines, raw):
     """The gateway's base URL; also `.cp` (the ControlPlane) and `.db` (its database URL)."""
     frozen = await engines.frozen()
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -83,12 +94,12 @@ async def gw(tmp_path_factory, module_database_url, engines):
     try:
         await asyncio.to_thread(cp.start, worker=False)
         async with aiohttp.ClientSession() as s:
-            async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(engines, frozen, dead, dead2)}) as r:
+            async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(engines, frozen, dead, dead2, raw)}) as r:
                 assert r.status == 200, await r.text()
             deadline = time.monotonic() + 10
             while True:  # the gateway reloads its routes on the catalog's change notification
                 async with s.get(cp.gateway + "/v1/models") as r:
-                    if len((await r.json())["data"]) == len(catalog(engines, frozen, dead, dead2)["models"]):
+                    if len((await r.json())["data"]) == len(catalog(engines, frozen, dead, dead2, raw)["models"]):
                         break
                 assert time.monotonic() < deadline, "the gateway never loaded the catalog"
                 await asyncio.sleep(0.05)
@@ -369,6 +380,33 @@ async def test_abusive_json_gets_400_naming_the_field(gw):
         wide = b'{"model": "echo", "input": [' + b",".join([b"{}"] * 200_000) + b"]}"  # 1.2 MB of objects
         async with s.post(gw.gateway + "/v1/embeddings", data=wide, headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400 and "objects and arrays" in (await r.json())["error"]["message"]
+
+
+# ---- the upstream client ---------------------------------------------------------------------------
+
+async def test_an_answer_nobody_asked_for_never_becomes_the_next_requests(gw):
+    """`raw-extra` sends a second answer right after the first; `raw-late` sends one on the idle
+    kept-alive connection. Neither ever reaches a client: each request gets its own answer."""
+    for model in ("raw-extra", "raw-late"):
+        texts = []
+        for _ in range(3):
+            status, _, out = await post(gw, "/v1/chat/completions", chat(model))
+            assert status == 200, out
+            texts.append(out["choices"][0]["message"]["content"])
+            await asyncio.sleep(0.4)  # (`late`: the unasked answer arrives while the connection is pooled)
+        assert not any("smuggled" in t for t in texts), (model, texts)
+
+
+async def test_informational_answers_are_skipped(gw):
+    """100 Continue and 103 Early Hints before the answer: the client gets the 200 that follows."""
+    status, _, out = await post(gw, "/v1/chat/completions", chat("raw-informational"))
+    assert status == 200, out
+    assert out["choices"][0]["message"]["content"].startswith("answer ")
+
+
+async def test_an_answer_with_oversized_headers_is_a_502(gw):
+    status, _, out = await post(gw, "/v1/chat/completions", chat("raw-bighead"))
+    assert status == 502 and assert_envelope(out, status)["code"] == "engine_error", out
 
 
 # ---- routing ---------------------------------------------------------------------------------------

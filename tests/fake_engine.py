@@ -239,7 +239,9 @@ class FakeEngines:
         return web.json_response(answer("unsafe\nS1" if "forbidden" in said else "safe", body))
 
     async def _fail500(self, request, body, kind):
-        return web.Response(status=500, text="Internal Server Error\nTraceback (most recent call last): ...")
+        return web.Response(status=500, text="Internal Server Error\nTraceback (most recent call last): ...\n"
+                            "FORGED 2099-01-01 INFO llmgw: all is well \x1b[2J fetched https://bucket.example/w.gguf"
+                            "?X-Amz-Signature=SECRET-SIG")
 
     async def _refuse400(self, request, body, kind):
         return web.json_response({"object": "error", "message": "max_tokens is too large", "type": "BadRequestError",

@@ -77,6 +77,16 @@ def test_abusive_json_gets_400_not_500(cp):
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_chunked_body_over_the_limit_is_cut_off_with_413(cp):
+    """The admin API's app reads a body whole; the listener stops a chunked one at 16 MiB."""
+    def chunks():
+        for _ in range(17):
+            yield b"a" * (1 << 20)
+    r = httpx.post(cp.admin + "/admin/v1/catalog", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
 def test_beyond_loopback_every_request_needs_the_token_and_ctl_sends_it(tmp_path, database_url):
     plane = ControlPlane(tmp_path, database_url, f"127.0.0.1:{free_port()}", LLMGW_ADMIN_HOST="0.0.0.0")
     try:

@@ -285,6 +285,16 @@ async def test_engine_failures_become_envelopes_with_the_right_status(gw):
     assert err["message"] == "max_tokens is too large" and err["param"] == "max_tokens"
 
 
+async def test_engine_text_reaches_the_log_escaped_and_without_url_secrets(gw):
+    """An engine's 500 body (logged, never sent to the client) cannot forge log lines or leak a signed
+    URL's token: newlines and escape sequences are written as escapes, the query string is redacted."""
+    await post(gw, "/v1/chat/completions", chat("fail500"))
+    log = next(p for p in gw.procs if p.name == "server").log()
+    assert "FORGED 2099-01-01" in log and "https://bucket.example/w.gguf?<redacted>" in log
+    assert not any(line.startswith("FORGED") for line in log.splitlines())
+    assert "SECRET-SIG" not in log and "\x1b" not in log
+
+
 async def test_frozen_engine_gets_504_within_the_timeout_and_spares_the_others(gw):
     async def frozen():
         t0 = time.monotonic()

@@ -43,9 +43,9 @@ async def engines():
         await fe.close()
 
 
-async def start_gateway(cp: ControlPlane, models: list[dict]) -> ControlPlane:
+async def start_gateway(cp: ControlPlane, models: list[dict], mirror: bool = False) -> ControlPlane:
     """Start the server (no worker, no Temporal needed) and wait until it routes every model."""
-    await asyncio.to_thread(cp.start, worker=False)
+    await asyncio.to_thread(cp.start, worker=False, mirror=mirror)
     async with aiohttp.ClientSession() as s:
         async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": models}}) as r:
             assert r.status == 200, await r.text()
@@ -67,7 +67,7 @@ async def gw(tmp_path_factory, module_database_url, engines):
     try:
         yield await start_gateway(cp, [{"name": "echo", "endpoints": [engines.url("echo")]},
                                        {"name": "firehose", "endpoints": [engines.url("firehose")]},
-                                       {"name": "slowstream", "endpoints": [engines.url("cancel")]}])
+                                       {"name": "slowstream", "endpoints": [engines.url("cancel")]}], mirror=True)
     finally:
         await asyncio.to_thread(cp.stop)
 
@@ -84,7 +84,8 @@ async def until_closed(reader: asyncio.StreamReader, timeout_s: float = 30) -> b
 
 async def test_half_open_and_silent_connections_are_closed_by_the_header_deadline(gw):
     """300 connections: half say nothing, half send half a request. All are closed after the header
-    deadline; those that began a request are told 408."""
+    deadline; those that began a request are told 408. The admin API's and the mirror's listeners too."""
+    others = [await asyncio.open_connection("127.0.0.1", gw.ports[name]) for name in ("admin", "mirror")]
     conns = [await asyncio.open_connection("127.0.0.1", gw.ports["gateway"]) for _ in range(300)]
     for i, (_, w) in enumerate(conns):
         if i % 2:
@@ -97,6 +98,18 @@ async def test_half_open_and_silent_connections_are_closed_by_the_header_deadlin
             assert data == b""
     for _, w in conns:
         w.close()
+    for r, w in others:
+        assert await until_closed(r) == b""
+        w.close()
+    # The same for half a request on a kept-alive connection, after one that was answered.
+    r, w = await asyncio.open_connection("127.0.0.1", gw.ports["gateway"])
+    w.write(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 20)
+    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    await r.readexactly(length)
+    w.write(b"GET /healthz HTTP/1.1\r\nHost: gat")
+    assert (await until_closed(r)).startswith(b"HTTP/1.1 408 ")
+    w.close()
 
 
 async def test_a_body_that_does_not_arrive_in_time_gets_408(gw):

@@ -73,6 +73,9 @@ def parse_source(source: str | None, mirror_url: str | None = None) -> Source:
 def cache_name_for(source: str) -> str:
     """`<sha256(source)[:32]>-<last segment>`: stable, computable from the catalog, safe as a file name."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:32]
-    tail = source.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+    # The tail comes from the URL's path only: a signed URL's query string carries its token, which must
+    # not end up in file names (and so in paths, engine command lines and logs).
+    path = urlsplit(source).path if "://" in source else source
+    tail = path.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
     tail = re.sub(r"[^A-Za-z0-9._-]", "_", tail)[:80].lstrip(".") or "weights"
     return f"{digest}-{tail}"

@@ -7,8 +7,9 @@ connections or stall the event loop (docs/security.md, "Listeners"):
 - a **header deadline**: a connection must deliver a request's line and headers within `header_timeout_s`
   of connecting (or of that request's first byte, on a kept-alive connection); else 408 and close;
 - a **body deadline**: the body must arrive within `body_timeout_s` of the headers; else 408 and close;
-- a **header size cap**: at most `max_header_bytes` of request line and headers, counted *before* they
-  reach the parser (httptools concatenates header pieces, which is quadratic); else 431 and close;
+- a **header size cap**: at most `max_header_bytes` of request line and headers, counted over the reads
+  they arrive in (httptools joins a header's pieces from one read to the next, which is quadratic: the
+  cap stops it after `max_header_bytes` plus one read); else 431 and close;
 - a **body size cap**: a `Content-Length` above `max_body_bytes` is refused before the body is read, and a
   chunked body is cut off as soon as it passes it; 413 in the OpenAI error envelope;
 - a **send deadline**: a client that reads nothing of its answer for `send_timeout_s` is dropped, which
@@ -85,8 +86,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None  # the header or the body deadline (never both)
         self._send_timer: asyncio.TimerHandle | None = None
         self._in_head = True  # the next bytes belong to a request line or headers
+        self._head_begun = False  # ... and the request has begun
+        self._fresh_head = False  # ... in the read being parsed
         self._head_bytes = 0
-        self._tail = b""  # the last bytes of the head so far: its end may be split across reads
         self._body_bytes = 0
         self._idle_since = 0.0
         self._refused = False  # answered and closing: the parser's remaining callbacks are ignored
@@ -127,23 +129,26 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._in_head:
-            buf = self._tail + data
-            end = min((i for i in (buf.find(b"\r\n\r\n"), buf.find(b"\n\n")) if i >= 0), default=-1)
-            self._head_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._tail))
-            if self._head_bytes > self.limits.max_header_bytes:
-                self._refuse(HEADERS_431, linger=True)
-                return
-            self._tail = buf[-3:]
+        self._fresh_head = False
         super().data_received(data)
-        if self._refused or self.parser is None or self.transport.is_closing():
+        if self._refused:
             return
-        if self._timer is None:
-            if self._in_head:
-                if self._head_bytes:  # half a request: the rest must follow in time
-                    self._arm(self.limits.header_timeout_s)
-            elif self.cycle is not None and self.cycle.more_body and not self.cycle.response_complete:
-                self._arm(self.limits.body_timeout_s)
+        if self._in_head:
+            # Counted across reads: within one read httptools joins nothing, so only the reads a head is
+            # spread over make its cost grow; a head that began in this read is counted from the next.
+            if not self._fresh_head:
+                self._head_bytes += len(data)
+                if self._head_bytes > self.limits.max_header_bytes:
+                    self._refuse(HEADERS_431, linger=True)
+                    return
+            if self._head_begun and self._timer is None:  # half a request: the rest must follow in time
+                self._arm(self.limits.header_timeout_s)
+        elif self._timer is None and self.cycle is not None and self.cycle.more_body and not self.cycle.response_complete:
+            self._arm(self.limits.body_timeout_s)
+
+    def on_message_begin(self) -> None:
+        self._head_begun = self._fresh_head = True
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         if self._refused:
@@ -170,8 +175,9 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         self._cancel()
         self._in_head = True
+        self._head_begun = False
+        self._fresh_head = True  # this read's bytes belonged to this message: the next head counts from the next
         self._head_bytes = self._body_bytes = 0
-        self._tail = b""
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -201,7 +207,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if self._in_head and not self._head_bytes:
+        if self._in_head and not self._head_begun:
             self.transport.close()  # connected and said nothing: nobody to answer
             return
         self._refuse(TIMEOUT_408)

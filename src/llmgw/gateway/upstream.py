@@ -101,7 +101,7 @@ class Response(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.pooled = False  # in the pool: any byte arriving now is not an answer to anything
-        self.fd = -1
+        self.poller = None  # a select.poll() on the socket, once connected
         self._reset()
 
     def _reset(self) -> None:
@@ -124,8 +124,9 @@ class Response(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            self.fd = sock.fileno()
             keepalive(sock)
+            self.poller = select.poll()  # registered once: `has_unread` is then one poll(2) per reuse
+            self.poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         if self.pooled:  # nobody asked: the connection cannot be trusted with the next request
@@ -235,11 +236,7 @@ class Response(asyncio.Protocol):
 
     def has_unread(self) -> bool:
         """Bytes (or an end of stream) wait on the socket while nothing was asked: not reusable."""
-        if self.fd < 0:
-            return False
-        poller = select.poll()
-        poller.register(self.fd, select.POLLIN)
-        return bool(poller.poll(0))
+        return bool(self.poller.poll(0)) if self.poller is not None else False
 
     async def _send(self, head: bytes, body: bytes) -> None:
         assert self.transport is not None

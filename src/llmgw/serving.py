@@ -85,6 +85,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.limits: ListenerLimits = getattr(config, "listener_limits", None) or ListenerLimits()
         self._timer: asyncio.TimerHandle | None = None  # the header or the body deadline (never both)
         self._send_timer: asyncio.TimerHandle | None = None
+        self._paused_at: float | None = None  # when writing was last paused (the client not reading)
         self._in_head = True  # the next bytes belong to a request line or headers
         self._head_begun = False  # ... and the request has begun
         self._fresh_head = False  # ... in the read being parsed
@@ -236,18 +237,23 @@ class GuardedProtocol(HttpToolsProtocol):
     # ---- writing ------------------------------------------------------------------------------------
     def pause_writing(self) -> None:
         super().pause_writing()
+        self._paused_at = self.loop.time()
         if self._send_timer is None:
             self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_expired)
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self._paused_at = None  # (the timer stays: a stream pauses and resumes often, re-arming would cost)
 
     def _send_expired(self) -> None:
         """The client read nothing for `send_timeout_s`: drop it (the app sees a disconnect)."""
         self._send_timer = None
+        if self._paused_at is None:
+            return
+        left = self._paused_at + self.limits.send_timeout_s - self.loop.time()
+        if left > 0:  # paused again since: wait for the rest
+            self._send_timer = self.loop.call_later(left, self._send_expired)
+            return
         self.transport.abort()
 
 

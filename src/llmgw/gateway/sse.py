@@ -38,6 +38,9 @@ class SSEFrames:
 
     def feed(self, chunk: bytes) -> bytes:
         """The complete, well-formed events that `chunk` completes (possibly b"")."""
+        if (not self.pending and chunk.endswith(b"\n\n") and chunk.startswith(b"data:") and not self.done
+                and b"[DONE]" not in chunk and chunk.count(b"\n") == 2 * chunk.count(b"\n\ndata:") + 2):
+            return chunk  # whole single-line data events, as engines write them: relayed as they are
         if self.done:
             return b""
         buf = self.pending + chunk if self.pending else chunk

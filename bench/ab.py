@@ -38,8 +38,9 @@ async def latency(urls: dict[str, str], procs: dict[str, psutil.Process], n: int
                 await one(s, u, body)
         times: dict[str, list[float]] = {k: [] for k in urls}
         cpu0 = {k: cpu_s(p) for k, p in procs.items()}
-        for _ in range(n):
-            for k, u in urls.items():
+        order = list(urls.items())
+        for i in range(n):  # direct, A, B, then B, A, direct: whoever goes first is not favoured
+            for k, u in (order if i % 2 == 0 else order[::-1]):
                 times[k].append(await one(s, u, body))
         cpu = {k: (cpu_s(p) - cpu0[k]) / n * 1e6 for k, p in procs.items()}
     return {k: {"p50": pct(v, .5) * 1e3, "p99": pct(v, .99) * 1e3, "cpu_us": cpu.get(k)} for k, v in times.items()}
@@ -77,7 +78,8 @@ def main() -> None:
     ap.add_argument("--baseline-src", required=True, help="the `src` directory of the baseline llmgw")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--seconds", type=float, default=3.0, help="per throughput segment (4 per gateway)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="per throughput segment")
+    ap.add_argument("--segments", type=int, default=8, help="throughput segments per gateway, alternating")
     ap.add_argument("--stream-tokens", type=int, default=20000)
     ap.add_argument("--gateway-cpu", type=int, default=0)
     args = ap.parse_args()
@@ -136,14 +138,14 @@ def main() -> None:
         lat = asyncio.run(latency({"direct": f"http://127.0.0.1:{eport}/v1/chat/completions", **urls}, gw,
                                   args.requests))
         thr = {k: [0, 0.0] for k in urls}
-        for _ in range(4):
-            for k in urls:
+        for i in range(args.segments):  # A B B A A B ...
+            for k in (("A", "B") if i % 2 == 0 else ("B", "A")):
                 done, cpu = asyncio.run(throughput(urls[k], gw[k], args.concurrency, args.seconds))
                 thr[k][0] += done
                 thr[k][1] += cpu
         st = {k: [0, 0.0] for k in urls}
-        for _ in range(2):
-            for k in urls:
+        for i in range(2):
+            for k in (("A", "B") if i % 2 == 0 else ("B", "A")):
                 ev, cpu = asyncio.run(stream(urls[k], gw[k], args.stream_tokens))
                 st[k][0] += ev
                 st[k][1] += cpu
@@ -158,16 +160,16 @@ def main() -> None:
     print(f"A = {args.baseline_src}, B = this tree; both gateways on cpu {args.gateway_cpu}; "
           f"load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     d = lat["direct"]
-    print(f"latency, one request at a time, {args.requests} each, interleaved direct/A/B:")
+    print(f"latency, one request at a time, {args.requests} each, interleaved direct/A/B and B/A/direct:")
     print(f"  direct  p50 {d['p50']:.3f} ms  p99 {d['p99']:.3f} ms")
     for k in urls:
         v = lat[k]
         print(f"  {k}       p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms  added p50 {v['p50'] - d['p50']:.3f} ms  "
               f"p99 {v['p99'] - d['p99']:.3f} ms  CPU {v['cpu_us']:.0f} us/request")
-    print(f"throughput, {args.concurrency} concurrent, 4 alternating segments of {args.seconds:g}s each:")
+    print(f"throughput, {args.concurrency} concurrent, {args.segments} alternating segments of {args.seconds:g}s each:")
     for k in urls:
         done, cpu = thr[k]
-        print(f"  {k}  {done / (4 * args.seconds):.0f} req/s  CPU {cpu / done * 1e6:.0f} us/request "
+        print(f"  {k}  {done / (args.segments * args.seconds):.0f} req/s  CPU {cpu / done * 1e6:.0f} us/request "
               f"= {done / cpu:.0f} req/s per gateway core")
     print(f"streaming, 2 alternating streams of {args.stream_tokens} tokens each:")
     for k in urls:

@@ -217,7 +217,7 @@ async def test_slow_and_oversized_clients_do_not_move_the_p99_of_well_behaved_on
 
 async def test_at_the_connection_limit_idle_connections_make_way_and_busy_ones_do_not(
         tmp_path_factory, module_database_url, engines):
-    """`max_connections` 8: eight idle connections do not keep a ninth client out (the longest idle is
+    """`max_connections` 8: eight idle connections do not keep a ninth client out (the oldest idle one is
     closed for it); eight requests in progress do (503 `too_many_connections`), and none of them is cut."""
     cp = ControlPlane(tmp_path_factory.mktemp("connlimit"), module_database_url, f"127.0.0.1:{free_port()}",
                       LLMGW_MAX_CONNECTIONS="8")

@@ -14,7 +14,7 @@ connections or stall the event loop (docs/security.md, "Listeners"):
   chunked body is cut off as soon as it passes it; 413 in the OpenAI error envelope;
 - a **send deadline**: a client that reads nothing of its answer for `send_timeout_s` is dropped, which
   cancels the request (an engine slot is never held by a client that stopped reading);
-- a **connection limit**: at `max_connections`, a new connection closes the longest-idle one that has no
+- a **connection limit**: at `max_connections`, a new connection closes the oldest one that has no
   request in progress (idle keep-alive, or still sending its headers); if every one is busy, the new one
   gets 503 and is closed.
 
@@ -91,13 +91,13 @@ class GuardedProtocol(HttpToolsProtocol):
         self._fresh_head = False  # ... in the read being parsed
         self._head_bytes = 0
         self._body_bytes = 0
-        self._idle_since = 0.0
+        self._opened_at = 0.0
         self._refused = False  # answered and closing: the parser's remaining callbacks are ignored
 
     # ---- connections ----------------------------------------------------------------------------
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._idle_since = self.loop.time()
+        self._opened_at = self.loop.time()
         if len(self.connections) > self.limits.max_connections and not self._evict_idle():
             self.transport.write(BUSY_503)
             self.transport.close()
@@ -105,14 +105,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self._arm(self.limits.header_timeout_s)
 
     def _evict_idle(self) -> bool:
-        """Close the connection idle longest (no request in progress); False when every one is busy."""
+        """Close the oldest connection with no request in progress (idle keep-alive, or still sending its
+        headers); False when every one is busy."""
         oldest = None
         for p in self.connections:
             if p is self or not isinstance(p, GuardedProtocol) or p.transport.is_closing():
                 continue
             if p.cycle is not None and not p.cycle.response_complete:
                 continue
-            if oldest is None or p._idle_since < oldest._idle_since:
+            if oldest is None or p._opened_at < oldest._opened_at:
                 oldest = p
         if oldest is None:
             return False
@@ -130,6 +131,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if not self._in_head:  # (a bound: the read may end the body and begin the next request)
+            self._body_bytes += len(data)
+            if self._body_bytes > self.limits.max_body_bytes:
+                self._refuse(too_large_413(self.limits.max_body_bytes), linger=True)
+                return
         self._fresh_head = False
         super().data_received(data)
         if self._refused:
@@ -163,13 +169,8 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        if self._refused:
-            return
-        self._body_bytes += len(body)
-        if self._body_bytes > self.limits.max_body_bytes:
-            self._refuse(too_large_413(self.limits.max_body_bytes), linger=True)
-            return
-        super().on_body(body)
+        if not self._refused:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         if self._refused:
@@ -180,10 +181,6 @@ class GuardedProtocol(HttpToolsProtocol):
         self._fresh_head = True  # this read's bytes belonged to this message: the next head counts from the next
         self._head_bytes = self._body_bytes = 0
         super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        self._idle_since = self.loop.time()
-        super().on_response_complete()
 
     def _content_length(self) -> int | None:
         for name, value in self.headers or ():

@@ -27,6 +27,8 @@ MAX_MODEL_NAME = 256
 # token limits within a signed 32-bit integer, which is what engines store them in.
 MAX_CHOICES = 128
 MAX_TOKENS = (1 << 31) - 1
+COUNTS = (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES),
+          ("best_of", MAX_CHOICES))
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -62,10 +64,12 @@ async def send_error(send: Send, err: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _count(req: dict, field: str, most: int) -> None:
-    v = req.get(field)
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most):
-        raise errors.bad_request(f"`{field}` must be an integer from 1 to {most}", param=field)
+def _counts(req: dict) -> None:
+    for field, most in COUNTS:
+        if field in req:
+            v = req[field]
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most):
+                raise errors.bad_request(f"`{field}` must be an integer from 1 to {most}", param=field)
 
 
 def parse_request(path: str, body: bytes) -> dict[str, Any]:
@@ -93,10 +97,7 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
         raise errors.bad_request(f"`{field}` is required", param=field)
     if "stream" in req and not isinstance(req["stream"], bool):
         raise errors.bad_request("`stream` must be true or false", param="stream")
-    _count(req, "max_tokens", MAX_TOKENS)
-    _count(req, "max_completion_tokens", MAX_TOKENS)
-    _count(req, "n", MAX_CHOICES)
-    _count(req, "best_of", MAX_CHOICES)
+    _counts(req)
     return req
 
 

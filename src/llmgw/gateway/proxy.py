@@ -55,19 +55,21 @@ MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its s
 SSE = b"text/event-stream"
 STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 RETRYABLE = (502, 503, 504)
+JSON_OPEN, JSON_CLOSE = (b"{", b"["), (b"}", b"]")
 WATCH_AFTER_S = 0.05
 
 
 def _require_stream(resp: Response) -> None:
-    if not (resp.header(b"content-type") or b"").startswith(SSE):
+    if not (resp.content_type or b"").startswith(SSE):
         raise errors.upstream_failed("it answered a streaming request without a stream")
 
 
 def looks_like_json(data: bytes) -> bool:
     """A JSON object or array from its first to its last byte (a cheap check: an answer cut short, an
     event stream or an HTML page fails it; the engine's JSON itself is the client's to read)."""
-    head, tail = data[:64].lstrip(), data[-64:].rstrip()
-    return head[:1] in (b"{", b"[") and tail[-1:] in (b"}", b"]")
+    if data[:1] in JSON_OPEN and data[-1:] in JSON_CLOSE:
+        return True
+    return data[:64].lstrip()[:1] in JSON_OPEN and data[-64:].rstrip()[-1:] in JSON_CLOSE
 
 
 class _Exchange:
@@ -298,9 +300,8 @@ class Proxy:
         if not stream:
             data = await self._read_whole(resp, stream=False)
             x.started = x.finished = True
-            await send({"type": "http.response.start", "status": resp.status, "headers": [
-                (b"content-type", resp.header(b"content-type") or b"application/json"),
-                (b"content-length", b"%d" % len(data))]})
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": [(b"content-type", resp.content_type or b"application/json")]})
             await send({"type": "http.response.body", "body": data, "more_body": False})
             return resp.status, None
         _require_stream(resp)
@@ -353,8 +354,7 @@ class Proxy:
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
         await self._judge(label, policy, "response", messages, None)
         x.started = x.finished = True
-        headers = STREAM_HEADERS if stream else [(b"content-type", resp.header(b"content-type") or b"application/json"),
-                                                 (b"content-length", b"%d" % len(data))]
+        headers = STREAM_HEADERS if stream else [(b"content-type", resp.content_type or b"application/json")]
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return resp.status
@@ -364,7 +364,7 @@ class Proxy:
         event stream; engine failures as OpenAI errors (504/502), so a body cut short is never a 200."""
         if stream:
             _require_stream(resp)
-        elif (resp.header(b"content-type") or b"").startswith(SSE):
+        elif (resp.content_type or b"").startswith(SSE):
             raise errors.upstream_failed("it streamed an answer to a request that did not ask for a stream")
         try:
             data = await resp.read_whole(limit)

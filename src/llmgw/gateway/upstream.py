@@ -118,6 +118,7 @@ class Response(asyncio.Protocol):
         self.waiter: asyncio.Future | None = None
         self.head_bytes = 0
         self.informational = False  # parsing a 1xx answer, which is skipped
+        self.content_type: bytes | None = None
 
     # ---- asyncio protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -166,13 +167,17 @@ class Response(asyncio.Protocol):
             raise _NotOurs
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"content-type" and self.content_type is None:
+            self.content_type = value
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the answer follows
             self.informational = True
             self.headers.clear()
+            self.content_type = None
             return
         self.status = status
         self.keep_alive = self.parser.should_keep_alive()

@@ -14,6 +14,7 @@ import json
 import time
 
 import aiohttp
+import psycopg
 import pytest
 from openai import AsyncOpenAI
 
@@ -437,11 +438,25 @@ async def test_fallback_serves_while_the_model_has_no_replica(gw):
     assert out["choices"][0]["message"]["content"] == "echo: hello"
 
 
-async def test_on_demand_model_without_a_replica_says_it_is_loading(gw):
+async def test_loading_is_said_only_while_a_replica_is_starting(gw, module_database_url):
+    """Here no control worker runs, so nothing starts the on-demand model: the answer says so (pending),
+    not "loading", which a client would retry for ever. With a replica starting, it is loading."""
     status, headers, out = await post(gw, "/v1/chat/completions", chat("sim-on-demand"))
     assert status == 503 and int(headers["Retry-After"]) > 0
     err = assert_envelope(out, status)
-    assert err["code"] == "model_loading" and "loading" in err["message"]
+    assert err["code"] == "model_pending" and "no replica starting" in err["message"], err
+    assert "loading" not in err["message"]
+    with psycopg.connect(module_database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO replicas (id, model, profile, status) VALUES ('starting-1', 'sim-on-demand', "
+                     "'default', 'starting')")
+    try:
+        status, headers, out = await post(gw, "/v1/chat/completions", chat("sim-on-demand"))
+        err = assert_envelope(out, status)
+        assert status == 503 and err["code"] == "model_loading" and "loading" in err["message"], err
+        assert int(headers["Retry-After"]) > 0
+    finally:
+        with psycopg.connect(module_database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM replicas WHERE id = 'starting-1'")
 
 
 async def test_dead_and_busy_endpoints_are_retried_then_taken_out_by_the_breaker(gw):
@@ -469,6 +484,13 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
 
     engine = async_engine(gw.env["LLMGW_DATABASE_URL"])
 
+    async def ready(conn, rid: str) -> None:  # as a replica becomes Ready: its node reports the endpoint, then its start
+        from llmgw.schemas.inventory import ShardReport
+
+        await fleet_repo.update_shard(conn, "n1", ShardReport(shard_id=f"{rid}-r0", replica_id=rid, model="fleet-model",
+                                                              profile="default", state="ready", endpoint=engines.url("echo")))
+        await fleet_repo.mark_replica(conn, rid, "ready", endpoint=engines.url("echo"))
+
     async def routed() -> bool:
         status, _, _ = await post(gw, "/v1/chat/completions", chat("fleet-model"))
         assert status in (200, 503)
@@ -485,7 +507,7 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
             await fleet_repo.upsert_node(conn, "n1", "boot-1", Inventory())
             for rid in ("r1", "r2"):
                 await fleet_repo.create_replica(conn, rid, "fleet-model", "default", [ShardPlacement(node_id="n1")])
-                await fleet_repo.mark_replica(conn, rid, "ready", endpoint=engines.url("echo"))
+                await ready(conn, rid)
         await eventually(True)
         async with engine.begin() as conn:
             await fleet_repo.mark_replica(conn, "r1", "draining")
@@ -495,7 +517,7 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
         await eventually(False)  # both draining: no new requests
         async with engine.begin() as conn:
             await fleet_repo.create_replica(conn, "r3", "fleet-model", "default", [ShardPlacement(node_id="n1")])
-            await fleet_repo.mark_replica(conn, "r3", "ready", endpoint=engines.url("echo"))
+            await ready(conn, "r3")
         await eventually(True)
         async with engine.begin() as conn:  # the node goes silent: Unreachable
             await conn.execute(update(nodes).where(nodes.c.id == "n1")

@@ -1,4 +1,4 @@
-"""The reconcile pass as a pure function: min replicas, one placement per pass, reasons, expiry."""
+"""The reconcile pass as a pure function: min replicas, placements, reasons, expiry."""
 
 from __future__ import annotations
 
@@ -36,11 +36,10 @@ def replica(id: str, m: str, node_id: str, status: str = "ready") -> ReplicaSnap
                        shards=[ShardPlacement(node_id=node_id)])
 
 
-def test_places_one_replica_per_pass():
-    plan = plan_pass(snap([model("a"), model("b")], [node("n1")]))
-    assert [d.kind for d in plan.decisions] == ["place", "wait"]
-    assert plan.more
-    assert "one placement per pass" in plan.decisions[1].reason
+def test_places_every_replica_that_fits_in_one_pass():
+    plan = plan_pass(snap([model("a"), model("b", mn=2, mx=2)], [node("n1")]))
+    assert [(d.kind, d.model) for d in plan.decisions] == [("place", "a"), ("place", "b"), ("place", "b")]
+    assert not plan.more
 
 
 def test_no_node_is_a_refusal_with_a_reason():
@@ -79,6 +78,18 @@ def test_backoff_holds_a_failing_model():
     st = ModelState(name="a", failures=3, backoff_until=NOW + timedelta(seconds=40))
     [d] = plan_pass(snap([model("a")], [node("n1")], states=[st])).decisions
     assert d.kind == "wait" and "backing off" in d.reason
+
+
+def test_a_failed_replica_holds_its_model_until_its_failure_is_counted():
+    """The node reports the engine's exit (replica failed) before the start workflow settles it and sets the
+    backoff: a pass in between must not place the next start, or every failure gets one start for free."""
+    failed = ReplicaSnap(id="r1", model="a", profile="default", status="failed", settled=False,
+                         shards=[ShardPlacement(node_id="n1")])
+    decisions = plan_pass(snap([model("a")], [node("n1")], [failed])).decisions
+    assert [d.kind for d in decisions] == ["cleanup", "wait"]
+    assert "just failed" in decisions[1].reason
+    settled = failed.model_copy(update={"settled": True})
+    assert [d.kind for d in plan_pass(snap([model("a")], [node("n1")], [settled])).decisions] == ["place"]
 
 
 def test_on_demand_runs_while_used_and_stops_when_idle():

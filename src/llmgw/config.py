@@ -3,8 +3,8 @@
 One `Settings` object, read from the environment with the `LLMGW_` prefix (for example
 `LLMGW_DATABASE_URL`, `LLMGW_TEMPORAL_ADDRESS`, `LLMGW_GATEWAY_PORT`), then overridden by CLI flags.
 Default ports (README, docs/architecture.md): gateway 8080, admin 127.0.0.1:8081, mirror 8082, node API 8443,
-Temporal 7233 with its web UI on 8233. The embedded dev Postgres listens on 55432 so that it never
-collides with a system PostgreSQL on 5432.
+Temporal 7233 with its web UI on 8233, node worker metrics 9101, control worker metrics 9102. The embedded
+dev Postgres listens on 55432 so that it never collides with a system PostgreSQL on 5432.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     database_url: str | None = None
     temporal_address: str | None = None
     temporal_namespace: str = "default"
+    # The Temporal web UI as operators reach it (links in `ctl replicas -o wide`); default: the dev UI port.
+    temporal_ui_url: str | None = None
+    # Put llmgw's search attributes (LlmgwModel, LlmgwNode, LlmgwReplica, LlmgwKind) on every workflow when
+    # the namespace has them registered (workflows/attributes.py); false never sets them.
+    temporal_search_attributes: bool = True
 
     host: str = "127.0.0.1"
     gateway_port: int = 8080
@@ -79,15 +84,28 @@ class Settings(BaseSettings):
     fabrics: dict[str, list[str]] = Field(default_factory=dict)
     infiniband_sysfs: Path = Path("/sys/class/infiniband")
     agent_metrics_port: int = 9101  # Prometheus metrics of the node worker; 0 = off
+    control_metrics_port: int = 9102  # Prometheus metrics of the control worker (`llmgw worker`); 0 = off
 
     # OpenTelemetry: "off" (no-op), "console", "file:<dir>" (JSON lines, one file per process), or
     # "otlp:<http endpoint>" (needs the opentelemetry-exporter-otlp-proto-http package).
     tracing: str = "off"
 
     # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
+    # The reconciler's `decide` activity takes these, and `reconcile_max_placements`, from the control
+    # worker's settings every pass (nothing is frozen into the workflow): a changed value takes effect at the
+    # first pass after the control workers restart with it.
     reconcile_interval_s: float = 10.0
+    # A model whose start failed waits base·2^(n-1) seconds (±50 %, at most max) before the next start.
+    start_backoff_base_s: float = 5.0
+    start_backoff_max_s: float = 600.0
     node_unreachable_after_s: float = 15.0
     node_lost_after_s: float = 300.0
+    node_forget_after_s: float = 86400.0  # a node Lost this long is forgotten (with no live replica left)
+    replica_ready_timeout_s: float = 900.0  # a starting replica not ready by then has failed
+    replica_drain_timeout_s: float = 60.0  # a draining replica is stopped by then, requests in flight or not
+    reconcile_max_placements: int = 64  # per pass; a pass with more to place is followed by another at once
+    reconciler_watch_s: float = 5.0  # how often the control worker checks that the reconciler is running
+    planner_hook: str | None = None  # tests only: "module:function(snapshot, plan) -> plan", applied each pass
     route_refresh_s: float = 2.0
 
     # Gateway (docs/gateway.md). A request for a model that is loading waits `load_wait_s`, then gets 503
@@ -116,6 +134,24 @@ class Settings(BaseSettings):
     # sends it (security/admin_token.py).
     admin_token: str | None = None
 
+    # Weight fetches, on nodes and by the mirror (weights/download.py): at least `fetch_stall_bytes` every
+    # `fetch_stall_s`, one attempt at one file within `fetch_deadline_s`, at most `fetch_max_bytes` per file.
+    fetch_stall_s: float = 60.0
+    fetch_stall_bytes: int = 1 << 20
+    fetch_deadline_s: float = 12 * 3600.0
+    fetch_max_bytes: int = 1 << 40
+
+    # The mirror (`llmgw mirror serve`, which also runs the mirror worker on `llmgw-mirror`).
+    # `mirror_private_sources`: non-public networks `llmgw mirror add` may fetch from, comma-separated CIDRs
+    # or addresses, or `private` for every private and loopback range (a private mirror); link-local
+    # addresses (cloud metadata) never. Empty: public addresses only (weights/urls.py).
+    mirror_private_sources: str = ""
+    mirror_worker: bool = True  # `mirror serve` also polls the mirror task queue (downloads run there)
+    mirror_parallel_files: int = 4  # files of one version fetched at once
+    # How soon a mirror download whose worker died is retried elsewhere; how often it reports progress.
+    mirror_heartbeat_timeout_s: float = 30.0
+    mirror_progress_interval_s: float = 2.0
+
     @field_validator("database_url")
     @classmethod
     def _driver(cls, v: str | None) -> str | None:
@@ -142,6 +178,10 @@ class Settings(BaseSettings):
     @property
     def resolved_temporal_address(self) -> str:
         return self.temporal_address or f"127.0.0.1:{self.temporal_port}"
+
+    @property
+    def resolved_temporal_ui_url(self) -> str:
+        return (self.temporal_ui_url or f"http://127.0.0.1:{self.temporal_ui_port}").rstrip("/")
 
     @property
     def resolved_cache_dir(self) -> Path:

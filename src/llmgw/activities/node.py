@@ -2,6 +2,9 @@
 
 Each is idempotent on the shard id the workflow gives it: a retried `launch_shard` finds the shard it
 already started (or adopted after a worker restart) instead of starting a second engine.
+
+Each serving shard gets a fresh engine key here, on its node (engines/base.py): it goes to the engine, to
+the shard's spec file and, over the node API, to the control plane; never into a workflow's history.
 """
 
 from __future__ import annotations
@@ -15,18 +18,21 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from llmgw.catalog.policy import PolicyError, check_profile
-from llmgw.engines.base import EngineError, ShardSpec, reserve_port
+from llmgw.engines.base import EngineError, ShardSpec, new_api_key, reserve_port
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
     FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
-    OpenRendezvousInput, Rendezvous, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
-    WaitShardReadyInput, WaitShardReadyResult,
+    OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StopShardInput, StopShardResult,
+    WaitShardJoinedInput, WaitShardJoinedResult, WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
+from llmgw.workers.errors import ReportRefused
+from llmgw.workers.logs import BadShardId, read_log
 from llmgw.workers.reclaim import reclaim
 
 if TYPE_CHECKING:
     from llmgw.workers.agent import Agent
+    from llmgw.workers.supervisor import Shard
 
 
 class NodeActivities:
@@ -37,7 +43,7 @@ class NodeActivities:
 
     def all(self) -> list:
         return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.wait_shard_joined,
-                self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache]
+                self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache, self.read_shard_log]
 
     @activity.defn(name="fetch_weights")
     async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
@@ -61,6 +67,7 @@ class NodeActivities:
             self.agent.downloads.pop(inp.replica_id, None)
         if got.fetched:
             self.agent.inventory_dirty = True
+            self.agent.metrics.fetched.inc(got.bytes)
         return FetchWeightsResult(path=got.path, bytes=got.bytes, fetched=got.fetched)
 
     @activity.defn(name="launch_shard")
@@ -74,15 +81,27 @@ class NodeActivities:
             check_profile(inp.profile)  # again on the node: whatever sent the profile (seeds 003)
             adapter = self.agent.engines.get(inp.profile.engine)
             host = self.agent.settings.advertise_host
+            serving = inp.rank == 0
             spec = ShardSpec(shard_id=inp.shard_id, replica_id=inp.replica_id, model=inp.model, profile=inp.profile,
                              rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host,
-                             port=0 if inp.rank > 0 else reserve_port(host), rendezvous=inp.rendezvous)
+                             port=reserve_port(host) if serving else 0, rendezvous=inp.rendezvous,
+                             api_key=new_api_key() if serving else None)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
-        shard = sup.launch(spec, plan)
-        await self.agent.report(shard.report("starting"))
+        shard = sup.launch(spec, plan, adapter.redact(plan.argv))
+        await self._report(shard, "starting")
         return LaunchShardResult(shard_id=inp.shard_id, pid=shard.pid, endpoint=shard.endpoint)
+
+    async def _report(self, shard, state: str) -> None:
+        """Report a transition; a refusal by the control plane stops the shard and fails the activity for good
+        (its endpoint is not at this node's address, or the shard is not placed here)."""
+        try:
+            await self.agent.report(shard.report(state))
+        except ReportRefused as exc:
+            await self.agent.supervisor.stop(shard.shard_id)
+            raise ApplicationError(f"node {self.agent.node_id}: the control plane refused shard {shard.shard_id}: {exc}",
+                                   type="ReportRefused", non_retryable=True) from None
 
     @activity.defn(name="open_rendezvous")
     async def open_rendezvous(self, inp: OpenRendezvousInput) -> Rendezvous:
@@ -107,9 +126,7 @@ class NodeActivities:
             while True:
                 code = sup.poll(shard)
                 if code is not None:
-                    raise ApplicationError(
-                        f"worker shard {inp.shard_id} {adapter.describe_exit(code)}, before it joined rank 0; output:\n"
-                        f"{sup.tail(shard)[-1500:]}", type="EngineExited", non_retryable=True)
+                    raise await self._exited(shard, f"worker shard {inp.shard_id} exited before it joined rank 0")
                 if await adapter.joined(session, shard.spec):
                     break
                 waited = time.monotonic() - started
@@ -119,7 +136,7 @@ class NodeActivities:
                 activity.heartbeat({"waiting_s": round(waited)})
                 await asyncio.sleep(0.25)
         sup.set_state(shard, "ready")
-        await self.agent.report(shard.report("ready"))
+        await self._report(shard, "ready")
         return WaitShardJoinedResult(shard_id=inp.shard_id, waited_s=round(time.monotonic() - started, 2))
 
     @activity.defn(name="wait_shard_ready")
@@ -135,21 +152,31 @@ class NodeActivities:
             while True:
                 code = sup.poll(shard)
                 if code is not None:
-                    tail = sup.tail(shard)
-                    raise ApplicationError(
-                        f"engine for shard {inp.shard_id} {adapter.describe_exit(code)}, before it was ready; output:\n"
-                        f"{tail[-1500:]}",
-                        type="EngineExited", non_retryable=True,
-                    )
-                if await adapter.is_ready(session, shard.endpoint):
+                    raise await self._exited(shard, f"engine for shard {inp.shard_id} exited before it was ready")
+                if await adapter.is_ready(session, shard.endpoint, shard.spec.api_key):
                     break
                 if time.monotonic() > deadline:
                     raise ApplicationError(f"shard {inp.shard_id} not ready after {inp.timeout_s:.0f}s", non_retryable=True)
                 activity.heartbeat({"waiting_s": round(inp.timeout_s - (deadline - time.monotonic()))})
                 await asyncio.sleep(0.25)
         sup.set_state(shard, "ready")
-        await self.agent.report(shard.report("ready"))
+        await self._report(shard, "ready")
         return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
+
+    async def _exited(self, shard: "Shard", what: str) -> ApplicationError:
+        """An engine exited while a start waited on it: report the shard failed with its decoded exit and
+        output tail (kept on the shard row, whichever of this and the supervisor's watch reports first),
+        and return the error that fails the start. The message's first line is the cause."""
+        why = self.agent.describe_exit(shard)
+        tail = self.agent.supervisor.tail(shard)
+        try:
+            await self.agent.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
+        except ReportRefused:
+            pass  # logged by the agent; the start fails with the cause either way
+        text = f"{what}: {why}"
+        if tail.strip():
+            text += "\nlast output:\n" + tail.strip()[-1500:]
+        return ApplicationError(text, type="EngineExited", non_retryable=True)
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, inp: WaitShardReadyInput) -> int:
@@ -166,7 +193,9 @@ class NodeActivities:
             # The gateways stop routing to a draining replica within their refresh interval; give them that.
             await asyncio.sleep(min(2.0, inp.timeout_s))
             while time.monotonic() < deadline:
-                n = await adapter.in_flight(session, shard.endpoint)
+                if sup.poll(shard) is not None:
+                    return 0  # the engine is gone: nothing is in flight any more
+                n = await adapter.in_flight(session, shard.endpoint, shard.spec.api_key)
                 if not n:
                     return 0
                 activity.heartbeat({"in_flight": n})
@@ -180,6 +209,16 @@ class NodeActivities:
         await self.agent.report_stopped(inp.shard_id)
         return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)
 
+    @activity.defn(name="read_shard_log")
+    async def read_shard_log(self, inp: ReadShardLogInput) -> ReadShardLogResult:
+        """Part of a shard's engine log (its tail, or from an offset), for `llmgw ctl logs`."""
+        try:
+            out = await asyncio.to_thread(read_log, self.agent.supervisor.log_dir, self.agent.node_id, inp)
+        except BadShardId as exc:
+            raise ApplicationError(str(exc), type="BadShardId", non_retryable=True) from None
+        shard = self.agent.supervisor.get(inp.shard_id)
+        out.running = shard is not None and self.agent.supervisor.poll(shard) is None
+        return out
 
     @activity.defn(name="reclaim_cache")
     async def reclaim_cache(self, inp: NodeReclaimInput) -> NodeReclaimResult:

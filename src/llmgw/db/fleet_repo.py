@@ -9,9 +9,9 @@ has asked every one of its shards to stop and counted its failure; until then th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -62,12 +62,14 @@ class NodeRow:
     inventory: Inventory
     last_heartbeat: datetime
     age_s: float  # seconds since the last heartbeat, by the database clock
+    registered_at: datetime | None = None  # its latest registration (the node worker's start)
 
 
 async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     rows = (await conn.execute(select(nodes, age.label("age")).order_by(nodes.c.id))).all()
-    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age)) for r in rows]
+    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age),
+                    r.registered_at) for r in rows]
 
 
 # ---- replicas and shards ------------------------------------------------------------------------
@@ -94,16 +96,21 @@ async def create_replica(
     return True
 
 
-async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport) -> None:
-    """Record a Ready single-shard replica a node runs that we had no record of (see fleet_service)."""
-    await conn.execute(insert(replicas).values(
+async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport) -> bool:
+    """Record a Ready single-shard replica a node runs that we had no record of (see fleet_service), with
+    its engine key. Returns False, recording nothing, when the replica id is taken: a node may not add a
+    shard to a replica it was not given."""
+    res = await conn.execute(insert(replicas).values(
         id=report.replica_id, model=report.model, profile=report.profile, status="ready", endpoint=report.endpoint,
         reason=f"adopted from node {node_id}", ready_at=func.now(),
-    ).on_conflict_do_nothing())
+    ).on_conflict_do_nothing().returning(replicas.c.id))
+    if res.first() is None:
+        return False
     await conn.execute(insert(shards).values(
         id=report.shard_id, replica_id=report.replica_id, rank=report.rank, node_id=node_id, status=report.state,
-        pid=report.pid, endpoint=report.endpoint, gpus=report.gpus,
-    ).on_conflict_do_nothing())
+        pid=report.pid, endpoint=report.endpoint, gpus=report.gpus, api_key=report.api_key,
+    ))
+    return True
 
 
 async def mark_replica(
@@ -164,10 +171,14 @@ async def replica_shards(conn: AsyncConnection, replica_id: str) -> list[ShardPl
     return [ShardPlacement(node_id=r.node_id, rank=r.rank, gpus=list(r.gpus or [])) for r in rows]
 
 
-async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200, model: str | None = None):
-    """Replica rows, newest first, each with its rank-0 `node_id` and `shards` (node, rank, gpus, status)."""
+async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200, model: str | None = None,
+                        ids: list[str] | None = None):
+    """Replica rows, newest first, each with its rank-0 `node_id` and `shards` (node, rank, gpus, status,
+    exit). `ids`: only these (ended or not)."""
     q = select(replicas, shards.c.node_id).join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0), isouter=True)
-    if not include_ended:
+    if ids is not None:
+        q = q.where(replicas.c.id.in_(ids))
+    elif not include_ended:
         q = q.where(replicas.c.status.not_in(ENDED_STATUSES))
     if model is not None:
         q = q.where(replicas.c.model == model)
@@ -180,7 +191,7 @@ async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limi
         for sr in srows:
             by_rep.setdefault(sr["replica_id"], []).append(
                 {"node_id": sr["node_id"], "rank": sr["rank"], "gpus": list(sr["gpus"] or []), "status": sr["status"],
-                 "progress": sr["progress"]})
+                 "progress": sr["progress"], "exit_code": sr["exit_code"], "exit_reason": sr["exit_reason"]})
     return [{**r, "shards": by_rep.get(r["id"], [])} for r in rows]
 
 
@@ -211,9 +222,10 @@ async def active_replicas_with_shards(conn: AsyncConnection):
 
 
 async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> str | None:
-    """Apply a node's report about one of its shards. Returns the replica's status (None if unknown)."""
+    """Apply a node's report about one of its shards (the caller has checked it is placed on `node_id`).
+    Returns the replica's status (None if unknown)."""
     values: dict = {"status": report.state, "updated_at": func.now(), "progress": None}  # a transition ends a download
-    for field in ("pid", "endpoint", "exit_code", "output_tail"):
+    for field in ("pid", "endpoint", "exit_code", "output_tail", "api_key", "exit_reason"):
         v = getattr(report, field)
         if v is not None:
             values[field] = v
@@ -236,12 +248,27 @@ async def shards_on_node(conn: AsyncConnection, node_id: str):
     return (await conn.execute(q)).mappings().all()
 
 
-async def known_shard_ids(conn: AsyncConnection, ids: list[str]) -> dict[str, str]:
-    """shard id -> its replica's status, for the ids that exist."""
+@dataclass
+class KnownShard:
+    """A shard row as a node's report is checked against it: where it is placed and whose it is."""
+
+    id: str
+    replica_id: str
+    node_id: str
+    replica_status: str
+
+
+async def known_shards(conn: AsyncConnection, ids: list[str]) -> dict[str, KnownShard]:
+    """shard id -> `KnownShard`, for the ids that exist."""
     if not ids:
         return {}
-    q = select(shards.c.id, replicas.c.status).join(replicas, replicas.c.id == shards.c.replica_id).where(shards.c.id.in_(ids))
-    return {r.id: r.status for r in (await conn.execute(q)).all()}
+    q = (select(shards.c.id, shards.c.replica_id, shards.c.node_id, replicas.c.status)
+         .join(replicas, replicas.c.id == shards.c.replica_id).where(shards.c.id.in_(ids)))
+    return {r.id: KnownShard(r.id, r.replica_id, r.node_id, r.status) for r in (await conn.execute(q)).all()}
+
+
+async def replica_exists(conn: AsyncConnection, replica_id: str) -> bool:
+    return (await conn.execute(select(replicas.c.id).where(replicas.c.id == replica_id))).first() is not None
 
 
 @dataclass
@@ -251,19 +278,81 @@ class RouteRow:
     endpoint: str
     node_id: str
     node_age_s: float
+    api_key: str | None = None  # the engine's key (rank 0's), which the gateway sends
 
 
 async def routable_replicas(conn: AsyncConnection) -> list[RouteRow]:
-    """Ready replicas with the age of their rank-0 node's heartbeat (the gateway drops stale nodes)."""
+    """Ready replicas with the age of their rank-0 node's heartbeat (the gateway drops stale nodes) and the
+    engine key rank 0's node reported. Only where the replica's endpoint is the one rank 0's node reported
+    over the node API, which checked it is at that node's own address (issue 11): an endpoint recorded from
+    anywhere else (a start workflow's result) is not routed, and never gets the engine key."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     q = (
-        select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"))
+        select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
+               shards.c.api_key)
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
-        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None)))
+        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None),
+                    replicas.c.endpoint == shards.c.endpoint))
     )
-    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age)) for r in (await conn.execute(q)).all()]
+    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), r.api_key) for r in (await conn.execute(q)).all()]
 
 
 async def db_now(conn: AsyncConnection) -> datetime:
     return (await conn.execute(select(func.now()))).scalar_one()
+
+
+async def find_replicas(conn: AsyncConnection, prefix: str, limit: int = 5) -> list[str]:
+    """Ids of replicas whose id starts with `prefix` (as `ctl replicas` prints the first 8 characters)."""
+    q = select(replicas.c.id).where(replicas.c.id.startswith(prefix, autoescape=True)).order_by(
+        replicas.c.created_at.desc()).limit(limit)
+    return [r.id for r in (await conn.execute(q)).all()]
+
+
+async def shard_row(conn: AsyncConnection, replica_id: str, rank: int):
+    """The shard of `replica_id` with `rank` (its node, output tail, exit), or None."""
+    q = select(shards).where(and_(shards.c.replica_id == replica_id, shards.c.rank == rank))
+    return (await conn.execute(q)).mappings().first()
+
+
+# ---- forgetting nodes ---------------------------------------------------------------------------
+
+def _holds_live_shard():
+    """A node still has a shard of a replica that is active, or ended but not yet settled."""
+    return (select(shards.c.id).join(replicas, replicas.c.id == shards.c.replica_id)
+            .where(and_(shards.c.node_id == nodes.c.id,
+                        (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))
+            .exists())
+
+
+async def forget_lost_nodes(conn: AsyncConnection, after_s: float) -> list[str]:
+    """Delete nodes silent for `after_s` seconds or more (by the database clock) that hold no live shard.
+    Returns their ids. A node that comes back registers again, as a new node would."""
+    res = await conn.execute(
+        delete(nodes).where(and_(nodes.c.last_heartbeat < func.now() - timedelta(seconds=after_s),
+                                 ~_holds_live_shard()))
+        .returning(nodes.c.id))
+    return sorted(r.id for r in res)
+
+
+@dataclass
+class LiveShard:
+    replica_id: str
+    model: str
+    status: str
+    rank: int
+
+
+async def live_shards_on(conn: AsyncConnection, node_id: str) -> list[LiveShard]:
+    """Shards on `node_id` of replicas that are active or ended but not settled (what removing it strands)."""
+    q = (select(replicas.c.id, replicas.c.model, replicas.c.status, shards.c.rank)
+         .join(shards, shards.c.replica_id == replicas.c.id)
+         .where(and_(shards.c.node_id == node_id,
+                     (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))
+         .order_by(replicas.c.model, replicas.c.id))
+    return [LiveShard(r.id, r.model, r.status, r.rank) for r in (await conn.execute(q)).all()]
+
+
+async def remove_node(conn: AsyncConnection, node_id: str) -> bool:
+    """Forget `node_id` now. False when there is no such node."""
+    return (await conn.execute(delete(nodes).where(nodes.c.id == node_id).returning(nodes.c.id))).first() is not None

@@ -68,8 +68,22 @@ shards = Table(
     Column("endpoint", Text),
     Column("exit_code", Integer),
     Column("output_tail", Text),
+    Column("exit_reason", Text),  # the exit in words, from the engine's adapter (0005_exit_reason)
     Column("progress", JSONB),  # a download in progress: {"source", "bytes", "total"?}; cleared by any transition
+    Column("api_key", Text),  # the engine's key, from the node's report; the gateway sends it (0005_engine_keys)
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# One row (id 1): the reconciler's latest pass and planner failure, and the full reasons (decision line and
+# every refusal) of the placements that pass decided, by replica id, for record_placement (0005_reconciler).
+reconciler_state = Table(
+    "reconciler_state", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("pass_at", DateTime(timezone=True)),
+    Column("failed_at", DateTime(timezone=True)),
+    Column("failure", Text),
+    Column("attempt", Integer),
+    Column("placements", JSONB, nullable=False, server_default="{}"),
 )
 
 api_keys = Table(

@@ -1,22 +1,27 @@
-"""The admin API (127.0.0.1:8081): catalog apply, models, replicas, nodes, explain, API keys. Used by `llmgw ctl`."""
+"""The admin API (127.0.0.1:8081): catalog apply, models (with status; retry), replicas (with causes; engine logs),
+nodes, explain, API keys, reclaim. Used by `llmgw ctl`."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.gateway.errors import APIError, json_error
 from llmgw.gateway.jsonbody import BoundedJSON
-from llmgw.db import catalog_repo, fleet_repo
+from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.status import node_status
+from llmgw.gateway.status_service import StatusService
 from llmgw.schemas.api import (
-    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, NodeView, ReplicaView, ShardView,
+    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LiveReplicaView, LogsView, ModelView,
+    NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView, RetryResult,
 )
+from llmgw.workflows import attributes
 from llmgw.schemas.payloads import ReclaimInput, ReclaimResult
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.security.admin_guard import AdminGuard
@@ -29,12 +34,29 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     """The admin API behind its guard (security/admin_guard.py): with `require_token`, every request
     must carry `Authorization: Bearer <token>`."""
     app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None, openapi_url=None)
+    status = StatusService(engine, temporal, temporal.settings.resolved_temporal_ui_url,
+                           temporal.settings.temporal_namespace)
 
     @app.exception_handler(CatalogError)
     async def _catalog_error(request: Request, exc: CatalogError):
         return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error",
                                                                 "param": "catalog", "code": "catalog_refused",
                                                                 "problems": exc.problems}})
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return json_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown routes and methods, and HTTPExceptions, in the same envelope as every other error."""
+        if exc.status_code == 404:
+            return json_error(APIError(404, f"no such route: {request.method} {request.url.path}", code="not_found"))
+        if exc.status_code == 405:
+            return json_error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                       code="method_not_allowed"))
+        return json_error(APIError(exc.status_code, str(exc.detail), type="service_unavailable"
+                                   if exc.status_code == 503 else "invalid_request_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -61,27 +83,26 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             await temporal.wake("catalog applied")
         return diff
 
-    @app.get("/admin/v1/models")
+    @app.get("/admin/v1/models", response_model=list[ModelView])
     async def models():
-        async with engine.connect() as conn:
-            catalog = await catalog_repo.get_catalog(conn)
-            reps = await fleet_repo.list_replicas(conn)
-        out = []
-        for m in catalog.models:
-            mine = [r for r in reps if r["model"] == m.name]
-            sc = m.effective_scaling
-            mode = "off" if sc.off else "on demand" if sc.on_demand else f"min {sc.min}"
-            out.append({"name": m.name, "aliases": m.aliases, "fallbacks": m.fallbacks,
-                        "engines": sorted({p.engine for p in m.profiles}), "min": sc.min, "max": sc.max,
-                        "mode": mode, "priority": m.priority, "role": m.role, "simulated": m.simulated,
-                        "replicas": {s: sum(1 for r in mine if r["status"] == s) for s in sorted({r["status"] for r in mine})}})
-        return out
+        """Every catalog model with its status (ready, loading, failing with restarts and backoff, ...)."""
+        return await status.models()
+
+    @app.post("/admin/v1/models/{model:path}/retry", response_model=RetryResult)
+    async def retry(model: str):
+        """Clear a failing model's backoff and failed-start count, so the reconciler starts it now."""
+        return await status.retry(model)
 
     @app.get("/admin/v1/replicas", response_model=list[ReplicaView])
     async def replicas(all: bool = False):
-        async with engine.connect() as conn:
-            rows = await fleet_repo.list_replicas(conn, include_ended=all)
-        return [_replica_view(r) for r in rows]
+        """Active replicas and the latest failed one of each failing model (`all`: every replica)."""
+        return await status.replicas(include_ended=all)
+
+    @app.get("/admin/v1/replicas/{ref}/logs", response_model=LogsView)
+    async def logs(ref: str, rank: int = Query(0, ge=0, le=4096), offset: int = Query(-1, ge=-1),
+                   limit: int = Query(65536, ge=1, le=1 << 20)):
+        """A shard's engine log, read on its node: its tail (offset -1) or from `offset` (following)."""
+        return await status.logs(ref, rank, offset, limit)
 
     @app.get("/admin/v1/nodes", response_model=list[NodeView])
     async def nodes():
@@ -89,7 +110,34 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             rows = await fleet_repo.list_nodes(conn)
             now = await fleet_repo.db_now(conn)
         return [NodeView(id=n.id, status=node_status(n.last_heartbeat, now, unreachable_after_s, lost_after_s),
-                         last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in rows]
+                         last_heartbeat=n.last_heartbeat, inventory=n.inventory, registered_at=n.registered_at)
+                for n in rows]
+
+    @app.post("/admin/v1/nodes/{node_id}/remove", response_model=NodeRemoveResponse)
+    async def remove_node(node_id: str, req: NodeRemoveRequest):
+        """Forget a node now (a decommissioned machine), as the reconciler does once it has been Lost for
+        `node_forget_after_s`. Refused while replicas still have a shard on it, unless `force`."""
+        async with engine.begin() as conn:
+            row = next((n for n in await fleet_repo.list_nodes(conn) if n.id == node_id), None)
+            if row is None:
+                return json_error(APIError(404, f"no node named {node_id!r}; `llmgw ctl nodes` lists them",
+                                           param="node_id", code="not_found"))
+            status = node_status(row.last_heartbeat, await fleet_repo.db_now(conn), unreachable_after_s, lost_after_s)
+            live = [LiveReplicaView(id=s.replica_id, model=s.model, status=s.status)
+                    for s in await fleet_repo.live_shards_on(conn, node_id)]
+            note = (f"node {node_id} is {status} (heard from {row.age_s:.0f}s ago): unless its agent is stopped it "
+                    "will register again" if status != "lost" else "")
+            if live and not req.force and not req.dry_run:
+                names = ", ".join(f"{r.id[:8]} ({r.model}, {r.status})" for r in live)
+                return json_error(APIError(
+                    409, f"node {node_id} still has {len(live)} live replica(s): {names}; stop them first (remove "
+                         "their models, or wait until the node is lost and they are rebuilt elsewhere), or pass "
+                         "--force (force: true) to mark them lost and rebuild them elsewhere now",
+                    param="force", code="node_in_use"))
+            removed = False if req.dry_run else await fleet_repo.remove_node(conn, node_id)
+        if removed:
+            await temporal.wake(f"node {node_id} removed")
+        return NodeRemoveResponse(node_id=node_id, status=status, removed=removed, live_replicas=live, note=note)
 
     @app.post("/admin/v1/reclaim", response_model=ReclaimResult)
     async def reclaim(req: ReclaimInput) -> ReclaimResult:
@@ -98,9 +146,11 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             raise HTTPException(503, "Temporal is not reachable yet; retry in a moment")
         import uuid
 
+        registered = await temporal.attributes.registered(temporal.client)
         return await temporal.client.execute_workflow(
             "ReclaimWorkflow", req, id=f"reclaim/{uuid.uuid4().hex[:12]}", task_queue=CONTROL_QUEUE,
-            result_type=ReclaimResult, execution_timeout=timedelta(minutes=10))
+            result_type=ReclaimResult, execution_timeout=timedelta(minutes=10),
+            search_attributes=attributes.lifecycle("reclaim") if registered else None)
 
     @app.get("/admin/v1/explain/{model:path}")
     async def explain(model: str):
@@ -110,12 +160,17 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             catalog = await catalog_repo.get_catalog(conn)
             model = next((m.name for m in catalog.models if model in m.aliases), model)  # an alias: its model
             lines, at = await catalog_repo.get_decisions_at(conn, model)
-            rows = await fleet_repo.list_replicas(conn, include_ended=True, limit=10, model=model)
+            rec = await reconciler_repo.get(conn)
+        rows = await status.replicas(include_ended=True, model=model, limit=10)
         if lines is None and not rows:
             return json_error(APIError(404, f"no model or alias named {model!r} in the catalog", param="model",
                                        code="model_not_found"))
-        return {"model": model, "decisions": lines or [], "decided_at": at,
-                "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}
+        failing = None
+        if rec is not None and rec.failure:  # the planner itself failed: no pass has decided since
+            failing = {"failure": rec.failure, "failed_at": rec.failed_at, "attempt": rec.attempt,
+                       "last_pass_at": rec.pass_at}
+        return {"model": model, "decisions": lines or [], "decided_at": at, "reconciler_failure": failing,
+                "replicas": [r.model_dump(mode="json") for r in rows]}
 
     keys = ApiKeyService(engine)
 
@@ -136,10 +191,3 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         return KeyView(**row)
 
     return AdminGuard(BoundedJSON(app), token, require_token)
-
-
-def _replica_view(r) -> ReplicaView:
-    return ReplicaView(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
-                       endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
-                       shards=[ShardView(**s) for s in r.get("shards", [])], reason=r.get("reason"),
-                       ended_reason=r.get("ended_reason"))

@@ -5,9 +5,11 @@ for it, and stop it when nobody does").
   the reconciler, which places one replica: its plan counts replicas already starting, so any number of
   concurrent requests, on any number of gateways, cause one load. This gateway writes demand at most once
   per `DEMAND_EVERY_S` per model.
-- The request then waits up to `load_wait_s` for a Ready replica, and otherwise gets 503, Retry-After and
-  "the model is loading": refusing would make on-demand useless, waiting without bound turns a request
-  into a job. An unknown model is a 404 elsewhere, never "loading".
+- The request then waits up to `load_wait_s` for a Ready replica, and otherwise gets 503 with Retry-After
+  and what is true: "loading" only while a replica is starting; "failing" with the last failure's cause and
+  the backoff left while its starts keep failing (answered at once: waiting cannot help); "cannot be
+  started" when no node can take it; "pending" when nothing has started yet. Refusing outright would make
+  on-demand useless, waiting without bound turns a request into a job. An unknown model is a 404 elsewhere.
 - Use keeps a model alive: every second, models with requests in flight, and those whose last request
   ended since, are marked used now (`last_used_at`). So the reconciler's idle clock runs from when the
   last request ended, and a model serving a long stream is never idle.
@@ -24,12 +26,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.db import catalog_repo
 from llmgw.gateway import errors
 from llmgw.gateway.routes import ModelRoute, RouteTable
-from llmgw.placement.decisions import refusal
+from llmgw.gateway.status_service import StatusService
+from llmgw.placement.model_status import ModelCondition, ModelStatus
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
 DEMAND_EVERY_S = 2.0
 LOADING_RETRY_AFTER_S = 10
+CONDITION_TTL_S = 1.0
 
 
 class Usage:
@@ -64,7 +68,9 @@ class Demand:
         self.load_wait_s = load_wait_s
         self.flush_s = flush_s
         self.usage = Usage()
+        self.status = StatusService(engine)
         self._asked: dict[str, float] = {}
+        self._conditions: dict[str, tuple[float, ModelCondition]] = {}
         self._background: set[asyncio.Task] = set()
 
     def ask(self, route: ModelRoute) -> None:
@@ -91,7 +97,10 @@ class Demand:
         await self.temporal.wake(f"demand for {name}")
 
     async def wait(self, route: ModelRoute) -> ModelRoute:
-        """No Ready replica for `route`: ask for a load if the model may run, wait, else 503 + Retry-After."""
+        """No Ready replica for `route`: ask for a load if the model may run, wait, else 503 + Retry-After
+        saying what is true (placement/model_status.py): failing (backing off after failed starts, with the
+        cause, Retry-After the backoff left), loading (only while a replica is starting), unplaceable, or
+        pending (nothing started yet)."""
         model = route.model
         sc = model.effective_scaling
         if not model.profiles:
@@ -99,24 +108,51 @@ class Demand:
         if sc.off:
             raise errors.unavailable(model.name, "it is switched off in the catalog (scaling max 0)", retry_after_s=60)
         self.ask(route)
-        ready = await self.routes.wait_for_endpoint(model.name, self.load_wait_s)
-        if ready and ready.endpoints:
-            return ready
-        why = await self._refused(model.name)
-        if why is not None:
-            raise errors.unplaceable(model.name, why)
-        raise errors.loading(model.name, retry_after_s=LOADING_RETRY_AFTER_S)
+        cond = await self.condition(model.name)
+        if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
+            raise self._failing(model.name, cond)  # backing off: waiting here would change nothing
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.load_wait_s
+        while True:
+            ready = await self.routes.wait_for_endpoint(model.name, min(DEMAND_EVERY_S, max(0.0, deadline - loop.time())))
+            if ready and ready.endpoints:
+                return ready
+            if loop.time() >= deadline:
+                break
+            # A request waiting for the load is demand: kept fresh, or a model whose idle_timeout is shorter
+            # than its placement takes (a node registering late) would be let go while it is being waited for.
+            self.ask(route)
+        cond = await self.condition(model.name, fresh=True)
+        if cond is None or cond.status == ModelStatus.LOADING:
+            raise errors.loading(model.name, retry_after_s=LOADING_RETRY_AFTER_S)
+        if cond.status == ModelStatus.FAILING:
+            raise self._failing(model.name, cond)
+        if cond.status == ModelStatus.UNPLACEABLE:
+            raise errors.unplaceable(model.name, cond.reason)
+        if cond.status == ModelStatus.READY:
+            raise errors.unavailable(model.name, "its ready replicas are on nodes this gateway does not reach now",
+                                     retry_after_s=2)
+        raise errors.pending(model.name)
 
-    async def _refused(self, name: str) -> str | None:
-        """Why the reconciler's latest pass could not place `name`, or None when it did not refuse it (then
-        the model is genuinely loading, or about to be). A client told "loading" would retry forever."""
+    @staticmethod
+    def _failing(name: str, cond: ModelCondition) -> errors.APIError:
+        return errors.failing(name, cond.reason, cond.retry_in_s or 0, cond.restarts)
+
+    async def condition(self, name: str, fresh: bool = False) -> ModelCondition | None:
+        """`name`'s status now (kept `CONDITION_TTL_S`, so a burst of requests for a failing model costs one
+        read), or None when it cannot be read (then the answer is "loading", and the next request asks again)."""
+        now = asyncio.get_running_loop().time()
+        cached = self._conditions.get(name)
+        if cached is not None and not fresh and now - cached[0] < CONDITION_TTL_S:
+            return cached[1]
         try:
-            async with self.engine.connect() as conn:
-                lines, _ = await catalog_repo.get_decisions_at(conn, name)
-        except Exception:  # noqa: BLE001 - cannot tell: say loading, the next request asks again
-            log.exception("reading the latest decisions for %s failed", name)
+            cond = (await self.status.conditions(self.routes.catalog, [name])).get(name)
+        except Exception:  # noqa: BLE001 - cannot tell: logged, and the caller says loading
+            log.exception("reading the status of %s failed", name)
             return None
-        return refusal(lines or [], name)
+        if cond is not None:
+            self._conditions[name] = (now, cond)
+        return cond
 
     async def flush_loop(self) -> None:
         """Every `flush_s`, mark models used now (requests in flight or just ended)."""

@@ -7,6 +7,7 @@ Internal payloads forbid unknown fields.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,17 +72,73 @@ class Snapshot(_Strict):
     model_states: list[ModelState] = Field(default_factory=list)
     nodes: list[NodeSnap] = Field(default_factory=list)
     replicas: list[ReplicaSnap] = Field(default_factory=list)
+    # The Temporal namespace has llmgw's search attributes registered: the reconciler sets them on the
+    # workflows it starts (workflows/attributes.py). False in histories recorded before they existed.
+    search_attributes: bool = False
 
 
 # ---- reconciler ---------------------------------------------------------------------------------
 
 class ReconcilerInput(_Strict):
-    """`interval_s`: timer between passes when nothing wakes it. Timeouts for the children it starts."""
+    """`passes`: passes run by earlier runs of the singleton (carried over at continue-as-new).
+
+    The other fields are read only by passes of runs started before the `decide` activity (they froze the
+    settings at first start); newer passes take them from `DecideResult`, read from settings each pass.
+    """
 
     passes: int = 0
     interval_s: float = 10.0
     ready_timeout_s: float = 900.0
     drain_timeout_s: float = 60.0
+    search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
+
+
+class DecideInput(_Strict):
+    """`passes`: how many passes the reconciler has run, this one not included (logs and traces)."""
+
+    passes: int = 0
+
+
+class PassAction(_Strict):
+    """One decision the workflow carries out (`placement.decisions.Decision`, without its refusals).
+
+    - `place`: record replica `replica_id` (an id `decide` chose) on `shards` and start it;
+    - `stop`, `evict`, `lost`, `cleanup`: start the replica's stop workflow (`drain` False: no drain),
+      leaving it as `final_status`.
+    `line` is the decision's line, for logs and as a placement's reason should its full reason be missing.
+    """
+
+    kind: Literal["place", "stop", "evict", "lost", "cleanup"]
+    model: str
+    line: str
+    replica_id: str
+    profile: str | None = None
+    profile_spec: Profile | None = None
+    shards: list[ShardPlacement] = Field(default_factory=list)
+    reason: str = ""
+    drain: bool = True
+    final_status: str = "stopped"
+    nodes: list[str] = Field(default_factory=list)  # a stop: the nodes its replica's shards are on
+
+
+class DecideResult(_Strict):
+    """What one pass decided, and the settings the workflow uses until the next pass.
+
+    `more`: run the next pass at once (a pass stopped short: the most placements per pass, one eviction).
+    `lines`: the acting decisions' lines, at most `MAX_PASS_LINES` (the `last_pass` query); the whole
+    pass, with every refusal, is saved for `llmgw ctl explain`, not carried here.
+    """
+
+    actions: list[PassAction] = Field(default_factory=list)
+    more: bool = False
+    lines: list[str] = Field(default_factory=list)
+    interval_s: float = 10.0
+    ready_timeout_s: float = 900.0
+    drain_timeout_s: float = 60.0
+    search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
+
+
+MAX_PASS_LINES = 50
 
 
 class RecordPlacementInput(_Strict):
@@ -92,11 +149,19 @@ class RecordPlacementInput(_Strict):
     reason: str = ""
 
 
+class RecordPlacementsInput(_Strict):
+    """Every replica one pass placed, recorded in one transaction (`record_placements`)."""
+
+    placements: list[RecordPlacementInput] = Field(default_factory=list)
+
+
 class RecordDecisionsInput(_Strict):
     """The pass's decisions as text lines (what was done and every candidate turned down, and why)."""
 
     lines: list[str] = Field(default_factory=list)
     refusals: dict[str, list[str]] = Field(default_factory=dict)  # model -> reasons
+    kinds: list[str] = Field(default_factory=list)  # each decision's kind, for the control worker's metrics
+    started_at: datetime | None = None  # when the pass began (workflow time): the pass's duration
 
 
 # ---- replica lifecycle --------------------------------------------------------------------------
@@ -268,8 +333,17 @@ class NodeReclaimInput(_Strict):
     collect: bool = False
 
 
+class CacheEntry(_Strict):
+    """One cache entry a node listed: its size (bytes) and when it was last written (epoch seconds)."""
+
+    name: str
+    bytes: int = 0
+    modified_at: float = 0.0
+
+
 class NodeReclaimResult(_Strict):
     node_id: str
+    entries: list[CacheEntry] = Field(default_factory=list)  # size and age of each unwanted / kept entry
     unwanted: list[str] = Field(default_factory=list)  # llmgw-fetched, no longer wanted
     removed: list[str] = Field(default_factory=list)
     kept_in_use: list[str] = Field(default_factory=list)  # unwanted but a running shard loads it
@@ -286,3 +360,35 @@ class ReclaimResult(_Strict):
     collect: bool
     nodes: list[NodeReclaimResult] = Field(default_factory=list)
     unreachable: list[str] = Field(default_factory=list)
+
+
+# ---- engine logs (`llmgw ctl logs`) -------------------------------------------------------------
+
+class ReadShardLogInput(_Strict):
+    """Read a shard's engine log on its node. `offset` < 0: the last `limit` bytes; otherwise from `offset`
+    (a follower passes back the `offset` it was given)."""
+
+    shard_id: str
+    offset: int = -1
+    limit: int = Field(65536, ge=1, le=1 << 20)
+
+
+class ReadShardLogResult(_Strict):
+    """`data`: the text read (whole UTF-8 characters only); `offset`: where the next read starts; `size`:
+    the log's size now; `found`: the node has a log for this shard; `running`: its engine runs now."""
+
+    shard_id: str
+    node_id: str = ""
+    data: str = ""
+    offset: int = 0
+    size: int = 0
+    found: bool = False
+    running: bool = False
+
+
+class ShardLogInput(_Strict):
+    """`ShardLogWorkflow`: read `shard_id`'s log on `node_id` (for the admin API)."""
+
+    node_id: str
+    read: ReadShardLogInput
+    model: str = ""

@@ -3,7 +3,8 @@
 Rules (seeds 003, "Phase 3 (2/3): catalog and reconciler" and "Load a model when someone asks for it";
 docs/architecture.md, "How a replica starts"):
 - keep `min` replicas of every model; on demand (`min 0, max > 0`) keep one while it is asked for and
-  stop it after `idle_timeout` without use, never with a request in flight; never more than `max`;
+  stop it after `idle_timeout` without use, never with a request in flight; between `min` and `max`, scale
+  on the load the gateways report (`placement.scale`: up at once, down by drain after `scale_down_delay`);
 - replicas whose model or profile left the catalog are stopped;
 - a node is Unreachable, then much later Lost (`placement.status`): an Unreachable node keeps its
   replicas (a blip must not tear down a serving replica), a Lost node's replicas are lost and rebuilt;
@@ -23,6 +24,7 @@ from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.fit import HOLDING
 from llmgw.placement.place import place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
+from llmgw.placement.scale import wanted
 from llmgw.placement.status import node_status
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
@@ -30,24 +32,12 @@ from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
 __all__ = ["backoff_delay", "desired_replicas", "place_one", "plan_pass"]
 
 
-def desired_replicas(model: Model, state: ModelState | None, now: datetime, serving: int) -> tuple[int, str]:
-    """How many replicas `model` should have now, and why. `serving` counts its starting and ready ones."""
-    sc = model.effective_scaling
-    if sc.off:
-        return 0, "scaling is off (max 0)" if model.scaling else "no scaling stanza: off"
-    if sc.min > 0:
-        return sc.min, f"min {sc.min}"
-    # On demand: wanted while asked for, until idle_timeout has passed since the last use.
-    st = state or ModelState(name=model.name)
-    if st.in_flight > 0:
-        return max(1, min(serving, sc.max)), f"on demand, {st.in_flight} request(s) in flight"
-    last = max([t for t in (st.demand_at, st.last_used_at) if t is not None], default=None)
-    if last is None:
-        return 0, "on demand, not asked for"
-    idle = (now - last).total_seconds()
-    if idle < sc.idle_timeout:
-        return max(1, min(serving, sc.max)), f"on demand, used {idle:.0f}s ago (idle_timeout {sc.idle_timeout:g}s)"
-    return 0, f"on demand, idle for {idle:.0f}s (idle_timeout {sc.idle_timeout:g}s)"
+def desired_replicas(model: Model, state: ModelState | None, now: datetime, serving: int,
+                     newest_age_s: float | None = None) -> tuple[int, str]:
+    """How many replicas `model` should have now, and why (placement/scale.py has the rule). `serving`
+    counts its starting and Ready ones; `newest_age_s` is the newest one's age (scale-down delay)."""
+    w = wanted(model, state, now, serving, newest_age_s)
+    return w.count, w.reason
 
 
 def _where(r: ReplicaSnap) -> str:
@@ -100,10 +90,12 @@ def plan_pass(snapshot: Snapshot) -> Plan:
         mine = [r for r in live if r.model == model.name and r.status in ("starting", "ready") and r.id not in evicting]
         serving = len(mine)
         st = states.get(model.name)
-        want, why = desired_replicas(model, st, now, serving)
+        newest = max((r.created_at for r in mine if r.created_at is not None), default=None)
+        want, why = desired_replicas(model, st, now, serving,
+                                     (now - newest).total_seconds() if newest is not None else None)
         want = min(want, model.effective_scaling.max)
         if serving > want:
-            if st and st.in_flight > 0 and want == 0:
+            if st and st.load > 0 and want == 0:
                 plan.decisions.append(Decision(kind="keep", model=model.name,
                                                reason=f"{why}; not stopped with requests in flight"))
                 continue

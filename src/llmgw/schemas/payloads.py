@@ -28,7 +28,16 @@ class ModelState(_Strict):
     backoff_until: datetime | None = None
     demand_at: datetime | None = None  # last time a request asked for the model while none was Ready
     last_used_at: datetime | None = None  # last time a request for it ended
-    in_flight: int = 0  # requests in flight across gateways (reported by gateways)
+    # Load, summed over the gateways heard from in the last LOAD_FRESH_S (db/load_repo.py):
+    in_flight: int = 0  # requests being served now
+    queued: int = 0  # requests waiting: for a load, or for a slot under the model's limits
+    peak: int = 0  # the highest in_flight + queued over the model's scale_down_delay window, per gateway summed
+    served_per_s: float = 0.0  # requests completed per second, over the last few seconds
+
+    @property
+    def load(self) -> int:
+        """Requests that want a replica now: in flight plus queued."""
+        return self.in_flight + self.queued
 
 
 class NodeSnap(_Strict):

@@ -291,7 +291,8 @@ def _shards(r: dict) -> str:
 def ctl_replicas(all: bool = typer.Option(False, "--all", help="Include stopped and failed replicas")):
     """Replicas with status, shards (node, rank, GPUs) and endpoint; why an ended one stopped."""
     for r in _get(f"/admin/v1/replicas?all={str(all).lower()}"):
-        typer.echo(f"{r['id'][:8]}  {r['model']:24s} {r['status']:9s} {_shards(r)}  {r['endpoint'] or ''}")
+        profile = f"{r['profile']}@{(r.get('profile_hash') or '?')[:8]}"
+        typer.echo(f"{r['id'][:8]}  {r['model']:24s} {profile:17s} {r['status']:9s} {_shards(r)}  {r['endpoint'] or ''}")
         why = r.get("ended_reason") or r.get("failure")
         if why and r["status"] in ("stopped", "failed", "lost"):
             typer.echo("    " + why.splitlines()[0][:200])

@@ -88,6 +88,7 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = 10.0
     node_unreachable_after_s: float = 15.0
     node_lost_after_s: float = 300.0
+    drain_timeout_s: float = 60.0  # how long a drain waits for in-flight requests (rolling replacement)
     route_refresh_s: float = 2.0
 
     # Gateway (docs/gateway.md). A request for a model that is loading is held up to its `scaling.load_wait`

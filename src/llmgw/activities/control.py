@@ -11,11 +11,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
 from llmgw.db import catalog_repo, fleet_repo
-from llmgw.placement.plan import backoff_delay
+from llmgw.placement.plan import backoff_delay, rollout_step
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
     MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
-    ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
+    ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, RolloutStep, RolloutStepInput, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
     Snapshot,
 )
 
@@ -23,15 +23,17 @@ from llmgw.schemas.payloads import (
 class ControlActivities:
     """Bound to one database engine. Register `all()` on the control worker."""
 
-    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float):
+    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float,
+                 drain_timeout_s: float = 60.0):
         self.engine = engine
         self.unreachable_after_s = unreachable_after_s
         self.lost_after_s = lost_after_s
+        self.drain_timeout_s = drain_timeout_s
 
     def all(self) -> list:
         return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
                 self.settle_replica, self.record_replica_failure, self.reset_model_failures, self.get_replica_shards,
-                self.reclaim_targets]
+                self.reclaim_targets, self.rollout_step]
 
     @activity.defn(name="read_snapshot")
     async def read_snapshot(self) -> Snapshot:
@@ -49,10 +51,17 @@ class ControlActivities:
             replicas=[
                 ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
                             created_at=r["created_at"], updated_at=r["updated_at"], settled=r["settled_at"] is not None,
+                            profile_hash=r["profile_hash"],
                             shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"], gpus=list(s["gpus"] or [])) for s in shards])
                 for r, shards in reps
             ],
         )
+
+    @activity.defn(name="rollout_step")
+    async def rollout_step(self, inp: RolloutStepInput) -> RolloutStep:
+        """What `model`'s rolling replacement does next, decided from a fresh snapshot (placement/rollout.py)."""
+        step = rollout_step(await self.read_snapshot(), inp.model)
+        return step.model_copy(update={"drain_timeout_s": self.drain_timeout_s})
 
     @activity.defn(name="record_placement")
     async def record_placement(self, inp: RecordPlacementInput) -> None:

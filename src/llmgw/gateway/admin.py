@@ -138,4 +138,4 @@ def _replica_view(r) -> ReplicaView:
     return ReplicaView(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
                        endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
                        shards=[ShardView(**s) for s in r.get("shards", [])], reason=r.get("reason"),
-                       ended_reason=r.get("ended_reason"))
+                       ended_reason=r.get("ended_reason"), profile_hash=r.get("profile_hash"))

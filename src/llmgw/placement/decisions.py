@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import ShardPlacement
 
-DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep"]
+DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep", "rollout"]
 
 
 REFUSED = "cannot place"
@@ -33,6 +33,7 @@ class Decision(BaseModel):
     - `refuse`: `model` needs a replica and nothing can take it; `refusals` give each candidate's reason.
     - `wait`: `model` needs a replica but is held back (backoff, drains in progress, one placement per pass).
     - `keep`: nothing to do for `model`; `reason` says what it has and why that is what it wants.
+    - `rollout`: some of `model`'s replicas run an older profile: make sure its `RolloutWorkflow` runs.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -63,6 +64,7 @@ class Decision(BaseModel):
             "refuse": f"{REFUSED} {self.model}",
             "wait": f"hold {self.model}",
             "keep": f"keep {self.model}",
+            "rollout": f"roll out {self.model}",
         }[self.kind]
         return f"{head}: {self.reason}"
 
@@ -92,4 +94,4 @@ class Plan(BaseModel):
 
     def acts(self) -> bool:
         """True when the pass changes something (anything but keep, wait and refuse)."""
-        return any(d.kind not in ("keep", "wait", "refuse") for d in self.decisions)
+        return any(d.kind not in ("keep", "wait", "refuse", "rollout") for d in self.decisions)

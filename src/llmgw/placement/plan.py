@@ -13,6 +13,8 @@ docs/architecture.md, "How a replica starts"):
   considered by priority, highest first;
 - a model in failure backoff is held, and says so;
 - a model that cannot be placed may evict lower-priority replicas (`placement.preempt`);
+- a model whose replicas run an older profile is replaced one replica at a time (`placement.rollout`): the
+  planner places the surge replica, the `RolloutWorkflow` retires old ones;
 - every model gets a line, so `llmgw ctl explain` always describes the latest pass.
 """
 
@@ -24,10 +26,11 @@ from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.fit import HOLDING
 from llmgw.placement.place import place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
+from llmgw.placement.rollout import next_step, plan_rules
 from llmgw.placement.scale import wanted
 from llmgw.placement.status import node_status
 from llmgw.schemas.catalog import Model
-from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
+from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, RolloutStep, Snapshot
 
 __all__ = ["backoff_delay", "desired_replicas", "place_one", "plan_pass"]
 
@@ -68,15 +71,37 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
     return live
 
 
+def _with_status(snapshot: Snapshot) -> list[NodeSnap]:
+    return [n.model_copy(update={"status": node_status(n.last_heartbeat, snapshot.now, snapshot.unreachable_after_s,
+                                                       snapshot.lost_after_s)}) for n in snapshot.nodes]
+
+
+def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
+    """The next step of `name`'s rolling replacement (placement/rollout.py), from one snapshot."""
+    model = next((m for m in snapshot.models if m.name == name), None)
+    mine = [r for r in snapshot.replicas if r.model == name and r.status in ("starting", "ready")]
+    if model is None:
+        return next_step(None, mine, 0, False, None)
+    st = next((s for s in snapshot.model_states if s.name == name), None)
+    newest = max((r.created_at for r in mine if r.created_at is not None), default=None)
+    want, _ = desired_replicas(model, st, snapshot.now, len(mine),
+                               (snapshot.now - newest).total_seconds() if newest is not None else None)
+    want = max(1, min(want, model.effective_scaling.max))  # a rollout never takes a model to zero itself
+    backoff = None
+    if st and st.backoff_until and st.backoff_until > snapshot.now:
+        backoff = (f"backing off {(st.backoff_until - snapshot.now).total_seconds():.0f}s after "
+                   f"{st.failures} failed start(s)")
+    room = place_one(model, _with_status(snapshot), snapshot).kind == "place"
+    return next_step(model, mine, want, room, backoff)
+
+
 def plan_pass(snapshot: Snapshot) -> Plan:
     """Decide one pass. Pure: the same snapshot always gives the same plan."""
     now = snapshot.now
     plan = Plan()
-    nodes: list[NodeSnap] = []
-    for n in snapshot.nodes:
-        status = node_status(n.last_heartbeat, now, snapshot.unreachable_after_s, snapshot.lost_after_s)
-        plan.node_status[n.id] = status
-        nodes.append(n.model_copy(update={"status": status}))
+    nodes = _with_status(snapshot)
+    for n in nodes:
+        plan.node_status[n.id] = n.status
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}
     live = _ended_and_orphans(snapshot, plan, catalog)
@@ -94,6 +119,24 @@ def plan_pass(snapshot: Snapshot) -> Plan:
         want, why = desired_replicas(model, st, now, serving,
                                      (now - newest).total_seconds() if newest is not None else None)
         want = min(want, model.effective_scaling.max)
+        rolling, surge = plan_rules(model, mine, want, why)
+        if rolling:
+            plan.decisions.extend(rolling)
+            if not surge:
+                continue
+            if st and st.backoff_until and st.backoff_until > now:
+                plan.decisions.append(Decision(kind="wait", model=model.name, reason=(
+                    f"{rolling[0].reason}; backing off {(st.backoff_until - now).total_seconds():.0f}s after "
+                    f"{st.failures} failed start(s); the old replicas keep serving")))
+                continue
+            if acted:
+                plan.more = True
+                continue
+            d = place_one(model, nodes, snapshot)
+            d.reason = f"{rolling[0].reason}; surge: {d.reason}"
+            plan.decisions.append(d)
+            acted = acted or d.kind == "place"
+            continue
         if serving > want:
             if st and st.load > 0 and want == 0:
                 plan.decisions.append(Decision(kind="keep", model=model.name,

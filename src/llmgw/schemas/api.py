@@ -96,6 +96,7 @@ class ReplicaView(_Strict):
     shards: list[ShardView] = Field(default_factory=list)
     reason: str | None = None
     ended_reason: str | None = None
+    profile_hash: str | None = None  # the profile it runs (as its node reports it); a rollout replaces old ones
 
 
 class NodeView(_Strict):

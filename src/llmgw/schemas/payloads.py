@@ -7,6 +7,7 @@ Internal payloads forbid unknown fields.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,6 +69,7 @@ class ReplicaSnap(_Strict):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     settled: bool = False
+    profile_hash: str | None = None  # what rank 0's node reports it runs; None until it reports
 
 
 class Snapshot(_Strict):
@@ -295,3 +297,36 @@ class ReclaimResult(_Strict):
     collect: bool
     nodes: list[NodeReclaimResult] = Field(default_factory=list)
     unreachable: list[str] = Field(default_factory=list)
+
+
+# ---- rolling replacement ------------------------------------------------------------------------
+
+class RolloutInput(_Strict):
+    """`RolloutWorkflow` (id `rollout/<model>`): replace `model`'s outdated replicas one at a time."""
+
+    model: str
+    steps: int = 0  # steps taken by earlier runs (continue-as-new)
+
+
+class RolloutStepInput(_Strict):
+    model: str
+
+
+class RolloutStep(_Strict):
+    """What a rollout does next (placement/rollout.py `next_step`): `done`, `wait` (for the reconciler to
+    place a surge replica, for it to become Ready, or out of a backoff), or `retire` `replica_id` (drain and
+    stop it). `drain_timeout_s` is the control plane's current setting."""
+
+    kind: Literal["done", "wait", "retire"]
+    reason: str
+    replica_id: str | None = None
+    outdated: int = 0
+    current_ready: int = 0
+    drain_timeout_s: float = 0.0
+
+
+class RolloutResult(_Strict):
+    model: str
+    retired: list[str] = Field(default_factory=list)
+    reason: str = ""
+

@@ -22,9 +22,10 @@ from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID
 from llmgw.workflows.reclaim import ReclaimWorkflow
 from llmgw.workflows.reconciler import ReconcilerWorkflow
 from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+from llmgw.workflows.rollout import RolloutWorkflow
 
 log = logging.getLogger(__name__)
-WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow]
+WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, RolloutWorkflow]
 
 
 def workflow_runner() -> SandboxedWorkflowRunner:
@@ -45,7 +46,8 @@ async def ensure_reconciler(client, settings: Settings) -> None:
 async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     engine = async_engine(settings.require_database_url())
     client = await connect(settings)
-    acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s)
+    acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s,
+                             settings.drain_timeout_s)
     worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all(),
                     workflow_runner=workflow_runner())
     try:

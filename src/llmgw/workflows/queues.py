@@ -15,3 +15,8 @@ def replica_start_id(replica_id: str) -> str:
 
 def replica_stop_id(replica_id: str) -> str:
     return f"replica/{replica_id}/stop"
+
+
+def rollout_id(model: str) -> str:
+    """`rollout/<model>`: one rolling replacement per model at a time."""
+    return f"rollout/{model}"

@@ -21,11 +21,13 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.placement.decisions import Decision, Plan
     from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
-        ReconcilerInput, RecordDecisionsInput, RecordPlacementInput, ReplicaStartInput, ReplicaStopInput, Snapshot,
+        ReconcilerInput, RecordDecisionsInput, RecordPlacementInput, ReplicaStartInput, ReplicaStopInput, RolloutInput,
+        Snapshot,
     )
     from llmgw.workflows import options
-    from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id
+    from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id, rollout_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+    from llmgw.workflows.rollout import RolloutWorkflow
 
 MAX_PASSES = 100
 
@@ -84,6 +86,18 @@ class ReconcilerWorkflow:
                 await self._place(d, inp)
             elif d.kind in ("stop", "evict", "lost", "cleanup"):
                 await self._stop(d, inp)
+            elif d.kind == "rollout" and workflow.patched("rollout"):
+                await self._rollout(d)
+
+    async def _rollout(self, d: Decision) -> None:
+        """Make sure the model's `RolloutWorkflow` runs (one per model: a second start is refused)."""
+        try:
+            await workflow.start_child_workflow(
+                RolloutWorkflow.run, RolloutInput(model=d.model), id=rollout_id(d.model), task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            )
+        except WorkflowAlreadyStartedError:
+            pass
 
     async def _place(self, d: Decision, inp: ReconcilerInput) -> None:
         replica_id = str(workflow.uuid4())

@@ -1,7 +1,8 @@
 """The fleet is authoritative about what runs, through the real node worker and node API (seeds 001):
 a restarted worker adopts its engines without restarting them and traffic keeps flowing; a worker that
 comes back reporting nothing makes its old replicas go away; an engine nobody can identify is stopped;
-one that runs exactly what the catalog asks for is adopted even when the control plane had no record."""
+one that runs exactly what the catalog asks for is adopted even when the control plane had no record, and the
+gateway reaches it with the engine key the node reports (issue 11)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from llmgw.engines.base import ShardSpec
+from llmgw.engines.base import ShardSpec, new_api_key
 from llmgw.engines.sim import SimAdapter
 from llmgw.dev.procs import free_port
 from llmgw.schemas.catalog import Profile
@@ -91,20 +92,22 @@ def test_worker_back_with_nothing_makes_its_old_replicas_go_away(control_plane):
     assert again["node_id"] == "n1"
 
 
-def launch_by_hand(cp, node: str, replica_id: str, model: str, profile: Profile) -> int:
-    """Start an engine and its spec file the way a previous worker would have left it."""
+def launch_by_hand(cp, node: str, replica_id: str, model: str, profile: Profile) -> tuple[int, str]:
+    """Start an engine (with its key) and its spec file the way a previous worker would have left it.
+    Returns (pid, endpoint)."""
     sup = Supervisor(cp.state / "shards" / node, cp.state / "logs" / node)
-    spec = ShardSpec(shard_id=f"{replica_id}-r0", replica_id=replica_id, model=model, profile=profile, port=free_port())
+    spec = ShardSpec(shard_id=f"{replica_id}-r0", replica_id=replica_id, model=model, profile=profile, port=free_port(),
+                     api_key=new_api_key())
     shard = sup.launch(spec, SimAdapter().build(spec))
-    wait_until(lambda: _up(shard.endpoint), what="hand-started engine")
+    wait_until(lambda: _up(shard.endpoint, spec.api_key), what="hand-started engine")
     shard.state = "ready"
     sup.save(shard)
-    return shard.pid
+    return shard.pid, shard.endpoint
 
 
-def _up(url: str) -> bool:
+def _up(url: str, key: str) -> bool:
     try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
+        return httpx.get(url + "/health", timeout=1, headers={"Authorization": f"Bearer {key}"}).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -112,8 +115,10 @@ def _up(url: str) -> bool:
 def test_unidentifiable_engine_is_stopped_and_identifiable_one_is_adopted(control_plane):
     cp = control_plane.start()
     assert cp.apply(CATALOG).status_code == 200
-    stranger = launch_by_hand(cp, "n1", "not-ours", "some-other-model", Profile(engine="sim"))
-    ours = launch_by_hand(cp, "n1", "lost-record", "sim-a", Profile.model_validate(PROFILE))
+    stranger, _ = launch_by_hand(cp, "n1", "not-ours", "some-other-model", Profile(engine="sim"))
+    ours, endpoint = launch_by_hand(cp, "n1", "lost-record", "sim-a", Profile.model_validate(PROFILE))
+    # The engine refuses anyone without its key; the gateway has it only from the node's registration.
+    assert httpx.post(endpoint + "/v1/chat/completions", json={"model": "sim-a", "messages": []}).status_code == 401
     cp.agent("n1")
     wait_until(lambda: not psutil.pid_exists(stranger) or psutil.Process(stranger).status() == psutil.STATUS_ZOMBIE,
                timeout_s=30, what="the unidentifiable engine stopped")
@@ -121,7 +126,7 @@ def test_unidentifiable_engine_is_stopped_and_identifiable_one_is_adopted(contro
     assert "cannot be adopted (model 'some-other-model' is not in the catalog)" in server.log()
     wait_until(lambda: any(r["id"] == "lost-record" and r["status"] == "ready" for r in cp.replicas()), timeout_s=15,
                what="adopted replica")
-    wait_until(lambda: chat_ok(cp), what="traffic to the adopted engine")
+    wait_until(lambda: chat_ok(cp), what="traffic to the adopted engine (the key came back with the shard report)")
     time.sleep(3)  # a reconcile pass or two: min 1 is met by the adopted replica, nothing new is placed
     assert [r["id"] for r in cp.replicas() if r["model"] == "sim-a"] == ["lost-record"]
     assert psutil.pid_exists(ours)

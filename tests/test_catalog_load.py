@@ -57,21 +57,23 @@ def test_duplicate_names_and_aliases_are_refused():
                                  {"CUDA_INJECTION64_PATH": "/x"}, {"LLAMA_ARG_LOG_FILE": "/tmp/x"}])
 def test_env_that_runs_code_or_touches_files_is_refused(env):
     with pytest.raises(PolicyError):
-        check_env(env)
+        check_env(env, "sim")
     with pytest.raises(CatalogError):
         parse_catalog(one(profiles=[{"engine": "sim", "env": env}]))
 
 
 def test_tuning_env_is_allowed():
-    check_env({"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "VLLM_ATTENTION_BACKEND": "FLASHINFER"})
+    check_env({"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "VLLM_ATTENTION_BACKEND": "FLASHINFER"}, "vllm")
 
 
 @pytest.mark.parametrize("args", [["--trust-remote-code"], ["--log-file=/tmp/x"], ["--slot-save-path", "/tmp"],
                                   ["--port", "1"], ["--model", "/etc/passwd"]])
 def test_flags_that_load_code_or_are_set_by_the_worker_are_refused(args):
-    with pytest.raises(PolicyError):
-        check_args(args)
+    for engine in ("vllm", "sglang", "llamacpp", "sim"):
+        with pytest.raises(PolicyError):
+            check_args(args, engine)
 
 
 def test_ordinary_flags_and_negative_numbers_pass():
-    check_args(["--ctx-size", "4096", "--temp", "-1", "--max-model-len=8192"])
+    check_args(["--ctx-size", "4096", "--temp", "-1"], "llamacpp")
+    check_args(["--max-model-len=8192", "--seed", "-1"], "vllm")

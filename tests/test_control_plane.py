@@ -78,5 +78,12 @@ def test_bad_catalog_is_refused_with_the_field_named(control_plane):
                               "profiles": [{"engine": "sim", "env": {"LD_PRELOAD": "/tmp/x.so"}}]}]})
     assert r.status_code == 400
     assert "LD_PRELOAD" in r.json()["error"]["message"]
+    # Engine flags are read as the engine's parser reads them: vLLM takes `_` for `-` (issue 11).
+    r = cp.apply({"models": [{"name": "m", "profiles": [{"engine": "vllm", "source": "org/m",
+                                                         "args": ["--trust_remote_code"]}]}]})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "args: --trust_remote_code is not an allowed vllm flag (vllm reads '--trust_remote_code' as " \
+           "--trust-remote-code)" in msg and "Allowed vllm flags: " in msg and "--max-model-len" in msg
     # Nothing was applied half-way.
     assert httpx.get(cp.admin + "/admin/v1/catalog").json().get("models", []) == []

@@ -45,12 +45,12 @@ def test_vllm_tp8_over_two_nodes_uses_ray():
     parts = " ".join(head.argv).split(" -- ")
     assert "ray_launch head" in parts[0] and "--nodes 2" in parts[0]
     assert parts[1].split() == ["/opt/vllm/bin/ray", "start", "--head", "--node-ip-address", "10.0.0.1", "--port", "6379",
-                                "--num-gpus", "4", "--block"]
+                                "--num-gpus", "4", "--include-dashboard", "false", "--block"]
     serve = parts[2].split()
     assert serve[:3] == ["/opt/vllm/bin/vllm", "serve", "Qwen/Qwen2.5-72B-Instruct"]
     assert after(serve, "--tensor-parallel-size") == "8"
     assert after(serve, "--distributed-executor-backend") == "ray"
-    assert serve[-2:] == ["--max-model-len", "8192"]
+    assert serve[3:5] == ["--max-model-len", "8192"]  # the profile's flags come before the worker's
     assert head.endpoint == "http://10.0.0.1:8000"
     # Rank 1: joins the head's address; serves no HTTP.
     wparts = " ".join(worker.argv).split(" -- ")
@@ -110,3 +110,68 @@ Recent failures:
     assert count_active_nodes("Active:\n (no active nodes)\nPending:\n") == 0
     text = 'vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting{model_name="m"} 7.0\n'
     assert gauge_sum(text, "vllm:num_requests_running") == 3 and gauge_sum(text, "sglang:num_running_reqs") is None
+
+
+# ---- engines only the gateway can reach (issue 11) ---------------------------------------------
+
+KEY = "k" * 43
+
+
+def keyed(profile: Profile, rank: int, host: str, rz=RZ) -> ShardSpec:
+    s = spec(profile, rank, host, rz=rz)
+    s.api_key = KEY if rank == 0 else None
+    return s
+
+
+def test_each_engine_gets_its_key_where_it_reads_one_and_never_in_argv_when_it_can():
+    vllm = VllmAdapter("/opt/vllm/bin/vllm", "/opt/vllm/bin/ray")
+    single = vllm.build(keyed(Profile(engine="vllm", source="org/m"), 0, "10.0.0.1", rz=None))
+    assert single.env["VLLM_API_KEY"] == KEY and KEY not in " ".join(single.argv)  # vLLM: VLLM_API_KEY
+    head = vllm.build(keyed(TP8, 0, "10.0.0.1"))
+    assert head.env["VLLM_API_KEY"] == KEY and KEY not in " ".join(head.argv)
+    # SGLang reads no variable: `--api-key` on rank 0 (the only one serving HTTP), redacted in logs.
+    sg = SglangAdapter("/opt/sglang/bin/python")
+    p = Profile(engine="sglang", source="/models/qwen-72b/", tp=8, nodes=2)
+    r0, r1 = sg.build(keyed(p, 0, "10.0.0.1")), sg.build(keyed(p, 1, "10.0.0.2"))
+    assert after(r0.argv, "--api-key") == KEY and "--api-key" not in r1.argv
+    assert KEY not in " ".join(sg.redact(r0.argv)) and "<engine key>" in sg.redact(r0.argv)
+
+
+def test_llamacpp_key_goes_in_llama_api_key(tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    s = ShardSpec(shard_id="r-r0", replica_id="r", model="m", profile=Profile(engine="llamacpp", source="mirror:m.gguf"),
+                  weights_path="/cache/m.gguf", port=9000, api_key=KEY)
+    plan = LlamaCppAdapter(str(binary)).build(s)
+    assert plan.env["LLAMA_API_KEY"] == KEY and KEY not in plan.argv
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU shard sees no GPU nobody gave it
+
+
+def test_rendezvous_binds_the_advertised_address_only():
+    # Ray (vLLM multi-node): every `ray start` names the node's advertised address, which Ray binds its
+    # ports to (2.50+); the head runs no dashboard (its job API runs code). vLLM's own address is the same.
+    a = VllmAdapter("/opt/vllm/bin/vllm", "/opt/vllm/bin/ray")
+    head, worker = a.build(keyed(TP8, 0, "10.0.0.1")), a.build(keyed(TP8, 1, "10.0.0.2"))
+    head_ray = " ".join(head.argv).split(" -- ")[1].split()
+    assert after(head_ray, "--node-ip-address") == "10.0.0.1" and after(head_ray, "--include-dashboard") == "false"
+    assert after(" ".join(worker.argv).split(" -- ")[1].split(), "--node-ip-address") == "10.0.0.2"
+    assert head.env["VLLM_HOST_IP"] == "10.0.0.1" and worker.env["VLLM_HOST_IP"] == "10.0.0.2"
+    # SGLang: the rendezvous is rank 0's advertised address, never a wildcard; HTTP on the advertised host.
+    p = Profile(engine="sglang", source="/models/qwen-72b/", tp=8, nodes=2)
+    r0 = SglangAdapter("/opt/sglang/bin/python").build(keyed(p, 0, "10.0.0.1"))
+    assert after(r0.argv, "--dist-init-addr") == "10.0.0.1:6379" and after(r0.argv, "--host") == "10.0.0.1"
+
+
+def test_collectives_stay_on_the_advertised_interface():
+    # On this machine 127.0.0.1 is on the loopback interface: NCCL and Gloo are told to use exactly it.
+    from llmgw.engines.base import interface_of
+
+    lo = interface_of("127.0.0.1")
+    assert lo
+    rz = Rendezvous(address="127.0.0.1:6379", world_size=2, token="rep1")
+    for adapter, profile in ((VllmAdapter("/v/vllm", "/v/ray"), TP8),
+                             (SglangAdapter("/s/python"), Profile(engine="sglang", source="/m/", tp=8, nodes=2))):
+        env = adapter.build(keyed(profile, 1, "127.0.0.1", rz=rz)).env
+        assert env["NCCL_SOCKET_IFNAME"] == f"={lo}" and env["GLOO_SOCKET_IFNAME"] == lo
+    single = VllmAdapter("/v/vllm", "/v/ray").build(keyed(Profile(engine="vllm", source="org/m"), 0, "127.0.0.1", rz=None))
+    assert "NCCL_SOCKET_IFNAME" not in single.env  # one node: nothing leaves it

@@ -72,8 +72,11 @@ def test_a_higher_priority_on_demand_model_preempts_a_lower_one_after_draining_i
     asker.join(30)
     assert asked["status"] == 200 or (asked["status"] == 503 and asked["retry_after"]), asked
 
-    # The request in flight when the drain began finished whole, before high was placed.
+    # The request in flight when the drain began finished whole, before high was placed; and the engine was
+    # stopped only once the drain saw nothing in flight (its in-flight reads carry the engine key).
     assert got == {**got, "status": 200, "chunks": TOKENS, "done": True}, got
+    engine_log = (cp.state / "logs" / "node-a" / f"{low['id']}-r0.log").read_text()
+    assert "sim: stopping with 0 request(s) in flight" in engine_log, engine_log[-2000:]
     assert datetime.fromisoformat(high["created_at"]) >= got["ended"].replace(microsecond=0)
     ended = next(x for x in cp.replicas() if x["id"] == low["id"])
     assert ended["status"] == "stopped"

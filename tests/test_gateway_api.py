@@ -286,6 +286,13 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
 
     engine = async_engine(gw.env["LLMGW_DATABASE_URL"])
 
+    async def ready(conn, rid: str) -> None:  # as a replica becomes Ready: its node reports the endpoint, then its start
+        from llmgw.schemas.inventory import ShardReport
+
+        await fleet_repo.update_shard(conn, "n1", ShardReport(shard_id=f"{rid}-r0", replica_id=rid, model="fleet-model",
+                                                              profile="default", state="ready", endpoint=engines.url("echo")))
+        await fleet_repo.mark_replica(conn, rid, "ready", endpoint=engines.url("echo"))
+
     async def routed() -> bool:
         status, _, _ = await post(gw, "/v1/chat/completions", chat("fleet-model"))
         assert status in (200, 503)
@@ -302,7 +309,7 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
             await fleet_repo.upsert_node(conn, "n1", "boot-1", Inventory())
             for rid in ("r1", "r2"):
                 await fleet_repo.create_replica(conn, rid, "fleet-model", "default", [ShardPlacement(node_id="n1")])
-                await fleet_repo.mark_replica(conn, rid, "ready", endpoint=engines.url("echo"))
+                await ready(conn, rid)
         await eventually(True)
         async with engine.begin() as conn:
             await fleet_repo.mark_replica(conn, "r1", "draining")
@@ -312,7 +319,7 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
         await eventually(False)  # both draining: no new requests
         async with engine.begin() as conn:
             await fleet_repo.create_replica(conn, "r3", "fleet-model", "default", [ShardPlacement(node_id="n1")])
-            await fleet_repo.mark_replica(conn, "r3", "ready", endpoint=engines.url("echo"))
+            await ready(conn, "r3")
         await eventually(True)
         async with engine.begin() as conn:  # the node goes silent: Unreachable
             await conn.execute(update(nodes).where(nodes.c.id == "n1")

@@ -1,6 +1,6 @@
 """The node checks engine policy again before launching, whatever sent the profile (seeds 003): a start
-workflow carrying LD_PRELOAD or --trust-remote-code, which the catalog would have refused, fails on the
-node with the reason, and no engine process is started."""
+workflow carrying LD_PRELOAD, an argparse prefix of --host (`--hos`) or CUDA_VISIBLE_DEVICES, which the
+catalog would have refused, fails on the node with the reason, and no engine process is started."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("profile", [
     Profile(engine="sim", env={"LD_PRELOAD": "/tmp/evil.so"}),
-    Profile(engine="sim", args=["--trust-remote-code"]),
-])
+    Profile(engine="sim", args=["--hos", "0.0.0.0"]),  # argparse would read it as --host
+    Profile(engine="sim", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
+], ids=["LD_PRELOAD", "--hos", "CUDA_VISIBLE_DEVICES"])
 def test_node_refuses_a_profile_the_catalog_would_have_refused(control_plane, temporal, namespace, profile):
     cp = control_plane.start()
     agent = cp.agent("n1")

@@ -380,12 +380,17 @@ def cert_server(
 
 
 @cert_app.command("node")
-def cert_node(node_id: str, directory: Optional[Path] = typer.Option(None, "--dir")):
+def cert_node(
+    node_id: str,
+    directory: Optional[Path] = typer.Option(None, "--dir"),
+    address: list[str] = typer.Option([], "--address", help="An address (IP or DNS name) the node's engines listen "
+                                      "on, when it is not the one the node reaches the control plane from; repeatable"),
+):
     """Issue a node's client certificate (common name = NODE_ID); copy it and ca.crt to the node."""
     from llmgw.security.pki import issue_node
 
     try:
-        out = issue_node(_pki_dir(directory), node_id)
+        out = issue_node(_pki_dir(directory), node_id, addresses=address)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

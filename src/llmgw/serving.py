@@ -12,7 +12,7 @@ import ssl
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from llmgw.security.pki import common_name
+from llmgw.security.pki import cert_addresses, common_name
 
 
 class _Server(uvicorn.Server):
@@ -24,13 +24,18 @@ class _Server(uvicorn.Server):
 class TLSIdentityProtocol(HttpToolsProtocol):
     """HTTP/1.1 protocol that puts the verified client certificate's common name into the ASGI scope
     as the ASGI TLS extension (`scope["extensions"]["tls"]["client_cert_name"]`), which uvicorn does
-    not fill in itself. The TLS handshake has already verified the chain against our CA."""
+    not fill in itself. The TLS handshake has already verified the chain against our CA. Beside it: the
+    certificate's IP and DNS names and the connection's peer address, read from the socket (never from a
+    forwarding header), which the node API checks reported endpoints against."""
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         ssl_object = self.transport.get_extra_info("ssl_object")
-        cn = common_name(ssl_object.getpeercert()) if ssl_object is not None else None
-        self.scope["extensions"] = {"tls": {"client_cert_name": cn}}
+        cert = ssl_object.getpeercert() if ssl_object is not None else None
+        ips, names = cert_addresses(cert)
+        peer = self.transport.get_extra_info("peername")
+        self.scope["extensions"] = {"tls": {"client_cert_name": common_name(cert), "client_cert_ips": ips,
+                                            "client_cert_names": names, "peer_address": peer[0] if peer else None}}
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 Each is idempotent on the shard id the workflow gives it: a retried `launch_shard` finds the shard it
 already started (or adopted after a worker restart) instead of starting a second engine.
+
+Each serving shard gets a fresh engine key here, on its node (engines/base.py): it goes to the engine, to
+the shard's spec file and, over the node API, to the control plane; never into a workflow's history.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from llmgw.catalog.policy import PolicyError, check_profile
-from llmgw.engines.base import EngineError, ShardSpec, reserve_port
+from llmgw.engines.base import EngineError, ShardSpec, new_api_key, reserve_port
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
     FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
@@ -23,6 +26,7 @@ from llmgw.schemas.payloads import (
     WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
+from llmgw.workers.errors import ReportRefused
 from llmgw.workers.reclaim import reclaim
 
 if TYPE_CHECKING:
@@ -74,15 +78,27 @@ class NodeActivities:
             check_profile(inp.profile)  # again on the node: whatever sent the profile (seeds 003)
             adapter = self.agent.engines.get(inp.profile.engine)
             host = self.agent.settings.advertise_host
+            serving = inp.rank == 0
             spec = ShardSpec(shard_id=inp.shard_id, replica_id=inp.replica_id, model=inp.model, profile=inp.profile,
                              rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host,
-                             port=0 if inp.rank > 0 else reserve_port(host), rendezvous=inp.rendezvous)
+                             port=reserve_port(host) if serving else 0, rendezvous=inp.rendezvous,
+                             api_key=new_api_key() if serving else None)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
-        shard = sup.launch(spec, plan)
-        await self.agent.report(shard.report("starting"))
+        shard = sup.launch(spec, plan, adapter.redact(plan.argv))
+        await self._report(shard, "starting")
         return LaunchShardResult(shard_id=inp.shard_id, pid=shard.pid, endpoint=shard.endpoint)
+
+    async def _report(self, shard, state: str) -> None:
+        """Report a transition; a refusal by the control plane stops the shard and fails the activity for good
+        (its endpoint is not at this node's address, or the shard is not placed here)."""
+        try:
+            await self.agent.report(shard.report(state))
+        except ReportRefused as exc:
+            await self.agent.supervisor.stop(shard.shard_id)
+            raise ApplicationError(f"node {self.agent.node_id}: the control plane refused shard {shard.shard_id}: {exc}",
+                                   type="ReportRefused", non_retryable=True) from None
 
     @activity.defn(name="open_rendezvous")
     async def open_rendezvous(self, inp: OpenRendezvousInput) -> Rendezvous:
@@ -120,7 +136,7 @@ class NodeActivities:
                 activity.heartbeat({"waiting_s": round(waited)})
                 await asyncio.sleep(next(pause))
         sup.set_state(shard, "ready")
-        await self.agent.report(shard.report("ready"))
+        await self._report(shard, "ready")
         return WaitShardJoinedResult(shard_id=inp.shard_id, waited_s=round(time.monotonic() - started, 2))
 
     @activity.defn(name="wait_shard_ready")
@@ -143,14 +159,14 @@ class NodeActivities:
                         f"{tail[-1500:]}",
                         type="EngineExited", non_retryable=True,
                     )
-                if await adapter.is_ready(session, shard.endpoint):
+                if await adapter.is_ready(session, shard.endpoint, shard.spec.api_key):
                     break
                 if time.monotonic() > deadline:
                     raise ApplicationError(f"shard {inp.shard_id} not ready after {inp.timeout_s:.0f}s", non_retryable=True)
                 activity.heartbeat({"waiting_s": round(inp.timeout_s - (deadline - time.monotonic()))})
                 await asyncio.sleep(next(pause))
         sup.set_state(shard, "ready")
-        await self.agent.report(shard.report("ready"))
+        await self._report(shard, "ready")
         return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
 
     @activity.defn(name="drain_shard")
@@ -168,7 +184,9 @@ class NodeActivities:
             # The gateways stop routing to a draining replica within their refresh interval; give them that.
             await asyncio.sleep(min(2.0, inp.timeout_s))
             while time.monotonic() < deadline:
-                n = await adapter.in_flight(session, shard.endpoint)
+                if sup.poll(shard) is not None:
+                    return 0  # the engine is gone: nothing is in flight any more
+                n = await adapter.in_flight(session, shard.endpoint, shard.spec.api_key)
                 if not n:
                     return 0
                 activity.heartbeat({"in_flight": n})

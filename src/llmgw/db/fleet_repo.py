@@ -94,16 +94,21 @@ async def create_replica(
     return True
 
 
-async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport) -> None:
-    """Record a Ready single-shard replica a node runs that we had no record of (see fleet_service)."""
-    await conn.execute(insert(replicas).values(
+async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport) -> bool:
+    """Record a Ready single-shard replica a node runs that we had no record of (see fleet_service), with
+    its engine key. Returns False, recording nothing, when the replica id is taken: a node may not add a
+    shard to a replica it was not given."""
+    res = await conn.execute(insert(replicas).values(
         id=report.replica_id, model=report.model, profile=report.profile, status="ready", endpoint=report.endpoint,
         reason=f"adopted from node {node_id}", ready_at=func.now(), profile_hash=report.profile_hash,
-    ).on_conflict_do_nothing())
+    ).on_conflict_do_nothing().returning(replicas.c.id))
+    if res.first() is None:
+        return False
     await conn.execute(insert(shards).values(
         id=report.shard_id, replica_id=report.replica_id, rank=report.rank, node_id=node_id, status=report.state,
-        pid=report.pid, endpoint=report.endpoint, gpus=report.gpus,
-    ).on_conflict_do_nothing())
+        pid=report.pid, endpoint=report.endpoint, gpus=report.gpus, api_key=report.api_key,
+    ))
+    return True
 
 
 async def mark_replica(
@@ -211,9 +216,10 @@ async def active_replicas_with_shards(conn: AsyncConnection):
 
 
 async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> str | None:
-    """Apply a node's report about one of its shards. Returns the replica's status (None if unknown)."""
+    """Apply a node's report about one of its shards (the caller has checked it is placed on `node_id`).
+    Returns the replica's status (None if unknown)."""
     values: dict = {"status": report.state, "updated_at": func.now(), "progress": None}  # a transition ends a download
-    for field in ("pid", "endpoint", "exit_code", "output_tail"):
+    for field in ("pid", "endpoint", "exit_code", "output_tail", "api_key"):
         v = getattr(report, field)
         if v is not None:
             values[field] = v
@@ -242,12 +248,27 @@ async def shards_on_node(conn: AsyncConnection, node_id: str):
     return (await conn.execute(q)).mappings().all()
 
 
-async def known_shard_ids(conn: AsyncConnection, ids: list[str]) -> dict[str, str]:
-    """shard id -> its replica's status, for the ids that exist."""
+@dataclass
+class KnownShard:
+    """A shard row as a node's report is checked against it: where it is placed and whose it is."""
+
+    id: str
+    replica_id: str
+    node_id: str
+    replica_status: str
+
+
+async def known_shards(conn: AsyncConnection, ids: list[str]) -> dict[str, KnownShard]:
+    """shard id -> `KnownShard`, for the ids that exist."""
     if not ids:
         return {}
-    q = select(shards.c.id, replicas.c.status).join(replicas, replicas.c.id == shards.c.replica_id).where(shards.c.id.in_(ids))
-    return {r.id: r.status for r in (await conn.execute(q)).all()}
+    q = (select(shards.c.id, shards.c.replica_id, shards.c.node_id, replicas.c.status)
+         .join(replicas, replicas.c.id == shards.c.replica_id).where(shards.c.id.in_(ids)))
+    return {r.id: KnownShard(r.id, r.replica_id, r.node_id, r.status) for r in (await conn.execute(q)).all()}
+
+
+async def replica_exists(conn: AsyncConnection, replica_id: str) -> bool:
+    return (await conn.execute(select(replicas.c.id).where(replicas.c.id == replica_id))).first() is not None
 
 
 @dataclass
@@ -257,18 +278,24 @@ class RouteRow:
     endpoint: str
     node_id: str
     node_age_s: float
+    api_key: str | None = None  # the engine's key (rank 0's), which the gateway sends
 
 
 async def routable_replicas(conn: AsyncConnection) -> list[RouteRow]:
-    """Ready replicas with the age of their rank-0 node's heartbeat (the gateway drops stale nodes)."""
+    """Ready replicas with the age of their rank-0 node's heartbeat (the gateway drops stale nodes) and the
+    engine key rank 0's node reported. Only where the replica's endpoint is the one rank 0's node reported
+    over the node API, which checked it is at that node's own address (issue 11): an endpoint recorded from
+    anywhere else (a start workflow's result) is not routed, and never gets the engine key."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     q = (
-        select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"))
+        select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
+               shards.c.api_key)
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
-        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None)))
+        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None),
+                    replicas.c.endpoint == shards.c.endpoint))
     )
-    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age)) for r in (await conn.execute(q)).all()]
+    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), r.api_key) for r in (await conn.execute(q)).all()]
 
 
 async def db_now(conn: AsyncConnection) -> datetime:

@@ -69,6 +69,7 @@ shards = Table(
     Column("exit_code", Integer),
     Column("output_tail", Text),
     Column("progress", JSONB),  # a download in progress: {"source", "bytes", "total"?}; cleared by any transition
+    Column("api_key", Text),  # the engine's key, from the node's report; the gateway sends it (0005_engine_keys)
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

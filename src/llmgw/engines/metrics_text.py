@@ -14,10 +14,14 @@ def gauge_sum(text: str, name: str) -> float | None:
     return sum(values) if values else None
 
 
-async def scrape_gauge(session: aiohttp.ClientSession, endpoint: str, name: str) -> int | None:
+async def scrape_gauge(session: aiohttp.ClientSession, endpoint: str, name: str,
+                       headers: dict[str, str] | None = None) -> int | None:
     """GET `endpoint`/metrics and return the sum of gauge `name` as an int; None when it cannot say."""
     try:
-        async with session.get(endpoint + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
+        async with session.get(endpoint + "/metrics", headers=headers or {},
+                               timeout=aiohttp.ClientTimeout(total=2)) as r:
+            if r.status != 200:
+                return None
             n = gauge_sum(await r.text(), name)
             return None if n is None else int(n)
     except (aiohttp.ClientError, TimeoutError):

@@ -5,6 +5,14 @@ profile args. SGLang's `--tp` is the total tensor-parallel size across every nod
 runs the same command with `--nnodes N --node-rank R --dist-init-addr RANK0:PORT` (the rendezvous
 address); only rank 0 serves HTTP, and it becomes ready only once every rank has joined, so rank 0's
 readiness is the proof that the workers joined (the default `joined`).
+
+Reachability (issue 11): SGLang reads its API key from no environment variable, so rank 0 gets the engine
+key as `--api-key` (visible in the process list to other users of the node; the node worker's logs show
+it redacted). SGLang then refuses every request without it except `/health` and `/metrics`. The
+rendezvous (`--dist-init-addr`) is the node's advertised address; NCCL's and Gloo's sockets are kept on
+that address's interface (`launch_env`). torch's TCPStore behind `--dist-init-addr` listens on every
+interface whatever address it is given, which no flag changes: firewall the rendezvous port to the
+fabric (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import sys
 
 import aiohttp
 
-from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
+from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env
 from llmgw.engines.metrics_text import scrape_gauge
 
 
@@ -40,16 +48,18 @@ class SglangAdapter(EngineAdapter):
         p = spec.profile
         if not spec.weights_path:
             raise EngineError(f"profile for {spec.model} has no source; SGLang needs a model id or a weights directory")
-        argv = [self.python, "-m", "sglang.launch_server", "--model-path", spec.weights_path,
+        # The worker's flags come after the profile's: argparse takes the last occurrence.
+        argv = [self.python, "-m", "sglang.launch_server", *p.args, "--model-path", spec.weights_path,
                 "--served-model-name", spec.model, "--tp", str(p.tp), "--pp-size", str(p.pp), "--enable-metrics"]
         rz = spec.rendezvous
         if rz is not None:
             argv += ["--nnodes", str(rz.world_size), "--node-rank", str(spec.rank), "--dist-init-addr", rz.address]
         if not spec.is_worker:
             argv += ["--host", spec.host, "--port", str(spec.port)]
-        argv += p.args
+            if spec.api_key:
+                argv += ["--api-key", spec.api_key]
         endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
-        return LaunchPlan(argv=argv, env=base_env(spec) | dict(p.env), endpoint=endpoint)
+        return LaunchPlan(argv=argv, env=launch_env(spec), endpoint=endpoint)
 
-    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
-        return await scrape_gauge(session, endpoint, "sglang:num_running_reqs")
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
+        return await scrape_gauge(session, endpoint, "sglang:num_running_reqs", auth_headers(api_key))

@@ -2,7 +2,8 @@
 
 Single shard: one process serving HTTP. Multi-node: one process per shard with its `--rank`; workers get
 no HTTP port and join rank 0 at the replica's rendezvous (`llmgw.engines.sim_group`); a worker has joined
-when rank 0 lists its rank.
+when rank 0 lists its rank. The engine key goes in `LLMGW_SIM_API_KEY`; the sim engine then refuses every
+request without it, `/health` included, so the node's own calls are held to it as the gateway's are.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 
 import aiohttp
 
-from llmgw.engines.base import EngineAdapter, LaunchPlan, ShardSpec, base_env
+from llmgw.engines.base import EngineAdapter, LaunchPlan, ShardSpec, auth_headers, launch_env
 from llmgw.engines.sim_group import query_status
 
 
@@ -19,14 +20,14 @@ class SimAdapter(EngineAdapter):
     name = "sim"
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
-        argv = [sys.executable, "-m", "llmgw.engines.sim_server", "--model", spec.model, "--host", spec.host]
+        argv = [sys.executable, "-m", "llmgw.engines.sim_server", *spec.profile.args, "--model", spec.model,
+                "--host", spec.host]
         if spec.rendezvous is not None:
             argv += ["--rank", str(spec.rank), "--world-size", str(spec.world_size),
                      "--rendezvous", spec.rendezvous.address, "--token", spec.rendezvous.token]
         if not spec.is_worker:
             argv += ["--port", str(spec.port)]
-        argv += spec.profile.args
-        env = base_env(spec) | dict(spec.profile.env)
+        env = launch_env(spec, {"LLMGW_SIM_API_KEY": spec.api_key} if spec.api_key else None)
         endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
         return LaunchPlan(argv=argv, env=env, endpoint=endpoint)
 
@@ -36,9 +37,12 @@ class SimAdapter(EngineAdapter):
         status = await query_status(spec.rendezvous.address)
         return bool(status) and status.get("token") == spec.rendezvous.token and spec.rank in status.get("joined", [])
 
-    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
         try:
-            async with session.get(endpoint + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            async with session.get(endpoint + "/health", headers=auth_headers(api_key),
+                                   timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    return None
                 return int((await r.json()).get("in_flight", 0))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None

@@ -13,6 +13,10 @@ and each request it serves is a collective with every worker. Workers serve noth
 (retrying while it is not up: workers start first) and exit when it goes away, as rank 0 exits when a
 worker does.
 
+With a key (`LLMGW_SIM_API_KEY`, which the node worker sets, or `--api-key`), every request without
+`Authorization: Bearer <key>` is refused with 401, `/health` included: the sim engine holds the node's own
+calls to the key as strictly as the gateway's, so a caller that forgets it fails here first.
+
 Run: `python -m llmgw.engines.sim_server --port 9000 --model sim-small [--tokens-per-second 50]`.
 """
 
@@ -21,7 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import hmac
 import json
+import os
 import signal
 import time
 import uuid
@@ -165,8 +171,24 @@ def prompt_tokens(prompt) -> int:
     return max(1, len(str(prompt or "").split()))
 
 
-def make_app(engine: SimEngine) -> web.Application:
-    app = web.Application()
+def require_key(api_key: str):
+    """aiohttp middleware: 401 in the OpenAI envelope unless the request carries `Bearer <api_key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            body = {"error": {"message": "missing or wrong API key", "type": "invalid_request_error", "param": None,
+                              "code": "invalid_api_key"}}
+            return web.json_response(body, status=401)
+        return await handler(request)
+
+    return check
+
+
+def make_app(engine: SimEngine, api_key: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[require_key(api_key)] if api_key else [])
     app.router.add_get("/health", engine.health)
     app.router.add_get("/v1/models", engine.models)
     app.router.add_post("/v1/chat/completions", engine.chat)
@@ -187,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
     p.add_argument("--token", default="", help="the replica's id; a shard with another is refused")
     p.add_argument("--join-timeout", type=float, default=600.0, help="seconds a worker waits for rank 0")
+    p.add_argument("--api-key", default=os.environ.get("LLMGW_SIM_API_KEY") or None,
+                   help="refuse requests without `Authorization: Bearer KEY` (default: $LLMGW_SIM_API_KEY)")
     args = p.parse_args(argv)
     if args.world_size > 1 and not args.rendezvous:
         p.error("--world-size > 1 needs --rendezvous HOST:PORT")
@@ -204,7 +228,7 @@ async def _serve(args: argparse.Namespace) -> None:
         group = Group(args.rendezvous, args.world_size, args.token)
         await group.start()
     engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group)
-    runner = web.AppRunner(make_app(engine), access_log=None)
+    runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     stop = asyncio.Event()
@@ -213,6 +237,8 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        # Said on the way out, so a stop that came before a drain finished is visible in the shard's log.
+        print(f"sim: stopping with {engine.in_flight} request(s) in flight", flush=True)
     finally:
         await runner.cleanup()
 

@@ -14,6 +14,13 @@ Multi-node (vLLM's documented recipe: a Ray cluster, then `vllm serve` on the he
   `ray status` counts every node of the replica, `vllm serve ...` — so rank 0 becomes ready only when
   all workers have joined, which is the proof `joined` relies on.
 All of a shard's processes share its process group: stopping the shard stops Ray and vLLM together.
+
+Reachability (issue 11): the engine key goes in `VLLM_API_KEY` (vLLM refuses `/v1/*` without it). Every
+`ray start` is given `--node-ip-address` = the node's advertised address, which recent Ray (2.50 and later,
+ray-project/ray#55484 and #59852) binds its GCS, raylet, object manager and worker ports to instead of
+0.0.0.0; the head runs without its dashboard (`--include-dashboard false`: the dashboard carries Ray's job
+submission API, which runs code). Older Ray binds 0.0.0.0 whatever it is told: firewall its ports to the
+fabric. NCCL's and Gloo's sockets are kept on the same interface (`launch_env`). See docs/security.md.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import sys
 
 import aiohttp
 
-from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, base_env
+from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env
 from llmgw.engines.metrics_text import scrape_gauge
 
 
@@ -41,18 +48,22 @@ class VllmAdapter(EngineAdapter):
         p = spec.profile
         if not spec.weights_path:
             raise EngineError(f"profile for {spec.model} has no source; vLLM needs a model id or a weights directory")
-        argv = [self.vllm or "vllm", "serve", spec.weights_path, "--host", spec.host, "--port", str(spec.port),
+        # The model is vLLM's positional argument; the worker's flags come after the profile's, so they win.
+        argv = [self.vllm or "vllm", "serve", spec.weights_path, *p.args, "--host", spec.host, "--port", str(spec.port),
                 "--served-model-name", spec.model, "--tensor-parallel-size", str(p.tp),
                 "--pipeline-parallel-size", str(p.pp)]
         if multi_node:
             argv += ["--distributed-executor-backend", "ray"]
-        return argv + p.args
+        return argv
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         if not self.vllm:
             raise EngineError("vLLM is not installed on this node; set LLMGW_VLLM to the `vllm` executable")
-        env = base_env(spec) | dict(spec.profile.env)
         rz = spec.rendezvous
+        worker_env = {"VLLM_API_KEY": spec.api_key} if spec.api_key else {}
+        if rz is not None:
+            worker_env["VLLM_HOST_IP"] = spec.host
+        env = launch_env(spec, worker_env)
         if rz is None:
             return LaunchPlan(argv=self.serve_argv(spec, False), env=env, endpoint=f"http://{spec.host}:{spec.port}")
         if not self.ray:
@@ -66,9 +77,9 @@ class VllmAdapter(EngineAdapter):
         head_host, head_port = rz.address.rsplit(":", 1)
         argv = launcher + ["head", "--ray", self.ray, "--address", rz.address, "--nodes", str(rz.world_size), "--",
                            self.ray, "start", "--head", "--node-ip-address", head_host, "--port", head_port,
-                           "--num-gpus", gpus, "--block", "--"] + self.serve_argv(spec, True)
+                           "--num-gpus", gpus, "--include-dashboard", "false", "--block", "--"] + self.serve_argv(spec, True)
         return LaunchPlan(argv=argv, env=env | {"RAY_ADDRESS": rz.address},
                           endpoint=f"http://{spec.host}:{spec.port}")
 
-    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str) -> int | None:
-        return await scrape_gauge(session, endpoint, "vllm:num_requests_running")
+    async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
+        return await scrape_gauge(session, endpoint, "vllm:num_requests_running", auth_headers(api_key))

@@ -9,6 +9,15 @@
   matches, and the profile is a single-shard one;
 - anything else (unidentifiable, left the catalog, its replica ended) is stopped: a process holding
   resources that nothing can describe is worse than no process, because placement hands them out again.
+
+A node speaks only for itself (Kubernetes' NodeRestriction; issue 11). Its identity is proven by the
+node API (mTLS); here, whatever it says is checked against what is placed on it:
+- a report on a shard placed on another node, or naming another replica than the shard's, changes nothing:
+  a transition report is refused (403 `node_restriction`), and a registration asks the node to stop it;
+- a shard it runs that we have no record of is adopted only under a replica id nobody has, with the shard
+  id that replica's rank 0 has (`<replica>-r0`): a node cannot add itself to another node's replica;
+- every endpoint it reports must be at one of its own addresses (security/node_address.py), else the
+  report is refused as above: the gateway proxies clients to these endpoints.
 """
 
 from __future__ import annotations
@@ -23,13 +32,32 @@ from llmgw.engines.exits import describe_exit
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.inventory import ShardReport
+from llmgw.security.node_address import NodeAddresses, endpoint_not_own
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
 
 
+class NodeRestricted(Exception):
+    """A node reported on something that is not its own; `str()` says what (the node API answers 403)."""
+
+
+def not_its_own(node_id: str, report: ShardReport, known: fleet_repo.KnownShard | None) -> str | None:
+    """Why `node_id` may not report `report` about shard row `known` (None when it may, or when the shard is
+    unknown: that is for adoption to decide)."""
+    if known is None:
+        return None
+    if known.node_id != node_id:
+        return f"shard {report.shard_id} is placed on node {known.node_id}, not on {node_id}"
+    if report.replica_id != known.replica_id:
+        return f"shard {report.shard_id} belongs to replica {known.replica_id}, not {report.replica_id}"
+    return None
+
+
 def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
     """Why a shard we have no record of cannot be adopted, or None when it can."""
+    if report.shard_id != fleet_repo.shard_id(report.replica_id, report.rank):
+        return f"its id is not rank {report.rank} of replica {report.replica_id}"
     model = catalog.get(report.model)
     if model is None:
         return f"model {report.model!r} is not in the catalog"
@@ -50,33 +78,38 @@ class FleetService:
         self.engine = engine
         self.temporal = temporal
 
-    async def register(self, req: RegisterRequest) -> RegisterResponse:
+    async def register(self, req: RegisterRequest, node: NodeAddresses) -> RegisterResponse:
         reported = {s.shard_id: s for s in req.shards}
         resp = RegisterResponse(node_id=req.node_id)
         lost: list[str] = []
+        foreign = {sid: why for sid, report in reported.items() if (why := await self._endpoint_refusal(report, node))}
         async with self.engine.begin() as conn:
             prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory)
-            known = await fleet_repo.known_shard_ids(conn, list(reported))
+            known = await fleet_repo.known_shards(conn, list(reported))
             catalog = None
             for sid, report in reported.items():
-                status = known.get(sid)
-                if status is not None and status not in ENDED_STATUSES:
+                row = known.get(sid)
+                why = foreign.get(sid) or not_its_own(req.node_id, report, row)
+                if why is not None:
+                    log.warning("node %s reports %s; asking it to stop that engine", req.node_id, why)
+                    resp.stop.append(sid)
+                    continue
+                if row is not None and row.replica_status not in ENDED_STATUSES:
                     await fleet_repo.update_shard(conn, req.node_id, report)
                     resp.adopted.append(sid)
                     continue
-                if status is None:
+                if row is None:
                     catalog = catalog or await catalog_repo.get_catalog(conn)
                     why = unidentifiable(report, catalog)
-                    if why is None:
-                        await fleet_repo.adopt_replica(conn, req.node_id, report)
+                    if why is None and await fleet_repo.adopt_replica(conn, req.node_id, report):
                         resp.adopted.append(sid)
                         log.info("adopted shard %s on %s: it runs %s as the catalog asks", sid, req.node_id, report.model)
                         continue
                     log.warning("node %s runs shard %s, which cannot be adopted (%s); asking the node to stop it",
-                                req.node_id, sid, why)
+                                req.node_id, sid, why or f"replica id {report.replica_id} is taken")
                 resp.stop.append(sid)
             for row in await fleet_repo.shards_on_node(conn, req.node_id):
-                if row["id"] in reported:
+                if row["id"] in reported and row["id"] not in foreign:
                     continue
                 # A starting shard of the same boot may be mid-launch; any other unreported shard is gone.
                 if row["status"] == "starting" and prev_boot == req.boot_id:
@@ -98,19 +131,35 @@ class FleetService:
                 await fleet_repo.set_progress(conn, req.node_id, req.downloads)
         return HeartbeatResponse(ok=known, reregister=not known)
 
-    async def shard_status(self, req: ShardStatusRequest) -> None:
-        """A shard changed state on its node. A failure takes its replica out of routing at once."""
+    async def _endpoint_refusal(self, report: ShardReport, node: NodeAddresses) -> str | None:
+        if not report.endpoint:
+            return None
+        why = await endpoint_not_own(report.endpoint, node)
+        return f"shard {report.shard_id}: {why}" if why else None
+
+    async def shard_status(self, req: ShardStatusRequest, node: NodeAddresses) -> None:
+        """A shard changed state on its node. A failure takes its replica out of routing at once. Raises
+        `NodeRestricted` for a report on a shard placed on another node, or with an endpoint elsewhere; a
+        report on a shard the control plane has no record of changes nothing."""
         s = req.shard
         failed_replica = None
+        why = await self._endpoint_refusal(s, node)
         async with self.engine.begin() as conn:
+            row = (await fleet_repo.known_shards(conn, [s.shard_id])).get(s.shard_id)
+            why = why or not_its_own(req.node_id, s, row)
+            if why is not None:
+                log.warning("refused a report from node %s: %s", req.node_id, why)
+                raise NodeRestricted(why)
+            if row is None:
+                return
             status = await fleet_repo.update_shard(conn, req.node_id, s)
             if s.state == "failed" and status is not None and status not in ENDED_STATUSES:
                 why = f"shard {s.shard_id} on {req.node_id} {s.exit_reason or describe_exit(s.exit_code)}"
                 if s.output_tail and s.output_tail.strip():
                     why += "; last output:\n" + s.output_tail.strip()[-1500:]
-                applied, _ = await fleet_repo.mark_replica(conn, s.replica_id, "failed", failure=why)
+                applied, _ = await fleet_repo.mark_replica(conn, row.replica_id, "failed", failure=why)
                 if applied:
-                    failed_replica = s.replica_id
+                    failed_replica = row.replica_id
         if failed_replica:
             log.warning("replica %s failed: shard %s %s", failed_replica, s.shard_id, s.exit_reason or describe_exit(s.exit_code))
             await self.temporal.wake(f"replica {failed_replica} failed")

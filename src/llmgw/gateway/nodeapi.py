@@ -2,7 +2,9 @@
 
 With mutual TLS (the default in `llmgw dev` and whenever certificates are configured) the TLS handshake
 proves the client holds a certificate from llmgw's CA, and every request's `node_id` must equal that
-certificate's common name: a node's identity is something it proves, not something it picks.
+certificate's common name: a node's identity is something it proves, not something it picks. What a node
+may say is checked by `FleetService` (a node speaks only for itself: 403 `node_restriction`), against the
+node's own addresses: its connection's peer and its certificate's subject alternative names.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import logging
 from fastapi import FastAPI, Request
 from llmgw.gateway.errors import APIError, json_error
 
-from llmgw.gateway.fleet_service import FleetService
+from llmgw.gateway.fleet_service import FleetService, NodeRestricted
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
+from llmgw.security.node_address import NodeAddresses
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,16 @@ def check_identity(request: Request, claimed: str, require: bool) -> None:
         raise identity_error(403, f"the client certificate is for node {cn!r}, but the request claims {claimed!r}")
 
 
+def node_addresses(request: Request) -> NodeAddresses:
+    """Where the request came from: the TLS connection's own peer and certificate (serving.py puts them in the
+    scope), else the ASGI client address (plain HTTP, where nothing is proven anyway)."""
+    tls = request.scope.get("extensions", {}).get("tls", {})
+    if "peer_address" in tls:
+        return NodeAddresses(tls["peer_address"], tuple(tls.get("client_cert_ips", ())),
+                             tuple(tls.get("client_cert_names", ())))
+    return NodeAddresses(request.client.host if request.client else None)
+
+
 def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
     app = FastAPI(title="llmgw node API", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -42,10 +55,15 @@ def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
     async def _api_error(request: Request, exc: APIError):
         return json_error(exc)
 
+    @app.exception_handler(NodeRestricted)
+    async def _restricted(request: Request, exc: NodeRestricted):
+        return json_error(APIError(403, f"a node may only report on its own shards: {exc}", type="forbidden",
+                                   param="shard", code="node_restriction"))
+
     @app.post("/node/v1/register", response_model=RegisterResponse)
     async def register(req: RegisterRequest, request: Request) -> RegisterResponse:
         check_identity(request, req.node_id, require_identity)
-        return await fleet.register(req)
+        return await fleet.register(req, node_addresses(request))
 
     @app.post("/node/v1/heartbeat", response_model=HeartbeatResponse)
     async def heartbeat(req: HeartbeatRequest, request: Request) -> HeartbeatResponse:
@@ -55,7 +73,7 @@ def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
     @app.post("/node/v1/shards")
     async def shard_status(req: ShardStatusRequest, request: Request) -> dict:
         check_identity(request, req.node_id, require_identity)
-        await fleet.shard_status(req)
+        await fleet.shard_status(req, node_addresses(request))
         return {"ok": True}
 
     return app

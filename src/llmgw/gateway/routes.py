@@ -4,12 +4,14 @@ Refreshed by the `ChangeFeed` (gateway/feed.py) when replicas or the catalog cha
 since a node going silent changes nothing in the tables. Only `ready` replicas are routed: Draining,
 Starting and ended ones get no new requests, nor do replicas on a node whose heartbeat is older than
 `unreachable_after_s` (Unreachable). Static `endpoints` of a model are routed as they are. Aliases
-resolve to their model. Never read from Temporal.
+resolve to their model. Never read from Temporal. Each replica's engine key (reported by its node) rides
+in its `Target`, and the upstream client sends it with every request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,13 +76,16 @@ class RouteTable:
                 out.append(r)
         return out
 
-    def _endpoint(self, key: str, url: str, node_id: str) -> Endpoint | None:
+    def _endpoint(self, key: str, url: str, node_id: str, api_key: str | None = None) -> Endpoint | None:
         url = url.rstrip("/")
+        auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         ep = self._endpoints.get(key)
-        if ep is not None and ep.url == url:
+        if ep is not None and ep.url == url and ep.target.auth == auth:
             return ep
         try:
-            return Endpoint(key, url, node_id, parse_target(url))
+            if "\r" in (api_key or "") or "\n" in (api_key or ""):
+                raise ValueError("its engine key is not a header value")
+            return Endpoint(key, url, node_id, dataclasses.replace(parse_target(url), auth=auth))
         except ValueError as exc:
             log.warning("not routing to %s: %s", key, exc)
             return None
@@ -107,7 +112,7 @@ class RouteTable:
         for r in rows:
             if r.model not in models or r.node_age_s >= self.unreachable_after_s:
                 continue
-            ep = self._endpoint(r.replica_id, r.endpoint, r.node_id)
+            ep = self._endpoint(r.replica_id, r.endpoint, r.node_id, r.api_key)
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)

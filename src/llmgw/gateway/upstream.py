@@ -52,6 +52,7 @@ class Target:
     port: int
     prefix: str
     host_header: bytes
+    auth: bytes = b""  # b"Authorization: Bearer <engine key>\r\n" for an engine started with a key (issue 11)
 
 
 def parse_target(url: str) -> Target:
@@ -275,7 +276,7 @@ class Upstream:
         engine had closed meanwhile is retried once on a fresh one.
         """
         head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                b"User-Agent: llmgw\r\n\r\n" % ((target.prefix + path).encode(), target.host_header, len(body)))
+                b"User-Agent: llmgw\r\n%s\r\n" % ((target.prefix + path).encode(), target.host_header, len(body), target.auth))
         pool = self.idle.get(target)
         while pool:
             conn = pool.pop()

@@ -89,6 +89,9 @@ class ShardReport(_Strict):
     exit_reason: str | None = None  # the exit in words, from the engine's adapter ("killed by SIGILL ...")
     output_tail: str | None = None
     profile_hash: str | None = None  # `profile_hash()` of the profile it was launched with (adoption)
+    # The engine's key (serving shards), which the gateway sends; sent on registration and transitions,
+    # stored with the shard, never logged (repr) nor shown by the admin API.
+    api_key: str | None = Field(None, repr=False, pattern=r"^[A-Za-z0-9_-]{16,256}$")
 
 
 class DownloadProgress(_Strict):

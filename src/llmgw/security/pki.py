@@ -102,20 +102,37 @@ def issue_server(directory: Path, hosts: list[str], days: int = 825) -> Issued:
     """The node API's certificate, valid for every name and address in `hosts` (IPs become IP SANs)."""
     if not hosts:
         raise ValueError("give at least one host the agents dial (a DNS name or an IP address)")
+    return _issue(directory, "server", hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, _sans(hosts), days)
+
+
+def _sans(hosts: list[str]) -> list[x509.GeneralName]:
     sans: list[x509.GeneralName] = []
     for h in hosts:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             sans.append(x509.DNSName(h))
-    return _issue(directory, "server", hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, sans, days)
+    return sans
 
 
-def issue_node(directory: Path, node_id: str, days: int = 825) -> Issued:
-    """A node's client certificate: common name = node id, usage clientAuth."""
+def issue_node(directory: Path, node_id: str, days: int = 825, addresses: list[str] | None = None) -> Issued:
+    """A node's client certificate: common name = node id, usage clientAuth. `addresses` (IPs or DNS names)
+    are where its engines listen when that is not the address its node-API connection comes from; the node
+    API accepts engine endpoints at the connection's address and at these (security/node_address.py)."""
     if not NODE_ID_RE.match(node_id):
         raise ValueError(f"node id {node_id!r}: use letters, digits, '.', '_' and '-' (up to 63)")
-    return _issue(directory, f"node-{node_id}", node_id, ExtendedKeyUsageOID.CLIENT_AUTH, [], days)
+    return _issue(directory, f"node-{node_id}", node_id, ExtendedKeyUsageOID.CLIENT_AUTH, _sans(addresses or []), days)
+
+
+def cert_addresses(peercert: dict | None) -> tuple[list[str], list[str]]:
+    """(IP addresses, DNS names) in the subject alternative names of `ssl.SSLSocket.getpeercert()`'s dict."""
+    ips, names = [], []
+    for kind, value in (peercert or {}).get("subjectAltName", ()):
+        if kind == "IP Address":
+            ips.append(value)
+        elif kind == "DNS":
+            names.append(value)
+    return ips, names
 
 
 def common_name(peercert: dict | None) -> str | None:

@@ -30,6 +30,7 @@ from llmgw.schemas.simulate import SimulatedNode
 from llmgw.temporal import connect
 from llmgw.weights.fetcher import Fetcher
 from llmgw.workers.discovery import discover, discover_gpus
+from llmgw.workers.errors import ReportRefused
 from llmgw.workers.infiniband import discover_fabrics
 from llmgw.telemetry import AgentMetrics
 from llmgw.workers.simulate import simulated_inventory
@@ -55,6 +56,7 @@ class Agent:
         self.api = settings.resolved_node_api_url.rstrip("/")
         self.http: aiohttp.ClientSession | None = None
         self.registered = asyncio.Event()
+        self.reregister = False  # a transition report did not get through: the next beat registers again
         self.inventory_dirty = False
         self.downloads: dict[str, DownloadProgress] = {}  # replica id -> weights being fetched for it
         self._gpus = None
@@ -82,11 +84,14 @@ class Agent:
         async with self.http.post(self.api + path, data=body.model_dump_json(),
                                   headers={"Content-Type": "application/json"}) as r:
             if r.status >= 400:
-                raise RuntimeError(f"node API {path}: HTTP {r.status}: {(await r.text())[:300]}")
+                text = (await r.text())[:300]
+                if 400 <= r.status < 500 and r.status not in (408, 429):
+                    raise ReportRefused(f"node API {path}: HTTP {r.status}: {text}")
+                raise RuntimeError(f"node API {path}: HTTP {r.status}: {text}")
             return await r.json()
 
-    def shard_reports(self) -> list[ShardReport]:
-        return [s.report() for s in self.supervisor.running()]
+    def shard_reports(self, with_keys: bool = True) -> list[ShardReport]:
+        return [s.report(with_key=with_keys) for s in self.supervisor.running()]
 
     def inventory(self):
         if self.simulate is not None:
@@ -120,19 +125,28 @@ class Agent:
                  len(body.shards), ", ".join(inv.engines), len(inv.gpus), ", ".join(f.name for f in inv.fabrics) or "none")
 
     async def report(self, report: ShardReport) -> None:
-        """Send one shard transition; retried briefly, then left to the next registration."""
+        """Send one shard transition; retried briefly, then left to the next registration, which the next
+        heartbeat makes (it carries every shard with its endpoint and engine key). Raises `ReportRefused`
+        when the control plane refuses it (a shard not placed on this node, an endpoint not at its address)."""
         for attempt in range(5):
             try:
                 await self._post("/node/v1/shards", ShardStatusRequest(node_id=self.node_id, boot_id=self.boot_id, shard=report))
                 return
-            except (aiohttp.ClientError, RuntimeError) as exc:
+            except ReportRefused as exc:
+                log.error("the control plane refused the report on shard %s: %s", report.shard_id, exc)
+                raise
+            except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
                 log.warning("reporting shard %s failed (%s); retrying", report.shard_id, exc)
                 await asyncio.sleep(0.5 * (attempt + 1))
+        self.reregister = True
 
     async def report_stopped(self, shard_id: str) -> None:
         replica_id, _, rank = shard_id.rpartition("-r")
-        await self.report(ShardReport(shard_id=shard_id, replica_id=replica_id, model="", profile="",
-                                      rank=int(rank) if rank.isdigit() else 0, state="stopped"))
+        try:
+            await self.report(ShardReport(shard_id=shard_id, replica_id=replica_id, model="", profile="",
+                                          rank=int(rank) if rank.isdigit() else 0, state="stopped"))
+        except ReportRefused:
+            pass  # stopped is stopped; the refusal is logged
 
     async def _on_exit(self, shard: Shard, tail: str) -> None:
         if shard.proc is None:  # adopted: not our child, so its exit status cannot be read
@@ -142,7 +156,10 @@ class Agent:
                 why = self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
             except EngineError:  # an engine no longer installed here: the generic words
                 why = describe_exit(shard.exit_code)
-        await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
+        try:
+            await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
+        except ReportRefused:
+            pass  # logged; the next registration reports the shard gone
 
     async def heartbeat_loop(self) -> None:
         """Register, then heartbeat. Re-register after the control plane forgets us or comes back."""
@@ -151,14 +168,15 @@ class Agent:
         beats = 0
         while True:
             try:
-                if need_register:
+                if need_register or self.reregister:
+                    self.reregister = False
                     await self.register()
                     need_register = False
                 beats += 1
                 # The inventory rides along every 10th beat, or at once after a fetch changed the cache.
                 inv = self.inventory() if beats % 10 == 0 or self.inventory_dirty else None
                 self.inventory_dirty = False
-                hb = HeartbeatRequest(node_id=self.node_id, boot_id=self.boot_id, shards=self.shard_reports(),
+                hb = HeartbeatRequest(node_id=self.node_id, boot_id=self.boot_id, shards=self.shard_reports(with_keys=False),
                                       inventory=inv, downloads=list(self.downloads.values()))
                 resp = HeartbeatResponse.model_validate(await self._post("/node/v1/heartbeat", hb))
                 need_register = resp.reregister

@@ -6,6 +6,9 @@ everything needed to describe it back to the control plane; a restarted worker a
 running from those files (seeds 001, "Survive a control plane restart"). An adopted engine is not this
 process's child, so it is watched by polling and stopped by signalling its group. The process start
 time is recorded beside the pid so that a recycled pid is never mistaken for the engine.
+
+A spec file holds the engine's key (a restarted worker reports it again, so the control plane can route
+to an adopted engine): it is written mode 0600 in a 0700 directory, and logged argv is redacted.
 """
 
 from __future__ import annotations
@@ -51,12 +54,14 @@ class Shard:
     def shard_id(self) -> str:
         return self.spec.shard_id
 
-    def report(self, state: str | None = None, tail: str | None = None, exit_reason: str | None = None) -> ShardReport:
+    def report(self, state: str | None = None, tail: str | None = None, exit_reason: str | None = None,
+               with_key: bool = True) -> ShardReport:
+        """This shard as the node API wants it; `with_key=False` leaves the engine key out (heartbeats)."""
         return ShardReport(
             shard_id=self.shard_id, replica_id=self.spec.replica_id, model=self.spec.model,
             profile=self.spec.profile.name, rank=self.spec.rank, gpus=self.spec.gpus, state=state or self.state, pid=self.pid,
             endpoint=self.endpoint, exit_code=self.exit_code, exit_reason=exit_reason, output_tail=tail,
-            profile_hash=self.spec.profile.spec_hash(),
+            profile_hash=self.spec.profile.spec_hash(), api_key=self.spec.api_key if with_key else None,
         )
 
     def to_json(self) -> dict:
@@ -67,6 +72,7 @@ class Shard:
             "pid": self.pid, "create_time": self.create_time, "endpoint": self.endpoint, "argv": self.argv,
             "log_path": str(self.log_path), "state": self.state, "started_at": self.started_at,
             "rendezvous": self.spec.rendezvous.model_dump(mode="json") if self.spec.rendezvous else None,
+            "api_key": self.spec.api_key,
         }
 
     @classmethod
@@ -74,7 +80,8 @@ class Shard:
         spec = ShardSpec(shard_id=d["shard_id"], replica_id=d["replica_id"], model=d["model"],
                          profile=Profile.model_validate(d["profile"]), rank=d["rank"], gpus=d["gpus"],
                          weights_path=d["weights_path"], host=d["host"], port=d["port"],
-                         rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None)
+                         rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None,
+                         api_key=d.get("api_key"))
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", "starting"), adopted=True,
                    started_at=d.get("started_at", time.time()))
@@ -100,6 +107,7 @@ class Supervisor:
         self.on_exit = on_exit
         self.shards: dict[str, Shard] = {}
         shard_dir.mkdir(parents=True, exist_ok=True)
+        shard_dir.chmod(0o700)  # spec files hold engine keys
         log_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- spec files -----------------------------------------------------------------------------
@@ -107,9 +115,13 @@ class Supervisor:
         return self.shard_dir / f"{shard_id}.json"
 
     def save(self, shard: Shard) -> None:
+        """Write the shard's spec file atomically, readable by this user only (it holds the engine key)."""
         path = self._spec_path(shard.shard_id)
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(shard.to_json()))
+        tmp.unlink(missing_ok=True)  # O_CREAT keeps an existing file's mode: start from none
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(shard.to_json()))
         os.replace(tmp, path)
 
     def _forget(self, shard_id: str) -> None:
@@ -144,8 +156,9 @@ class Supervisor:
     def running(self) -> list[Shard]:
         return [s for s in self.shards.values() if s.exit_code is None]
 
-    def launch(self, spec: ShardSpec, plan: LaunchPlan) -> Shard:
-        """Start `plan.argv` in a new process group with `plan.env`; output goes to the shard's log."""
+    def launch(self, spec: ShardSpec, plan: LaunchPlan, shown_argv: list[str] | None = None) -> Shard:
+        """Start `plan.argv` in a new process group with `plan.env`; output goes to the shard's log.
+        `shown_argv` is what the log line says (the argv with any engine key redacted)."""
         log_path = self.log_dir / f"{spec.shard_id}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
@@ -160,7 +173,7 @@ class Supervisor:
                       log_path=log_path, proc=proc)
         self.shards[spec.shard_id] = shard
         self.save(shard)
-        log.info("launched shard %s (pid %d): %s", spec.shard_id, proc.pid, " ".join(plan.argv))
+        log.info("launched shard %s (pid %d): %s", spec.shard_id, proc.pid, " ".join(shown_argv or plan.argv))
         return shard
 
     def set_state(self, shard: Shard, state: str) -> None:

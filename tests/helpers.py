@@ -59,7 +59,8 @@ class ControlPlane:
             "LLMGW_TEMPORAL_ADDRESS": temporal_address, "LLMGW_GATEWAY_PORT": str(self.ports["gateway"]),
             "LLMGW_ADMIN_PORT": str(self.ports["admin"]), "LLMGW_MIRROR_PORT": str(self.ports["mirror"]),
             "LLMGW_NODE_API_PORT": str(self.ports["node_api"]), "LLMGW_RECONCILE_INTERVAL_S": "2",
-            "LLMGW_HEARTBEAT_INTERVAL_S": "1", "LLMGW_AGENT_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1",
+            "LLMGW_HEARTBEAT_INTERVAL_S": "1", "LLMGW_AGENT_METRICS_PORT": "0", "LLMGW_CONTROL_METRICS_PORT": "0",
+            "PYTHONUNBUFFERED": "1",
         })
         self.pki = tmp / "pki"
         self._make_pki()

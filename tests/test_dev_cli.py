@@ -19,7 +19,7 @@ def test_taken_port_is_named_with_the_setting_that_moves_it():
     state = Path(tempfile.mkdtemp(prefix="llmgw-test-dev-"))
     ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
-    env.update({"LLMGW_STATE_DIR": str(state), "LLMGW_AGENT_METRICS_PORT": "0",
+    env.update({"LLMGW_STATE_DIR": str(state), "LLMGW_AGENT_METRICS_PORT": "0", "LLMGW_CONTROL_METRICS_PORT": "0",
                 **{f"LLMGW_{k.upper()}_PORT": str(v) for k, v in ports.items()}})
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", ports["gateway"]))

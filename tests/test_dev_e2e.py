@@ -108,7 +108,8 @@ class Dev:
 
 @pytest.fixture
 def dev(tmp_path):
-    ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres", "agent_metrics")}
+    ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api", "temporal", "temporal_ui", "postgres", "agent_metrics",
+                                     "control_metrics")}
     # The state (with Postgres data, run as another user when root) lives outside pytest's tmp tree, whose
     # root every pytest session resets to mode 0700.
     state = Path(tempfile.mkdtemp(prefix="llmgw-test-dev-"))
@@ -147,6 +148,14 @@ def start_workflows(temporal_port: int, node: str) -> list[tuple[str, set[str]]]
     return asyncio.run(go())
 
 
+def model_workflows(temporal_port: int, model: str) -> set[str]:
+    """Ids of the workflows the Temporal UI's query `LlmgwModel = "<model>"` lists."""
+    async def go():
+        client = await Client.connect(f"127.0.0.1:{temporal_port}")
+        return {wf.id async for wf in client.list_workflows(f'LlmgwModel = "{model}"')}
+    return asyncio.run(go())
+
+
 def engine_pid(state: Path, replica_id: str) -> int:
     spec = next(state.glob(f"shards/*/{replica_id}-r0.json"))
     return json.loads(spec.read_text())["pid"]
@@ -174,6 +183,10 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     started = {r["id"] for r in dev.replicas()}
     assert {wid.split("/")[1] for wid, _ in wfs} == started
     assert all(queues == {"node/local"} for _, queues in wfs), wfs
+    # The Temporal UI finds a model's whole history by its search attribute (`llmgw dev` registers them).
+    smol = {f"replica/{r['id']}/start" for r in dev.replicas() if r["model"] == "smollm2-135m"}
+    wait_until(lambda: smol <= model_workflows(dev.ports["temporal"], "smollm2-135m"), timeout_s=20,
+               what='LlmgwModel = "smollm2-135m" listing its start workflows')
     # The weights came through the mirror into the node's cache, named by a hash of the source.
     cached = list((dev.state / "cache").glob("*-SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert len(cached) == 1 and cached[0].stat().st_size > 90_000_000

@@ -14,6 +14,7 @@ import json
 import time
 
 import aiohttp
+import psycopg
 import pytest
 from openai import AsyncOpenAI
 
@@ -254,11 +255,25 @@ async def test_fallback_serves_while_the_model_has_no_replica(gw):
     assert out["choices"][0]["message"]["content"] == "echo: hello"
 
 
-async def test_on_demand_model_without_a_replica_says_it_is_loading(gw):
+async def test_loading_is_said_only_while_a_replica_is_starting(gw, module_database_url):
+    """Here no control worker runs, so nothing starts the on-demand model: the answer says so (pending),
+    not "loading", which a client would retry for ever. With a replica starting, it is loading."""
     status, headers, out = await post(gw, "/v1/chat/completions", chat("sim-on-demand"))
     assert status == 503 and int(headers["Retry-After"]) > 0
     err = assert_envelope(out, status)
-    assert err["code"] == "model_loading" and "loading" in err["message"]
+    assert err["code"] == "model_pending" and "no replica starting" in err["message"], err
+    assert "loading" not in err["message"]
+    with psycopg.connect(module_database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO replicas (id, model, profile, status) VALUES ('starting-1', 'sim-on-demand', "
+                     "'default', 'starting')")
+    try:
+        status, headers, out = await post(gw, "/v1/chat/completions", chat("sim-on-demand"))
+        err = assert_envelope(out, status)
+        assert status == 503 and err["code"] == "model_loading" and "loading" in err["message"], err
+        assert int(headers["Retry-After"]) > 0
+    finally:
+        with psycopg.connect(module_database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM replicas WHERE id = 'starting-1'")
 
 
 async def test_dead_and_busy_endpoints_are_retried_then_taken_out_by_the_breaker(gw):

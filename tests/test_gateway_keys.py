@@ -88,8 +88,10 @@ async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, dat
                     assert r.status == 200
 
         code, listing, _ = await ctl(cp, "list")
-        key_id = listing.split()[0]
-        assert code == 0 and "ci" in listing and "active" in listing and key not in listing
+        header, row = listing.splitlines()[:2]
+        key_id = row.split()[0]
+        assert header.split()[:2] == ["ID", "PREFIX"] and "AGE" in header
+        assert code == 0 and "ci" in row and "active" in row and key not in listing
         code, _, _ = await ctl(cp, "revoke", key_id, "--yes")
         assert code == 0
         t0 = time.monotonic()

@@ -210,10 +210,12 @@ def test_a_replica_whose_model_left_the_catalog_is_stopped():
 
 def test_an_unsettled_failed_replica_is_cleaned_up_and_still_holds_its_gpus():
     m = model("m", gpus_per_node=4)
+    other = model("other", gpus_per_node=4)
     failed = replica("f", "m", [("n", [0, 1, 2, 3])], status="failed", settled=False)
-    plan = plan_pass(snapshot([m], [node("n", gpus=4)], [failed]))
+    plan = plan_pass(snapshot([m, other], [node("n", gpus=4)], [failed]))
     c = only(plan, "cleanup")
     assert c.replica_id == "f" and c.final_status == "failed" and not c.drain
+    assert "just failed" in only(plan, "wait").reason  # m itself waits for its failure to be counted
     assert "0 of 4 free" in only(plan, "refuse").refusals[0]  # not handed out before its shards stopped
     settled = failed.model_copy(update={"settled": True})
     assert only(plan_pass(snapshot([m], [node("n", gpus=4)], [settled])), "place")

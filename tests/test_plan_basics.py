@@ -81,6 +81,18 @@ def test_backoff_holds_a_failing_model():
     assert d.kind == "wait" and "backing off" in d.reason
 
 
+def test_a_failed_replica_holds_its_model_until_its_failure_is_counted():
+    """The node reports the engine's exit (replica failed) before the start workflow settles it and sets the
+    backoff: a pass in between must not place the next start, or every failure gets one start for free."""
+    failed = ReplicaSnap(id="r1", model="a", profile="default", status="failed", settled=False,
+                         shards=[ShardPlacement(node_id="n1")])
+    decisions = plan_pass(snap([model("a")], [node("n1")], [failed])).decisions
+    assert [d.kind for d in decisions] == ["cleanup", "wait"]
+    assert "just failed" in decisions[1].reason
+    settled = failed.model_copy(update={"settled": True})
+    assert [d.kind for d in plan_pass(snap([model("a")], [node("n1")], [settled])).decisions] == ["place"]
+
+
 def test_on_demand_runs_while_used_and_stops_when_idle():
     m = Model(name="od", scaling=Scaling(min=0, max=1, idle_timeout=60), profiles=[Profile(engine="sim")])
     asked = ModelState(name="od", demand_at=NOW - timedelta(seconds=5))

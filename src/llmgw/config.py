@@ -3,8 +3,8 @@
 One `Settings` object, read from the environment with the `LLMGW_` prefix (for example
 `LLMGW_DATABASE_URL`, `LLMGW_TEMPORAL_ADDRESS`, `LLMGW_GATEWAY_PORT`), then overridden by CLI flags.
 Default ports (README, docs/architecture.md): gateway 8080, admin 127.0.0.1:8081, mirror 8082, node API 8443,
-Temporal 7233 with its web UI on 8233. The embedded dev Postgres listens on 55432 so that it never
-collides with a system PostgreSQL on 5432.
+Temporal 7233 with its web UI on 8233, node worker metrics 9101, control worker metrics 9102. The embedded
+dev Postgres listens on 55432 so that it never collides with a system PostgreSQL on 5432.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     database_url: str | None = None
     temporal_address: str | None = None
     temporal_namespace: str = "default"
+    # The Temporal web UI as operators reach it (links in `ctl replicas -o wide`); default: the dev UI port.
+    temporal_ui_url: str | None = None
+    # Put llmgw's search attributes (LlmgwModel, LlmgwNode, LlmgwReplica, LlmgwKind) on every workflow when
+    # the namespace has them registered (workflows/attributes.py); false never sets them.
+    temporal_search_attributes: bool = True
 
     host: str = "127.0.0.1"
     gateway_port: int = 8080
@@ -79,6 +84,7 @@ class Settings(BaseSettings):
     fabrics: dict[str, list[str]] = Field(default_factory=dict)
     infiniband_sysfs: Path = Path("/sys/class/infiniband")
     agent_metrics_port: int = 9101  # Prometheus metrics of the node worker; 0 = off
+    control_metrics_port: int = 9102  # Prometheus metrics of the control worker (`llmgw worker`); 0 = off
 
     # OpenTelemetry: "off" (no-op), "console", "file:<dir>" (JSON lines, one file per process), or
     # "otlp:<http endpoint>" (needs the opentelemetry-exporter-otlp-proto-http package).
@@ -86,6 +92,9 @@ class Settings(BaseSettings):
 
     # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
     reconcile_interval_s: float = 10.0
+    # A model whose start failed waits base·2^(n-1) seconds (±50 %, at most max) before the next start.
+    start_backoff_base_s: float = 5.0
+    start_backoff_max_s: float = 600.0
     node_unreachable_after_s: float = 15.0
     node_lost_after_s: float = 300.0
     drain_timeout_s: float = 60.0  # how long a drain waits for in-flight requests (rolling replacement)
@@ -127,6 +136,10 @@ class Settings(BaseSettings):
     @property
     def resolved_temporal_address(self) -> str:
         return self.temporal_address or f"127.0.0.1:{self.temporal_port}"
+
+    @property
+    def resolved_temporal_ui_url(self) -> str:
+        return (self.temporal_ui_url or f"http://127.0.0.1:{self.temporal_ui_port}").rstrip("/")
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -85,8 +85,14 @@ class GatewayMetrics:
 
 
 class AgentMetrics:
-    """Node worker metrics. `llmgw_gpu_nvlink_peers{gpu,uuid}`: NVLink peers per GPU as NVML reports them;
-    zero on every GPU of a fleet means the topology is unknown (no NVML), not absent (seeds 001)."""
+    """Node worker metrics.
+
+    - `llmgw_gpu_nvlink_peers{gpu,uuid}`: NVLink peers per GPU as NVML reports them; zero on every GPU of
+      a fleet means the topology is unknown (no NVML), not absent (seeds 001);
+    - `llmgw_node_downloads_in_flight`, `llmgw_node_download_bytes`: weight downloads running now and the
+      bytes they have so far (read at scrape time); `llmgw_node_fetched_bytes_total`: bytes of completed
+      fetches (a cache hit adds nothing).
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -94,10 +100,110 @@ class AgentMetrics:
                                   ["gpu", "uuid"], registry=self.registry)
         self.shards = Gauge("llmgw_node_shards", "Engine shards this node runs, by state", ["state"],
                             registry=self.registry)
+        self.downloads = Gauge("llmgw_node_downloads_in_flight", "Weight downloads in progress on this node",
+                               registry=self.registry)
+        self.download_bytes = Gauge("llmgw_node_download_bytes", "Bytes fetched so far by downloads in progress",
+                                    registry=self.registry)
+        self.fetched = Counter("llmgw_node_fetched_bytes", "Bytes of weight fetches completed on this node",
+                               registry=self.registry)
+
+    def watch_downloads(self, downloads: dict) -> None:
+        """Read the in-flight gauges from `downloads` (replica id -> DownloadProgress) at scrape time."""
+        self.downloads.set_function(lambda: len(downloads))
+        self.download_bytes.set_function(lambda: sum(d.bytes for d in list(downloads.values())))
 
     def set_gpus(self, gpus) -> None:
         for g in gpus:
             self.nvlink_peers.labels(str(g.index), g.uuid).set(len(g.nvlink_peers))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=host, registry=self.registry)
+
+
+# Time to ready: seconds to an hour and more (a 400 GB model over a slow link, a cold compile).
+READY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+PASS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+REFUSAL_REASONS = ("node_unavailable", "engine", "disk", "memory", "gpu_memory", "gpu", "fabric", "other")
+
+
+def refusal_reason(text: str) -> str:
+    """A bounded reason for one candidate refused by placement (`placement/fit.py`, `fabric.py` words):
+    one of `REFUSAL_REASONS`. The free text, with its numbers, stays in `ctl explain`."""
+    t = text.lower()
+    for reason, words in (("node_unavailable", ("node is ",)), ("engine", ("engine ",)), ("fabric", ("fabric",)),
+                          ("disk", ("of disk",)), ("memory", ("host memory",)), ("gpu_memory", ("gb each",)),
+                          ("gpu", ("gpu",))):
+        if any(w in t for w in words):
+            return reason
+    return "other"
+
+
+class ControlMetrics:
+    """The control worker's metrics (`llmgw worker`, `/metrics` on `control_metrics_port`). Labels are
+    bounded: `model` is a catalog model's name, `status` a replica status, `kind` a decision kind,
+    `reason` one of `REFUSAL_REASONS`, `outcome` `ready` or `failed`. With several control workers each
+    counts the activities it ran (sum them); the gauges are each one's latest snapshot (take the max).
+
+    - `llmgw_reconcile_passes_total`, `llmgw_reconcile_pass_seconds`: passes, and from the pass's start
+      (workflow time) until its decisions were recorded;
+    - `llmgw_reconcile_decisions_total{kind}`: place, stop, evict, lost, cleanup, refuse, wait, keep;
+    - `llmgw_placement_refusals_total{reason}`: candidates turned down, by reason;
+    - `llmgw_replicas{model,status}`: active replicas by model and status, from the latest snapshot;
+    - `llmgw_model_failed_starts{model}`, `llmgw_model_backoff_seconds{model}`: consecutive failed starts
+      and the backoff left (a model in CrashLoopBackOff);
+    - `llmgw_replica_starts_total{model,outcome}`: starts that reached Ready or failed;
+    - `llmgw_replica_time_to_ready_seconds{model}`: from placement to Ready.
+    """
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.passes = Counter("llmgw_reconcile_passes", "Reconcile passes", registry=r)
+        self.pass_seconds = Histogram("llmgw_reconcile_pass_seconds", "Reconcile pass, start to decisions recorded (s)",
+                                      buckets=PASS_BUCKETS, registry=r)
+        self.decisions = Counter("llmgw_reconcile_decisions", "Reconcile decisions by kind", ["kind"], registry=r)
+        self.refusals = Counter("llmgw_placement_refusals", "Placement candidates turned down, by reason", ["reason"],
+                                registry=r)
+        self.replicas = Gauge("llmgw_replicas", "Active replicas by model and status (latest snapshot)",
+                              ["model", "status"], registry=r)
+        self.failed_starts = Gauge("llmgw_model_failed_starts", "Consecutive failed starts of a model", ["model"],
+                                   registry=r)
+        self.backoff = Gauge("llmgw_model_backoff_seconds", "Seconds until a failing model may start again",
+                             ["model"], registry=r)
+        self.starts = Counter("llmgw_replica_starts", "Replica starts by outcome", ["model", "outcome"], registry=r)
+        self.time_to_ready = Histogram("llmgw_replica_time_to_ready_seconds", "Placement to Ready (s)", ["model"],
+                                       buckets=READY_BUCKETS, registry=r)
+
+    def snapshot(self, snapshot) -> None:
+        """Set the gauges from a reconcile snapshot (`schemas.payloads.Snapshot`): every catalog model gets
+        a value for each active status, and models that left the catalog lose their series."""
+        models = [m.name for m in snapshot.models]
+        counts: dict[tuple[str, str], int] = {}
+        for rep in snapshot.replicas:
+            counts[(rep.model, rep.status)] = counts.get((rep.model, rep.status), 0) + 1
+        states = {s.name: s for s in snapshot.model_states}
+        for g in (self.replicas, self.failed_starts, self.backoff):
+            g.clear()
+        for name in models:
+            for status in ("starting", "ready", "draining"):
+                self.replicas.labels(name, status).set(counts.get((name, status), 0))
+            st = states.get(name)
+            self.failed_starts.labels(name).set(st.failures if st else 0)
+            left = (st.backoff_until - snapshot.now).total_seconds() if st and st.backoff_until else 0.0
+            self.backoff.labels(name).set(max(0.0, left))
+
+    def recorded(self, kinds: list[str], refusals: dict[str, list[str]], pass_s: float | None) -> None:
+        """One pass's decisions were recorded: count them, their refusals, and the pass."""
+        self.passes.inc()
+        if pass_s is not None and pass_s >= 0:
+            self.pass_seconds.observe(pass_s)
+        for k in kinds:
+            self.decisions.labels(k).inc()
+        for lines in refusals.values():
+            for line in lines:
+                if line.startswith("  "):  # an indented line is one candidate turned down
+                    self.refusals.labels(refusal_reason(line)).inc()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         from prometheus_client import start_http_server

@@ -59,6 +59,7 @@ class LazyClient:
         self.settings = settings
         self.client: Client | None = None
         self._task: asyncio.Task | None = None
+        self.attributes = SearchAttributeCheck(settings.temporal_namespace, settings.temporal_search_attributes)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._connect())
@@ -76,3 +77,59 @@ class LazyClient:
 
     async def wake(self, reason: str) -> bool:
         return await wake_reconciler(self.client, reason)
+
+
+class SearchAttributeCheck:
+    """Whether the namespace has llmgw's search attributes registered (`workflows/attributes.py`), asked
+    by everything that starts workflows. A start naming an unregistered attribute is refused by the
+    server, so without them workflows start without them, and this says so once, with the command that
+    registers them. A yes is kept; a no is asked again after `recheck_s` (an operator may register them
+    while llmgw runs). `enabled=False` (setting `temporal_search_attributes`) never uses them."""
+
+    def __init__(self, namespace: str, enabled: bool = True, recheck_s: float = 60.0):
+        self.namespace = namespace
+        self.enabled = enabled
+        self.recheck_s = recheck_s
+        self._ok: bool | None = None
+        self._checked_at = -1e18
+        self._warned = False
+
+    async def registered(self, client: Client | None) -> bool:
+        if not self.enabled or client is None:
+            return False
+        loop = asyncio.get_running_loop()
+        if self._ok or (self._ok is False and loop.time() - self._checked_at < self.recheck_s):
+            return bool(self._ok)
+        self._checked_at = loop.time()
+        missing = await self._missing(client)
+        self._ok = not missing
+        if missing and not self._warned:
+            self._warned = True
+            from llmgw.workflows.attributes import REGISTRY
+
+            cmds = "; ".join(f"temporal operator search-attribute create --namespace {self.namespace} --name {n} "
+                             f"--type {REGISTRY[n]}" for n in missing if n in REGISTRY)
+            log.warning("Temporal namespace %r lacks llmgw's search attributes (%s): workflows start without "
+                        "them, so the Temporal UI cannot find them by model, node or replica. Register them "
+                        "once: %s", self.namespace, ", ".join(missing), cmds or "(see docs/operating.md)")
+        elif not missing and self._warned:
+            log.info("Temporal namespace %r has llmgw's search attributes now; new workflows carry them", self.namespace)
+        return self._ok
+
+    async def _missing(self, client: Client) -> list[str]:
+        """Names not registered with the type llmgw sets (all of them when the namespace cannot be asked)."""
+        from temporalio.api.enums.v1 import IndexedValueType
+        from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+        from llmgw.workflows.attributes import REGISTRY
+
+        try:
+            resp = await client.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=self.namespace))
+        except Exception as exc:  # noqa: BLE001 - RPCError (permissions, an old server): start without them
+            log.warning("cannot list the search attributes of Temporal namespace %r (%s)", self.namespace, exc)
+            return list(REGISTRY)
+        have = dict(resp.custom_attributes)
+        want = {n: IndexedValueType.Value("INDEXED_VALUE_TYPE_" + ("KEYWORD_LIST" if t == "KeywordList" else t.upper()))
+                for n, t in REGISTRY.items()}
+        return [n for n, t in want.items() if have.get(n) != t]

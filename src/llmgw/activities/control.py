@@ -7,10 +7,14 @@ a retried `mark_replica` finds the transition already made.
 from __future__ import annotations
 
 import random
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
-from llmgw.db import catalog_repo, fleet_repo
+from llmgw.db import catalog_repo, fleet_repo, status_repo
+from llmgw.telemetry import ControlMetrics
 from llmgw.placement.plan import backoff_delay, rollout_step
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
@@ -19,15 +23,23 @@ from llmgw.schemas.payloads import (
     Snapshot,
 )
 
+if TYPE_CHECKING:
+    from llmgw.temporal import SearchAttributeCheck
+
 
 class ControlActivities:
     """Bound to one database engine. Register `all()` on the control worker."""
 
-    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float,
-                 drain_timeout_s: float = 60.0):
+    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float, client=None,
+                 attributes: "SearchAttributeCheck | None" = None, metrics: ControlMetrics | None = None,
+                 backoff_base_s: float = 5.0, backoff_max_s: float = 600.0, drain_timeout_s: float = 60.0):
         self.engine = engine
         self.unreachable_after_s = unreachable_after_s
         self.lost_after_s = lost_after_s
+        self.client = client  # Temporal, to ask whether the namespace has llmgw's search attributes
+        self.attributes = attributes
+        self.metrics = metrics or ControlMetrics()
+        self.backoff = (backoff_base_s, backoff_max_s)
         self.drain_timeout_s = drain_timeout_s
 
     def all(self) -> list:
@@ -44,7 +56,7 @@ class ControlActivities:
             states = await catalog_repo.model_states(conn)
             nodes = await fleet_repo.list_nodes(conn)
             reps = await fleet_repo.active_replicas_with_shards(conn)
-        return Snapshot(
+        snapshot = Snapshot(
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
             models=catalog.models, model_states=states,
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in nodes],
@@ -55,7 +67,10 @@ class ControlActivities:
                             shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"], gpus=list(s["gpus"] or [])) for s in shards])
                 for r, shards in reps
             ],
+            search_attributes=await self.attributes.registered(self.client) if self.attributes else False,
         )
+        self.metrics.snapshot(snapshot)
+        return snapshot
 
     @activity.defn(name="rollout_step")
     async def rollout_step(self, inp: RolloutStepInput) -> RolloutStep:
@@ -72,12 +87,18 @@ class ControlActivities:
     async def record_decisions(self, inp: RecordDecisionsInput) -> None:
         async with self.engine.begin() as conn:
             await catalog_repo.save_decisions(conn, inp.refusals)
+        took = (datetime.now(timezone.utc) - inp.started_at).total_seconds() if inp.started_at else None
+        self.metrics.recorded(inp.kinds, inp.refusals, took)
 
     @activity.defn(name="mark_replica")
     async def mark_replica(self, inp: MarkReplicaInput) -> MarkReplicaResult:
         async with self.engine.begin() as conn:
             applied, status = await fleet_repo.mark_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure,
                                                             inp.reason)
+            times = await status_repo.replica_times(conn, inp.replica_id) if applied and inp.status == "ready" else None
+        if times is not None:
+            self.metrics.starts.labels(times.model, "ready").inc()
+            self.metrics.time_to_ready.labels(times.model).observe(times.time_to_ready_s or 0.0)
         return MarkReplicaResult(applied=applied, status=status or "unknown")
 
     @activity.defn(name="settle_replica")
@@ -85,6 +106,9 @@ class ControlActivities:
         """Mark an ended replica settled (every shard asked to stop). `applied` only for the first caller."""
         async with self.engine.begin() as conn:
             applied, status, model = await fleet_repo.settle_replica(conn, inp.replica_id, inp.reason or None)
+            times = await status_repo.replica_times(conn, inp.replica_id) if applied and status == "failed" else None
+        if times is not None and times.time_to_ready_s is None:  # it never served: a failed start
+            self.metrics.starts.labels(times.model, "failed").inc()
         return SettleReplicaResult(applied=applied, status=status or "unknown", model=model or "")
 
     @activity.defn(name="record_replica_failure")
@@ -94,7 +118,7 @@ class ControlActivities:
             states = {s.name: s for s in await catalog_repo.model_states(conn)}
             failures = (states[model].failures if model in states else 0) + 1
             now = await fleet_repo.db_now(conn)
-            until = now + backoff_delay(failures, random.random())
+            until = now + backoff_delay(failures, random.random(), *self.backoff)
             await catalog_repo.record_failure(conn, model, until)
 
     @activity.defn(name="reset_model_failures")

@@ -22,15 +22,17 @@ from llmgw.engines.base import EngineError, ShardSpec, new_api_key, reserve_port
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
     FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
-    OpenRendezvousInput, Rendezvous, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
-    WaitShardReadyInput, WaitShardReadyResult,
+    OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StopShardInput, StopShardResult,
+    WaitShardJoinedInput, WaitShardJoinedResult, WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
 from llmgw.workers.errors import ReportRefused
+from llmgw.workers.logs import BadShardId, read_log
 from llmgw.workers.reclaim import reclaim
 
 if TYPE_CHECKING:
     from llmgw.workers.agent import Agent
+    from llmgw.workers.supervisor import Shard
 
 
 class NodeActivities:
@@ -41,7 +43,7 @@ class NodeActivities:
 
     def all(self) -> list:
         return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.wait_shard_joined,
-                self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache]
+                self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache, self.read_shard_log]
 
     @activity.defn(name="fetch_weights")
     async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
@@ -65,6 +67,7 @@ class NodeActivities:
             self.agent.downloads.pop(inp.replica_id, None)
         if got.fetched:
             self.agent.inventory_dirty = True
+            self.agent.metrics.fetched.inc(got.bytes)
         return FetchWeightsResult(path=got.path, bytes=got.bytes, fetched=got.fetched)
 
     @activity.defn(name="launch_shard")
@@ -124,9 +127,7 @@ class NodeActivities:
             while True:
                 code = sup.poll(shard)
                 if code is not None:
-                    raise ApplicationError(
-                        f"worker shard {inp.shard_id} {adapter.describe_exit(code)}, before it joined rank 0; output:\n"
-                        f"{sup.tail(shard)[-1500:]}", type="EngineExited", non_retryable=True)
+                    raise await self._exited(shard, f"worker shard {inp.shard_id} exited before it joined rank 0")
                 if await adapter.joined(session, shard.spec):
                     break
                 waited = time.monotonic() - started
@@ -153,12 +154,7 @@ class NodeActivities:
             while True:
                 code = sup.poll(shard)
                 if code is not None:
-                    tail = sup.tail(shard)
-                    raise ApplicationError(
-                        f"engine for shard {inp.shard_id} {adapter.describe_exit(code)}, before it was ready; output:\n"
-                        f"{tail[-1500:]}",
-                        type="EngineExited", non_retryable=True,
-                    )
+                    raise await self._exited(shard, f"engine for shard {inp.shard_id} exited before it was ready")
                 if await adapter.is_ready(session, shard.endpoint, shard.spec.api_key):
                     break
                 if time.monotonic() > deadline:
@@ -168,6 +164,21 @@ class NodeActivities:
         sup.set_state(shard, "ready")
         await self._report(shard, "ready")
         return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
+
+    async def _exited(self, shard: "Shard", what: str) -> ApplicationError:
+        """An engine exited while a start waited on it: report the shard failed with its decoded exit and
+        output tail (kept on the shard row, whichever of this and the supervisor's watch reports first),
+        and return the error that fails the start. The message's first line is the cause."""
+        why = self.agent.describe_exit(shard)
+        tail = self.agent.supervisor.tail(shard)
+        try:
+            await self.agent.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
+        except ReportRefused:
+            pass  # logged by the agent; the start fails with the cause either way
+        text = f"{what}: {why}"
+        if tail.strip():
+            text += "\nlast output:\n" + tail.strip()[-1500:]
+        return ApplicationError(text, type="EngineExited", non_retryable=True)
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, inp: WaitShardReadyInput) -> int:
@@ -200,6 +211,16 @@ class NodeActivities:
         await self.agent.report_stopped(inp.shard_id)
         return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)
 
+    @activity.defn(name="read_shard_log")
+    async def read_shard_log(self, inp: ReadShardLogInput) -> ReadShardLogResult:
+        """Part of a shard's engine log (its tail, or from an offset), for `llmgw ctl logs`."""
+        try:
+            out = await asyncio.to_thread(read_log, self.agent.supervisor.log_dir, self.agent.node_id, inp)
+        except BadShardId as exc:
+            raise ApplicationError(str(exc), type="BadShardId", non_retryable=True) from None
+        shard = self.agent.supervisor.get(inp.shard_id)
+        out.running = shard is not None and self.agent.supervisor.poll(shard) is None
+        return out
 
     @activity.defn(name="reclaim_cache")
     async def reclaim_cache(self, inp: NodeReclaimInput) -> NodeReclaimResult:

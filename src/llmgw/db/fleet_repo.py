@@ -62,12 +62,14 @@ class NodeRow:
     inventory: Inventory
     last_heartbeat: datetime
     age_s: float  # seconds since the last heartbeat, by the database clock
+    registered_at: datetime | None = None  # its latest registration (the node worker's start)
 
 
 async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     rows = (await conn.execute(select(nodes, age.label("age")).order_by(nodes.c.id))).all()
-    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age)) for r in rows]
+    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age),
+                    r.registered_at) for r in rows]
 
 
 # ---- replicas and shards ------------------------------------------------------------------------
@@ -169,10 +171,14 @@ async def replica_shards(conn: AsyncConnection, replica_id: str) -> list[ShardPl
     return [ShardPlacement(node_id=r.node_id, rank=r.rank, gpus=list(r.gpus or [])) for r in rows]
 
 
-async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200, model: str | None = None):
-    """Replica rows, newest first, each with its rank-0 `node_id` and `shards` (node, rank, gpus, status)."""
+async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200, model: str | None = None,
+                        ids: list[str] | None = None):
+    """Replica rows, newest first, each with its rank-0 `node_id` and `shards` (node, rank, gpus, status,
+    exit). `ids`: only these (ended or not)."""
     q = select(replicas, shards.c.node_id).join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0), isouter=True)
-    if not include_ended:
+    if ids is not None:
+        q = q.where(replicas.c.id.in_(ids))
+    elif not include_ended:
         q = q.where(replicas.c.status.not_in(ENDED_STATUSES))
     if model is not None:
         q = q.where(replicas.c.model == model)
@@ -185,7 +191,7 @@ async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limi
         for sr in srows:
             by_rep.setdefault(sr["replica_id"], []).append(
                 {"node_id": sr["node_id"], "rank": sr["rank"], "gpus": list(sr["gpus"] or []), "status": sr["status"],
-                 "progress": sr["progress"]})
+                 "progress": sr["progress"], "exit_code": sr["exit_code"], "exit_reason": sr["exit_reason"]})
     return [{**r, "shards": by_rep.get(r["id"], [])} for r in rows]
 
 
@@ -219,7 +225,7 @@ async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport)
     """Apply a node's report about one of its shards (the caller has checked it is placed on `node_id`).
     Returns the replica's status (None if unknown)."""
     values: dict = {"status": report.state, "updated_at": func.now(), "progress": None}  # a transition ends a download
-    for field in ("pid", "endpoint", "exit_code", "output_tail", "api_key"):
+    for field in ("pid", "endpoint", "exit_code", "output_tail", "api_key", "exit_reason"):
         v = getattr(report, field)
         if v is not None:
             values[field] = v
@@ -300,3 +306,16 @@ async def routable_replicas(conn: AsyncConnection) -> list[RouteRow]:
 
 async def db_now(conn: AsyncConnection) -> datetime:
     return (await conn.execute(select(func.now()))).scalar_one()
+
+
+async def find_replicas(conn: AsyncConnection, prefix: str, limit: int = 5) -> list[str]:
+    """Ids of replicas whose id starts with `prefix` (as `ctl replicas` prints the first 8 characters)."""
+    q = select(replicas.c.id).where(replicas.c.id.startswith(prefix, autoescape=True)).order_by(
+        replicas.c.created_at.desc()).limit(limit)
+    return [r.id for r in (await conn.execute(q)).all()]
+
+
+async def shard_row(conn: AsyncConnection, replica_id: str, rank: int):
+    """The shard of `replica_id` with `rank` (its node, output tail, exit), or None."""
+    q = select(shards).where(and_(shards.c.replica_id == replica_id, shards.c.rank == rank))
+    return (await conn.execute(q)).mappings().first()

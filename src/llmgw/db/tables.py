@@ -68,6 +68,7 @@ shards = Table(
     Column("endpoint", Text),
     Column("exit_code", Integer),
     Column("output_tail", Text),
+    Column("exit_reason", Text),  # the exit in words, from the engine's adapter (0005_exit_reason)
     Column("progress", JSONB),  # a download in progress: {"source", "bytes", "total"?}; cleared by any transition
     Column("api_key", Text),  # the engine's key, from the node's report; the gateway sends it (0005_engine_keys)
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),

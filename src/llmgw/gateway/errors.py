@@ -3,7 +3,8 @@
 Nothing expected is ever a 500, and no body ever carries a traceback. Statuses: 400 a bad request (naming
 the field in `param`), 401 no valid API key, 404 unknown model or route, 405 wrong method, 413 body too
 large, 429 the model's queue is full, 502 the engine failed, 503 loading / unavailable / queued too long
-(with Retry-After), 504 the engine did not answer in time.
+(with Retry-After; `code` says which: model_loading only while a replica is starting, model_failing while its
+starts fail and it backs off, model_pending, model_unplaceable, ...), 504 the engine did not answer in time.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ def loading(name: str, retry_after_s: int, detail: str | None = None) -> APIErro
     why = f" ({detail})" if detail else ""
     return APIError(503, f"the model `{name}` is loading{why}; retry in about {retry_after_s}s",
                     type="service_unavailable", code="model_loading", headers={"Retry-After": str(retry_after_s)})
+
+
+def failing(name: str, cause: str, retry_after_s: int, restarts: int) -> APIError:
+    """Its starts keep failing and it is backing off (a CrashLoopBackOff): not "loading", which a client
+    would retry in seconds for minutes. Retry-After is the backoff left."""
+    return APIError(503, f"the model `{name}` is failing: {restarts} start(s) failed in a row, the last with: {cause}; "
+                    f"the next start is in about {retry_after_s}s (an operator runs `llmgw ctl retry {name}` once the "
+                    f"cause is fixed)", type="service_unavailable", code="model_failing",
+                    headers={"Retry-After": str(max(1, retry_after_s))})
+
+
+def pending(name: str, retry_after_s: int = 5) -> APIError:
+    """Wanted but no replica is starting yet (the control plane has not placed one): not "loading"."""
+    return APIError(503, f"the model `{name}` has no replica starting yet; the control plane has been asked for one "
+                    f"(`llmgw ctl explain {name}` says why it is not placed)", type="service_unavailable",
+                    code="model_pending", headers={"Retry-After": str(retry_after_s)})
 
 
 def unplaceable(name: str, why: str) -> APIError:

@@ -154,9 +154,10 @@ class FleetService:
                 return
             status = await fleet_repo.update_shard(conn, req.node_id, s)
             if s.state == "failed" and status is not None and status not in ENDED_STATUSES:
+                # First line: the cause, decoded; then the engine's own last words (what `ctl replicas` shows).
                 why = f"shard {s.shard_id} on {req.node_id} {s.exit_reason or describe_exit(s.exit_code)}"
                 if s.output_tail and s.output_tail.strip():
-                    why += "; last output:\n" + s.output_tail.strip()[-1500:]
+                    why += "\nlast output:\n" + s.output_tail.strip()[-1500:]
                 applied, _ = await fleet_repo.mark_replica(conn, row.replica_id, "failed", failure=why)
                 if applied:
                     failed_replica = row.replica_id

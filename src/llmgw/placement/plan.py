@@ -11,7 +11,8 @@ docs/architecture.md, "How a replica starts"):
 - an ended replica not yet settled (a shard failed, a node came back without it) has every shard stopped;
 - at most one placement per pass, because placement depends on what is already allocated; models are
   considered by priority, highest first;
-- a model in failure backoff is held, and says so;
+- a model in failure backoff is held, and says so; so is one with a failed replica not yet settled (its
+  failure, which sets the backoff, is counted when it is settled);
 - a model that cannot be placed may evict lower-priority replicas (`placement.preempt`);
 - a model whose replicas run an older profile is replaced one replica at a time (`placement.rollout`): the
   planner places the surge replica, the `RolloutWorkflow` retires old ones;
@@ -105,6 +106,7 @@ def plan_pass(snapshot: Snapshot) -> Plan:
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}
     live = _ended_and_orphans(snapshot, plan, catalog)
+    failed_unsettled = {r.model: r.id for r in snapshot.replicas if r.status == "failed" and not r.settled}
     evicting: set[str] = set()
 
     acted = False  # a placement or an eviction this pass: the next one waits for a fresh snapshot
@@ -154,6 +156,13 @@ def plan_pass(snapshot: Snapshot) -> Plan:
                                            reason=f"{serving} of {want} wanted ({why})" + (f": {where}" if where else "")))
             continue
         head = f"{serving} of {want} wanted ({why})"
+        if model.name in failed_unsettled:
+            # Its failure is counted (and the backoff set) when it is settled; a start placed before that
+            # would slip past the backoff, once per failure.
+            plan.decisions.append(Decision(kind="wait", model=model.name, reason=(
+                f"{head}; replica {failed_unsettled[model.name][:8]} just failed: waiting until its failure is "
+                "counted against the backoff")))
+            continue
         if st and st.backoff_until and st.backoff_until > now:
             wait = (st.backoff_until - now).total_seconds()
             plan.decisions.append(Decision(kind="wait", model=model.name,

@@ -73,16 +73,24 @@ class ApplyResponse(_Strict):
 
 
 class ShardView(_Strict):
+    """One shard. `exit_code`/`exit_reason`: how its engine ended when it exited on its own."""
+
     node_id: str
     rank: int
     gpus: list[int] = Field(default_factory=list)
     status: str
     progress: DownloadProgress | None = None  # weights being fetched for it now
+    exit_code: int | None = None
+    exit_reason: str | None = None
 
 
 class ReplicaView(_Strict):
     """A replica. `node_id` is rank 0's node; `shards` all of them. `reason` says why it was placed where it
-    is (the placement line, then every candidate turned down); `ended_reason` why it stopped."""
+    is (the placement line, then every candidate turned down); `ended_reason` why it stopped; `failure` the
+    whole failure (its first line the cause, then the engine's last output) and `cause` its one-line cause
+    (the decoded exit: "killed by SIGILL (illegal instruction): ..."). For a failed replica of a model that
+    is failing, `restarts` counts the model's consecutive failed starts and `retry_in_s` is the backoff
+    left. `temporal_url` lists its workflows in the Temporal UI."""
 
     id: str
     model: str
@@ -97,13 +105,71 @@ class ReplicaView(_Strict):
     reason: str | None = None
     ended_reason: str | None = None
     profile_hash: str | None = None  # the profile it runs (as its node reports it); a rollout replaces old ones
+    cause: str | None = None
+    restarts: int = 0
+    retry_in_s: int | None = None
+    temporal_url: str | None = None
+
+
+class ModelView(_Strict):
+    """A catalog model with its status (placement/model_status.py): `status`, `reason` (one line),
+    `restarts` (consecutive failed starts), `retry_in_s` (backoff left while failing), `last_failure` (the
+    latest failed replica's cause), and its active replicas by status. `created_at`: first applied."""
+
+    name: str
+    aliases: list[str] = Field(default_factory=list)
+    fallbacks: list[str] = Field(default_factory=list)
+    engines: list[str] = Field(default_factory=list)
+    min: int = 0
+    max: int = 0
+    mode: str = ""
+    priority: int = 0
+    role: str | None = None
+    simulated: bool = False
+    replicas: dict[str, int] = Field(default_factory=dict)
+    status: str
+    reason: str = ""
+    ready: int = 0
+    restarts: int = 0
+    retry_in_s: int | None = None
+    last_failure: str | None = None
+    created_at: datetime | None = None
+
+
+class RetryResult(_Strict):
+    """`ctl retry MODEL`: the failed starts and backoff that were cleared."""
+
+    model: str
+    failures: int = 0
+    backoff_left_s: int = 0
+
+
+class LogsView(_Strict):
+    """Part of a shard's engine log. `from_node`: read on the node now; otherwise `data` is the output the
+    node last reported (the node did not answer: `note` says why). `offset` is where the next read starts."""
+
+    replica_id: str
+    model: str
+    rank: int
+    node_id: str
+    shard_id: str
+    data: str = ""
+    offset: int = 0
+    size: int = 0
+    found: bool = False
+    running: bool = False
+    from_node: bool = True
+    note: str | None = None
 
 
 class NodeView(_Strict):
+    """A node. `registered_at`: when its node worker last registered (it started, or came back)."""
+
     id: str
     status: str
     last_heartbeat: datetime | None
     inventory: Inventory
+    registered_at: datetime | None = None
 
 
 class KeyCreateRequest(_Strict):

@@ -82,6 +82,9 @@ class Snapshot(_Strict):
     model_states: list[ModelState] = Field(default_factory=list)
     nodes: list[NodeSnap] = Field(default_factory=list)
     replicas: list[ReplicaSnap] = Field(default_factory=list)
+    # The Temporal namespace has llmgw's search attributes registered: the reconciler sets them on the
+    # workflows it starts (workflows/attributes.py). False in histories recorded before they existed.
+    search_attributes: bool = False
 
 
 # ---- reconciler ---------------------------------------------------------------------------------
@@ -108,6 +111,8 @@ class RecordDecisionsInput(_Strict):
 
     lines: list[str] = Field(default_factory=list)
     refusals: dict[str, list[str]] = Field(default_factory=dict)  # model -> reasons
+    kinds: list[str] = Field(default_factory=list)  # each decision's kind, for the control worker's metrics
+    started_at: datetime | None = None  # when the pass began (workflow time): the pass's duration
 
 
 # ---- replica lifecycle --------------------------------------------------------------------------
@@ -279,8 +284,17 @@ class NodeReclaimInput(_Strict):
     collect: bool = False
 
 
+class CacheEntry(_Strict):
+    """One cache entry a node listed: its size (bytes) and when it was last written (epoch seconds)."""
+
+    name: str
+    bytes: int = 0
+    modified_at: float = 0.0
+
+
 class NodeReclaimResult(_Strict):
     node_id: str
+    entries: list[CacheEntry] = Field(default_factory=list)  # size and age of each unwanted / kept entry
     unwanted: list[str] = Field(default_factory=list)  # llmgw-fetched, no longer wanted
     removed: list[str] = Field(default_factory=list)
     kept_in_use: list[str] = Field(default_factory=list)  # unwanted but a running shard loads it
@@ -297,6 +311,38 @@ class ReclaimResult(_Strict):
     collect: bool
     nodes: list[NodeReclaimResult] = Field(default_factory=list)
     unreachable: list[str] = Field(default_factory=list)
+
+
+# ---- engine logs (`llmgw ctl logs`) -------------------------------------------------------------
+
+class ReadShardLogInput(_Strict):
+    """Read a shard's engine log on its node. `offset` < 0: the last `limit` bytes; otherwise from `offset`
+    (a follower passes back the `offset` it was given)."""
+
+    shard_id: str
+    offset: int = -1
+    limit: int = Field(65536, ge=1, le=1 << 20)
+
+
+class ReadShardLogResult(_Strict):
+    """`data`: the text read (whole UTF-8 characters only); `offset`: where the next read starts; `size`:
+    the log's size now; `found`: the node has a log for this shard; `running`: its engine runs now."""
+
+    shard_id: str
+    node_id: str = ""
+    data: str = ""
+    offset: int = 0
+    size: int = 0
+    found: bool = False
+    running: bool = False
+
+
+class ShardLogInput(_Strict):
+    """`ShardLogWorkflow`: read `shard_id`'s log on `node_id` (for the admin API)."""
+
+    node_id: str
+    read: ReadShardLogInput
+    model: str = ""
 
 
 # ---- rolling replacement ------------------------------------------------------------------------

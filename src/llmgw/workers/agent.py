@@ -62,6 +62,7 @@ class Agent:
         self._gpus = None
         self._fabrics = None
         self.metrics = AgentMetrics()
+        self.metrics.watch_downloads(self.downloads)
 
     # ---- node API ------------------------------------------------------------------------------
     def ssl_context(self):
@@ -148,16 +149,18 @@ class Agent:
         except ReportRefused:
             pass  # stopped is stopped; the refusal is logged
 
-    async def _on_exit(self, shard: Shard, tail: str) -> None:
+    def describe_exit(self, shard: Shard) -> str:
+        """How `shard`'s engine ended, in words (its adapter's), e.g. "killed by SIGILL (illegal instruction): ..."."""
         if shard.proc is None:  # adopted: not our child, so its exit status cannot be read
-            why = UNKNOWN_EXIT
-        else:
-            try:
-                why = self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
-            except EngineError:  # an engine no longer installed here: the generic words
-                why = describe_exit(shard.exit_code)
+            return UNKNOWN_EXIT
         try:
-            await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
+            return self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
+        except EngineError:  # an engine no longer installed here: the generic words
+            return describe_exit(shard.exit_code)
+
+    async def _on_exit(self, shard: Shard, tail: str) -> None:
+        try:
+            await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=self.describe_exit(shard)))
         except ReportRefused:
             pass  # logged; the next registration reports the shard gone
 

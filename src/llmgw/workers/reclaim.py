@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from llmgw.schemas.payloads import NodeReclaimResult
+from llmgw.schemas.payloads import CacheEntry, NodeReclaimResult
 from llmgw.weights.naming import CACHE_NAME
 
 
@@ -41,12 +41,13 @@ def reclaim(node_id: str, cache_dir: Path, wanted: set[str], in_use: set[str], c
             continue
         if name in wanted:
             continue
+        size = _size(path)
+        out.entries.append(CacheEntry(name=name, bytes=size, modified_at=path.stat().st_mtime))
         if str(path) in in_use or name in in_use:
             out.kept_in_use.append(name)
             continue
         out.unwanted.append(name)
         if collect:
-            size = _size(path)
             if path.is_dir():
                 shutil.rmtree(path)
             else:

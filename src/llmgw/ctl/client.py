@@ -1,0 +1,67 @@
+"""The admin API as `llmgw ctl` talks to it: every expected failure (nothing listening, a timeout, an error
+answer, something that is not llmgw on the port) is one line on stderr and exit status 1, never a
+traceback."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any, NoReturn
+
+import httpx
+import typer
+
+from llmgw.config import Settings
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print one line on stderr and leave with `code`."""
+    typer.echo(message, err=True)
+    raise typer.Exit(code)
+
+
+class Admin:
+    """A short-lived client of the admin API at `Settings().resolved_admin_url`. `now` is the server's
+    clock (its Date header) at the last answer, for AGE columns."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        self.url = Settings().resolved_admin_url
+        self.timeout_s = timeout_s
+        self.now = datetime.now(timezone.utc)
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self._call("GET", path, params=params or None)
+
+    def post(self, path: str, body: dict | None = None) -> Any:
+        return self._call("POST", path, json=body if body is not None else {})
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            with httpx.Client(base_url=self.url, timeout=self.timeout_s) as c:
+                r = c.request(method, path, **kw)
+        except httpx.ConnectError:
+            fail(f"cannot reach the admin API at {self.url}: nothing answers there; is `llmgw server` (or "
+                 "`llmgw dev`) running? (LLMGW_ADMIN_URL or LLMGW_ADMIN_PORT say where it is)")
+        except httpx.TimeoutException:
+            fail(f"the admin API at {self.url} did not answer within {self.timeout_s:g}s")
+        except httpx.HTTPError as exc:
+            fail(f"talking to the admin API at {self.url} failed: {exc}")
+        self._clock(r)
+        try:
+            body = r.json()
+        except ValueError:
+            fail(f"error ({r.status_code}): the answer from {self.url} is not llmgw's admin API "
+                 f"(is another program on that port?)")
+        if r.status_code >= 400:
+            err = body.get("error") if isinstance(body, dict) else None
+            msg = err.get("message") if isinstance(err, dict) else None
+            if msg is None and isinstance(body, dict):
+                msg = body.get("detail")
+            fail(f"error ({r.status_code}): {msg or r.text[:300]}")
+        return body
+
+    def _clock(self, r: httpx.Response) -> None:
+        try:
+            self.now = parsedate_to_datetime(r.headers["date"])
+        except (KeyError, TypeError, ValueError):
+            self.now = datetime.now(timezone.utc)

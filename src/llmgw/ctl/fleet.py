@@ -1,0 +1,249 @@
+"""`llmgw ctl models | replicas | nodes | explain | logs | retry`: what runs, what fails and why."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Optional
+
+import typer
+
+from llmgw.ctl.client import Admin
+from llmgw.ctl.output import Output, age, console, dump, interval_option, output_option, seconds, show, table, watch_option
+
+ENDED = ("stopped", "failed", "lost")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("models")(models)
+    app.command("replicas")(replicas)
+    app.command("nodes")(nodes)
+    app.command("explain")(explain)
+    app.command("logs")(logs)
+    app.command("retry")(retry)
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+def _model_message(m: dict) -> str:
+    if m["status"] == "failing":
+        left = m.get("retry_in_s")
+        when = f"next start in {seconds(left)}" if left else "next start due now"
+        return f"{m['reason']}; {when}"
+    return m.get("reason") or ""
+
+
+def _models_table(models: list[dict], now: datetime, wide: bool):
+    cols = ["MODEL", "STATUS", "READY", "RESTARTS", "ENGINE", "MODE", "AGE", "MESSAGE"]
+    if wide:
+        cols[6:6] = ["PRIO", "REPLICAS", "ALIASES"]
+    rows = []
+    for m in models:
+        ready = f"{m['ready']}/{m['min']}" if m["min"] else str(m["ready"])
+        engine = ",".join(m["engines"]) or "static"
+        row = [m["name"], m["status"], ready, m["restarts"], engine, m["mode"], age(m.get("created_at"), now),
+               _model_message(m)]
+        if wide:
+            reps = ", ".join(f"{n} {s}" for s, n in m["replicas"].items()) or "none"
+            row[6:6] = [m.get("priority", 0), reps, ",".join(m.get("aliases") or []) or "-"]
+        rows.append(row)
+    return table(cols, rows)
+
+
+def models(output: Output = output_option(), watch: bool = watch_option(), interval: float = interval_option()):
+    """Catalog models and their status (ready, loading, failing, ...).
+
+    A model whose starts keep failing is `failing`, like Kubernetes' CrashLoopBackOff: RESTARTS counts the
+    failed starts in a row, MESSAGE gives the last one's cause and the backoff left (`ctl retry` clears it).
+    """
+    admin = Admin()
+    show(lambda: (admin.get("/admin/v1/models"), admin.now), _models_table, output, watch, interval,
+         empty="no models in the catalog; `llmgw ctl apply -f catalog.yaml` adds them")
+
+
+# ---- replicas ----------------------------------------------------------------------------------
+
+def _shards(r: dict) -> str:
+    return ", ".join(f"{s['node_id']}[rank {s['rank']}" + (f", GPUs {','.join(map(str, s['gpus']))}]" if s["gpus"] else "]")
+                     for s in r.get("shards", [])) or (r["node_id"] or "-")
+
+
+def progress_line(p: dict) -> str:
+    """`downloading SOURCE: 45.2 of 98.4 MB (46%)`, or `... 45.2 MB so far` when the size is unknown."""
+    got = p["bytes"] / 1e6
+    if p.get("total"):
+        return f"downloading {p['source']}: {got:.1f} of {p['total'] / 1e6:.1f} MB ({100 * p['bytes'] // p['total']}%)"
+    return f"downloading {p['source']}: {got:.1f} MB so far"
+
+
+def _replica_message(r: dict) -> str:
+    if r["status"] == "failed":
+        msg = r.get("cause") or "failed"
+        if r.get("retry_in_s") is not None:
+            msg += f"; next start in {seconds(r['retry_in_s'])}" if r["retry_in_s"] else "; next start due now"
+        return msg
+    if r["status"] in ENDED:
+        why = r.get("cause") or r.get("ended_reason") or r.get("failure") or ""
+        return why.splitlines()[0][:300] if why else ""
+    lines = [f"{s['node_id']}: {progress_line(s['progress'])}" for s in r.get("shards", []) if s.get("progress")]
+    return "; ".join(lines)
+
+
+def _replicas_table(reps: list[dict], now: datetime, wide: bool):
+    cols = ["REPLICA", "MODEL", "PROFILE", "STATUS", "RESTARTS", "SHARDS", "AGE", "MESSAGE"]
+    if wide:
+        cols[6:6] = ["ENDPOINT"]
+        cols.append("TEMPORAL")
+    rows = []
+    for r in reps:
+        # profile@hash: what its node reports it runs; a rolling replacement retires the ones the catalog changed
+        profile = f"{r['profile']}@{(r.get('profile_hash') or '?')[:8]}"
+        row = [r["id"][:8], r["model"], profile, r["status"], r.get("restarts", 0), _shards(r),
+               age(r["created_at"], now), _replica_message(r)]
+        if wide:
+            row[6:6] = [r["endpoint"] or "-"]
+            row.append(r.get("temporal_url") or "-")
+        rows.append(row)
+    return table(cols, rows)
+
+
+def replicas(
+    all: bool = typer.Option(False, "--all", "-a", help="Include every stopped, failed and lost replica"),
+    output: Output = output_option(), watch: bool = watch_option(), interval: float = interval_option(),
+):
+    """Replicas: status, shards (node, rank, GPUs), age, and why one failed.
+
+    A failing model's latest failed replica is listed too, with RESTARTS, its decoded cause ("killed by
+    SIGILL (illegal instruction): ...") and the backoff left. PROFILE is `name@hash` of the profile its node
+    reports it runs. `-o wide` adds the endpoint and the Temporal UI link listing the replica's workflows.
+    """
+    admin = Admin()
+    show(lambda: (admin.get("/admin/v1/replicas", all=str(all).lower()), admin.now), _replicas_table, output,
+         watch, interval, empty="no replicas" + ("" if all else "; --all includes ended ones"))
+
+
+# ---- nodes -------------------------------------------------------------------------------------
+
+def _gpus(inv: dict) -> str:
+    gpus = inv["gpus"]
+    if not gpus:
+        return "0"
+    text = f"{len(gpus)}x{gpus[0]['memory_mb'] // 1024}GiB"
+    return text + (" nvlink" if any(g["nvlink_peers"] for g in gpus) else "")
+
+
+def _nodes_table(nodes: list[dict], now: datetime, wide: bool):
+    cols = ["NODE", "STATUS", "GPUS", "CPUS", "MEMORY", "DISK FREE", "ENGINES", "LAST SEEN", "AGE"]
+    if wide:
+        cols[6:6] = ["FABRICS"]
+        cols.append("NOTES")
+    rows = []
+    for n in nodes:
+        inv = n["inventory"]
+        engines = ",".join(inv["engines"]) + (" (simulated)" if inv.get("simulated") else "")
+        row = [n["id"], n["status"], _gpus(inv), inv["cpus"], f"{inv['memory_mb'] // 1024}GiB",
+               f"{inv['disk_free_mb'] // 1024}GiB", engines, age(n.get("last_heartbeat"), now) + " ago",
+               age(n.get("registered_at"), now)]
+        if wide:
+            row[6:6] = [",".join(f"{f['name']}({len(f['adapters'])} HCA, {f['rate_gbps']:g}Gb/s)"
+                                 for f in inv.get("fabrics", [])) or "-"]
+            row.append("; ".join(x for x in inv.get("notes", []) if not x.startswith("simulated inventory")) or "-")
+        rows.append(row)
+    return table(cols, rows)
+
+
+def nodes(output: Output = output_option(), watch: bool = watch_option(), interval: float = interval_option()):
+    """Nodes: status and inventory (GPUs, CPUs, memory, disk, engines).
+
+    `-o wide` adds InfiniBand fabrics and discovery notes.
+    """
+    admin = Admin()
+    show(lambda: (admin.get("/admin/v1/nodes"), admin.now), _nodes_table, output, watch, interval,
+         empty="no nodes have registered; start `llmgw agent` on each machine")
+
+
+# ---- explain -----------------------------------------------------------------------------------
+
+def explain(model: str = typer.Argument(..., metavar="MODEL", help="A model or alias"), output: Output = output_option()):
+    """Why the last reconcile pass did (or did not) place MODEL.
+
+    Every candidate turned down and why, and why each of its replicas is where it is (or why it ended).
+    """
+    out = Admin().get(f"/admin/v1/explain/{model}")
+    if output in (Output.json, Output.yaml):
+        console().print(dump(out, output).rstrip("\n"), markup=False)
+        return
+    at = f" (pass at {out['decided_at']})" if out.get("decided_at") else ""
+    if not out["decisions"]:
+        typer.echo(f"{model}: no reconcile pass has decided anything about it yet")
+    else:
+        typer.echo(f"latest pass{at}:")
+    for line in out["decisions"]:
+        typer.echo(f"  {line}")
+    reps = out.get("replicas", [])
+    if reps:
+        typer.echo("replicas:")
+    for r in reps:
+        typer.echo(f"  {r['id'][:8]} {r['status']:9s} {_shards(r)}")
+        for i, line in enumerate((r.get("reason") or "").splitlines()):
+            typer.echo(f"      placed: {line}" if i == 0 else f"      {line}")
+        if r["status"] in ENDED and (r.get("cause") or r.get("ended_reason") or r.get("failure")):
+            typer.echo(f"      ended: {(r.get('cause') or r.get('ended_reason') or r.get('failure')).splitlines()[0][:300]}")
+
+
+# ---- logs --------------------------------------------------------------------------------------
+
+def logs(
+    replica: str = typer.Argument(..., metavar="REPLICA", help="A replica id, or its first characters (as `ctl replicas` prints)"),
+    rank: int = typer.Option(0, "--rank", "-r", min=0, metavar="N", help="Which shard of a multi-node replica"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output while the engine runs"),
+    tail: Optional[int] = typer.Option(None, "--tail", min=0, metavar="LINES", help="Only the last N lines"),
+    limit_bytes: int = typer.Option(65536, "--limit-bytes", min=1, max=1 << 20, metavar="BYTES", help="Read at most this much of the log's end"),
+):
+    """The engine log of a replica's shard, read on its node.
+
+    The node worker reads it (no path on any disk, no login on the node needed). When the node does not
+    answer, the output it last reported is shown instead, and says so.
+    """
+    admin = Admin(timeout_s=60)
+    got = admin.get(f"/admin/v1/replicas/{replica}/logs", rank=rank, offset=-1, limit=limit_bytes)
+    if got.get("note"):
+        typer.echo(got["note"], err=True)
+    elif not got["found"]:
+        typer.echo(f"node {got['node_id']} has no log for shard {got['shard_id']} (it never launched there)", err=True)
+    data = got["data"]
+    if tail is not None:
+        data = "".join(data.splitlines(keepends=True)[-tail:]) if tail else ""
+    _write(data)
+    if not follow:
+        return
+    offset = got["offset"]
+    try:
+        while True:
+            if not got["running"] and got["from_node"]:
+                typer.echo(f"(the engine of shard {got['shard_id']} is not running)", err=True)
+                return
+            time.sleep(1.0)
+            got = admin.get(f"/admin/v1/replicas/{got['replica_id']}/logs", rank=rank, offset=offset, limit=1 << 20)
+            if got["from_node"]:
+                _write(got["data"])
+                offset = got["offset"]
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+def _write(text: str) -> None:
+    if text:
+        typer.echo(text, nl=not text.endswith("\n"))
+
+
+# ---- retry -------------------------------------------------------------------------------------
+
+def retry(model: str = typer.Argument(..., metavar="MODEL", help="A model or alias")):
+    """Start a failing MODEL now: clear its failed starts and backoff (after fixing the cause)."""
+    out = Admin().post(f"/admin/v1/models/{model}/retry")
+    if not out["failures"] and not out["backoff_left_s"]:
+        typer.echo(f"{out['model']}: no failed starts to clear; the reconciler was asked to look at it again")
+        return
+    typer.echo(f"{out['model']}: cleared {out['failures']} failed start(s) and {seconds(out['backoff_left_s'])} of "
+               "backoff; the reconciler starts it now (`llmgw ctl models -w` follows it)")

@@ -1,0 +1,111 @@
+"""A model's status as an operator and a client should see it, derived from observed facts by one pure
+function (`model_condition`). `llmgw ctl models`, `ctl replicas`, the gateway's 503 answers, `/v1/models`
+and the chat page all read it, so they never disagree.
+
+The statuses, in the order they are decided:
+
+- `static`: routed to endpoints the catalog names; llmgw runs nothing for it;
+- `ready`: at least one replica serves;
+- `loading`: a replica is starting now (and none serves yet): the only status that says "loading";
+- `off`: `scaling.max` is 0;
+- `failing`: its last start(s) failed and nothing serves: like Kubernetes' CrashLoopBackOff, with the
+  count of consecutive failed starts (`restarts`), the last failure's cause, and the backoff remaining
+  before the reconciler tries again (`retry_in_s`; `llmgw ctl retry MODEL` clears it);
+- `unplaceable`: the latest reconcile pass found no node that can take it (`ctl explain` says why);
+- `stopping`: only draining replicas are left;
+- `on demand`: `min 0`, nothing running: a request starts it;
+- `pending`: wanted, not yet placed (the next reconcile pass places it).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from llmgw.schemas.catalog import Model
+
+
+class ModelStatus(StrEnum):
+    STATIC = "static"
+    READY = "ready"
+    LOADING = "loading"
+    OFF = "off"
+    FAILING = "failing"
+    UNPLACEABLE = "unplaceable"
+    STOPPING = "stopping"
+    ON_DEMAND = "on demand"
+    PENDING = "pending"
+
+
+class ModelFacts(BaseModel):
+    """What is known about one model now. `replicas`: its active replicas by status (`starting`, `ready`,
+    `draining`); `failures`: consecutive failed starts (reset by a start that reaches Ready);
+    `last_failure`: the cause of its latest failed replica (one line); `refused`: why the latest reconcile
+    pass could not place it, if it could not."""
+
+    replicas: dict[str, int] = Field(default_factory=dict)
+    failures: int = 0
+    backoff_until: datetime | None = None
+    last_failure: str | None = None
+    last_failure_at: datetime | None = None
+    last_failed_replica: str | None = None
+    refused: str | None = None
+
+
+class ModelCondition(BaseModel):
+    """`status` with its `reason` (one line, empty when there is nothing to add), `restarts` (consecutive
+    failed starts) and, while failing, `retry_in_s`: seconds until the reconciler may start it again
+    (0 when the backoff has passed and a start is due)."""
+
+    status: ModelStatus
+    reason: str = ""
+    ready: int = 0
+    starting: int = 0
+    restarts: int = 0
+    retry_in_s: int | None = None
+    last_failure: str | None = None
+
+
+def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCondition:
+    """The status of `model` from `facts`, at `now` (the database clock)."""
+    ready = facts.replicas.get("ready", 0)
+    starting = facts.replicas.get("starting", 0)
+    base = dict(ready=ready, starting=starting, restarts=facts.failures, last_failure=facts.last_failure)
+    sc = model.effective_scaling
+    if not model.profiles:
+        n = len(model.endpoints)
+        return ModelCondition(status=ModelStatus.STATIC, reason=f"routed to {n} static endpoint(s)", **base)
+    if ready:
+        return ModelCondition(status=ModelStatus.READY, **base)
+    if starting:
+        again = f" (after {facts.failures} failed start(s))" if facts.failures else ""
+        return ModelCondition(status=ModelStatus.LOADING, reason=f"a replica is starting{again}", **base)
+    if sc.off:
+        return ModelCondition(status=ModelStatus.OFF, reason="switched off in the catalog (scaling max 0)", **base)
+    if facts.failures:
+        left = 0
+        if facts.backoff_until is not None:
+            left = max(0, math.ceil((facts.backoff_until - now).total_seconds()))
+        cause = facts.last_failure or "its last start failed"
+        return ModelCondition(status=ModelStatus.FAILING, reason=cause, retry_in_s=left, **base)
+    if facts.refused:
+        return ModelCondition(status=ModelStatus.UNPLACEABLE, reason=facts.refused, **base)
+    if facts.replicas.get("draining", 0):
+        return ModelCondition(status=ModelStatus.STOPPING, reason="its replicas are draining", **base)
+    if sc.on_demand:
+        return ModelCondition(status=ModelStatus.ON_DEMAND, reason="starts when a request asks for it", **base)
+    return ModelCondition(status=ModelStatus.PENDING, reason="waiting for the reconciler to place it", **base)
+
+
+def failure_cause(failure: str | None, exit_reasons: list[tuple[int, str, str]] | None = None) -> str | None:
+    """The one-line cause of a replica's failure: the decoded exit of its first shard that exited
+    (`exit_reasons`: (rank, node, reason)), else the failure text's first line. None without a failure."""
+    for rank, node, reason in sorted(exit_reasons or []):
+        if reason:
+            return f"{reason} (rank {rank} on {node})"
+    if not failure or not failure.strip():
+        return None
+    return failure.strip().splitlines()[0][:300]

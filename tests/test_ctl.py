@@ -1,0 +1,136 @@
+"""`llmgw ctl` with the field's habits (issue 14): one clear line for every expected failure, help without
+type noise on flags, a header and AGE on every table, `-o table|wide|json|yaml` on every listing, and the
+live catalog round-tripping through `ctl catalog` and `ctl apply -f`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from llmgw.cli import app, quiet_flag_types
+from llmgw.dev.procs import free_port
+from tests.fleet import sim_spec
+
+# Every ctl command that talks to the admin API, with arguments that would be valid against a live one.
+ADMIN_COMMANDS = [
+    ["models"], ["models", "-o", "json"], ["replicas"], ["replicas", "--all", "-o", "wide"], ["nodes"],
+    ["explain", "m"], ["logs", "abcdef12"], ["logs", "abcdef12", "--follow"], ["retry", "m"], ["catalog"],
+    ["apply", "-f", "{catalog}", "--yes"], ["reclaim"], ["reclaim", "--collect"], ["keys", "create", "--name", "x"],
+    ["keys", "list"], ["keys", "revoke", "k1", "--yes"], ["models", "--watch"],
+]
+
+
+def run_ctl(env: dict, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmgw", "ctl", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_every_ctl_command_against_a_stopped_admin_api_says_so_in_one_line(tmp_path):
+    port = free_port()  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    env.update(LLMGW_ADMIN_PORT=str(port), LLMGW_STATE_DIR=str(tmp_path / "state"))
+    f = tmp_path / "catalog.yaml"
+    f.write_text(yaml.safe_dump({"models": [{"name": "m", "scaling": {"min": 1, "max": 1},
+                                             "profiles": [{"engine": "sim"}]}]}))
+    commands = [[a.format(catalog=f) for a in c] for c in ADMIN_COMMANDS]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda c: run_ctl(env, *c), commands))
+    for cmd, r in zip(commands, results):
+        assert r.returncode == 1, (cmd, r.returncode, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and r.stdout == "", (cmd, r.stdout, r.stderr)
+        assert r.stderr.count("\n") == 1, (cmd, r.stderr)
+        assert r.stderr.startswith(f"cannot reach the admin API at http://127.0.0.1:{port}: nothing answers there"), \
+            (cmd, r.stderr)
+
+
+def _commands(cmd, path: list[str]):
+    yield path, cmd
+    if hasattr(cmd, "commands"):  # a group
+        for name, sub in cmd.commands.items():
+            yield from _commands(sub, path + [name])
+
+
+def test_help_shows_no_type_beside_flags():
+    quiet_flag_types()  # what `main()` does before running the app
+    runner = CliRunner()
+    root = typer.main.get_command(app)
+    checked = 0
+    for path, _ in _commands(root, []):
+        r = runner.invoke(app, [*path, "--help"], terminal_width=200)
+        assert r.exit_code == 0, (path, r.output)
+        assert "<bool>" not in r.output, (path, r.output)
+        checked += 1
+    assert checked > 20
+    # The installed command does the same (main() installs it).
+    r = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "replicas", "--help"], capture_output=True, text=True)
+    assert "--all" in r.stdout and "<bool>" not in r.stdout
+
+
+@pytest.mark.integration
+def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round_trips(control_plane, tmp_path):
+    cp = control_plane.start()
+    cp.agent("n1", simulate=sim_spec(gpus=2))
+    cp.wait_nodes("n1")
+    f = tmp_path / "catalog.yaml"
+    f.write_text(yaml.safe_dump({"models": [
+        {"name": "s", "aliases": ["s-alias"], "scaling": {"min": 1, "max": 1, "idle_timeout": "5m"},
+         "profiles": [{"engine": "sim", "gpus_per_node": 1, "args": ["--tokens-per-second", "0"]}]},
+        {"name": "od", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
+    ]}))
+    out = cp.ctl("apply", "-f", str(f), "--yes")
+    assert out.returncode == 0, out.stderr
+    cp.wait_replicas("s", timeout_s=60)
+
+    out = cp.ctl("keys", "list")  # no keys: a header, and a line saying what that means
+    assert out.returncode == 0 and out.stdout.split() == ["ID", "PREFIX", "NAME", "STATUS", "AGE"], out.stdout
+    assert "no API keys" in out.stderr
+
+    listings = {"models": ("MODEL", "s"), "replicas": ("REPLICA", "s"), "nodes": ("NODE", "n1"),
+                "keys list": ("ID", None), "reclaim": ("NODE", None)}
+    for listing, (first, name) in listings.items():
+        args = listing.split()
+        for fmt in ("table", "wide"):
+            out = cp.ctl(*args, "-o", fmt)
+            assert out.returncode == 0, (listing, fmt, out.stderr)
+            header = out.stdout.splitlines()[0].split()
+            assert header[0] == first and "AGE" in header, (listing, fmt, out.stdout)
+            if name:
+                assert any(line.split()[:2] and name in line.split()[:2] for line in out.stdout.splitlines()[1:])
+        as_json = json.loads(cp.ctl(*args, "-o", "json").stdout)
+        as_yaml = yaml.safe_load(cp.ctl(*args, "-o", "yaml").stdout)
+        assert type(as_json) is type(as_yaml), listing
+    models = {m["name"]: m for m in json.loads(cp.ctl("models", "-o", "json").stdout)}
+    assert models["s"]["status"] == "ready" and models["od"]["status"] == "on demand"
+    assert "on demand" in [line for line in cp.ctl("models").stdout.splitlines() if line.startswith("od ")][0]
+    wide = cp.ctl("nodes", "-o", "wide").stdout
+    assert "FABRICS" in wide.splitlines()[0] and "(simulated)" in wide
+
+    # The live catalog round-trips: printed, applied back unchanged, edited, applied with the change shown.
+    live = cp.ctl("catalog")
+    assert live.returncode == 0 and live.stdout.startswith("# The live catalog at "), live.stdout
+    back = tmp_path / "live.yaml"
+    back.write_text(live.stdout)
+    out = cp.ctl("apply", "-f", str(back), "--yes")
+    assert out.returncode == 0 and "no changes" in out.stdout, (out.stdout, out.stderr)
+    edited = yaml.safe_load(live.stdout)
+    edited["models"][1]["scaling"]["max"] = 2
+    back.write_text(yaml.safe_dump(edited))
+    out = cp.ctl("apply", "-f", str(back), "--yes")
+    assert "  ~ od\n      scaling.max: 1 -> 2" in out.stdout and out.stdout.rstrip().endswith("applied"), out.stdout
+    assert json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"][1]["scaling"]["max"] == 2
+
+    # Errors from a live admin API are one line too.
+    out = cp.ctl("retry", "nope")
+    assert out.returncode == 1 and out.stderr == "error (404): no model or alias named 'nope' in the catalog\n"
+    out = cp.ctl("explain", "nope")
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "404" in out.stderr
+    out = cp.ctl("retry", "s-alias")
+    assert out.returncode == 0 and out.stdout.startswith("s: no failed starts to clear"), out.stdout

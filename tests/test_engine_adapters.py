@@ -4,7 +4,9 @@ over two 4-GPU nodes; llama.cpp across several GPUs of one node. Never a shell s
 
 from __future__ import annotations
 
-from llmgw.engines.base import ShardSpec
+import pytest
+
+from llmgw.engines.base import EngineError, ShardSpec
 from llmgw.engines.llamacpp import LlamaCppAdapter
 from llmgw.engines.metrics_text import gauge_sum
 from llmgw.engines.ray_launch import count_active_nodes
@@ -83,6 +85,22 @@ def test_llamacpp_splits_layers_across_gpus_of_one_node(tmp_path):
     assert plan.argv[:3] == [str(binary), "--model", "/cache/m.gguf"]
     assert after(plan.argv, "--n-gpu-layers") == "999" and after(plan.argv, "--split-mode") == "layer"
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_llamacpp_is_given_the_first_part_of_a_split_gguf_version(tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    version = tmp_path / "cache" / "abc-big"
+    version.mkdir(parents=True)
+    for i in (1, 2, 3):
+        (version / f"big-{i:05d}-of-00003.gguf").write_bytes(b"GGUF")
+    p = Profile(engine="llamacpp", source="mirror:big/")
+    s = ShardSpec(shard_id="r-r0", replica_id="r", model="m", profile=p, weights_path=str(version), port=9000)
+    assert after(LlamaCppAdapter(str(binary)).build(s).argv, "--model") == str(version / "big-00001-of-00003.gguf")
+    (version / "other.gguf").write_bytes(b"GGUF")
+    (version / "big-00001-of-00003.gguf").rename(version / "big-00004-of-00004.gguf")
+    with pytest.raises(EngineError, match="not one split GGUF"):
+        LlamaCppAdapter(str(binary)).build(s)
 
 
 def test_profile_env_reaches_the_engine_and_nothing_else_does(monkeypatch):

@@ -140,15 +140,76 @@ def test_multi_node_refused_when_no_fabric_has_enough_nodes():
 
 # ---- the pass ------------------------------------------------------------------------------------------
 
-def test_one_placement_per_pass():
-    plan = plan_pass(snapshot([model("a"), model("b")], [node("n")]))
+def test_many_placements_per_pass_never_share_a_gpu():
+    # Two placements from one snapshot could be handed the same GPUs: each is accounted before the next.
+    models = [model("a", tp=4), model("b", tp=4, min=2)]
+    nodes = [node("n1", gpus=8), node("n2", gpus=4)]
+    plan = plan_pass(snapshot(models, nodes))
+    placed = plan.of_kind("place")
+    assert [(d.model, d.shards[0].node_id, d.shards[0].gpus) for d in placed] == [
+        ("a", "n1", [0, 1, 2, 3]), ("b", "n2", [0, 1, 2, 3]), ("b", "n1", [4, 5, 6, 7])]  # least loaded first
+    assert not plan.more
+    assert placed[1].reason.startswith("0 of 2 wanted") and placed[2].reason.startswith("1 of 2 wanted")
+    # One more does not fit: refused, with the cards this pass gave away named.
+    d = only(plan_pass(snapshot([*models, model("c", tp=2)], nodes)), "refuse")
+    assert d.model == "c"
+    assert "default on n1: needs 2 free GPU(s), 0 of 8 free (held: a on 0,1,2,3; b on 4,5,6,7)" in d.refusals
+    assert "default on n2: needs 2 free GPU(s), 0 of 4 free (held: b on 0,1,2,3)" in d.refusals
+
+
+def test_placements_per_pass_are_capped_and_the_next_pass_follows_at_once():
+    plan = plan_pass(snapshot([model("a", min=3), model("b")], [node("n", gpus=8)]), max_placements=2)
+    assert [d.kind for d in plan.decisions] == ["place", "place", "wait", "wait"] and plan.more
+    assert "2 placements this pass, the most one pass makes, next pass" in plan.decisions[2].reason
+    assert plan.decisions[3].model == "b"
+
+
+def test_one_placement_per_pass_for_runs_that_plan_in_workflow_code():
+    # The rule of reconciler runs started before `decide`: replaying their passes must decide what they did.
+    plan = plan_pass(snapshot([model("a"), model("b")], [node("n")]), one_per_pass=True)
     assert [d.kind for d in plan.decisions] == ["place", "wait"]
     assert plan.more and "one placement per pass" in plan.decisions[1].reason
 
 
+def test_room_an_eviction_frees_is_reserved_for_the_model_it_is_for():
+    low = model("low", gpus_per_node=2)
+    filler = model("filler", gpus_per_node=2, priority=5)
+    high = model("high", gpus_per_node=4, priority=10)
+    rep = replica("r-low", "low", [("n", [0, 1])])
+    plan = plan_pass(snapshot([low, filler, high], [node("n", gpus=4)], [rep]))
+    assert only(plan, "evict").replica_id == "r-low"
+    # GPUs 2 and 3 are free now, but high needs them once low has drained: filler must not take them.
+    assert not plan.of_kind("place")
+    [d] = [d for d in plan.for_model("filler")]
+    assert d.kind == "refuse" and any("held: high on 0,1,2,3" in r for r in d.refusals), d.refusals
+
+
+def test_room_draining_replicas_free_is_reserved_too():
+    draining = replica("r-old", "old", [("n", [0, 1])], status="draining")
+    high = model("high", gpus_per_node=4, priority=10)
+    filler = model("filler", gpus_per_node=2)
+    plan = plan_pass(snapshot([high, filler], [node("n", gpus=4)], [draining]))
+    assert "waiting for draining replica(s) r-old" in plan.for_model("high")[0].reason
+    [d] = plan.for_model("filler")
+    assert d.kind == "refuse" and any("held: high on 0,1,2,3" in r for r in d.refusals), d.refusals
+
+
+def test_one_eviction_per_pass_and_placements_beside_it():
+    lows = [model(f"low{i}", gpus_per_node=4) for i in range(2)]
+    reps = [replica(f"r{i}", f"low{i}", [(f"n{i}", [0, 1, 2, 3])]) for i in range(2)]
+    highs = [model(f"high{i}", gpus_per_node=4, priority=10) for i in range(2)]
+    small = model("small", gpus_per_node=1, priority=1)
+    plan = plan_pass(snapshot([*lows, *highs, small], [node("n0", gpus=4), node("n1", gpus=4), node("n2", gpus=1)], reps))
+    assert len(plan.of_kind("evict")) == 1 and plan.more
+    waiting = [d for d in plan.for_model("high1") if d.kind == "wait"]
+    assert waiting and "one eviction per pass, next pass" in waiting[0].reason
+    assert only(plan, "place").model == "small"  # placed in the same pass, on the node nobody needs
+
+
 def test_higher_priority_is_placed_first():
-    plan = plan_pass(snapshot([model("low"), model("high", priority=5)], [node("n")]))
-    assert only(plan, "place").model == "high"
+    plan = plan_pass(snapshot([model("low", gpus_per_node=1), model("high", priority=5, gpus_per_node=1)],
+                              [node("n", gpus=1)]))
+    assert only(plan, "place").model == "high" and only(plan, "refuse").model == "low"
 
 
 def test_node_expiry_has_two_stages_far_apart():
@@ -280,3 +341,31 @@ def test_a_model_waits_for_replicas_already_draining():
     plan = plan_pass(snapshot([high, *models], nodes, reps, states))
     assert not plan.of_kind("evict")
     assert "waiting for draining replica(s) r-old" in [d for d in plan.for_model("high")][0].reason
+
+
+def test_many_placements_match_placing_them_one_at_a_time_from_scratch():
+    # The pass reuses each node's judgement until the node changes; placing one replica at a time, each from
+    # a fresh view of the snapshot plus the placements before it, must decide exactly the same.
+    import random
+
+    from llmgw.placement.place import place_one
+    from llmgw.placement.view import FleetView
+
+    for seed in range(60):
+        rng = random.Random(seed)
+        nodes = [node(f"n{i}", gpus=rng.choice([1, 2, 4, 8]), peers={} if rng.random() < 0.5 else None,
+                      cached=[cache_name_for("mirror:w1")] if rng.random() < 0.3 else [])
+                 for i in range(rng.randint(1, 6))]
+        models = [model(f"m{i}", min=rng.randint(1, 3), tp=rng.choice([1, 2, 4]),
+                        source=rng.choice([None, "mirror:w1", "mirror:w2"])) for i in range(rng.randint(1, 5))]
+        held = [replica("r0", models[0].name, [(nodes[0].id, [0])])]
+        plan = plan_pass(snapshot(models, nodes, held))
+        placed = plan.of_kind("place")
+        cards = [(s.node_id, g) for d in placed for s in d.shards for g in s.gpus] + [(nodes[0].id, 0)]
+        assert len(cards) == len(set(cards)), (seed, plan.explanations())  # no card handed out twice
+        before: list = list(held)
+        for i, d in enumerate(placed):
+            fresh = place_one(next(m for m in models if m.name == d.model),
+                              FleetView(nodes, before, models))
+            assert (fresh.shards, fresh.refusals) == (d.shards, d.refusals), seed
+            before.append(replica(f"p{i}", d.model, [(s.node_id, s.gpus) for s in d.shards], status="starting"))

@@ -16,7 +16,11 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from llmgw.workers.control import WORKFLOWS, workflow_runner
+from llmgw.temporal import workflow_runner
+from llmgw.workers.control import WORKFLOWS as CONTROL_WORKFLOWS
+from llmgw.workers.mirror import WORKFLOWS as MIRROR_WORKFLOWS
+
+WORKFLOWS = CONTROL_WORKFLOWS + MIRROR_WORKFLOWS  # every workflow some llmgw worker runs
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*/*.json"))
 
@@ -28,7 +32,7 @@ def _workflow_id(path: Path) -> str:
 def test_histories_are_committed():
     kinds = {json.loads(p.read_text())["events"][0]["workflowExecutionStartedEventAttributes"]["workflowType"]["name"]
              for p in HISTORIES}
-    assert {"ReconcilerWorkflow", "ReplicaStartWorkflow", "ReplicaStopWorkflow"} <= kinds, kinds
+    assert {"ReconcilerWorkflow", "ReplicaStartWorkflow", "ReplicaStopWorkflow", "MirrorWorkflow"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[f"{p.parent.name}/{p.stem}" for p in HISTORIES])

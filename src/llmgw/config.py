@@ -91,13 +91,21 @@ class Settings(BaseSettings):
     tracing: str = "off"
 
     # Control plane timings (seconds). Unreachable and Lost are two stages far apart (seeds 003).
+    # The reconciler's `decide` activity takes these, and `reconcile_max_placements`, from the control
+    # worker's settings every pass (nothing is frozen into the workflow): a changed value takes effect at the
+    # first pass after the control workers restart with it.
     reconcile_interval_s: float = 10.0
     # A model whose start failed waits base·2^(n-1) seconds (±50 %, at most max) before the next start.
     start_backoff_base_s: float = 5.0
     start_backoff_max_s: float = 600.0
     node_unreachable_after_s: float = 15.0
     node_lost_after_s: float = 300.0
-    drain_timeout_s: float = 60.0  # how long a drain waits for in-flight requests (rolling replacement)
+    node_forget_after_s: float = 86400.0  # a node Lost this long is forgotten (with no live replica left)
+    replica_ready_timeout_s: float = 900.0  # a starting replica not ready by then has failed
+    replica_drain_timeout_s: float = 60.0  # a draining replica is stopped by then, requests in flight or not
+    reconcile_max_placements: int = 64  # per pass; a pass with more to place is followed by another at once
+    reconciler_watch_s: float = 5.0  # how often the control worker checks that the reconciler is running
+    planner_hook: str | None = None  # tests only: "module:function(snapshot, plan) -> plan", applied each pass
     route_refresh_s: float = 2.0
 
     # Gateway (docs/gateway.md). A request for a model that is loading is held up to its `scaling.load_wait`
@@ -109,6 +117,24 @@ class Settings(BaseSettings):
     require_api_key: bool | None = None
     breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...
     breaker_open_s: float = 10.0  # ... for this long, then one trial request decides
+
+    # Weight fetches, on nodes and by the mirror (weights/download.py): at least `fetch_stall_bytes` every
+    # `fetch_stall_s`, one attempt at one file within `fetch_deadline_s`, at most `fetch_max_bytes` per file.
+    fetch_stall_s: float = 60.0
+    fetch_stall_bytes: int = 1 << 20
+    fetch_deadline_s: float = 12 * 3600.0
+    fetch_max_bytes: int = 1 << 40
+
+    # The mirror (`llmgw mirror serve`, which also runs the mirror worker on `llmgw-mirror`).
+    # `mirror_private_sources`: non-public networks `llmgw mirror add` may fetch from, comma-separated CIDRs
+    # or addresses, or `private` for every private and loopback range (a private mirror); link-local
+    # addresses (cloud metadata) never. Empty: public addresses only (weights/urls.py).
+    mirror_private_sources: str = ""
+    mirror_worker: bool = True  # `mirror serve` also polls the mirror task queue (downloads run there)
+    mirror_parallel_files: int = 4  # files of one version fetched at once
+    # How soon a mirror download whose worker died is retried elsewhere; how often it reports progress.
+    mirror_heartbeat_timeout_s: float = 30.0
+    mirror_progress_interval_s: float = 2.0
 
     @field_validator("database_url")
     @classmethod

@@ -214,6 +214,62 @@ class ControlMetrics:
 _tracing_on = False
 
 
+class MirrorMetrics:
+    """The mirror worker's metrics, on the mirror's listener at `/metrics`. `version` is `<name>/<version>`
+    of a `mirror add` in progress on this worker (bounded by what operators mirror; removed when done).
+
+    - `llmgw_mirror_download_bytes{version}`: bytes of the version on disk so far (files being fetched);
+    - `llmgw_mirror_download_size_bytes{version}`: their announced size (absent while unknown);
+    - `llmgw_mirror_fetched_bytes_total`: bytes received from origins (a resume does not count twice);
+    - `llmgw_mirror_published_total`, `llmgw_mirror_fetch_failures_total{retryable}`.
+    """
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.bytes = Gauge("llmgw_mirror_download_bytes", "Bytes fetched so far of files being mirrored", ["version"],
+                           registry=r)
+        self.size = Gauge("llmgw_mirror_download_size_bytes", "Announced size of files being mirrored", ["version"],
+                          registry=r)
+        self.fetched = Counter("llmgw_mirror_fetched_bytes", "Bytes received from origins", registry=r)
+        self.published = Counter("llmgw_mirror_published", "Versions published", registry=r)
+        self.failures = Counter("llmgw_mirror_fetch_failures", "File fetch attempts that failed", ["retryable"],
+                                registry=r)
+        self._files: dict[str, dict[str, tuple[int, int | None]]] = {}
+        self._lock = threading.Lock()
+
+    def progress(self, version: str, file: str, n: int | None, total: int | None) -> None:
+        """One file's bytes so far (None: the file's fetch ended here)."""
+        with self._lock:
+            files = self._files.setdefault(version, {})
+            if n is None:
+                files.pop(file, None)
+            else:
+                files[file] = (n, total)
+            if not files:
+                self._files.pop(version, None)
+                for g in (self.bytes, self.size):
+                    try:
+                        g.remove(version)
+                    except KeyError:
+                        pass
+                return
+            self.bytes.labels(version).set(sum(b for b, _ in files.values()))
+            totals = [t for _, t in files.values()]
+            if None in totals:
+                try:
+                    self.size.remove(version)
+                except KeyError:
+                    pass
+            else:
+                self.size.labels(version).set(sum(totals))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_tracing_on = False
+
+
 def tracing_enabled() -> bool:
     return _tracing_on
 

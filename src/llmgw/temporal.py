@@ -13,6 +13,16 @@ from llmgw.config import Settings
 log = logging.getLogger(__name__)
 
 
+def workflow_runner():
+    """The sandbox every workflow runs in, on the workers and in the replay tests alike. Pydantic and
+    OpenTelemetry pass through: payload models keep their identity, and spans made inside workflows reach
+    the process's tracer provider rather than a sandboxed no-op one."""
+    from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+    return SandboxedWorkflowRunner(
+        restrictions=SandboxRestrictions.default.with_passthrough_modules("pydantic", "opentelemetry"))
+
+
 async def connect(settings: Settings, attempts: int = 60) -> Client:
     """Connect to `settings.resolved_temporal_address`, retrying for about `attempts` seconds."""
     from llmgw.telemetry import tracing_enabled

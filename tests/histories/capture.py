@@ -3,7 +3,10 @@
 Not part of the suite (the file name does not match `test_*.py`). Run it explicitly against the code whose
 histories you want to keep, before changing workflow code:
 
-    LLMGW_HISTORIES_OUT=tests/histories/v1 .venv/bin/python -m pytest tests/histories/capture.py
+    LLMGW_HISTORIES_OUT=tests/histories/v2 .venv/bin/python -m pytest tests/histories/capture.py
+
+Folders: `v1` was captured from code that planned inside the reconciler workflow; `v2` from code with the
+`decide` activity and several placements per pass.
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history
@@ -117,3 +120,54 @@ def test_rollout(control_plane, temporal, namespace):
                what="the old replica retired")
     assert export(temporal, namespace, "rollout", kinds=("RolloutWorkflow",))
 
+def test_mirror_a_layout_and_fail_one(tmp_path, temporal, namespace):
+    """`MirrorWorkflow`: a two-shard layout with a connection dropped mid-file (a retried fetch, progress
+    signals, publish), the same again (already published), a canceled mirror and one that fails (a split
+    GGUF with a part missing)."""
+    import time
+
+    from tests.test_mirror_workflow import MiB, Mirror, OriginProcess, gguf, layout
+
+    layout(tmp_path / "origin" / "m", shards=2, shard_size=3 * MiB)
+    (tmp_path / "origin" / "g-00001-of-00002.gguf").write_bytes(gguf(1000, "g"))
+    (tmp_path / "logs").mkdir()
+    origin = OriginProcess(tmp_path / "origin", tmp_path / "logs").start(
+        rate=2_000_000, drop={"/m/model-00001-of-00002.safetensors": MiB})
+    mirror = Mirror(tmp_path, temporal.address, namespace, "127.0.0.1/32")
+    try:
+        mirror.serve()
+        assert mirror.cli("add", f"{origin.url}/m/").returncode == 0
+        assert mirror.cli("add", f"{origin.url}/m/").returncode == 0  # published already: nothing fetched
+        assert mirror.cli("add", f"{origin.url}/g-00001-of-00002.gguf").returncode == 1
+        origin.kill()
+        origin.start(rate=300_000)
+        assert mirror.cli("add", f"{origin.url}/m/", "--name", "c", "--detach").returncode == 0
+        time.sleep(2)
+        assert mirror.cli("cancel", "c").returncode == 0
+        assert len(export(temporal, namespace, "mirror")) == 4
+    finally:
+        mirror.stop()
+        origin.kill()
+
+
+def test_place_many_in_one_pass(control_plane, temporal, namespace):
+    """A reconciler pass that places several replicas at once (v2: each accounted before the next), then a
+    model removed (drain, stop) and the node of another killed (lost, cleanup, rebuilt)."""
+    cp = control_plane
+    cp.env.update(LLMGW_NODE_UNREACHABLE_AFTER_S="3", LLMGW_NODE_LOST_AFTER_S="8")
+    cp.start()
+    for n in ("node-a", "node-b", "node-c"):
+        cp.agent(n, simulate=sim_spec(gpus=2))
+    cp.wait_nodes("node-a", "node-b", "node-c")
+    models = [{"name": f"m{i}", "scaling": {"min": 1, "max": 1},
+               "profiles": [{"engine": "sim", "gpus_per_node": 1, "args": ["--tokens-per-second", "0"]}]}
+              for i in range(4)]
+    assert cp.apply({"models": models}).status_code == 200
+    for m in models:
+        cp.wait_replicas(m["name"], timeout_s=90)
+    assert cp.apply({"models": models[1:]}).status_code == 200
+    cp.wait_replicas("m0", "stopped", timeout_s=60)
+    lost = next(r for r in cp.replicas() if r["model"] == "m1" and r["status"] == "ready")
+    cp.kill_node(lost["node_id"])
+    cp.wait_replicas("m1", exclude={lost["id"]}, timeout_s=90)
+    assert len(export(temporal, namespace, "place-many")) >= 6

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from llmgw.ctl.client import Admin
+from llmgw.ctl.client import Admin, fail
 from llmgw.ctl.output import Output, age, console, dump, interval_option, output_option, seconds, show, table, watch_option
 
 ENDED = ("stopped", "failed", "lost")
@@ -17,7 +17,10 @@ ENDED = ("stopped", "failed", "lost")
 def register(app: typer.Typer) -> None:
     app.command("models")(models)
     app.command("replicas")(replicas)
-    app.command("nodes")(nodes)
+    nodes_app = typer.Typer(invoke_without_command=True, help="Nodes: list them (no command), or remove one.")
+    nodes_app.callback()(nodes)
+    nodes_app.command("remove")(nodes_remove)
+    app.add_typer(nodes_app, name="nodes")
     app.command("explain")(explain)
     app.command("logs")(logs)
     app.command("retry")(retry)
@@ -152,14 +155,42 @@ def _nodes_table(nodes: list[dict], now: datetime, wide: bool):
     return table(cols, rows)
 
 
-def nodes(output: Output = output_option(), watch: bool = watch_option(), interval: float = interval_option()):
-    """Nodes: status and inventory (GPUs, CPUs, memory, disk, engines).
+def nodes(ctx: typer.Context, output: Output = output_option(), watch: bool = watch_option(),
+          interval: float = interval_option()):
+    """Nodes: status and inventory (GPUs, CPUs, memory, disk, engines); `nodes remove NODE` forgets one.
 
     `-o wide` adds InfiniBand fabrics and discovery notes.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     admin = Admin()
     show(lambda: (admin.get("/admin/v1/nodes"), admin.now), _nodes_table, output, watch, interval,
          empty="no nodes have registered; start `llmgw agent` on each machine")
+
+
+def nodes_remove(
+    node_id: str = typer.Argument(..., metavar="NODE"),
+    force: bool = typer.Option(False, "--force", help="Remove it even with live replicas (they are lost and rebuilt elsewhere)"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Remove without asking"),
+):
+    """Forget NODE now (a decommissioned machine), as happens by itself once it has been Lost for
+    LLMGW_NODE_FORGET_AFTER_S. Refused while replicas still run on it, unless --force."""
+    admin = Admin()
+    plan = admin.post(f"/admin/v1/nodes/{node_id}/remove", {"force": force, "dry_run": True})
+    typer.echo(f"  {plan['node_id']}  {plan['status']}")
+    for r in plan["live_replicas"]:
+        typer.echo(f"    live replica {r['id'][:8]} of {r['model']} ({r['status']})")
+    if plan["note"]:
+        typer.echo(f"  note: {plan['note']}")
+    if plan["live_replicas"] and not force:
+        fail(f"not removed: node {node_id} still has {len(plan['live_replicas'])} live replica(s); stop them "
+             "first (remove their models, or wait until the node is lost and they move), or pass --force to "
+             "mark them lost and rebuild them elsewhere now")
+    if not yes and not typer.confirm("remove?"):
+        fail("not removed")
+    out = admin.post(f"/admin/v1/nodes/{node_id}/remove", {"force": force})
+    lost = f"; {len(out['live_replicas'])} replica(s) on it are lost and rebuilt elsewhere" if out["live_replicas"] else ""
+    typer.echo(f"removed {node_id}{lost}")
 
 
 # ---- explain -----------------------------------------------------------------------------------
@@ -173,6 +204,11 @@ def explain(model: str = typer.Argument(..., metavar="MODEL", help="A model or a
     if output in (Output.json, Output.yaml):
         console().print(dump(out, output).rstrip("\n"), markup=False)
         return
+    failing = out.get("reconciler_failure")
+    if failing:
+        typer.echo(f"the reconciler's planner is failing (attempt {failing['attempt']}, at {failing['failed_at']}; "
+                   f"last good pass at {failing['last_pass_at'] or 'never'}), retrying with a newer snapshot:")
+        typer.echo(f"  {failing['failure']}")
     at = f" (pass at {out['decided_at']})" if out.get("decided_at") else ""
     if not out["decisions"]:
         typer.echo(f"{model}: no reconcile pass has decided anything about it yet")

@@ -9,9 +9,9 @@ has asked every one of its shards to stop and counted its failure; until then th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -319,3 +319,46 @@ async def shard_row(conn: AsyncConnection, replica_id: str, rank: int):
     """The shard of `replica_id` with `rank` (its node, output tail, exit), or None."""
     q = select(shards).where(and_(shards.c.replica_id == replica_id, shards.c.rank == rank))
     return (await conn.execute(q)).mappings().first()
+
+
+# ---- forgetting nodes ---------------------------------------------------------------------------
+
+def _holds_live_shard():
+    """A node still has a shard of a replica that is active, or ended but not yet settled."""
+    return (select(shards.c.id).join(replicas, replicas.c.id == shards.c.replica_id)
+            .where(and_(shards.c.node_id == nodes.c.id,
+                        (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))
+            .exists())
+
+
+async def forget_lost_nodes(conn: AsyncConnection, after_s: float) -> list[str]:
+    """Delete nodes silent for `after_s` seconds or more (by the database clock) that hold no live shard.
+    Returns their ids. A node that comes back registers again, as a new node would."""
+    res = await conn.execute(
+        delete(nodes).where(and_(nodes.c.last_heartbeat < func.now() - timedelta(seconds=after_s),
+                                 ~_holds_live_shard()))
+        .returning(nodes.c.id))
+    return sorted(r.id for r in res)
+
+
+@dataclass
+class LiveShard:
+    replica_id: str
+    model: str
+    status: str
+    rank: int
+
+
+async def live_shards_on(conn: AsyncConnection, node_id: str) -> list[LiveShard]:
+    """Shards on `node_id` of replicas that are active or ended but not settled (what removing it strands)."""
+    q = (select(replicas.c.id, replicas.c.model, replicas.c.status, shards.c.rank)
+         .join(shards, shards.c.replica_id == replicas.c.id)
+         .where(and_(shards.c.node_id == node_id,
+                     (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))
+         .order_by(replicas.c.model, replicas.c.id))
+    return [LiveShard(r.id, r.model, r.status, r.rank) for r in (await conn.execute(q)).all()]
+
+
+async def remove_node(conn: AsyncConnection, node_id: str) -> bool:
+    """Forget `node_id` now. False when there is no such node."""
+    return (await conn.execute(delete(nodes).where(nodes.c.id == node_id).returning(nodes.c.id))).first() is not None

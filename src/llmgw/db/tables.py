@@ -85,6 +85,18 @@ gateway_load = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+# One row (id 1): the reconciler's latest pass and planner failure, and the full reasons (decision line and
+# every refusal) of the placements that pass decided, by replica id, for record_placement (0005_reconciler).
+reconciler_state = Table(
+    "reconciler_state", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("pass_at", DateTime(timezone=True)),
+    Column("failed_at", DateTime(timezone=True)),
+    Column("failure", Text),
+    Column("attempt", Integer),
+    Column("placements", JSONB, nullable=False, server_default="{}"),
+)
+
 api_keys = Table(
     "api_keys", metadata,
     Column("id", Text, primary_key=True),

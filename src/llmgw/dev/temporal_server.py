@@ -28,13 +28,16 @@ def temporal_binary() -> str:
 
 class TemporalDevServer:
     def __init__(self, port: int, ui_port: int | None, db_file: Path | None, log_path: Path,
-                 namespaces: list[str] | None = None, search_attributes: dict[str, str] | None = None):
+                 namespaces: list[str] | None = None, search_attributes: dict[str, str] | None = None,
+                 dynamic_config: dict[str, str] | None = None):
         """`search_attributes`: name -> type registered at start (default: llmgw's own,
-        workflows/attributes.py; `{}` registers none)."""
+        workflows/attributes.py; `{}` registers none). `dynamic_config`: server settings, e.g.
+        {"limit.historyCount.suggestContinueAsNew": "40"}."""
         from llmgw.workflows.attributes import REGISTRY
 
         self.namespaces = namespaces or []
         self.search_attributes = REGISTRY if search_attributes is None else search_attributes
+        self.dynamic_config = dynamic_config or {}
         self.port = port
         self.ui_port = ui_port
         self.db_file = db_file
@@ -58,6 +61,8 @@ class TemporalDevServer:
             argv += ["--namespace", ns]
         for name, kind in self.search_attributes.items():
             argv += ["--search-attribute", f"{name}={kind}"]
+        for key, value in self.dynamic_config.items():
+            argv += ["--dynamic-config-value", f"{key}={value}"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env
+from llmgw.weights.manifest import SPLIT_GGUF
 
 
 def find_llama_server(configured: str | None = None) -> str | None:
@@ -35,6 +36,22 @@ def find_llama_server(configured: str | None = None) -> str | None:
         return str(server) if server.exists() else None
     except Exception:  # noqa: BLE001 - package absent or broken: the engine is simply unavailable
         return None
+
+
+def gguf_entry(weights_path: str) -> str:
+    """The file to give `--model`: the path itself, or for a version directory (a split GGUF mirrored whole)
+    its first part, beside which llama.cpp finds the others (seeds 000). Raises `EngineError`."""
+    path = Path(weights_path)
+    if not path.is_dir():
+        return weights_path
+    ggufs = sorted(p.name for p in path.iterdir() if p.name.endswith(".gguf"))
+    firsts = [n for n in ggufs if SPLIT_GGUF.fullmatch(n) and SPLIT_GGUF.fullmatch(n)["i"] == "00001"]
+    if len(firsts) == 1:
+        return str(path / firsts[0])
+    if len(ggufs) == 1:
+        return str(path / ggufs[0])
+    raise EngineError(f"{weights_path} holds {len(ggufs)} GGUF files and not one split GGUF: llama-server needs one "
+                      "model; mirror a single GGUF or the parts of one split GGUF")
 
 
 class LlamaCppAdapter(EngineAdapter):
@@ -62,7 +79,7 @@ class LlamaCppAdapter(EngineAdapter):
             raise EngineError("llama-server is not installed on this node; set LLMGW_LLAMA_SERVER to its path")
         if not spec.weights_path:
             raise EngineError(f"profile for {spec.model} has no source; llama-server needs a GGUF file")
-        argv = [self.binary, *spec.profile.args, "--model", spec.weights_path, "--host", spec.host,
+        argv = [self.binary, *spec.profile.args, "--model", gguf_entry(spec.weights_path), "--host", spec.host,
                 "--port", str(spec.port), "--alias", spec.model, "--no-webui"]
         if spec.gpus:
             argv += ["--n-gpu-layers", "999"]

@@ -13,12 +13,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.gateway.errors import APIError, json_error
-from llmgw.db import catalog_repo, fleet_repo
+from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.status import node_status
 from llmgw.gateway.status_service import StatusService
 from llmgw.schemas.api import (
-    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LogsView, ModelView, NodeView, ReplicaView,
-    RetryResult,
+    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LiveReplicaView, LogsView, ModelView,
+    NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView, RetryResult,
 )
 from llmgw.workflows import attributes
 from llmgw.schemas.payloads import ReclaimInput, ReclaimResult
@@ -109,6 +109,32 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
                          last_heartbeat=n.last_heartbeat, inventory=n.inventory, registered_at=n.registered_at)
                 for n in rows]
 
+    @app.post("/admin/v1/nodes/{node_id}/remove", response_model=NodeRemoveResponse)
+    async def remove_node(node_id: str, req: NodeRemoveRequest):
+        """Forget a node now (a decommissioned machine), as the reconciler does once it has been Lost for
+        `node_forget_after_s`. Refused while replicas still have a shard on it, unless `force`."""
+        async with engine.begin() as conn:
+            row = next((n for n in await fleet_repo.list_nodes(conn) if n.id == node_id), None)
+            if row is None:
+                return json_error(APIError(404, f"no node named {node_id!r}; `llmgw ctl nodes` lists them",
+                                           param="node_id", code="not_found"))
+            status = node_status(row.last_heartbeat, await fleet_repo.db_now(conn), unreachable_after_s, lost_after_s)
+            live = [LiveReplicaView(id=s.replica_id, model=s.model, status=s.status)
+                    for s in await fleet_repo.live_shards_on(conn, node_id)]
+            note = (f"node {node_id} is {status} (heard from {row.age_s:.0f}s ago): unless its agent is stopped it "
+                    "will register again" if status != "lost" else "")
+            if live and not req.force and not req.dry_run:
+                names = ", ".join(f"{r.id[:8]} ({r.model}, {r.status})" for r in live)
+                return json_error(APIError(
+                    409, f"node {node_id} still has {len(live)} live replica(s): {names}; stop them first (remove "
+                         "their models, or wait until the node is lost and they are rebuilt elsewhere), or pass "
+                         "--force (force: true) to mark them lost and rebuild them elsewhere now",
+                    param="force", code="node_in_use"))
+            removed = False if req.dry_run else await fleet_repo.remove_node(conn, node_id)
+        if removed:
+            await temporal.wake(f"node {node_id} removed")
+        return NodeRemoveResponse(node_id=node_id, status=status, removed=removed, live_replicas=live, note=note)
+
     @app.post("/admin/v1/reclaim", response_model=ReclaimResult)
     async def reclaim(req: ReclaimInput) -> ReclaimResult:
         """Run a ReclaimWorkflow and return its result: list by default, delete with `collect`."""
@@ -130,11 +156,16 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             catalog = await catalog_repo.get_catalog(conn)
             model = next((m.name for m in catalog.models if model in m.aliases), model)  # an alias: its model
             lines, at = await catalog_repo.get_decisions_at(conn, model)
+            rec = await reconciler_repo.get(conn)
         rows = await status.replicas(include_ended=True, model=model, limit=10)
         if lines is None and not rows:
             return json_error(APIError(404, f"no model or alias named {model!r} in the catalog", param="model",
                                        code="model_not_found"))
-        return {"model": model, "decisions": lines or [], "decided_at": at,
+        failing = None
+        if rec is not None and rec.failure:  # the planner itself failed: no pass has decided since
+            failing = {"failure": rec.failure, "failed_at": rec.failed_at, "attempt": rec.attempt,
+                       "last_pass_at": rec.pass_at}
+        return {"model": model, "decisions": lines or [], "decided_at": at, "reconciler_failure": failing,
                 "replicas": [r.model_dump(mode="json") for r in rows]}
 
     keys = ApiKeyService(engine)

@@ -31,7 +31,8 @@ class Decision(BaseModel):
     - `cleanup`: `replica_id` ended (`failed`/`lost`) and may have shards still running: stop every one,
       and count a failure against the model's backoff.
     - `refuse`: `model` needs a replica and nothing can take it; `refusals` give each candidate's reason.
-    - `wait`: `model` needs a replica but is held back (backoff, drains in progress, one placement per pass).
+    - `wait`: `model` needs a replica but is held back (backoff, drains in progress, evictions, the most
+      placements or evictions one pass makes).
     - `keep`: nothing to do for `model`; `reason` says what it has and why that is what it wants.
     - `rollout`: some of `model`'s replicas run an older profile: make sure its `RolloutWorkflow` runs.
     """
@@ -52,25 +53,28 @@ class Decision(BaseModel):
 
     def line(self) -> str:
         """One human-readable line (used in logs, traces and `llmgw ctl explain`)."""
-        rid = (self.replica_id or "")[:8]
-        head = {
-            "place": f"place {self.model}/{self.profile} on " + ", ".join(
-                f"{s.node_id}[rank {s.rank}" + (f", GPUs {','.join(map(str, s.gpus))}]" if s.gpus else "]")
-                for s in self.shards),
-            "stop": f"{'drain and stop' if self.drain else 'stop'} replica {rid} of {self.model}",
-            "evict": f"evict replica {rid} of {self.model} (drain, then stop)",
-            "lost": f"replica {rid} of {self.model} is lost",
-            "cleanup": f"stop every shard of {self.final_status} replica {rid} of {self.model}",
-            "refuse": f"{REFUSED} {self.model}",
-            "wait": f"hold {self.model}",
-            "keep": f"keep {self.model}",
-            "rollout": f"roll out {self.model}",
-        }[self.kind]
-        return f"{head}: {self.reason}"
+        return f"{_HEADS[self.kind](self, (self.replica_id or '')[:8])}: {self.reason}"
+
+
+# The start of `Decision.line()` for each kind (only the one asked for is written: a pass has a line per model).
+_HEADS = {
+    "place": lambda d, rid: f"place {d.model}/{d.profile} on " + ", ".join(
+        f"{s.node_id}[rank {s.rank}" + (f", GPUs {','.join(map(str, s.gpus))}]" if s.gpus else "]")
+        for s in d.shards),
+    "stop": lambda d, rid: f"{'drain and stop' if d.drain else 'stop'} replica {rid} of {d.model}",
+    "evict": lambda d, rid: f"evict replica {rid} of {d.model} (drain, then stop)",
+    "lost": lambda d, rid: f"replica {rid} of {d.model} is lost",
+    "cleanup": lambda d, rid: f"stop every shard of {d.final_status} replica {rid} of {d.model}",
+    "refuse": lambda d, rid: f"{REFUSED} {d.model}",
+    "wait": lambda d, rid: f"hold {d.model}",
+    "keep": lambda d, rid: f"keep {d.model}",
+    "rollout": lambda d, rid: f"roll out {d.model}",
+}
 
 
 class Plan(BaseModel):
-    """A pass's decisions. `more` is True when the pass stopped early (one placement per pass)."""
+    """A pass's decisions. `more` is True when the pass stopped short (placements or evictions left for the
+    next pass, which then runs at once)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -13,7 +13,9 @@ across several GPUs"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import NodeSnap, ReplicaSnap
@@ -35,11 +37,34 @@ class NodeUse:
     memory_mb: int = 0
     disk_mb: int = 0
     shards: int = 0
+    _held: str | None = field(default=None, repr=False, compare=False)  # `held()`, once written
+
+    def held(self) -> str:
+        """` (held: MODEL on 0,1; ...)` for the refusal texts ("" when no GPU is held). Written once: a use is
+        not changed after nodes have been judged against it (`FleetView` makes a new one)."""
+        if self._held is None:
+            by_model: dict[str, list[str]] = {}
+            for g in sorted(self.gpus):
+                by_model.setdefault(self.gpus[g], []).append(str(g))
+            self._held = "" if not by_model else (
+                " (held: " + "; ".join(f"{m} on {','.join(by_model[m])}" for m in sorted(by_model)) + ")")
+        return self._held
+
+
+@lru_cache(maxsize=4096)
+def cache_name(source: str) -> str:
+    """`cache_name_for`, remembered: a sha256 per source, not per node and trial."""
+    return cache_name_for(source)
+
+
+@lru_cache(maxsize=1024)
+def _cards(sizes_mb: tuple[int, ...]) -> str:
+    return ", ".join(_gb(m) for m in sorted(set(sizes_mb)))
 
 
 def holds_weights(profile: Profile, node: NodeSnap) -> bool:
     """True when the node's cache already has the profile's source (by cache name, seeds 000)."""
-    return bool(profile.source) and cache_name_for(profile.source) in node.inventory.cached_sources
+    return bool(profile.source) and cache_name(profile.source) in node.inventory.cached_sources
 
 
 def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profile],
@@ -54,7 +79,9 @@ def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profil
             continue
         prof = profiles.get((r.model, r.profile))
         for s in r.shards:
-            u = use.setdefault(s.node_id, NodeUse())
+            u = use.get(s.node_id)
+            if u is None:
+                u = use[s.node_id] = NodeUse()
             u.shards += 1
             for g in s.gpus:
                 u.gpus[g] = r.model
@@ -62,9 +89,10 @@ def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profil
                 continue
             if prof.memory_gb:
                 u.memory_mb += int(prof.memory_gb * 1024)
-            node = (nodes or {}).get(s.node_id)
-            if r.status == "starting" and prof.disk_gb and node is not None and not holds_weights(prof, node):
-                u.disk_mb += int(prof.disk_gb * 1024)
+            if r.status == "starting" and prof.disk_gb and nodes:
+                node = nodes.get(s.node_id)
+                if node is not None and not holds_weights(prof, node):
+                    u.disk_mb += int(prof.disk_gb * 1024)
     return use
 
 
@@ -72,7 +100,8 @@ def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profil
 class NodeFit:
     """One node judged for one shard of one profile.
 
-    `gpus` is the chosen GPU indices ([] on CPU) or None when refused; `reason` says why it was refused.
+    `gpus` is the chosen GPU indices ([] on CPU) or None when refused; `reason` says why it was refused
+    (written out when first read: the eviction search judges thousands of nodes whose reasons nobody reads).
     `nvlink`: True when the chosen GPUs are all NVLink peers, False when the topology is known and no
     free group of peers was left (the lowest free indices were taken instead), None when it does not apply
     or the topology is unknown.
@@ -80,14 +109,21 @@ class NodeFit:
 
     node: NodeSnap
     gpus: list[int] | None
-    reason: str = ""
+    why: Callable[[], str] | None = None
     holds_weights: bool = False
     nvlink: bool | None = None
     load: int = 0
+    _reason: str | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
         return self.gpus is not None
+
+    @property
+    def reason(self) -> str:
+        if self._reason is None:
+            self._reason = self.why() if self.why is not None else ""
+        return self._reason
 
     def preference(self) -> tuple:
         """Sort key, best first: holds the weights, GPUs on NVLink, least loaded, then by id."""
@@ -107,55 +143,56 @@ def _gb(mb: float) -> str:
     return f"{mb / 1024:.1f} GB"
 
 
-def fit_node(profile: Profile, node: NodeSnap, use: NodeUse | None = None) -> NodeFit:
-    """Judge `node` (its status already derived) for one shard of `profile`. Never raises."""
-    use = use or NodeUse()
+def fit_node(profile: Profile, node: NodeSnap, use: NodeUse | None = None, holds: bool | None = None) -> NodeFit:
+    """Judge `node` (its status already derived) for one shard of `profile`. Never raises. `holds`:
+    whether the node holds the profile's weights, when the caller knows (else it is looked up)."""
+    use = use or _NO_USE
     inv = node.inventory
-    holds = holds_weights(profile, node)
+    if holds is None:
+        holds = holds_weights(profile, node)
 
-    def refuse(why: str) -> NodeFit:
+    def refuse(why: Callable[[], str]) -> NodeFit:
         return NodeFit(node, None, why, holds, load=use.shards)
 
     if node.status != "ready":
-        return refuse(f"node is {node.status}")
+        return refuse(lambda: f"node is {node.status}")
     if inv.engines and profile.engine not in inv.engines:
-        return refuse(f"engine {profile.engine} is not available on this node (it has {', '.join(inv.engines)})")
+        return refuse(lambda: f"engine {profile.engine} is not available on this node (it has {', '.join(inv.engines)})")
     if profile.disk_gb and not holds:
-        free = inv.disk_free_mb - use.disk_mb
-        if free < profile.disk_gb * 1024:
-            pending = f", {_gb(use.disk_mb)} of it promised to weights being fetched" if use.disk_mb else ""
-            return refuse(f"needs {profile.disk_gb:g} GB of disk for the weights, {_gb(max(free, 0) + use.disk_mb)} "
-                          f"free{pending}; it does not hold them")
+        free_disk = inv.disk_free_mb - use.disk_mb
+        if free_disk < profile.disk_gb * 1024:
+            def no_disk() -> str:
+                pending = f", {_gb(use.disk_mb)} of it promised to weights being fetched" if use.disk_mb else ""
+                return (f"needs {profile.disk_gb:g} GB of disk for the weights, {_gb(max(free_disk, 0) + use.disk_mb)} "
+                        f"free{pending}; it does not hold them")
+            return refuse(no_disk)
     if profile.memory_gb:
-        free = inv.memory_mb - use.memory_mb
-        if free < profile.memory_gb * 1024:
-            return refuse(f"needs {profile.memory_gb:g} GB of host memory, {_gb(max(free, 0))} free")
+        free_mem = inv.memory_mb - use.memory_mb
+        if free_mem < profile.memory_gb * 1024:
+            return refuse(lambda: f"needs {profile.memory_gb:g} GB of host memory, {_gb(max(free_mem, 0))} free")
     need = profile.gpus_per_shard
     if need == 0:
-        return NodeFit(node, [], "", holds, load=use.shards)
+        return NodeFit(node, [], None, holds, load=use.shards)
     if not inv.gpus:
-        return refuse(f"has no GPU (needs {need})")
+        return refuse(lambda: f"has no GPU (needs {need})")
     free = [g for g in inv.gpus if g.index not in use.gpus]
     if profile.gpu_memory_gb:
         big = [g for g in free if g.memory_mb >= profile.gpu_memory_gb * 1024]
         if len(big) < need:
-            small = sorted({g.memory_mb for g in inv.gpus})
-            return refuse(f"needs {need} free GPU(s) with {profile.gpu_memory_gb:g} GB each; {len(big)} free "
-                          f"qualify (cards have {', '.join(_gb(m) for m in small)}){_held(use)}")
+            def too_small() -> str:
+                cards = _cards(tuple(g.memory_mb for g in inv.gpus))
+                return (f"needs {need} free GPU(s) with {profile.gpu_memory_gb:g} GB each; {len(big)} free "
+                        f"qualify (cards have {cards}){use.held()}")
+            return refuse(too_small)
         free = big
     if len(free) < need:
-        return refuse(f"needs {need} free GPU(s), {len(free)} of {len(inv.gpus)} free{_held(use)}")
-    gpus, nvlink = pick_gpus([g.index for g in free], {g.index: set(g.nvlink_peers) for g in inv.gpus}, need)
-    return NodeFit(node, gpus, "", holds, nvlink, use.shards)
+        return refuse(lambda: f"needs {need} free GPU(s), {len(free)} of {len(inv.gpus)} free{use.held()}")
+    peers = {g.index: set(g.nvlink_peers) for g in inv.gpus} if need > 1 else {}  # one card needs no peers
+    gpus, nvlink = pick_gpus([g.index for g in free], peers, need)
+    return NodeFit(node, gpus, None, holds, nvlink, use.shards)
 
 
-def _held(use: NodeUse) -> str:
-    if not use.gpus:
-        return ""
-    by_model: dict[str, list[int]] = {}
-    for g, m in sorted(use.gpus.items()):
-        by_model.setdefault(m, []).append(g)
-    return " (held: " + "; ".join(f"{m} on {','.join(map(str, gs))}" for m, gs in sorted(by_model.items())) + ")"
+_NO_USE = NodeUse()
 
 
 def pick_gpus(free_indices: list[int], peers: dict[int, set[int]], count: int) -> tuple[list[int], bool | None]:

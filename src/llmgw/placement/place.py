@@ -1,42 +1,88 @@
-"""Place one replica of a model: try its profiles in order, every node judged, every refusal kept."""
+"""Place one replica of a model: try its profiles in order, every node judged, every refusal kept.
+
+`Probe` answers only "would it fit?" while a search changes the view, re-judging just the nodes a change
+touched; `place_one` then makes the decision, with every refusal, once the search knows the answer.
+"""
 
 from __future__ import annotations
 
 from llmgw.placement.decisions import Decision
-from llmgw.placement.fabric import place_across_fabric
-from llmgw.placement.fit import NodeFit, fit_node, node_use
+from llmgw.placement.fabric import active_fabrics, place_across_fabric
+from llmgw.placement.fit import NodeFit
+from llmgw.placement.view import FleetView, fit_key
 from llmgw.schemas.catalog import Model
-from llmgw.schemas.payloads import NodeSnap, ReplicaSnap, ShardPlacement, Snapshot
+from llmgw.schemas.payloads import ShardPlacement
 
 
-def place_one(model: Model, nodes: list[NodeSnap], snapshot: Snapshot,
-              replicas: list[ReplicaSnap] | None = None) -> Decision:
+def place_one(model: Model, view: FleetView, explain: bool = True) -> Decision:
     """A `place` decision for one replica of `model`, or a `refuse` with every candidate's reason.
 
-    `nodes` carry their derived status. `replicas` (default: the snapshot's) are what already holds
-    resources; the eviction planner passes a list without its would-be victims. The first profile that
-    fits wins; a profile with `nodes` > 1 goes through the fabric planner. Refusal lines read
-    `PROFILE on NODE: why` (or `PROFILE on fabric F: why`).
+    `view` holds the nodes (status derived) and what already holds resources on each. The first profile
+    that fits wins; a profile with `nodes` > 1 goes through the fabric planner. Refusal lines read
+    `PROFILE on NODE: why` (or `PROFILE on fabric F: why`); with `explain` False the nodes' lines are left
+    out (a placement the eviction search only wants the shards and reason of).
     """
-    if not nodes:
+    if not view.nodes:
         return Decision(kind="refuse", model=model.name, reason="no node has registered")
-    profiles = {(m.name, p.name): p for m in snapshot.models for p in m.profiles}
-    use = node_use(snapshot.replicas if replicas is None else replicas, profiles, {n.id: n for n in nodes})
     refusals: list[str] = []
     for profile in model.profiles:
-        fits = [fit_node(profile, n, use.get(n.id)) for n in nodes]
-        refusals += [f"{profile.name} on {f.node.id}: {f.reason}" for f in fits if not f.ok]
-        ok = sorted((f for f in fits if f.ok), key=NodeFit.preference)
+        asks = fit_key(profile)
+        fits = [view.fit(profile, n, asks) for n in view.nodes]
+        if explain:
+            refusals += [f"{profile.name} on {f.node.id}: {f.reason}" for f in fits if not f.ok]
+        ok = [f for f in fits if f.ok]
         if profile.shard_count == 1:
             if ok:
-                best = ok[0]
+                best = min(ok, key=NodeFit.preference)
                 return Decision(kind="place", model=model.name, profile=profile.name, profile_spec=profile,
                                 shards=[ShardPlacement(node_id=best.node.id, rank=0, gpus=best.gpus or [])],
                                 reason=f"{best.node.id} {best.remark()}", refusals=refusals)
             continue
-        fp = place_across_fabric(profile, ok)
+        fp = place_across_fabric(profile, sorted(ok, key=NodeFit.preference))
         refusals += fp.refusals
         if fp.shards:
             return Decision(kind="place", model=model.name, profile=profile.name, profile_spec=profile,
                             shards=fp.shards, reason=fp.reason, refusals=refusals)
     return Decision(kind="refuse", model=model.name, reason="no node can take it", refusals=refusals)
+
+
+class Probe:
+    """Whether one replica of `model` fits in `view`, kept current as the view changes.
+
+    Per profile: the nodes that can take a shard now and, for a multi-node profile, how many of them each
+    fabric has. Built in one sweep of the nodes (no refusal text is written); `update(node_ids)` re-judges
+    only those nodes. `fits()` is what `place_one(model, view).kind == "place"` would say.
+    """
+
+    def __init__(self, model: Model, view: FleetView):
+        self.model = model
+        self.view = view
+        self._ok: list[set[str]] = [set() for _ in model.profiles]
+        self._fabric: list[dict[str, int]] = [{} for _ in model.profiles]
+        self.update({n.id for n in view.nodes})
+
+    def update(self, node_ids: set[str]) -> None:
+        for i, profile in enumerate(self.model.profiles):
+            ok, per_fabric = self._ok[i], self._fabric[i]
+            multi = profile.shard_count > 1
+            asks = fit_key(profile)
+            for nid in node_ids:
+                node = self.view.by_id.get(nid)
+                if node is None:
+                    continue
+                now_ok = self.view.fit(profile, node, asks).ok
+                if now_ok == (nid in ok):
+                    continue
+                (ok.add if now_ok else ok.discard)(nid)
+                if multi:
+                    for name in active_fabrics(node):
+                        per_fabric[name] = per_fabric.get(name, 0) + (1 if now_ok else -1)
+
+    def fits(self) -> bool:
+        for i, profile in enumerate(self.model.profiles):
+            if profile.shard_count == 1:
+                if self._ok[i]:
+                    return True
+            elif any(count >= profile.shard_count for count in self._fabric[i].values()):
+                return True
+        return False

@@ -9,11 +9,13 @@ docs/architecture.md, "How a replica starts"):
 - a node is Unreachable, then much later Lost (`placement.status`): an Unreachable node keeps its
   replicas (a blip must not tear down a serving replica), a Lost node's replicas are lost and rebuilt;
 - an ended replica not yet settled (a shard failed, a node came back without it) has every shard stopped;
-- at most one placement per pass, because placement depends on what is already allocated; models are
-  considered by priority, highest first;
+- models are considered by priority, highest first; every replica a model lacks is placed in the same pass
+  (up to `max_placements`), each accounted in the pass's view of the fleet (`placement.view`) before the
+  next is chosen, because placement depends on what is already allocated;
 - a model in failure backoff is held, and says so; so is one with a failed replica not yet settled (its
   failure, which sets the backoff, is counted when it is settled);
-- a model that cannot be placed may evict lower-priority replicas (`placement.preempt`);
+- a model that cannot be placed may evict lower-priority replicas (`placement.preempt`), for one model per
+  pass; the room that frees (or that replicas already draining free) is reserved for it in the view;
 - a model whose replicas run an older profile is replaced one replica at a time (`placement.rollout`): the
   planner places the surge replica, the `RolloutWorkflow` retires old ones;
 - every model gets a line, so `llmgw ctl explain` always describes the latest pass.
@@ -25,11 +27,12 @@ from datetime import datetime, timedelta
 
 from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.fit import HOLDING
-from llmgw.placement.place import place_one
+from llmgw.placement.place import Probe, place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
 from llmgw.placement.rollout import next_step, plan_rules
 from llmgw.placement.scale import wanted
 from llmgw.placement.status import node_status
+from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, RolloutStep, Snapshot
 
@@ -45,12 +48,16 @@ def desired_replicas(model: Model, state: ModelState | None, now: datetime, serv
 
 
 def _where(r: ReplicaSnap) -> str:
+    if len(r.shards) == 1:
+        return r.shards[0].node_id
     return ", ".join(sorted({s.node_id for s in r.shards})) or "no node"
 
 
 def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]) -> list[ReplicaSnap]:
     """Decide lost, orphaned and unsettled replicas; return the live ones (active, model still wanted)."""
     live: list[ReplicaSnap] = []
+    status = plan.node_status
+    wanted = {(m.name, p.name) for m in catalog.values() for p in m.profiles}
     for r in snapshot.replicas:
         if r.status not in HOLDING:
             if not r.settled:
@@ -58,13 +65,12 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
                     kind="cleanup", model=r.model, replica_id=r.id, drain=False, final_status=r.status,
                     reason=f"it is {r.status} and not every shard is known to have stopped ({_where(r)})"))
             continue
-        lost_nodes = sorted({s.node_id for s in r.shards if plan.node_status.get(s.node_id, "lost") == "lost"})
-        model = catalog.get(r.model)
+        lost_nodes = [s.node_id for s in r.shards if status.get(s.node_id, "lost") == "lost"]
         if lost_nodes:
-            plan.decisions.append(Decision(kind="lost", model=r.model, replica_id=r.id, drain=False,
-                                           final_status="lost", reason=f"node {', '.join(lost_nodes)} is lost"))
-        elif model is None or model.profile(r.profile) is None:
-            what = "model" if model is None else f"profile {r.profile!r}"
+            plan.decisions.append(Decision(kind="lost", model=r.model, replica_id=r.id, drain=False, final_status="lost",
+                                           reason=f"node {', '.join(sorted(set(lost_nodes)))} is lost"))
+        elif (r.model, r.profile) not in wanted:
+            what = "model" if r.model not in catalog else f"profile {r.profile!r}"
             plan.decisions.append(Decision(kind="stop", model=r.model, replica_id=r.id,
                                            reason=f"its {what} left the catalog"))
         else:
@@ -72,9 +78,15 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
     return live
 
 
-def _with_status(snapshot: Snapshot) -> list[NodeSnap]:
-    return [n.model_copy(update={"status": node_status(n.last_heartbeat, snapshot.now, snapshot.unreachable_after_s,
-                                                       snapshot.lost_after_s)}) for n in snapshot.nodes]
+def _with_status(snapshot: Snapshot, plan: Plan | None = None) -> list[NodeSnap]:
+    """The snapshot's nodes with their status now (recorded in `plan.node_status` when given)."""
+    nodes: list[NodeSnap] = []
+    for n in snapshot.nodes:
+        status = node_status(n.last_heartbeat, snapshot.now, snapshot.unreachable_after_s, snapshot.lost_after_s)
+        if plan is not None:
+            plan.node_status[n.id] = status
+        nodes.append(n if n.status == status else n.model_copy(update={"status": status}))
+    return nodes
 
 
 def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
@@ -92,29 +104,50 @@ def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
     if st and st.backoff_until and st.backoff_until > snapshot.now:
         backoff = (f"backing off {(st.backoff_until - snapshot.now).total_seconds():.0f}s after "
                    f"{st.failures} failed start(s)")
-    room = place_one(model, _with_status(snapshot), snapshot).kind == "place"
+    room = place_one(model, FleetView(_with_status(snapshot), snapshot.replicas, snapshot.models)).kind == "place"
     return next_step(model, mine, want, room, backoff)
 
 
-def plan_pass(snapshot: Snapshot) -> Plan:
-    """Decide one pass. Pure: the same snapshot always gives the same plan."""
+MAX_PLACEMENTS = 64  # per pass: each costs the workflow a record_placement and a child start (history events)
+
+
+def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_pass: bool = False) -> Plan:
+    """Decide one pass. Pure: the same snapshot always gives the same plan.
+
+    Up to `max_placements` replicas are placed, each accounted in the pass's `FleetView` before the next is
+    chosen; room an eviction or a drain will free is reserved for the model it is for, so a later (lower
+    priority) model in the same pass cannot take it. At most one eviction per pass: the view cannot tell
+    which of two evictions' victims will have gone first.
+
+    `one_per_pass` is the rule of reconciler runs started before decisions moved into the `decide` activity
+    (they plan inside workflow code, and replaying their recorded passes must decide exactly what they
+    did): one placement or eviction per pass, nothing reserved. See docs/architecture.md, "Changing
+    workflow code".
+    """
+    if one_per_pass:
+        max_placements = 1
     now = snapshot.now
     plan = Plan()
-    nodes = _with_status(snapshot)
-    for n in nodes:
-        plan.node_status[n.id] = n.status
+    nodes = _with_status(snapshot, plan)
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}
     live = _ended_and_orphans(snapshot, plan, catalog)
     failed_unsettled = {r.model: r.id for r in snapshot.replicas if r.status == "failed" and not r.settled}
+    serving_by_model: dict[str, list[ReplicaSnap]] = {}
+    for r in live:
+        if r.status in ("starting", "ready"):
+            serving_by_model.setdefault(r.model, []).append(r)
+    draining = [r for r in snapshot.replicas if r.status == "draining"]
+    view: FleetView | None = None  # built when the first model needs a replica: a pass that only keeps needs none
     evicting: set[str] = set()
+    placed = 0
+    evicted = False
 
-    acted = False  # a placement or an eviction this pass: the next one waits for a fresh snapshot
     for model in sorted(snapshot.models, key=lambda m: (-m.priority, m.name)):
         if not model.profiles:
             plan.decisions.append(Decision(kind="keep", model=model.name, reason="routed to its static endpoints"))
             continue
-        mine = [r for r in live if r.model == model.name and r.status in ("starting", "ready") and r.id not in evicting]
+        mine = [r for r in serving_by_model.get(model.name, ()) if r.id not in evicting]
         serving = len(mine)
         st = states.get(model.name)
         newest = max((r.created_at for r in mine if r.created_at is not None), default=None)
@@ -131,13 +164,16 @@ def plan_pass(snapshot: Snapshot) -> Plan:
                     f"{rolling[0].reason}; backing off {(st.backoff_until - now).total_seconds():.0f}s after "
                     f"{st.failures} failed start(s); the old replicas keep serving")))
                 continue
-            if acted:
+            if placed >= max_placements:
                 plan.more = True
                 continue
-            d = place_one(model, nodes, snapshot)
+            view = view or FleetView(nodes, snapshot.replicas, snapshot.models)
+            d = place_one(model, view)
             d.reason = f"{rolling[0].reason}; surge: {d.reason}"
             plan.decisions.append(d)
-            acted = acted or d.kind == "place"
+            if d.kind == "place":
+                placed += 1
+                view.add(_holding(d, f"placed-{placed}"))
             continue
         if serving > want:
             if st and st.load > 0 and want == 0:
@@ -155,57 +191,89 @@ def plan_pass(snapshot: Snapshot) -> Plan:
             plan.decisions.append(Decision(kind="keep", model=model.name,
                                            reason=f"{serving} of {want} wanted ({why})" + (f": {where}" if where else "")))
             continue
-        head = f"{serving} of {want} wanted ({why})"
         if model.name in failed_unsettled:
             # Its failure is counted (and the backoff set) when it is settled; a start placed before that
             # would slip past the backoff, once per failure.
             plan.decisions.append(Decision(kind="wait", model=model.name, reason=(
-                f"{head}; replica {failed_unsettled[model.name][:8]} just failed: waiting until its failure is "
-                "counted against the backoff")))
+                f"{serving} of {want} wanted ({why}); replica {failed_unsettled[model.name][:8]} just failed: "
+                "waiting until its failure is counted against the backoff")))
             continue
         if st and st.backoff_until and st.backoff_until > now:
             wait = (st.backoff_until - now).total_seconds()
-            plan.decisions.append(Decision(kind="wait", model=model.name,
-                                           reason=f"{head}; backing off {wait:.0f}s after {st.failures} failed start(s)"))
+            plan.decisions.append(Decision(kind="wait", model=model.name, reason=(
+                f"{serving} of {want} wanted ({why}); backing off {wait:.0f}s after {st.failures} failed start(s)")))
             continue
-        if acted:
-            plan.more = True
-            plan.decisions.append(Decision(kind="wait", model=model.name,
-                                           reason=f"{head}; one placement per pass, next pass"))
-            continue
-        d = place_one(model, nodes, snapshot)
-        if d.kind == "place":
-            d.reason = f"{head}; {d.reason}"
-            plan.decisions.append(d)
-            acted = True
-            plan.more = plan.more or serving + 1 < want
-            continue
-        drains = fits_after_drains(model, nodes, snapshot)
-        if drains is not None:
-            ids, _ = drains
+        for have in range(serving, want):
+            head = f"{have} of {want} wanted ({why})"
+            if placed >= max_placements or (one_per_pass and evicted):
+                plan.more = True
+                rule = ("one placement per pass" if one_per_pass
+                        else f"{max_placements} placements this pass, the most one pass makes")
+                plan.decisions.append(Decision(kind="wait", model=model.name, reason=f"{head}; {rule}, next pass"))
+                break
+            view = view or FleetView(nodes, snapshot.replicas, snapshot.models)
+            d = place_one(model, view)
+            if d.kind == "place":
+                d.reason = f"{head}; {d.reason}"
+                plan.decisions.append(d)
+                placed += 1
+                view.add(_holding(d, f"placed-{placed}"))
+                if one_per_pass:
+                    plan.more = plan.more or have + 1 < want
+                    break
+                continue
+            probe = Probe(model, view)
+            drains = fits_after_drains(model, view, draining, probe)
+            if drains is not None:
+                ids, after = drains
+                if not one_per_pass:
+                    view.add(_holding(after, f"reserved-{model.name}"))
+                plan.decisions.append(Decision(kind="wait", model=model.name, refusals=d.refusals, reason=(
+                    f"{head}; waiting for draining replica(s) {', '.join(i[:8] for i in ids)} to stop and free room")))
+                break
+            ev = None
+            if not evicted:
+                candidates = [r for r in live if r.id not in evicting]
+                ev = plan_eviction(model, view, candidates, catalog, states, probe)
+            if ev is None:
+                if evicted and _could_evict(model, live, evicting, catalog):
+                    plan.more = True
+                    plan.decisions.append(Decision(kind="wait", model=model.name, refusals=d.refusals, reason=(
+                        f"{head}; {d.reason}; it may evict lower-priority replicas, one eviction per pass, next pass")))
+                else:
+                    d.reason = f"{head}; {d.reason}"
+                    plan.decisions.append(d)
+                break
+            evicted = True
+            if one_per_pass:
+                placed = max_placements  # the rest of the pass only waits, as it did before
+            else:
+                view.add(_holding(ev.placement, f"reserved-{model.name}"))
+            names = []
+            for v in ev.victims:
+                evicting.add(v.id)
+                vm = catalog[v.model]
+                used = states.get(v.model).last_used_at if states.get(v.model) else None
+                ago = f"last used {(now - used).total_seconds():.0f}s ago" if used else "never used"
+                names.append(f"{v.id[:8]} of {v.model} on {_where(v)}")
+                plan.decisions.append(Decision(
+                    kind="evict", model=v.model, replica_id=v.id, for_model=model.name,
+                    reason=f"evicted for {model.name} (priority {model.priority} > {vm.priority}); {ago}"))
             plan.decisions.append(Decision(kind="wait", model=model.name, refusals=d.refusals, reason=(
-                f"{head}; waiting for draining replica(s) {', '.join(i[:8] for i in ids)} to stop and free room")))
-            continue
-        ev = plan_eviction(model, nodes, snapshot, [r for r in live if r.id not in evicting], catalog, states)
-        if ev is None:
-            d.reason = f"{head}; {d.reason}"
-            plan.decisions.append(d)
-            continue
-        acted = True
-        names = []
-        for v in ev.victims:
-            evicting.add(v.id)
-            vm = catalog[v.model]
-            used = states.get(v.model).last_used_at if states.get(v.model) else None
-            ago = f"last used {(now - used).total_seconds():.0f}s ago" if used else "never used"
-            names.append(f"{v.id[:8]} of {v.model} on {_where(v)}")
-            plan.decisions.append(Decision(
-                kind="evict", model=v.model, replica_id=v.id, for_model=model.name,
-                reason=f"evicted for {model.name} (priority {model.priority} > {vm.priority}); {ago}"))
-        plan.decisions.append(Decision(kind="wait", model=model.name, refusals=d.refusals, reason=(
-            f"{head}; evicting {len(ev.victims)} lower-priority replica(s) to make room: {'; '.join(names)}; "
-            f"placed once they have drained ({ev.placement.reason})")))
+                f"{head}; evicting {len(ev.victims)} lower-priority replica(s) to make room: {'; '.join(names)}; "
+                f"placed once they have drained ({ev.placement.reason})")))
+            break
     return plan
+
+
+def _holding(d: Decision, rid: str) -> ReplicaSnap:
+    """A decided placement as something that holds its shards' resources in the pass's view."""
+    return ReplicaSnap(id=rid, model=d.model, profile=d.profile or "default", status="starting", shards=d.shards)
+
+
+def _could_evict(model: Model, live: list[ReplicaSnap], evicting: set[str], catalog: dict[str, Model]) -> bool:
+    return any(r.id not in evicting and r.model in catalog and catalog[r.model].priority < model.priority
+               and r.status in ("starting", "ready") for r in live)
 
 
 def backoff_delay(failures: int, rand: float, base_s: float = 5.0, cap_s: float = 600.0) -> timedelta:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from llmgw.placement.decisions import Decision
-from llmgw.placement.place import place_one
+from llmgw.placement.place import Probe, place_one
+from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model
-from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
+from llmgw.schemas.payloads import ModelState, ReplicaSnap
 
 _NEVER = datetime.min.replace(tzinfo=timezone.utc)
 
@@ -42,43 +43,48 @@ def eviction_order(model: Model, live: list[ReplicaSnap], catalog: dict[str, Mod
                    and catalog[r.model].priority < model.priority), key=key)
 
 
-def plan_eviction(model: Model, nodes: list[NodeSnap], snapshot: Snapshot, live: list[ReplicaSnap],
-                  catalog: dict[str, Model], states: dict[str, ModelState]) -> Eviction | None:
+def plan_eviction(model: Model, view: FleetView, live: list[ReplicaSnap], catalog: dict[str, Model],
+                  states: dict[str, ModelState], probe: Probe | None = None) -> Eviction | None:
     """The fewest lower-priority replicas, in `eviction_order`, whose going lets `model` be placed; None
-    when evicting every candidate would not be enough (then nothing is evicted)."""
+    when evicting every candidate would not be enough (then nothing is evicted).
+
+    Each trial takes one victim out of `view` (or puts one back) and re-judges only its nodes (`Probe`);
+    the placement itself is chosen once, with the final victims out. `view` is left as it was given.
+    """
     order = eviction_order(model, live, catalog, states)
     if not order:
         return None
-    holding = list(snapshot.replicas)
-
-    def without(victims: list[ReplicaSnap]) -> Decision:
-        gone = {v.id for v in victims}
-        return place_one(model, nodes, snapshot, [r for r in holding if r.id not in gone])
-
+    probe = probe or Probe(model, view)
     victims: list[ReplicaSnap] = []
-    placed: Decision | None = None
-    for r in order:
-        victims.append(r)
-        d = without(victims)
-        if d.kind == "place":
-            placed = d
-            break
-    if placed is None:
-        return None
-    for r in reversed(list(victims)):
-        trial = [v for v in victims if v.id != r.id]
-        d = without(trial)
-        if d.kind == "place":
-            victims, placed = trial, d
-    return Eviction(victims, placed)
+    try:
+        for r in order:
+            victims.append(r)
+            probe.update(view.release([r]))
+            if probe.fits():
+                break
+        else:
+            return None
+        for r in reversed(list(victims)):
+            probe.update(view.restore([r]))
+            if probe.fits():
+                victims.remove(r)
+            else:
+                probe.update(view.release([r]))
+        return Eviction(victims, place_one(model, view, explain=False))
+    finally:
+        probe.update(view.restore(victims))
 
 
-def fits_after_drains(model: Model, nodes: list[NodeSnap], snapshot: Snapshot) -> tuple[list[str], Decision] | None:
+def fits_after_drains(model: Model, view: FleetView, draining: list[ReplicaSnap],
+                      probe: Probe | None = None) -> tuple[list[str], Decision] | None:
     """When `model` fits once the replicas now draining have stopped: (their ids, that placement)."""
-    draining = [r for r in snapshot.replicas if r.status == "draining"]
     if not draining:
         return None
-    d = place_one(model, nodes, snapshot, [r for r in snapshot.replicas if r.status != "draining"])
-    if d.kind != "place":
-        return None
-    return [r.id for r in draining], d
+    probe = probe or Probe(model, view)
+    try:
+        probe.update(view.release(draining))
+        if not probe.fits():
+            return None
+        return [r.id for r in draining], place_one(model, view)
+    finally:
+        probe.update(view.restore(draining))

@@ -172,6 +172,31 @@ class NodeView(_Strict):
     registered_at: datetime | None = None
 
 
+class NodeRemoveRequest(_Strict):
+    """Admin API: forget a node now. Refused (409) while it has live replicas unless `force` (they are then
+    lost and rebuilt elsewhere by the next pass); `dry_run` says what would happen and changes nothing."""
+
+    force: bool = False
+    dry_run: bool = False
+
+
+class LiveReplicaView(_Strict):
+    id: str
+    model: str
+    status: str
+
+
+class NodeRemoveResponse(_Strict):
+    """`removed` is False for a dry run. `live_replicas` have a shard on the node (they are lost once it
+    is removed). `note` warns when the node is still heard from: its agent will register it again."""
+
+    node_id: str
+    status: str
+    removed: bool
+    live_replicas: list[LiveReplicaView] = Field(default_factory=list)
+    note: str = ""
+
+
 class KeyCreateRequest(_Strict):
     """Admin API: create a gateway API key. `name` says whose it is (free text)."""
 

@@ -90,12 +90,66 @@ class Snapshot(_Strict):
 # ---- reconciler ---------------------------------------------------------------------------------
 
 class ReconcilerInput(_Strict):
-    """`interval_s`: timer between passes when nothing wakes it. Timeouts for the children it starts."""
+    """`passes`: passes run by earlier runs of the singleton (carried over at continue-as-new).
+
+    The other fields are read only by passes of runs started before the `decide` activity (they froze the
+    settings at first start); newer passes take them from `DecideResult`, read from settings each pass.
+    """
 
     passes: int = 0
     interval_s: float = 10.0
     ready_timeout_s: float = 900.0
     drain_timeout_s: float = 60.0
+    search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
+
+
+class DecideInput(_Strict):
+    """`passes`: how many passes the reconciler has run, this one not included (logs and traces)."""
+
+    passes: int = 0
+
+
+class PassAction(_Strict):
+    """One decision the workflow carries out (`placement.decisions.Decision`, without its refusals).
+
+    - `place`: record replica `replica_id` (an id `decide` chose) on `shards` and start it;
+    - `stop`, `evict`, `lost`, `cleanup`: start the replica's stop workflow (`drain` False: no drain),
+      leaving it as `final_status`;
+    - `rollout`: make sure the model's `RolloutWorkflow` runs (no `replica_id`).
+    `line` is the decision's line, for logs and as a placement's reason should its full reason be missing.
+    """
+
+    kind: Literal["place", "stop", "evict", "lost", "cleanup", "rollout"]
+    model: str
+    line: str
+    replica_id: str = ""
+    profile: str | None = None
+    profile_spec: Profile | None = None
+    shards: list[ShardPlacement] = Field(default_factory=list)
+    reason: str = ""
+    drain: bool = True
+    final_status: str = "stopped"
+    nodes: list[str] = Field(default_factory=list)  # a stop: the nodes its replica's shards are on
+
+
+class DecideResult(_Strict):
+    """What one pass decided, and the settings the workflow uses until the next pass.
+
+    `more`: run the next pass at once (a pass stopped short: the most placements per pass, one eviction).
+    `lines`: the acting decisions' lines, at most `MAX_PASS_LINES` (the `last_pass` query); the whole
+    pass, with every refusal, is saved for `llmgw ctl explain`, not carried here.
+    """
+
+    actions: list[PassAction] = Field(default_factory=list)
+    more: bool = False
+    lines: list[str] = Field(default_factory=list)
+    interval_s: float = 10.0
+    ready_timeout_s: float = 900.0
+    drain_timeout_s: float = 60.0
+    search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
+
+
+MAX_PASS_LINES = 50
 
 
 class RecordPlacementInput(_Strict):
@@ -104,6 +158,12 @@ class RecordPlacementInput(_Strict):
     profile: str
     shards: list[ShardPlacement]
     reason: str = ""
+
+
+class RecordPlacementsInput(_Strict):
+    """Every replica one pass placed, recorded in one transaction (`record_placements`)."""
+
+    placements: list[RecordPlacementInput] = Field(default_factory=list)
 
 
 class RecordDecisionsInput(_Strict):

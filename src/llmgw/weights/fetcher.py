@@ -1,45 +1,37 @@
 """Fetch weights into the node's cache: single-flight per source, resumable, verified, atomic.
 
 - The cache file is named by `cache_name_for(source)`, so what llmgw fetched is computable from the catalog.
-- Eight shards asking for one source at once produce one download (single flight).
-- An interrupted download resumes with an HTTP Range request from `<cache>/.partial/<name>`.
-- The file is written beside its target and renamed only when complete and verified (size, and sha256 when
-  the server states it): a partial file under the model's name would be found, reported present and
-  handed to an engine that fails on it (seeds 000).
-- A version (source ending in `/`) is fetched from its manifest, every file into one directory, which is
-  renamed into place only when every file is complete.
+- Eight shards asking for one source at once produce one download (single flight in the process), and
+  an exclusive lock per target keeps two processes on one cache (two agents on a shared disk) from
+  writing one file: the second waits, then finds the file there.
+- Each file is fetched by `download.download`: resumed with Range from what an earlier attempt left,
+  the range checked, hashed while it arrives, verified (size; sha256 from the manifest or the mirror's
+  `X-Llmgw-Sha256`), fsynced and renamed into place (seeds 000; issue 11).
+- A version (source ending in `/`) is fetched from its manifest, whose every field is checked first
+  (`manifest.parse_manifest`): a bad one refuses the version. Every file goes into one directory, which
+  is renamed into place only when every file is complete. A mirror answering 409 has the version not
+  ready yet (still being mirrored): retried, never taken as a partial set.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
+import http.client
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-from urllib.parse import quote
 
-import aiohttp
-
+from llmgw.weights.download import FetchError, Limits, Progress, download, target_lock
+from llmgw.weights.http import open_url, read_small
+from llmgw.weights.manifest import MAX_JSON_BYTES, ManifestError, fsync_dir, parse_manifest, record_sha256, \
+    recorded_sha256
 from llmgw.weights.naming import Source, SourceError, cache_name_for, parse_source
+from llmgw.weights.urls import URLRefused, redact
 
 log = logging.getLogger(__name__)
-CHUNK = 1 << 20
-SHA_HEADER = "X-Llmgw-Sha256"
 
-Progress = Callable[[int, int | None], None]  # (bytes so far, total or None)
-
-
-class FetchError(RuntimeError):
-    """A fetch that cannot succeed as asked (bad source, missing file, checksum mismatch)."""
-
-    def __init__(self, message: str, retryable: bool = True):
-        super().__init__(message)
-        self.retryable = retryable
+__all__ = ["FetchError", "Fetched", "Fetcher", "Progress"]
 
 
 @dataclass
@@ -52,10 +44,11 @@ class Fetched:
 class Fetcher:
     """Fetches sources into `cache_dir`. One per node worker; safe to call concurrently."""
 
-    def __init__(self, cache_dir: Path, mirror_url: str | None):
+    def __init__(self, cache_dir: Path, mirror_url: str | None, limits: Limits = Limits()):
         self.cache_dir = cache_dir
         self.partial_dir = cache_dir / ".partial"
         self.mirror_url = mirror_url
+        self.limits = limits
         self._inflight: dict[str, asyncio.Future] = {}
         self._listeners: dict[str, list[Progress]] = {}
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -110,120 +103,92 @@ class Fetcher:
             if progress and progress in self._listeners.get(name, []):
                 self._listeners[name].remove(progress)
 
-    async def _download(self, src: Source, target: Path, progress: Progress | None) -> Fetched:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+    async def _download(self, src: Source, target: Path, progress: Progress) -> Fetched:
+        async with target_lock(self.partial_dir, target):
+            if target.exists():  # another process on this cache fetched it while we waited for the lock
+                return Fetched(str(target), _size(target), fetched=False)
             if src.is_version:
-                total = await self._download_version(session, src.url, target, progress)  # type: ignore[arg-type]
+                total = await self._download_version(src.url, target, progress)  # type: ignore[arg-type]
             else:
-                partial = self.partial_dir / target.name
-                total = await download_file(session, src.url, partial, progress)  # type: ignore[arg-type]
-                os.replace(partial, target)
-        log.info("fetched %s into %s (%d bytes)", src.raw, target, total)
+                legacy = self.partial_dir / target.name  # earlier versions' fixed partial: resume from it
+                if legacy.is_file():
+                    os.replace(legacy, self.partial_dir / f"{target.name}.legacy.part")
+                got = await download(src.url, target, self.partial_dir, progress=progress,  # type: ignore[arg-type]
+                                     limits=self.limits)
+                total = got.size
+        log.info("fetched %s into %s (%d bytes)", redact(src.raw or ""), target, total)
         return Fetched(str(target), total, fetched=True)
 
-    async def _download_version(self, session: aiohttp.ClientSession, url: str, target: Path, progress: Progress | None) -> int:
-        async with session.get(url) as r:
-            if r.status != 200:
-                raise FetchError(f"manifest {url}: HTTP {r.status}", retryable=r.status >= 500)
-            ctype = r.headers.get("Content-Type", "")
-            text = await r.text()
-        if "json" not in ctype:
-            raise FetchError(f"{url} answered {ctype or 'no content type'} where a version manifest (JSON) was expected; "
-                             "is this a plain file server rather than an llmgw mirror?", retryable=False)
-        manifest = json.loads(text)
-        files = manifest.get("files", [])
-        work = self.partial_dir / (target.name + ".d")
+    async def _download_version(self, url: str, target: Path, progress: Progress) -> int:
+        manifest = parse_manifest_or_refuse(await asyncio.to_thread(_get_manifest, url, self.limits), url)
+        too_big = [f.name for f in manifest.files if f.size > self.limits.max_bytes]
+        if too_big:
+            raise FetchError(f"version {redact(url)}: {too_big[0]} is over the limit of {self.limits.max_bytes} bytes "
+                             "(LLMGW_FETCH_MAX_BYTES)", retryable=False)
+        work = self.partial_dir / (target.name + ".d")  # ours alone while we hold the target's lock
         work.mkdir(parents=True, exist_ok=True)
-        total_size = sum(int(f.get("size", 0)) for f in files) or None
+        total_size = manifest.size
         done = 0
-        for f in files:
-            fname = str(f["name"])
-            if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
-                raise FetchError(f"manifest names file {fname!r}, which is not a plain file name", retryable=False)
-            dest = work / fname
-            if dest.exists() and dest.stat().st_size == f.get("size") and f.get("sha256") and _sha256(dest) == f["sha256"]:
-                done += dest.stat().st_size
+        for f in manifest.files:
+            dest = work / f.name
+            if dest.is_file() and dest.stat().st_size == f.size and recorded_sha256(dest) == f.sha256:
+                done += f.size  # verified by an earlier attempt
                 continue
-            part = work / (fname + ".part")
-            base = done
 
-            def sub(n: int, _t: int | None, base: int = base) -> None:
-                if progress:
-                    progress(base + n, total_size)
+            def sub(n: int, _t: int | None, base: int = done) -> None:
+                progress(base + n, total_size)
 
-            await download_file(session, url + quote(fname), part, sub, expect_sha=f.get("sha256"), expect_size=f.get("size"))
-            os.replace(part, dest)
-            done += dest.stat().st_size
-        if target.exists():
-            shutil.rmtree(work)
-        else:
-            os.replace(work, target)
+            async with target_lock(work, dest):
+                got = await download(url + f.name, dest, work, expect_size=f.size, expect_sha=f.sha256,
+                                     progress=sub, limits=self.limits)
+            await asyncio.to_thread(record_sha256, work, {f.name: got.sha256})
+            done += got.size
+        for p in work.iterdir():
+            if p.name.startswith("."):
+                p.unlink()
+            elif p.name not in {f.name for f in manifest.files}:
+                p.unlink()  # a partial of an attempt that lost the race, a file the manifest no longer names
+        os.replace(work, target)
+        fsync_dir(self.cache_dir)
         return done
 
 
-async def download_file(
-    session: aiohttp.ClientSession, url: str, partial: Path, progress: Progress | None = None,
-    expect_sha: str | None = None, expect_size: int | None = None,
-) -> int:
-    """Download `url` into `partial`, resuming from its current size. Verifies size and sha256.
+def parse_manifest_or_refuse(raw: bytes, url: str):
+    try:
+        return parse_manifest(raw)
+    except ManifestError as exc:
+        raise FetchError(f"version {redact(url)} refused: {exc}", retryable=False) from None
 
-    Returns the file's size. Raises `FetchError` (non-retryable for 4xx and checksum mismatches).
-    """
-    have = partial.stat().st_size if partial.exists() else 0
-    hasher = hashlib.sha256()
-    if have:
-        with open(partial, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK), b""):
-                hasher.update(block)
-    headers = {"Range": f"bytes={have}-"} if have else {}
-    async with session.get(url, headers=headers) as r:
-        if r.status == 416 and have:
-            total = have  # already complete
-        elif r.status in (200, 206):
-            if r.status == 200 and have:
-                have = 0  # server ignored the Range: start over
-                hasher = hashlib.sha256()
-            total = None
-            if r.status == 206:
-                crange = r.headers.get("Content-Range", "")
-                total = int(crange.rsplit("/", 1)[-1]) if "/" in crange and not crange.endswith("*") else None
-            elif r.content_length is not None:
-                total = r.content_length
-            expect_sha = expect_sha or r.headers.get(SHA_HEADER)
-            with open(partial, "ab" if have else "wb") as out:
-                n = have
-                async for block in r.content.iter_chunked(CHUNK):
-                    out.write(block)
-                    hasher.update(block)
-                    n += len(block)
-                    if progress:
-                        progress(n, total)
-            if total is not None and n != total:
-                raise FetchError(f"{url}: got {n} of {total} bytes")
-            total = n
-        elif 400 <= r.status < 500:
-            raise FetchError(f"{url}: HTTP {r.status}", retryable=False)
-        else:
-            raise FetchError(f"{url}: HTTP {r.status}")
-    if expect_size is not None and total != expect_size:
-        partial.unlink(missing_ok=True)
-        raise FetchError(f"{url}: size {total} but the manifest says {expect_size}")
-    if expect_sha and hasher.hexdigest() != expect_sha:
-        partial.unlink(missing_ok=True)
-        raise FetchError(f"{url}: sha256 mismatch (got {hasher.hexdigest()}, expected {expect_sha})", retryable=True)
-    return total
+
+def _get_manifest(url: str, limits: Limits) -> bytes:
+    """A version's manifest (blocking; run in a thread). Raises `FetchError`."""
+    try:
+        opened = open_url(url, None, timeout_s=limits.stall_s)
+    except URLRefused as exc:
+        raise FetchError(str(exc), retryable=False) from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise FetchError(f"manifest {redact(url)}: {type(exc).__name__}") from None
+    try:
+        status, ctype = opened.status, opened.headers.get("Content-Type") or ""
+        if status == 409:
+            text = opened.response.read(2000).decode(errors="replace")
+            raise FetchError(f"version {redact(url)} is not ready yet on the mirror: {text}")
+        if status != 200:
+            raise FetchError(f"manifest {redact(url)}: HTTP {status}", retryable=status >= 500)
+        if "json" not in ctype:
+            raise FetchError(f"{redact(url)} answered {ctype or 'no content type'} where a version manifest (JSON) "
+                             "was expected; is this a plain file server rather than an llmgw mirror?", retryable=False)
+        try:
+            return read_small(opened, MAX_JSON_BYTES)
+        except ValueError:
+            raise FetchError(f"manifest {redact(url)} is larger than {MAX_JSON_BYTES} bytes", retryable=False) from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise FetchError(f"manifest {redact(url)}: {type(exc).__name__}") from None
+    finally:
+        opened.close()
 
 
 def _size(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     return path.stat().st_size
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()

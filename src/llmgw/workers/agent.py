@@ -28,6 +28,7 @@ from llmgw.schemas.api import (
 from llmgw.schemas.inventory import DownloadProgress, ShardReport
 from llmgw.schemas.simulate import SimulatedNode
 from llmgw.temporal import connect
+from llmgw.weights.download import Limits
 from llmgw.weights.fetcher import Fetcher
 from llmgw.workers.discovery import discover, discover_gpus
 from llmgw.workers.errors import ReportRefused
@@ -50,7 +51,7 @@ class Agent:
         self.boot_id = uuid.uuid4().hex
         self.stop_engines_on_exit = stop_engines_on_exit
         self.engines = Engines(settings.llama_server, settings.vllm, settings.ray, settings.sglang_python)
-        self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url)
+        self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url, Limits.from_settings(settings))
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit)
         self.api = settings.resolved_node_api_url.rstrip("/")

@@ -3,10 +3,17 @@
 from datetime import timedelta
 
 from temporalio.common import RetryPolicy
+from temporalio.workflow import ActivityCancellationType
 
 CONTROL = dict(
     start_to_close_timeout=timedelta(seconds=30),
     retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)),
+)
+# The reconciler's `decide`: snapshot, planner, saving the explanations. A failure (a planner bug, the
+# database away) is retried for as long as it takes, each attempt with a newer snapshot.
+DECIDE = dict(
+    start_to_close_timeout=timedelta(seconds=120),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
 )
 # A node that never picks up its work is down: give up on it rather than wait forever.
 NODE_PICKUP = timedelta(seconds=60)
@@ -49,4 +56,30 @@ def drain(timeout_s: float) -> dict:
         heartbeat_timeout=timedelta(seconds=30),
         schedule_to_start_timeout=timedelta(seconds=30),
         retry_policy=RetryPolicy(maximum_attempts=1),
+    )
+
+
+# Mirror activities (on the mirror's own queue). An origin that is down for a while is waited for:
+# retries back off to a minute, for about twenty minutes, before the mirror is declared failed.
+MIRROR_QUICK = dict(
+    start_to_close_timeout=timedelta(minutes=5),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=60),
+                             maximum_attempts=20),
+)
+MIRROR_PUBLISH = dict(
+    start_to_close_timeout=timedelta(minutes=30),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=5),
+)
+
+
+def mirror_fetch(heartbeat_timeout_s: float) -> dict:
+    """One file: longer than one attempt's deadline (LLMGW_FETCH_DEADLINE_S, 12 h); a worker that dies is
+    noticed after `heartbeat_timeout_s` and the file resumes on the next. A cancel waits for the fetch to
+    stop before the staging directory is removed."""
+    return dict(
+        start_to_close_timeout=timedelta(hours=13),
+        heartbeat_timeout=timedelta(seconds=heartbeat_timeout_s),
+        retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=60),
+                                 maximum_attempts=20),
+        cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
     )

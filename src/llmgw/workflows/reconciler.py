@@ -1,16 +1,28 @@
 """`ReconcilerWorkflow`: the singleton loop that makes what runs match the catalog.
 
-Each pass reads a snapshot (activity), plans with the pure `plan_pass`, records its decisions for
-`llmgw ctl explain`, and starts child workflows (replica start/stop, abandoned on close so they outlive a
-continue-as-new): `place` starts a replica; `stop` and `evict` drain then stop one; `lost` and `cleanup`
-stop every shard of one that cannot serve. Woken by the `wake` signal (catalog changed, node registered,
-demand, replica failed or stopped) and by a timer. Continues as new every `MAX_PASSES` passes to keep its
-history short. Every child carries a memo (model, profile) and, when the namespace has them registered (the
-snapshot says), llmgw's search attributes (workflows/attributes.py).
+Each pass runs the `decide` activity (snapshot, pure planner, decisions saved for `llmgw ctl explain`;
+`activities/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
+abandoned on close so they outlive a continue-as-new): `place` actions are recorded together
+(`record_placements`) and each replica started; `stop` and
+`evict` drain then stop one; `lost` and `cleanup` stop every shard of one that cannot serve. A pass that
+stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
+(catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
+settings each pass). After every pass, back-to-back ones included, the run continues as new when Temporal
+suggests it or after `MAX_PASSES` passes, to keep its history short.
+
+Runs started before `decide` existed planned inside workflow code (`_legacy_pass`). A run replaying such
+passes keeps them (the decisions were recorded), and moves to `decide` at the first pass it runs live: the
+patch id carries the pass number, because `workflow.patched` decides once per id and run, and one id
+would keep an old run on the old path until it continued as new. docs/architecture.md, "Changing workflow
+code", has the rule.
+
+Every child carries a memo (model, profile) and, when the namespace has them registered (the pass says),
+llmgw's search attributes (workflows/attributes.py); neither is part of what replay compares.
 """
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from datetime import datetime, timedelta
 
@@ -22,8 +34,8 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.placement.decisions import Decision, Plan
     from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
-        ReconcilerInput, RecordDecisionsInput, RecordPlacementInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput,
-        RolloutInput, Snapshot,
+        DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, RecordPlacementInput,
+        RecordPlacementsInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput, RolloutInput, Snapshot,
     )
     from llmgw.workflows import attributes, options
     from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id, rollout_id
@@ -31,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.workflows.rollout import RolloutWorkflow
 
 MAX_PASSES = 100
+DECIDE_PATCH = "decide-in-activity"
 
 
 @workflow.defn(name="ReconcilerWorkflow")
@@ -38,8 +51,8 @@ class ReconcilerWorkflow:
     def __init__(self) -> None:
         self._wakes: list[str] = []
         self._last: list[str] = []
-        self._search_attributes = False  # the namespace has llmgw's search attributes (from the snapshot)
-        self._replicas: dict[str, ReplicaSnap] = {}  # from the latest snapshot: a stop's profile and nodes
+        self._decides = False
+        self._search_attributes = False  # the namespace has llmgw's search attributes (from the latest pass)
 
     @workflow.signal
     def wake(self, reason: str) -> None:
@@ -47,38 +60,124 @@ class ReconcilerWorkflow:
 
     @workflow.query
     def last_pass(self) -> list[str]:
-        """The last pass's decisions, one line each."""
+        """The last pass's decisions that were not `keep`, one line each."""
         return self._last
+
+    def _decides_in_activity(self, pass_no: int) -> bool:
+        """True from this run's first pass under code that has `decide` (see the module docstring)."""
+        if not self._decides:
+            self._decides = workflow.patched(f"{DECIDE_PATCH}/{pass_no}")
+        return self._decides
 
     @workflow.run
     async def run(self, inp: ReconcilerInput) -> None:
-        for _ in range(MAX_PASSES):
+        passes = 0
+        while True:
             self._wakes.clear()
-            started = workflow.now()
-            snapshot: Snapshot = await workflow.execute_activity(
-                "read_snapshot", result_type=Snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
-            )
-            self._search_attributes = snapshot.search_attributes
-            self._replicas = {r.id: r for r in snapshot.replicas}
-            plan = plan_pass(snapshot)
-            await self._act(plan, inp, started)
-            if plan.more:
+            if self._decides_in_activity(passes):
+                res = await self._pass(inp.passes + passes)
+                passes += 1
+                if passes >= MAX_PASSES or workflow.info().is_continue_as_new_suggested():
+                    break
+                more, interval_s = res.more, res.interval_s
+            else:
+                # The loop as it was: the history of a pre-`decide` pass records exactly these commands.
+                more, interval_s = await self._legacy_pass(inp), inp.interval_s
+                passes += 1
+                if more and passes >= MAX_PASSES:
+                    break
+            if more:
                 continue
             try:
-                await workflow.wait_condition(lambda: bool(self._wakes), timeout=timedelta(seconds=inp.interval_s))
+                await workflow.wait_condition(lambda: bool(self._wakes), timeout=timedelta(seconds=interval_s))
             except TimeoutError:
                 pass
-            if workflow.info().is_continue_as_new_suggested():
+            if workflow.info().is_continue_as_new_suggested() or passes >= MAX_PASSES:
                 break
-        workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + MAX_PASSES}))
+        workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + passes}))
 
-    async def _act(self, plan: Plan, inp: ReconcilerInput, started: datetime) -> None:
+    async def _pass(self, pass_no: int) -> DecideResult:
+        res: DecideResult = await workflow.execute_activity(
+            "decide", DecideInput(passes=pass_no), result_type=DecideResult, task_queue=CONTROL_QUEUE, **options.DECIDE,
+        )
+        self._last = res.lines
+        self._search_attributes = res.search_attributes
+        places = [a for a in res.actions if a.kind == "place"]
+        if places:  # one activity for all of them: a pass's placements start together
+            await workflow.execute_activity(
+                "record_placements", RecordPlacementsInput(placements=[
+                    RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",
+                                         shards=a.shards, reason=a.line) for a in places]),
+                task_queue=CONTROL_QUEUE, **options.CONTROL,
+            )
+        await asyncio.gather(*[self._carry_out(a, res) for a in res.actions])
+        return res
+
+    async def _carry_out(self, a: PassAction, res: DecideResult) -> None:
+        if a.kind == "rollout":
+            await self._rollout(a.model)
+        elif a.kind == "place":
+            assert a.profile_spec is not None
+            await self._start_replica(a.replica_id, a.model, a.profile or "default", a.profile_spec, a.shards,
+                                      res.ready_timeout_s)
+        else:
+            await self._start_stop(a.replica_id, ReplicaStopInput(
+                replica_id=a.replica_id, reason=a.reason, drain_timeout_s=res.drain_timeout_s if a.drain else 0,
+                final_status=a.final_status), a.model, a.profile, a.nodes)
+
+    async def _start_replica(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float) -> None:
+        await workflow.start_child_workflow(
+            ReplicaStartWorkflow.run,
+            ReplicaStartInput(replica_id=replica_id, model=model, profile=spec, shards=shards,
+                              ready_timeout_s=ready_timeout_s),
+            id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
+            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            memo=attributes.memo(model, profile),
+            search_attributes=attributes.lifecycle("start", model, replica_id, [s.node_id for s in shards])
+            if self._search_attributes else None,
+        )
+
+    async def _start_stop(self, replica_id: str, inp: ReplicaStopInput, model: str, profile: str | None,
+                          nodes: list[str]) -> None:
+        try:
+            await workflow.start_child_workflow(
+                ReplicaStopWorkflow.run, inp, id=replica_stop_id(replica_id), task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                memo=attributes.memo(model, profile),
+                search_attributes=attributes.lifecycle("stop", model, replica_id, nodes or None)
+                if self._search_attributes else None,
+            )
+        except WorkflowAlreadyStartedError:
+            pass  # already stopping
+
+    async def _rollout(self, model: str) -> None:
+        """Make sure the model's `RolloutWorkflow` runs (one per model: a second start is refused)."""
+        try:
+            await workflow.start_child_workflow(
+                RolloutWorkflow.run, RolloutInput(model=model), id=rollout_id(model), task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON, memo=attributes.memo(model),
+                search_attributes=attributes.lifecycle("rollout", model) if self._search_attributes else None,
+            )
+        except WorkflowAlreadyStartedError:
+            pass
+
+    # ---- passes of runs started before `decide` (remove once none can be running) --------------------
+
+    async def _legacy_pass(self, inp: ReconcilerInput) -> bool:
+        started = workflow.now()
+        snapshot: Snapshot = await workflow.execute_activity(
+            "read_snapshot", result_type=Snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
+        )
+        self._search_attributes = snapshot.search_attributes
+        plan = plan_pass(snapshot, one_per_pass=True)
+        await self._legacy_act(plan, inp, {r.id: r for r in snapshot.replicas}, started)
+        return plan.more
+
+    async def _legacy_act(self, plan: Plan, inp: ReconcilerInput, replicas: dict[str, ReplicaSnap],
+                          started: datetime) -> None:
         lines = [d.line() for d in plan.decisions]
         self._last = lines
         if plan.acts():
-            acting = [d.line() for d in plan.decisions if d.kind not in ("keep", "wait")]
-            workflow.logger.info("reconcile pass: %s", "; ".join(acting))
-            # A pass that does something is a span, with every decision and refusal (no-op when tracing is off).
             with warnings.catch_warnings():  # without the tracing interceptor this is a no-op that warns
                 warnings.simplefilter("ignore", DeprecationWarning)
                 otel.completed_span("reconcile pass", attributes={
@@ -90,24 +189,18 @@ class ReconcilerWorkflow:
         )
         for d in plan.decisions:
             if d.kind == "place":
-                await self._place(d, inp)
+                await self._legacy_place(d, inp)
             elif d.kind in ("stop", "evict", "lost", "cleanup"):
-                await self._stop(d, inp)
+                assert d.replica_id
+                rep = replicas.get(d.replica_id)
+                await self._start_stop(d.replica_id, ReplicaStopInput(
+                    replica_id=d.replica_id, reason=d.reason, drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
+                    final_status=d.final_status), d.model, rep.profile if rep else None,
+                    sorted({s.node_id for s in rep.shards}) if rep else [])
             elif d.kind == "rollout" and workflow.patched("rollout"):
-                await self._rollout(d)
+                await self._rollout(d.model)
 
-    async def _rollout(self, d: Decision) -> None:
-        """Make sure the model's `RolloutWorkflow` runs (one per model: a second start is refused)."""
-        try:
-            await workflow.start_child_workflow(
-                RolloutWorkflow.run, RolloutInput(model=d.model), id=rollout_id(d.model), task_queue=CONTROL_QUEUE,
-                parent_close_policy=workflow.ParentClosePolicy.ABANDON, memo=attributes.memo(d.model),
-                search_attributes=attributes.lifecycle("rollout", d.model) if self._search_attributes else None,
-            )
-        except WorkflowAlreadyStartedError:
-            pass
-
-    async def _place(self, d: Decision, inp: ReconcilerInput) -> None:
+    async def _legacy_place(self, d: Decision, inp: ReconcilerInput) -> None:
         replica_id = str(workflow.uuid4())
         await workflow.execute_activity(
             "record_placement",
@@ -116,32 +209,5 @@ class ReconcilerWorkflow:
             task_queue=CONTROL_QUEUE, **options.CONTROL,
         )
         assert d.profile_spec is not None
-        await workflow.start_child_workflow(
-            ReplicaStartWorkflow.run,
-            ReplicaStartInput(replica_id=replica_id, model=d.model, profile=d.profile_spec, shards=d.shards,
-                              ready_timeout_s=inp.ready_timeout_s),
-            id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
-            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-            memo=attributes.memo(d.model, d.profile or "default"),
-            search_attributes=attributes.lifecycle("start", d.model, replica_id, [s.node_id for s in d.shards])
-            if self._search_attributes else None,
-        )
-
-    async def _stop(self, d: Decision, inp: ReconcilerInput) -> None:
-        assert d.replica_id
-        rep = self._replicas.get(d.replica_id)
-        try:
-            await workflow.start_child_workflow(
-                ReplicaStopWorkflow.run,
-                ReplicaStopInput(replica_id=d.replica_id, reason=d.reason,
-                                 drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
-                                 final_status=d.final_status),
-                id=replica_stop_id(d.replica_id), task_queue=CONTROL_QUEUE,
-                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                memo=attributes.memo(d.model, rep.profile if rep else None),
-                search_attributes=attributes.lifecycle("stop", d.model, d.replica_id,
-                                                       [s.node_id for s in rep.shards] if rep else None)
-                if self._search_attributes else None,
-            )
-        except WorkflowAlreadyStartedError:
-            pass  # already stopping
+        await self._start_replica(replica_id, d.model, d.profile or "default", d.profile_spec, d.shards,
+                                  inp.ready_timeout_s)

@@ -1,0 +1,133 @@
+"""The `decide` activity: one reconcile pass's thinking, outside workflow code.
+
+It forgets nodes Lost for longer than `node_forget_after_s`, reads the snapshot, runs the pure planner
+(`placement.plan.plan_pass`), saves every decision and refusal for `llmgw ctl explain`, and returns only
+what the workflow must act on (`DecideResult`: a few small actions, and this pass's settings).
+
+Why here and not in the workflow (issue 10, "Deploys"): a planner change then never makes a recorded pass
+replay differently, the snapshot (megabytes at a thousand nodes) never enters workflow history, and a
+planner exception is this activity failing, retried with a newer snapshot and shown by `ctl explain`,
+rather than a workflow task that fails forever on the same recorded snapshot.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from opentelemetry import trace
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from llmgw.config import Settings
+from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
+from llmgw.placement.decisions import Decision, Plan
+from llmgw.placement.plan import plan_pass
+from llmgw.schemas.payloads import (
+    MAX_PASS_LINES, DecideInput, DecideResult, PassAction, RecordPlacementsInput, ReplicaSnap, Snapshot,
+)
+from llmgw.telemetry import ControlMetrics
+
+log = logging.getLogger(__name__)
+ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout")
+
+Hook = Callable[[Snapshot, Plan], Plan]
+
+
+def load_hook(spec: str | None) -> Hook | None:
+    """`module:function` (`Settings.planner_hook`, tests only) -> the function, or None."""
+    if not spec:
+        return None
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class DecideActivities:
+    """The reconciler's pass: `decide`, then `record_placements` for what it placed.
+
+    `read_snapshot` is the control activities' (one transaction: catalog, states, nodes, replicas)."""
+
+    def __init__(self, engine: AsyncEngine, settings: Settings, read_snapshot: Callable[[], Awaitable[Snapshot]],
+                 metrics: ControlMetrics | None = None):
+        self.engine = engine
+        self.settings = settings
+        self.read_snapshot = read_snapshot
+        self.metrics = metrics or ControlMetrics()
+        self.hook = load_hook(settings.planner_hook)
+
+    def all(self) -> list:
+        return [self.decide, self.record_placements]
+
+    @activity.defn(name="decide")
+    async def decide(self, inp: DecideInput) -> DecideResult:
+        started = time.monotonic()
+        s = self.settings
+        forget_after_s = max(s.node_forget_after_s, s.node_lost_after_s)  # never a node that is not yet Lost
+        async with self.engine.begin() as conn:
+            forgotten = await fleet_repo.forget_lost_nodes(conn, forget_after_s)
+        for node_id in forgotten:
+            log.info("forgot node %s: silent for longer than %gs (node_forget_after_s)", node_id, forget_after_s)
+        snapshot = await self.read_snapshot()
+        try:
+            plan = plan_pass(snapshot, max_placements=s.reconcile_max_placements)
+            if self.hook is not None:
+                plan = self.hook(snapshot, plan)
+            explanations = plan.explanations()
+        except Exception as exc:  # noqa: BLE001 - any planner bug: say so where operators look, then retry
+            attempt = activity.info().attempt
+            log.exception("the planner failed (attempt %d); retrying with a newer snapshot", attempt)
+            failure = f"{type(exc).__name__}: {exc}"
+            async with self.engine.begin() as conn:
+                await reconciler_repo.record_failure(conn, failure, attempt)
+            raise ApplicationError(f"the planner failed: {failure}", type="PlannerFailed") from exc
+        actions: list[PassAction] = []
+        reasons: dict[str, str] = {}
+        replicas = {r.id: r for r in snapshot.replicas}
+        for d in plan.decisions:
+            if d.kind in ACTING:
+                actions.append(_action(d, replicas.get(d.replica_id or "")))
+                if d.kind == "place":
+                    reasons[actions[-1].replica_id] = "\n".join([d.line(), *d.refusals])
+        async with self.engine.begin() as conn:
+            await catalog_repo.save_decisions(conn, explanations)
+            await reconciler_repo.record_pass(conn, reasons)
+        self.metrics.recorded([d.kind for d in plan.decisions], explanations, time.monotonic() - started)
+        lines = [d.line() for d in plan.decisions if d.kind not in ("keep",)]
+        if plan.acts():
+            log.info("reconcile pass %d: %s", inp.passes, "; ".join(a.line for a in actions))
+            # A pass that does something is a span with every decision and refusal (a no-op without tracing).
+            trace.get_tracer("llmgw.reconciler").start_span("reconcile pass", attributes={
+                "llmgw.decisions": [d.line() for d in plan.decisions],
+                "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]}).end()
+        return DecideResult(
+            actions=actions, more=plan.more,
+            lines=lines[:MAX_PASS_LINES] + ([f"... and {len(lines) - MAX_PASS_LINES} more"] if len(lines) > MAX_PASS_LINES else []),
+            interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
+            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes)
+
+    @activity.defn(name="record_placements")
+    async def record_placements(self, inp: RecordPlacementsInput) -> None:
+        """Create every replica the pass placed (`starting`, one shard row per rank), in one transaction.
+        Idempotent on the replica ids. Each reason is the full one `decide` saved, else the decision's line."""
+        async with self.engine.begin() as conn:
+            for p in inp.placements:
+                reason = await reconciler_repo.placement_reason(conn, p.replica_id) or p.reason
+                await fleet_repo.create_replica(conn, p.replica_id, p.model, p.profile, p.shards, reason)
+
+
+def _action(d: Decision, rep: ReplicaSnap | None) -> PassAction:
+    """The action for one acting decision; a stop carries its replica's profile and nodes (memo, search
+    attributes of its stop workflow)."""
+    if d.kind == "place":
+        return PassAction(kind="place", model=d.model, line=d.line(), replica_id=str(uuid.uuid4()), profile=d.profile,
+                          profile_spec=d.profile_spec, shards=d.shards)
+    if d.kind == "rollout":
+        return PassAction(kind="rollout", model=d.model, line=d.line())
+    assert d.replica_id
+    return PassAction(kind=d.kind, model=d.model, line=d.line(), replica_id=d.replica_id, reason=d.reason,
+                      drain=d.drain, final_status=d.final_status, profile=rep.profile if rep else None,
+                      nodes=sorted({sh.node_id for sh in rep.shards}) if rep else [])

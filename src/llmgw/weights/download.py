@@ -1,0 +1,451 @@
+"""Download one file over HTTP, resumably, hashing while it arrives: the one mechanism under the node's
+fetcher and the mirror's `mirror add`.
+
+The rules, each from a way weights went wrong (issue 11, seeds 000):
+- A file is written to a partial beside its target and renamed into place only when complete and
+  verified, after an fsync of the file; the directory is fsynced after the rename. A partial under the
+  target's name would be found, reported present and handed to an engine that fails on it.
+- Every attempt writes its own partial (`<name>.<random>.part`), and the caller holds an exclusive lock
+  per target (`target_lock`), so two fetchers on one cache (two agents on a shared disk, a retried
+  activity still running) never write into one file. An attempt adopts what an earlier one left (the one
+  its heartbeat names first, else the largest) by renaming it to its own name, which only one can do.
+- Resume asks for `Range: bytes=<partial size>-`. A `206` must say `Content-Range: bytes <that size>-...`;
+  any other start means the server sent other bytes, and the partial is discarded (appending them would
+  corrupt the file). A `200` to a ranged request starts over. A `416` means "verify", never "done": the
+  partial counts as complete only when the `416`'s `Content-Range: bytes */<total>` equals its size (and
+  its sha256 matches when one is expected); otherwise it is discarded and the file fetched again.
+- Limits (`Limits`): at least `stall_bytes` every `stall_s` (a server sending one byte every 59 s times
+  out, which a per-read timeout of 60 s never did), an overall deadline per attempt, a size cap, and no
+  more bytes than the server or the manifest announced. A web page (`text/html`) is not a weights file.
+- Failures that cannot succeed on retry (4xx, a different size or checksum than promised, a refused
+  address) remove the partial; retryable ones (a dropped connection, a stall, 5xx) leave it to resume.
+- Messages and logs carry redacted URLs only (`urls.redact`).
+
+The body is read in a thread with a blocking client (`http.py`): fill a chunk, write it, hand it to a
+second thread that hashes, read the next. Written before hashed, so a killed process loses at most the
+chunk it was reading; a failed connection loses nothing it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import glob
+import hashlib
+import http.client
+import logging
+import os
+import queue
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from llmgw.weights.http import abort, open_url
+from llmgw.weights.manifest import SHA256, fsync_dir
+from llmgw.weights.urls import AddressPolicy, URLRefused, redact, scrub
+
+log = logging.getLogger(__name__)
+CHUNK = 1 << 20
+SHA_HEADER = "X-Llmgw-Sha256"
+_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_UNSATISFIED = re.compile(r"bytes \*/(\d+)")
+
+Progress = Callable[[int, int | None], None]  # (bytes so far, total or None)
+
+
+class FetchError(RuntimeError):
+    """A fetch that failed. `retryable` False: it cannot succeed as asked (bad source, missing file,
+    checksum or size other than promised, refused address); the message says what to change."""
+
+    def __init__(self, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-file fetch limits (settings `LLMGW_FETCH_*`). `stall_bytes` every `stall_s` at least;
+    `deadline_s` for one attempt at one file; `max_bytes` per file."""
+
+    stall_s: float = 60.0
+    stall_bytes: int = 1 << 20
+    deadline_s: float = 12 * 3600.0
+    max_bytes: int = 1 << 40
+
+    @classmethod
+    def from_settings(cls, s) -> "Limits":
+        return cls(stall_s=s.fetch_stall_s, stall_bytes=s.fetch_stall_bytes, deadline_s=s.fetch_deadline_s,
+                   max_bytes=s.fetch_max_bytes)
+
+
+@dataclass
+class Downloaded:
+    size: int
+    sha256: str
+    resumed_from: int = 0  # bytes already on disk when the last attempt began
+    received: int = 0  # bytes received over HTTP by this call, all attempts
+
+
+@contextlib.asynccontextmanager
+async def target_lock(work_dir: Path, dest: Path) -> AsyncIterator[None]:
+    """Hold an exclusive lock on one target while fetching it (waits, without blocking the event loop,
+    while another process or task holds it). Whoever gets the lock checks first whether `dest` exists:
+    that is why the lock file can be removed once it does (a waiter on the removed file finds `dest`)."""
+    lock = work_dir / f"{dest.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.2)
+        yield
+    finally:
+        if dest.exists():
+            lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def adopt_partial(work_dir: Path, name: str, hint: str | None = None) -> Path:
+    """A partial of our own for `name`: what an earlier attempt left (`hint` first, the one its heartbeat
+    named; else the largest), renamed to a fresh unique name, or a new empty one. Other leftovers are
+    removed. Call with the target's lock held."""
+    mine = work_dir / f"{name}.{secrets.token_hex(6)}.part"
+    own = re.compile(re.escape(name) + r"\.(?:[0-9a-f]{12}|legacy)\.part")
+    leftovers = [Path(p) for p in glob.glob(str(work_dir / f"{glob.escape(name)}.*.part"))
+                 if own.fullmatch(Path(p).name)]  # not `model.safetensors.index.json.*` for `model.safetensors`
+    leftovers.sort(key=lambda p: (p.name != hint, -_size_or_zero(p)))
+    adopted = False
+    for p in leftovers:
+        try:
+            if not adopted:
+                os.rename(p, mine)
+                adopted = True
+            else:
+                p.unlink()
+        except FileNotFoundError:
+            continue
+    if not adopted:
+        mine.touch()
+    return mine
+
+
+def _size_or_zero(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def sha256_of(path: Path) -> "hashlib._Hash":
+    """The sha256 state of a file's bytes (to continue hashing a resumed partial)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.update(block)
+    return h
+
+
+class _Restart(Exception):
+    """The partial cannot be continued (wrong range, a 416 that does not confirm it): start from zero."""
+
+
+class _Stopped(Exception):
+    """The download was cancelled (its task, the activity, the worker stopping)."""
+
+
+async def download(url: str, dest: Path, work_dir: Path, *, expect_size: int | None = None,
+                   expect_sha: str | None = None, progress: Progress | None = None, limits: Limits = Limits(),
+                   policy: AddressPolicy | None = None, resume_hint: str | None = None,
+                   on_partial: Callable[[str], None] | None = None, refuse_html: bool = True) -> Downloaded:
+    """Fetch `url` into `dest` (see the module docstring), resuming a partial under `work_dir`. The
+    caller holds `target_lock(work_dir, dest)`. `progress(bytes, total)` is called on the event loop a few
+    times a second; `on_partial(name)` learns which partial this attempt writes (the mirror heartbeats it).
+    Returns size and sha256; raises `FetchError`. Cancelled, it stops the transfer and keeps what arrived."""
+    if expect_sha is not None and not SHA256.fullmatch(expect_sha):
+        raise FetchError(f"expected sha256 {expect_sha!r} for {dest.name} is not 64 lowercase hex digits", retryable=False)
+    partial = await asyncio.to_thread(adopt_partial, work_dir, dest.name, resume_hint)
+    if on_partial:
+        on_partial(partial.name)
+    loop = asyncio.get_running_loop()
+    job = _Transfer(url, partial, expect_size, expect_sha, limits, policy, refuse_html,
+                    (lambda n, t: loop.call_soon_threadsafe(progress, n, t)) if progress else None)
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result=None, error: BaseException | None = None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result = job.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result)
+
+    # Its own thread, not the default executor: the transfer blocks for as long as the file takes.
+    threading.Thread(target=run, name=f"fetch {dest.name}", daemon=True).start()
+    try:
+        size, sha, resumed_from = await asyncio.shield(done)
+        await asyncio.to_thread(_publish, partial, dest)
+        return Downloaded(size, sha, resumed_from=resumed_from, received=job.received)
+    except asyncio.CancelledError:
+        job.stop()
+        await asyncio.gather(done, return_exceptions=True)  # the thread has written what it had, and closed
+        raise
+    except URLRefused as exc:
+        partial.unlink(missing_ok=True)
+        raise FetchError(str(exc), retryable=False) from None
+    except FetchError as exc:
+        if not exc.retryable or isinstance(exc, _ShaMismatch):
+            partial.unlink(missing_ok=True)
+        raise
+    except (OSError, http.client.HTTPException) as exc:
+        raise FetchError(f"{redact(url)}: {scrub(f'{type(exc).__name__}: {exc}', url)}") from None
+
+
+def _truncate(partial: Path) -> int:
+    with open(partial, "r+b") as f:
+        f.truncate(0)
+    return 0
+
+
+def _publish(partial: Path, dest: Path) -> None:
+    with open(partial, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(partial, dest)
+    fsync_dir(dest.parent)
+
+
+class _Transfer:
+    """One file's transfer, run in its own thread (`run`); `stop` from any thread ends it promptly."""
+
+    def __init__(self, url: str, partial: Path, expect_size: int | None, expect_sha: str | None, limits: Limits,
+                 policy: AddressPolicy | None, refuse_html: bool, progress: Progress | None):
+        self.url = url
+        self.partial = partial
+        self.expect_size = expect_size
+        self.expect_sha = expect_sha
+        self.limits = limits
+        self.policy = policy
+        self.refuse_html = refuse_html
+        self.progress = progress
+        self.received = 0
+        self._stop = threading.Event()
+        self._conn: http.client.HTTPConnection | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        abort(self._conn)
+
+    def _on_conn(self, conn: http.client.HTTPConnection) -> None:
+        self._conn = conn
+        if self._stop.is_set():
+            abort(conn)
+
+    def run(self) -> tuple[int, str, int]:
+        for _ in range(3):
+            have = self.partial.stat().st_size
+            if self.expect_size is not None and have > self.expect_size:
+                have = _truncate(self.partial)
+            try:
+                return self._attempt(have)
+            except _Restart as why:
+                log.warning("%s: %s; fetching %s again from the start", redact(self.url), why, self.partial.name)
+                _truncate(self.partial)
+        raise FetchError(f"{redact(self.url)}: the server does not answer ranges consistently; gave up")
+
+    def _attempt(self, have: int) -> tuple[int, str, int]:
+        """One request. Returns (size, sha256, bytes the partial had when the body began)."""
+        lim = self.limits
+        started = time.monotonic()
+        deadline = started + lim.deadline_s
+        hasher = sha256_of(self.partial) if have else hashlib.sha256()
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        n = have
+        try:
+            opened = open_url(self.url, self.policy, headers, timeout_s=lim.stall_s, on_conn=self._on_conn)
+        except socket.timeout:
+            raise FetchError(f"{redact(self.url)}: no answer within {lim.stall_s:g}s") from None
+        except OSError as exc:
+            if self._stop.is_set():
+                raise _Stopped() from None
+            raise FetchError(f"{redact(self.url)}: {scrub(str(exc), self.url)}") from None
+        try:
+            r = opened.response
+            total = _check_response(r.status, r.headers, self.url, have, self.expect_size, lim, self.refuse_html)
+            if r.status == 416:
+                return (*_verify(have, hasher.hexdigest(), self.expect_size, self.expect_sha, self.url), have)
+            if r.status == 200 and have:
+                log.info("%s ignored the range request; fetching from the start", redact(self.url))
+                have = n = _truncate(self.partial)
+                hasher = hashlib.sha256()
+            expect_sha = self.expect_sha or _declared_sha(r.headers, self.url)
+            if total is not None:
+                free = shutil.disk_usage(self.partial.parent).free
+                if total - have > free:
+                    raise FetchError(f"{redact(self.url)}: needs {total - have} more bytes but {self.partial.parent} "
+                                     f"has {free} free", retryable=False)
+            cap = min(x for x in (total, self.expect_size, lim.max_bytes) if x is not None)
+            n = self._body(opened, n, total, cap, hasher, deadline)
+        finally:
+            opened.close()
+        if total is not None and n != total:
+            raise FetchError(f"{redact(self.url)}: connection ended at {n} of {total} bytes")
+        return (*_verify(n, hasher.hexdigest(), self.expect_size, expect_sha, self.url), have)
+
+    def _body(self, opened, n: int, total: int | None, cap: int, hasher, deadline: float) -> int:
+        """Read the body into the partial from byte `n`; returns the bytes the partial holds after."""
+        lim = self.limits
+        r = opened.response
+        step = max(1, min(CHUNK, lim.stall_bytes))
+        mark, mark_t, told = n, time.monotonic(), 0.0
+        hashing = _Hasher(hasher)
+        fd = os.open(self.partial, os.O_WRONLY | os.O_APPEND)
+        try:
+            while True:
+                buf = bytearray(step)
+                view = memoryview(buf)
+                got = 0
+                try:
+                    while got < step:
+                        now = time.monotonic()
+                        if now > deadline:
+                            raise FetchError(f"{redact(self.url)}: stalled at {n + got} bytes: the fetch deadline "
+                                             "(LLMGW_FETCH_DEADLINE_S)")
+                        if now > mark_t + lim.stall_s:
+                            raise socket.timeout()
+                        opened.settimeout(max(0.01, min(mark_t + lim.stall_s, deadline) - now))
+                        piece = r.read1(step - got)  # what one recv gives: a trickle must not block the checks
+                        k = len(piece)
+                        if not k:
+                            break
+                        view[got:got + k] = piece
+                        got += k
+                        self.received += k
+                        if n + got > cap:
+                            raise FetchError(f"{redact(self.url)}: the server sent more than {cap} bytes "
+                                             f"({'as announced' if cap == total else 'the limit'}); refused",
+                                             retryable=False)
+                        need = lim.stall_bytes if total is None else min(lim.stall_bytes, total - mark)
+                        if n + got - mark >= need:
+                            mark, mark_t = n + got, time.monotonic()
+                        if self.progress and time.monotonic() - told >= 0.2:
+                            told = time.monotonic()
+                            self.progress(n + got, total)
+                except socket.timeout:
+                    raise FetchError(f"{redact(self.url)}: stalled at {n + got} bytes: less than {lim.stall_bytes} "
+                                     f"bytes in {lim.stall_s:g}s (LLMGW_FETCH_STALL_S)") from None
+                except (OSError, http.client.HTTPException) as exc:
+                    if self._stop.is_set():
+                        raise _Stopped() from None
+                    raise FetchError(f"{redact(self.url)}: connection ended at {n + got} bytes "
+                                     f"({type(exc).__name__})") from None
+                finally:
+                    if got:  # written first: what arrived is kept for the resume, whatever happens next
+                        _write_all(fd, view[:got])
+                        hashing.put(view[:got])
+                        n += got
+                if got < step:
+                    break
+        finally:
+            hashing.finish()
+            os.close(fd)
+            if self.progress:
+                self.progress(n, total)
+        return n
+
+
+class _Hasher:
+    """Hashes blocks in a second thread while the first reads the next (sha256 releases the GIL)."""
+
+    def __init__(self, hasher):
+        self.hasher = hasher
+        self.q: queue.Queue = queue.Queue(maxsize=4)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (block := self.q.get()) is not None:
+            self.hasher.update(block)
+
+    def put(self, block) -> None:
+        self.q.put(block)
+
+    def finish(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _check_response(status: int, headers, url: str, have: int, expect_size: int | None, limits: Limits,
+                    refuse_html: bool) -> int | None:
+    """The file's total size as the response states it (None when it does not); raises for statuses and
+    ranges that cannot be used, `_Restart` for a partial that cannot be continued."""
+    if status == 416:
+        m = _UNSATISFIED.fullmatch((headers.get("Content-Range") or "").strip())
+        if not have or m is None or int(m[1]) != have:
+            raise _Restart(f"416 with Content-Range {headers.get('Content-Range')!r} for a {have}-byte partial")
+        return have
+    if status == 206:
+        m = _RANGE.fullmatch((headers.get("Content-Range") or "").strip())
+        if m is None or int(m[1]) != have:
+            raise _Restart(f"asked for bytes from {have}, the server sent Content-Range "
+                           f"{headers.get('Content-Range')!r}")
+        total = None if m[3] == "*" else int(m[3])
+    elif status == 200:
+        length = headers.get("Content-Length")
+        total = int(length) if length and length.isdigit() and "chunked" not in \
+            (headers.get("Transfer-Encoding") or "").lower() else None
+    elif status in (404, 410):
+        raise FetchError(f"{redact(url)}: HTTP {status} (no such file)", retryable=False)
+    elif 400 <= status < 500 and status not in (408, 425, 429):
+        raise FetchError(f"{redact(url)}: HTTP {status}", retryable=False)
+    else:
+        raise FetchError(f"{redact(url)}: HTTP {status}")
+    ctype = headers.get("Content-Type") or ""
+    if refuse_html and ctype.startswith(("text/html", "application/xhtml")):
+        raise FetchError(f"{redact(url)} is a web page ({ctype.split(';')[0]}), not a weights file; give the file's "
+                         "download URL", retryable=False)
+    if total is not None and expect_size is not None and total != expect_size:
+        raise FetchError(f"{redact(url)}: the server has {total} bytes where {expect_size} were expected", retryable=False)
+    if total is not None and total > limits.max_bytes:
+        raise FetchError(f"{redact(url)}: {total} bytes is over the limit of {limits.max_bytes} "
+                         "(LLMGW_FETCH_MAX_BYTES)", retryable=False)
+    return total
+
+
+def _declared_sha(headers, url: str) -> str | None:
+    sha = headers.get(SHA_HEADER)
+    if sha is None:
+        return None
+    if not SHA256.fullmatch(sha):
+        raise FetchError(f"{redact(url)}: {SHA_HEADER} {sha[:80]!r} is not a sha256", retryable=False)
+    return sha
+
+
+def _verify(size: int, sha: str, expect_size: int | None, expect_sha: str | None, url: str) -> tuple[int, str]:
+    if expect_size is not None and size != expect_size:
+        raise FetchError(f"{redact(url)}: got {size} bytes where {expect_size} were expected", retryable=False)
+    if expect_sha and sha != expect_sha:
+        # Retryable: bytes corrupted on the way are fetched again, from zero (the partial is removed).
+        raise _ShaMismatch(f"{redact(url)}: sha256 mismatch (got {sha}, expected {expect_sha})")
+    return size, sha
+
+
+class _ShaMismatch(FetchError):
+    def __init__(self, message: str):
+        super().__init__(message, retryable=True)

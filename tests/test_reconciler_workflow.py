@@ -1,0 +1,143 @@
+"""`ReconcilerWorkflow` on its own: the real workflow on a worker in this process, with stand-in activities
+of the same names (samples-python's pattern), against a Temporal dev server of its own that suggests
+continue-as-new after a few dozen events.
+
+- Continue-as-new is checked after every pass, back-to-back passes included.
+- A run started by code that planned inside the workflow (its passes replayed from history) moves to the
+  `decide` activity at the first pass it runs live, without a workflow task failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+
+from llmgw.dev.procs import free_port
+from llmgw.dev.temporal_server import TemporalDevServer
+from llmgw.schemas.payloads import DecideInput, DecideResult, ReconcilerInput, RecordDecisionsInput, Snapshot
+from llmgw.workers.control import workflow_runner
+from llmgw.workflows.queues import CONTROL_QUEUE
+from llmgw.workflows.reconciler import MAX_PASSES, ReconcilerWorkflow
+
+pytestmark = pytest.mark.integration
+
+SUGGEST_AFTER_EVENTS = 60  # above two legacy passes (about 35 events), far below MAX_PASSES passes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("temporal-can")
+    s = TemporalDevServer(free_port(), None, None, root / "temporal.log", namespaces=["can"],
+                          dynamic_config={"limit.historyCount.suggestContinueAsNew": str(SUGGEST_AFTER_EVENTS)})
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+class Stand:
+    """Stand-ins for the control activities: `decide` always has more to do (back-to-back passes)."""
+
+    def __init__(self, more: bool):
+        self.more = more
+        self.decides = 0
+        self.snapshots = 0
+
+    @activity.defn(name="decide")
+    async def decide(self, inp: DecideInput) -> DecideResult:
+        self.decides += 1
+        return DecideResult(more=self.more, interval_s=0.2)
+
+    @activity.defn(name="read_snapshot")
+    async def read_snapshot(self) -> Snapshot:
+        self.snapshots += 1
+        return Snapshot(now=datetime.now(timezone.utc))
+
+    @activity.defn(name="record_decisions")
+    async def record_decisions(self, inp: RecordDecisionsInput) -> None:
+        pass
+
+    def all(self) -> list:
+        return [self.decide, self.read_snapshot, self.record_decisions]
+
+
+def worker(client: Client, stand: Stand, **kw) -> Worker:
+    return Worker(client, task_queue=CONTROL_QUEUE, workflows=[ReconcilerWorkflow], activities=stand.all(),
+                  workflow_runner=workflow_runner(), **kw)
+
+
+async def events(client: Client, wf_id: str, run_id: str) -> list:
+    return (await client.get_workflow_handle(wf_id, run_id=run_id).fetch_history()).events
+
+
+def scheduled(evs) -> list[str]:
+    return [e.activity_task_scheduled_event_attributes.activity_type.name for e in evs
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+
+async def test_back_to_back_passes_continue_as_new_when_temporal_suggests(server):
+    client = await Client.connect(server.address, namespace="can", data_converter=pydantic_data_converter)
+    stand = Stand(more=True)
+    wf_id = f"reconciler-{uuid.uuid4().hex[:8]}"
+    async with worker(client, stand):
+        handle = await client.start_workflow(ReconcilerWorkflow.run, ReconcilerInput(), id=wf_id,
+                                             task_queue=CONTROL_QUEUE)
+        first = (await handle.describe()).run_id
+        for _ in range(100):
+            if (await client.get_workflow_handle(wf_id, run_id=first).describe()).status \
+                    == WorkflowExecutionStatus.CONTINUED_AS_NEW:
+                break
+            await asyncio.sleep(0.1)
+        evs = await events(client, wf_id, first)
+        await client.get_workflow_handle(wf_id).terminate("test done")  # its next run would keep deciding
+    assert evs[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+    passes = scheduled(evs).count("decide")
+    # Every pass asked for another at once, yet the run continued as new as soon as Temporal suggested it.
+    assert 1 <= passes < MAX_PASSES // 4, passes
+    assert len(evs) <= SUGGEST_AFTER_EVENTS + 10
+    nxt = evs[-1].workflow_execution_continued_as_new_event_attributes
+    assert f'"passes":{passes}' in nxt.input.payloads[0].data.decode()
+
+
+async def test_a_run_that_planned_in_workflow_code_moves_to_decide_at_its_next_pass(server):
+    client = await Client.connect(server.address, namespace="can", data_converter=pydantic_data_converter)
+    wf_id = f"reconciler-{uuid.uuid4().hex[:8]}"
+    old = Stand(more=False)
+    # Code before `decide`, as far as this run can tell: the patch is never activated.
+    async with worker(client, old, patch_activation_callback=lambda _: False):
+        handle = await client.start_workflow(ReconcilerWorkflow.run, ReconcilerInput(interval_s=60), id=wf_id,
+                                             task_queue=CONTROL_QUEUE)
+        run = (await handle.describe()).run_id
+        for n in range(1, 3):  # two passes, the second woken once the first has recorded its decisions
+            for _ in range(100):
+                if scheduled(await events(client, wf_id, run)).count("record_decisions") >= n:
+                    break
+                await asyncio.sleep(0.1)
+            if n < 2:
+                await handle.signal(ReconcilerWorkflow.wake, "test")
+    assert old.snapshots == 2 and old.decides == 0
+    new = Stand(more=False)
+    async with worker(client, new):  # a fresh worker: the run's passes so far are replayed
+        await handle.signal(ReconcilerWorkflow.wake, "after the deploy")
+        for _ in range(100):
+            if new.decides:
+                break
+            await asyncio.sleep(0.1)
+        evs = await events(client, wf_id, run)
+        await handle.terminate("test done")
+    assert new.decides == 1 and new.snapshots == 0
+    names = scheduled(evs)
+    assert names[-1] == "decide" and names.count("read_snapshot") == old.snapshots, names
+    assert not [e for e in evs if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+    markers = [e.marker_recorded_event_attributes for e in evs if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
+    assert len(markers) == 1  # one patch marker, at the pass where the run moved

@@ -85,8 +85,10 @@ async def test_twenty_concurrent_requests_cause_one_launch_and_one_fetch(control
     try:
         await asyncio.to_thread(cp.start)
         cp.agent("node-a")
-        # max 2: the cap alone would not hide a second launch.
-        await apply(cp, {"models": [{"name": "od", "scaling": {"min": 0, "max": 2, "idle_timeout": 600},
+        # max 2: the cap alone would not hide a second launch; a target of 20 in flight per replica makes
+        # one replica what 20 requests warrant (queued requests count as load, placement/scale.py).
+        await apply(cp, {"models": [{"name": "od", "scaling": {"min": 0, "max": 2, "idle_timeout": 600,
+                                                               "target_in_flight": 20},
                                      "profiles": [{"engine": "sim", "source": weights.url + SIGNED,
                                                    "args": ["--tokens-per-second", "0"]}]}]})
         assert await replicas(cp, "od") == []

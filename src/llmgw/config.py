@@ -108,10 +108,11 @@ class Settings(BaseSettings):
     planner_hook: str | None = None  # tests only: "module:function(snapshot, plan) -> plan", applied each pass
     route_refresh_s: float = 2.0
 
-    # Gateway (docs/gateway.md). A request for a model that is loading waits `load_wait_s`, then gets 503
-    # + Retry-After; an engine silent for `upstream_timeout_s` (before its answer starts, or between
-    # chunks) gets 504. API keys: unset = required once any key has been created; true = always; false = never.
-    load_wait_s: float = 5.0
+    # Gateway (docs/gateway.md). A request for a model that is loading is held up to its `scaling.load_wait`
+    # (default 120 s), never longer than `load_wait_s`, then gets 503 + Retry-After; an engine silent for
+    # `upstream_timeout_s` (before its answer starts, or between chunks) gets 504. API keys: unset = required
+    # once any key has been created; true = always; false = never.
+    load_wait_s: float = 600.0
     upstream_timeout_s: float = 300.0
     require_api_key: bool | None = None
     breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...

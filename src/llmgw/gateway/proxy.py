@@ -34,7 +34,7 @@ from typing import Any, Awaitable, Callable
 from llmgw.gateway import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
-from llmgw.gateway.demand import Demand
+from llmgw.gateway.demand import Demand, Hold
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
@@ -53,7 +53,7 @@ GUARDED = ("/v1/chat/completions", "/v1/completions")
 MAX_HELD = 16 << 20  # an answer held for a response check
 MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
 SSE = b"text/event-stream"
-STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+STREAM_HEADERS = [(b"content-type", SSE), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 RETRYABLE = (502, 503, 504)
 JSON_OPEN, JSON_CLOSE = (b"{", b"["), (b"}", b"]")
 WATCH_AFTER_S = 0.05
@@ -81,7 +81,7 @@ class _Exchange:
     nothing worth cancelling, and a client that leaves a longer one is noticed within that delay.
     """
 
-    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone")
+    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone", "held")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
@@ -91,6 +91,7 @@ class _Exchange:
         self.started = False  # the response has begun: errors can no longer change its status
         self.finished = False  # the last byte is being sent: a disconnect now is the normal end
         self.gone = False  # the client went away first
+        self.held = False  # a streaming request held for a load: its 200 and SSE headers are already sent
 
     def watch(self, receive: Receive) -> None:
         self.task = asyncio.current_task()
@@ -154,6 +155,9 @@ class Proxy:
             status = err.status
             if not x.started:
                 await send_error(send, err)
+            elif x.held and not x.finished:  # held while loading: the stream ends with the error event
+                x.finished = True
+                await send({"type": "http.response.body", "body": sse_error(err), "more_body": False})
         except asyncio.CancelledError:
             if not x.gone:
                 raise
@@ -181,12 +185,27 @@ class Proxy:
             await self._judge(route.model.name, policy, "request", conversation(path, req),
                               "messages" if path.endswith("chat/completions") else "prompt")
 
+        judged = policy is not None and "response" in policy.check
+
         async def consume(resp: Response) -> tuple[int, float | None]:
-            if policy is not None and "response" in policy.check:
+            if judged:
                 return await self._send_judged(resp, route.model.name, policy, path, req, send, x), None
             return await self._relay(resp, req.get("stream") is True, send, x, started)
 
-        return await self._exchange(route, path, req, body, consume)
+        hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
+        return await self._exchange(route, path, req, body, consume, hold)
+
+    @staticmethod
+    def _holder(name: str, send: Send, x: _Exchange) -> Hold:
+        """While a streaming request waits for `name` to load: send 200 with SSE headers once, then a comment
+        line each time (`: loading NAME, 12 s`), so proxies and clients see a live stream (issue 13)."""
+        async def hold(waited_s: float) -> None:
+            if not x.started:
+                x.started = x.held = True
+                await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+            await send({"type": "http.response.body", "body": f": loading {name}, {waited_s:.0f} s\n\n".encode(),
+                        "more_body": True})
+        return hold
 
     def _plan(self, route: ModelRoute) -> list[ModelRoute]:
         """The models to try in order: the asked one if it has endpoints, then its fallbacks that do."""
@@ -197,12 +216,13 @@ class Proxy:
         return [r for r in (route, *self.routes.fallbacks(route)) if r.endpoints]
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
-                        consume: Callable[[Response], Awaitable[Any]]) -> Any:
+                        consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
-        requests, breaker, use for the idle clock, the concurrency slot) whatever happens."""
+        requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
+        replica the request is held for a load (`hold` is called while it waits)."""
         plan = self._plan(route)
         if not plan:
-            plan = [await self.demand.wait(route)]
+            plan = [await self.demand.wait(route, hold)]
         name = plan[0].model.name
         gate = self.gates.get(name)
         if gate is not None:
@@ -312,8 +332,9 @@ class Proxy:
             raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
         except UpstreamBroken as exc:
             raise errors.upstream_failed(str(exc)) from None
-        x.started = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": STREAM_HEADERS})
+        if not x.held:  # a request held through a load has had its 200 and SSE headers (Proxy._holder)
+            x.started = True
+            await send({"type": "http.response.start", "status": resp.status, "headers": STREAM_HEADERS})
         ttft = time.perf_counter() - started
         try:
             while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write

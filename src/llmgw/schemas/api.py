@@ -104,6 +104,7 @@ class ReplicaView(_Strict):
     shards: list[ShardView] = Field(default_factory=list)
     reason: str | None = None
     ended_reason: str | None = None
+    profile_hash: str | None = None  # the profile it runs (as its node reports it); a rollout replaces old ones
     cause: str | None = None
     restarts: int = 0
     retry_in_s: int | None = None

@@ -122,7 +122,7 @@ class Stack:
     Use as a context manager; everything started is stopped on exit, SIGTERM included.
     """
 
-    def __init__(self, gateway_cpu: int = 0):
+    def __init__(self, gateway_cpu: int = 0, slow_tokens_per_second: float | None = None):
         from llmgw.dev.procs import free_port
 
         self.gateway_cpu = gateway_cpu
@@ -131,10 +131,18 @@ class Stack:
         self.procs: list[subprocess.Popen] = []
         self.pg = None
         self.engine_port = free_port()
+        # With `slow_tokens_per_second`, a second sim engine, model `bench-slow`, that emits at that rate
+        # (bench/streams.py holds many long streams open on it).
+        self.slow_tokens_per_second = slow_tokens_per_second
+        self.slow_port = free_port()
 
     @property
     def direct(self) -> str:
         return f"http://127.0.0.1:{self.engine_port}/v1/chat/completions"
+
+    @property
+    def direct_slow(self) -> str:
+        return f"http://127.0.0.1:{self.slow_port}/v1/chat/completions"
 
     def spawn(self, argv: list[str], cpus: set[int], env: dict | None = None, log: str = "proc") -> subprocess.Popen:
         with open(self.tmp / f"{log}.log", "ab") as out:
@@ -165,6 +173,14 @@ class Stack:
         upgrade(self.pg.url)
         engine = self.spawn([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(self.engine_port),
                              "--model", "bench", "--tokens-per-second", "0"], self.others, log="engine")
+        models = [{"name": "bench", "endpoints": [f"http://127.0.0.1:{self.engine_port}"]}]
+        if self.slow_tokens_per_second is not None:
+            slow = self.spawn([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(self.slow_port),
+                               "--model", "bench-slow", "--tokens-per-second", str(self.slow_tokens_per_second)],
+                              self.others, log="engine-slow")
+            wait_port(self.slow_port, 30, slow, "slow sim engine")
+            models.append({"name": "bench-slow", "endpoints": [f"http://127.0.0.1:{self.slow_port}"]})
+            self.slow_engine_proc = psutil.Process(slow.pid)
         gport, aport, nport = free_port(), free_port(), free_port()
         env = {**os.environ, "LLMGW_DATABASE_URL": self.pg.url, "LLMGW_STATE_DIR": str(self.tmp / "state"),
                "LLMGW_GATEWAY_PORT": str(gport), "LLMGW_ADMIN_PORT": str(aport), "LLMGW_NODE_API_PORT": str(nport),
@@ -173,8 +189,8 @@ class Stack:
                             "server")
         wait_port(self.engine_port, 30, engine, "sim engine")
         wait_port(aport, 60, server, "admin API")
-        httpx.post(f"http://127.0.0.1:{aport}/admin/v1/catalog", timeout=30, json={"catalog": {"models": [
-            {"name": "bench", "endpoints": [f"http://127.0.0.1:{self.engine_port}"]}]}}).raise_for_status()
+        httpx.post(f"http://127.0.0.1:{aport}/admin/v1/catalog", timeout=30,
+                   json={"catalog": {"models": models}}).raise_for_status()
         self.gateway = f"http://127.0.0.1:{gport}/v1/chat/completions"
         deadline = time.monotonic() + 30
         while httpx.post(self.gateway, json=CHAT, timeout=10).status_code != 200:

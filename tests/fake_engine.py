@@ -40,7 +40,7 @@ def last_user_text(body: dict) -> str:
 class FakeEngines:
     def __init__(self) -> None:
         self.state: dict = {"hits": Counter(), "bodies": [], "active": 0, "max_active": 0, "cancelled_at": None,
-                            "cancel_started_at": None}
+                            "cancel_started_at": None, "release": asyncio.Event(), "firehose_cancelled": None}
         self.port = free_port()
         self.runner: web.AppRunner | None = None
         self._frozen: list[asyncio.AbstractServer] = []
@@ -103,7 +103,11 @@ class FakeEngines:
 
     async def _trigger(self, request, body, kind):
         if "trigger" in last_user_text(body):
-            return web.json_response(answer("here is a forbidden answer", body))
+            if not body.get("stream"):
+                return web.json_response(answer("here is a forbidden answer", body))
+            resp = await self._sse(request)
+            await resp.write(chunk("here is a forbidden answer") + b"data: [DONE]\n\n")
+            return resp
         return await self._echo(request, body, kind)
 
     async def _nodone(self, request, body, kind):
@@ -122,25 +126,91 @@ class FakeEngines:
             await asyncio.sleep(0.05)
         return resp
 
-    async def _slow(self, request, body, kind):
+    async def _lockstep(self, request, body, kind):
+        """One chunk, then wait until the test says it arrived (`state["lockstep"]`), twenty times."""
         resp = await self._sse(request)
         for i in range(20):
             await resp.write(chunk(f"t{i} "))
-            await asyncio.sleep(0.1)
+            try:
+                await asyncio.wait_for(self.state["lockstep"].get(), 30)
+            except asyncio.TimeoutError:
+                break  # the chunk never reached the client: the test fails on the missing chunks
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def _cancel(self, request, body, kind):
+        """Streams for a minute unless the gateway cancels it (drops the connection)."""
         resp = await self._sse(request)
-        self.state["cancel_started_at"] = time.monotonic()
+        self.state["cancel_started_at"] = t0 = time.monotonic()
         try:
-            for i in range(200):
+            i = 0
+            while time.monotonic() - t0 < 60:
                 await resp.write(chunk(f"t{i} "))
                 await asyncio.sleep(0.05)
+                i += 1
         except (asyncio.CancelledError, ConnectionResetError):
             self.state["cancelled_at"] = time.monotonic()
             raise
         return resp
+
+    async def _midevent(self, request, body, kind):
+        """A complete event, then half of one, then a clean end of the answer."""
+        resp = await self._sse(request)
+        await resp.write(chunk("partial "))
+        await resp.write(b'data: {"id": "c1", "choi')
+        return resp
+
+    async def _messy(self, request, body, kind):
+        """Fields and lines a client must not see, two [DONE]s, and data after them."""
+        resp = await self._sse(request)
+        await resp.write(b": keep-alive\n\n")
+        await resp.write(b"event: message\n" + chunk("one"))
+        await resp.write(b"id: 7\n\n")
+        await resp.write(b"garbage line\n\n")
+        await resp.write(chunk("two"))
+        await resp.write(b"data: [DONE]\n\ndata: [DONE]\n\n")
+        await resp.write(b'data: {"after done": 1}\n\n')
+        return resp
+
+    async def _shortbody(self, request, body, kind):
+        """A JSON answer announced as 1000 bytes, cut after 20."""
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(b'{"id": "c1", "choice')
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return resp
+
+    async def _streams_anyway(self, request, body, kind):
+        """An event stream for a request that asked for none."""
+        resp = await self._sse(request)
+        await resp.write(chunk("streamed") + b"data: [DONE]\n\n")
+        return resp
+
+    async def _hold(self, request, body, kind):
+        """Answers once the test sets `state["release"]` (at most 30 s)."""
+        try:
+            await asyncio.wait_for(self.state["release"].wait(), 30)
+        except asyncio.TimeoutError:
+            pass
+        return web.json_response(answer("held", body))
+
+    async def _firehose(self, request, body, kind):
+        """Streams 64 KiB events as fast as it may write, for a minute, noting when it is cancelled."""
+        resp = await self._sse(request)
+        event = chunk("x" * 65536)
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 60:
+                await resp.write(event)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.state["firehose_cancelled"] = time.monotonic()
+            raise
+        return resp
+
+    async def _garbage(self, request, body, kind):
+        return web.Response(text="<html>a proxy's error page</html>", content_type="text/html")
 
     async def _breaks(self, request, body, kind):
         resp = await self._sse(request)
@@ -169,7 +239,9 @@ class FakeEngines:
         return web.json_response(answer("unsafe\nS1" if "forbidden" in said else "safe", body))
 
     async def _fail500(self, request, body, kind):
-        return web.Response(status=500, text="Internal Server Error\nTraceback (most recent call last): ...")
+        return web.Response(status=500, text="Internal Server Error\nTraceback (most recent call last): ...\n"
+                            "FORGED 2099-01-01 INFO llmgw: all is well \x1b[2J fetched https://bucket.example/w.gguf"
+                            "?X-Amz-Signature=SECRET-SIG")
 
     async def _refuse400(self, request, body, kind):
         return web.json_response({"object": "error", "message": "max_tokens is too large", "type": "BadRequestError",
@@ -177,3 +249,67 @@ class FakeEngines:
 
     async def _busy503(self, request, body, kind):
         return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=503)
+
+
+class RawEngine:
+    """An engine written at the byte level, for what aiohttp would never send: a second answer after the
+    first, bytes on an idle kept-alive connection, informational (1xx) answers, a 1 MiB header. The
+    first path segment picks the behaviour; every answer's content is `answer(N)` where N counts requests."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.server: asyncio.AbstractServer | None = None
+        self.requests = 0
+        self.tasks: set[asyncio.Task] = set()
+
+    def url(self, behaviour: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{behaviour}"
+
+    async def start(self) -> "RawEngine":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    @staticmethod
+    def response(text: str, extra_headers: bytes = b"") -> bytes:
+        body = json.dumps(answer(text, {})).encode()
+        return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra_headers +
+                b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.tasks.add(task)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next((ln.split(b":", 1)[1] for ln in head.split(b"\r\n")
+                                   if ln.lower().startswith(b"content-length:")), b"0"))
+                await reader.readexactly(length)
+                behaviour = head.split(b" ", 2)[1].split(b"/")[1].decode()
+                self.requests += 1
+                mine = self.response(f"answer {self.requests}")
+                if behaviour == "extra":  # the answer, and at once another nobody asked for
+                    writer.write(mine + self.response("smuggled"))
+                elif behaviour == "late":  # the answer; a moment later, another on the idle connection
+                    writer.write(mine)
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+                    writer.write(self.response("smuggled"))
+                elif behaviour == "informational":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </s.css>\r\n\r\n" + mine)
+                elif behaviour == "bighead":
+                    writer.write(self.response("big", b"X-Big: " + b"a" * (1 << 20) + b"\r\n"))
+                else:
+                    writer.write(mine)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.tasks.discard(task)
+            writer.close()

@@ -57,7 +57,11 @@ class ControlPlane:
     def __init__(self, tmp: Path, database_url: str, temporal_address: str, **extra_env: str):
         self.tmp = tmp
         self.state = tmp / "state"
-        self.ports = {k: free_port() for k in ("gateway", "admin", "mirror", "node_api")}
+        self.ports: dict[str, int] = {}
+        for k in ("gateway", "admin", "mirror", "node_api"):  # distinct: free_port picks each at random
+            while (port := free_port()) in self.ports.values():
+                pass
+            self.ports[k] = port
         self.env = dict(os.environ)
         self.env.update({
             "LLMGW_STATE_DIR": str(self.state), "LLMGW_DATABASE_URL": database_url,

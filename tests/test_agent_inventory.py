@@ -1,5 +1,5 @@
 """What a real node worker advertises: declared InfiniBand adapters checked against (fake) sysfs, the
-reason for each one left out logged on the node, and its Prometheus metrics."""
+reason for each one left out logged on the node, and its Prometheus metrics (one sample per GPU)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.test_infiniband import hca
 pytestmark = pytest.mark.integration
 
 
-def test_agent_advertises_only_usable_adapters_and_says_why(control_plane, tmp_path):
+def test_agent_advertises_only_usable_adapters_and_says_why_and_its_gpus_in_metrics(control_plane, tmp_path):
     cp = control_plane.start()
     sysfs = tmp_path / "sysfs"
     hca(sysfs, "mlx5_0", ("4: ACTIVE", "200 Gb/sec (4X HDR)"))
@@ -37,4 +37,16 @@ def test_agent_advertises_only_usable_adapters_and_says_why(control_plane, tmp_p
     assert "adapter mlx5_7 on fabric ib-a is declared but not on this node" in log
     wait_port(port, 10)
     metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    assert "llmgw_gpu_nvlink_peers" in metrics
+    assert not [ln for ln in metrics.splitlines() if ln.startswith("llmgw_gpu_nvlink_peers{")]  # no GPU here
+
+    # One sample per GPU with its peer count (a HELP/TYPE line alone would say nothing): two GPUs paired
+    # by NVLink and one alone, on a node that declares them.
+    port = free_port()
+    cp.agent("gpu-node", simulate="{gpus: 3, gpu_memory_gb: 80, nvlink: [[0, 1]]}",
+             LLMGW_AGENT_METRICS_PORT=str(port))
+    cp.wait_nodes("gpu-node")
+    wait_port(port, 10)
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    samples = {ln.split("{")[1].split(",")[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
+               if ln.startswith("llmgw_gpu_nvlink_peers{")}
+    assert samples == {'gpu="0"': 1.0, 'gpu="1"': 1.0, 'gpu="2"': 0.0}, metrics

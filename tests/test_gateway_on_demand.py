@@ -54,6 +54,9 @@ class WeightServer:
             await self.runner.cleanup()
 
 
+SIGNED = "?X-Amz-Signature=SECRET-SIG&X-Amz-Expires=3600"
+
+
 def body(model: str, **kw) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
 
@@ -82,9 +85,11 @@ async def test_twenty_concurrent_requests_cause_one_launch_and_one_fetch(control
     try:
         await asyncio.to_thread(cp.start)
         cp.agent("node-a")
-        # max 2: the cap alone would not hide a second launch.
-        await apply(cp, {"models": [{"name": "od", "scaling": {"min": 0, "max": 2, "idle_timeout": 600},
-                                     "profiles": [{"engine": "sim", "source": weights.url,
+        # max 2: the cap alone would not hide a second launch; a target of 20 in flight per replica makes
+        # one replica what 20 requests warrant (queued requests count as load, placement/scale.py).
+        await apply(cp, {"models": [{"name": "od", "scaling": {"min": 0, "max": 2, "idle_timeout": 600,
+                                                               "target_in_flight": 20},
+                                     "profiles": [{"engine": "sim", "source": weights.url + SIGNED,
                                                    "args": ["--tokens-per-second", "0"]}]}]})
         assert await replicas(cp, "od") == []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -103,6 +108,10 @@ async def test_twenty_concurrent_requests_cause_one_launch_and_one_fetch(control
         assert weights.gets == 1
         agent_log = next(p for p in cp.procs if p.name == "agent-node-a").log()
         assert agent_log.count("launched shard") == 1, agent_log[-2000:]
+        # The source is a signed URL: its token appears in no log (and in no file name), its path does.
+        assert f"fetched {weights.url}?<redacted>" in agent_log, agent_log[-2000:]
+        for p in cp.procs:
+            assert "SECRET-SIG" not in p.log(), p.name
     finally:
         await weights.close()
 

@@ -35,8 +35,12 @@ def setup_process(service: str, settings: Settings | None = None) -> Settings:
 
 
 def setup_logging(verbose: bool = False) -> None:
+    """Log lines to stderr, each made safe (security/logtext.py: outside text escaped, URL secrets redacted)."""
+    from llmgw.security.logtext import install
+
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install()
     for noisy in ("httpx", "httpcore", "temporalio.activity", "temporalio.workflow", "aiohttp.access", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -112,11 +116,22 @@ def dev(
 
 @app.command()
 def server(migrate: bool = typer.Option(True, help="Apply database migrations at start")):
-    """The gateway (OpenAI API), the admin API (loopback) and the node API."""
+    """The gateway (OpenAI API), the admin API (loopback) and, in a child process, the node API."""
     from llmgw.gateway.server import main as run_server
 
     settings = setup_process("llmgw-server")
     run_server(settings, migrate=migrate)
+    exit_now(0)
+
+
+@app.command("node-api")
+def node_api():
+    """The node API alone (`llmgw server` runs it in a child process; set LLMGW_NODE_API_PORT=0 there to
+    run it as a service of its own instead)."""
+    from llmgw.gateway.server import node_api_main
+
+    settings = setup_process("llmgw-node-api")
+    node_api_main(settings)
     exit_now(0)
 
 

@@ -124,14 +124,32 @@ class Settings(BaseSettings):
     test_crash_after_commit: str | None = None
     test_crash_marker: Path | None = None
 
-    # Gateway (docs/gateway.md). A request for a model that is loading waits `load_wait_s`, then gets 503
-    # + Retry-After; an engine silent for `upstream_timeout_s` (before its answer starts, or between
-    # chunks) gets 504. API keys: unset = required once any key has been created; true = always; false = never.
-    load_wait_s: float = 5.0
+    # Gateway (docs/gateway.md). A request for a model that is loading is held up to its `scaling.load_wait`
+    # (default 120 s), never longer than `load_wait_s`, then gets 503 + Retry-After; an engine silent for
+    # `upstream_timeout_s` (before its answer starts, or between chunks) gets 504. API keys: unset = required
+    # once any key has been created; true = always; false = never.
+    load_wait_s: float = 600.0
     upstream_timeout_s: float = 300.0
     require_api_key: bool | None = None
     breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...
     breaker_open_s: float = 10.0  # ... for this long, then one trial request decides
+
+    # Every listener (gateway, admin API, node API, mirror; serving.py, docs/security.md): a request's line
+    # and headers must arrive within `header_timeout_s` and be at most `max_header_bytes`; its body within
+    # `body_timeout_s`, at most `max_request_bytes` on the gateway (16 MiB on the admin and node APIs); a
+    # client that reads nothing of its answer for `send_timeout_s` is dropped; at most `max_connections`
+    # connections per listener (idle ones make way for new ones).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
+    max_header_bytes: int = 64 << 10
+    max_request_bytes: int = 64 << 20
+    max_connections: int = 4096
+
+    # The admin API's bearer token (`Authorization: Bearer ...`). Unset: `<state_dir>/admin.token`, created
+    # at the server's first start. Required whenever the admin API listens beyond loopback; `llmgw ctl`
+    # sends it (security/admin_token.py).
+    admin_token: str | None = None
 
     # Weight fetches, on nodes and by the mirror (weights/download.py): at least `fetch_stall_bytes` every
     # `fetch_stall_s`, one attempt at one file within `fetch_deadline_s`, at most `fetch_max_bytes` per file.
@@ -200,6 +218,19 @@ class Settings(BaseSettings):
         import socket
 
         return self.node_id or socket.gethostname()
+
+    def listener_limits(self, max_body_bytes: int | None = None):
+        """These settings as one listener's limits (serving.ListenerLimits)."""
+        from llmgw.serving import ListenerLimits
+
+        return ListenerLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                              send_timeout_s=self.send_timeout_s, max_header_bytes=self.max_header_bytes,
+                              max_body_bytes=max_body_bytes or self.max_request_bytes,
+                              max_connections=self.max_connections)
+
+    @property
+    def admin_token_path(self) -> Path:
+        return self.state_dir / "admin.token"
 
     @classmethod
     def from_file(cls, path: Path | None) -> "Settings":

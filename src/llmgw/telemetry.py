@@ -44,7 +44,7 @@ class GatewayMetrics:
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
         self.in_flight = Gauge("llmgw_in_flight", "Requests this gateway holds, queued ones included", ["model"],
                                registry=r)
-        self.queued = Gauge("llmgw_queued", "Requests waiting for a concurrency slot", ["model"], registry=r)
+        self.queued = Gauge("llmgw_queued", "Requests waiting for a concurrency slot or for a load", ["model"], registry=r)
         self.ready = Gauge("llmgw_ready_replicas", "Routable replicas per model in the route table", ["model"],
                            registry=r)
         self.open_breakers = Gauge("llmgw_open_breakers", "Endpoints whose circuit breaker is open", ["model"],

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from llmgw.db.migrate import upgrade
@@ -159,13 +160,16 @@ class FaultFleet:
         return next(p for p in reversed(self.cp.procs) if p.name == name and p.alive())
 
     def freeze(self, name: str) -> Proc:
+        """SIGSTOP process `name` and its children (`llmgw server` runs the node API as its child)."""
         p = self.proc(name)
-        p.proc.send_signal(signal.SIGSTOP)
+        for c in [psutil.Process(p.proc.pid), *psutil.Process(p.proc.pid).children(recursive=True)]:
+            c.send_signal(signal.SIGSTOP)
         return p
 
     @staticmethod
     def thaw(p: Proc) -> None:
-        p.proc.send_signal(signal.SIGCONT)
+        for c in [psutil.Process(p.proc.pid), *psutil.Process(p.proc.pid).children(recursive=True)]:
+            c.send_signal(signal.SIGCONT)
 
     def restart_worker(self, **env: str) -> Proc:
         for p in self.cp.procs:

@@ -52,7 +52,7 @@ def assert_untouched(fleet: FaultFleet, before: dict) -> None:
 
 
 def test_node_api_frozen_for_twice_lost_after_tears_nothing_down(fleet):
-    """The `llmgw server` process (gateway + node API) is frozen (SIGSTOP) for 2 × node_lost_after_s: no
+    """The `llmgw server` process and its node API child are frozen (SIGSTOP) for 2 × node_lost_after_s: no
     heartbeat arrives. Its pollers still show every node alive, and the node API's own ticks stop, so the
     missing heartbeats are the observer's fault: no node is declared lost, no engine is touched."""
     before = fleet.steady(MODELS)

@@ -35,12 +35,14 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not OUT, reason="set LLMGW_HISTORIES_OUT to the folder to write histories to")]
 
 
-async def _export(address: str, namespace: str, scenario: str) -> list[Path]:
+async def _export(address: str, namespace: str, scenario: str, kinds: tuple[str, ...] = ()) -> list[Path]:
     client = await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
     out = Path(OUT or ".")
     out.mkdir(parents=True, exist_ok=True)
     written = []
     async for wf in client.list_workflows():
+        if kinds and wf.workflow_type not in kinds:
+            continue
         h = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
         name = f"{scenario}--{re.sub(r'[^A-Za-z0-9._-]', '_', wf.id)}--{wf.run_id[-8:]}.json"
         (out / name).write_text(h.to_json())
@@ -48,8 +50,9 @@ async def _export(address: str, namespace: str, scenario: str) -> list[Path]:
     return written
 
 
-def export(temporal, namespace: str, scenario: str) -> list[Path]:
-    return asyncio.run(_export(temporal.address, namespace, scenario))
+def export(temporal, namespace: str, scenario: str, kinds: tuple[str, ...] = ()) -> list[Path]:
+    """Write every workflow history of the namespace (or only those of the workflow types `kinds`)."""
+    return asyncio.run(_export(temporal.address, namespace, scenario, kinds))
 
 
 def chat(cp, model: str) -> int:
@@ -139,6 +142,23 @@ def test_fenced_starts_and_stops(control_plane, temporal, namespace):
         source.close()
     assert len(export(temporal, namespace, "fenced")) >= 6
 
+def test_rollout(control_plane, temporal, namespace):
+    """A profile change: the RolloutWorkflow retires the old replica once the surge replica is Ready."""
+    cp = control_plane.start()
+    cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
+    cp.wait_nodes("n1")
+
+    def catalog(tps: int) -> dict:
+        return {"models": [{"name": "roll", "scaling": {"min": 1, "max": 1},
+                            "profiles": [{"engine": "sim", "args": ["--tokens-per-second", str(tps)]}]}]}
+    assert cp.apply(catalog(40)).status_code == 200
+    [old] = cp.wait_replicas("roll", timeout_s=60)
+    wait_until(lambda: all(r.get("profile_hash") for r in cp.replicas(all=False)), timeout_s=15, what="hashes")
+    assert cp.apply(catalog(30)).status_code == 200
+    cp.wait_replicas("roll", exclude={old["id"]}, timeout_s=60)
+    wait_until(lambda: any(r["id"] == old["id"] and r["status"] == "stopped" for r in cp.replicas()), timeout_s=60,
+               what="the old replica retired")
+    assert export(temporal, namespace, "rollout", kinds=("RolloutWorkflow",))
 
 def test_mirror_a_layout_and_fail_one(tmp_path, temporal, namespace):
     """`MirrorWorkflow`: a two-shard layout with a connection dropped mid-file (a retried fetch, progress

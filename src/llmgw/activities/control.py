@@ -23,12 +23,12 @@ from llmgw.activities.liveness import read_pollers, record_and_read_liveness, re
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, status_repo
 from llmgw.telemetry import ControlMetrics
-from llmgw.placement.plan import backoff_delay
+from llmgw.placement.plan import backoff_delay, rollout_step
 from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.payloads import (
     AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
     MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
-    ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
+    ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, RolloutStep, RolloutStepInput, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
     Snapshot,
 )
 from llmgw.workflows.queues import replica_start_id
@@ -44,7 +44,7 @@ class ControlActivities:
     def __init__(self, engine: AsyncEngine, unreachable_after_s: float, lost_after_s: float,
                  client: Client | None = None, settings: Settings | None = None,
                  attributes: "SearchAttributeCheck | None" = None, metrics: ControlMetrics | None = None,
-                 backoff_base_s: float = 5.0, backoff_max_s: float = 600.0):
+                 backoff_base_s: float = 5.0, backoff_max_s: float = 600.0, drain_timeout_s: float = 60.0):
         self.engine = engine
         self.unreachable_after_s = unreachable_after_s
         self.lost_after_s = lost_after_s
@@ -54,11 +54,12 @@ class ControlActivities:
         self.attributes = attributes
         self.metrics = metrics or ControlMetrics()
         self.backoff = (backoff_base_s, backoff_max_s)
+        self.drain_timeout_s = drain_timeout_s
 
     def all(self) -> list:
         return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
                 self.settle_replica, self.record_replica_failure, self.reset_model_failures, self.get_replica_shards,
-                self.reclaim_targets, self.check_replica, self.await_start_closed]
+                self.reclaim_targets, self.check_replica, self.await_start_closed, self.rollout_step]
 
     @activity.defn(name="read_snapshot")
     async def read_snapshot(self) -> Snapshot:
@@ -81,6 +82,7 @@ class ControlActivities:
             replicas=[
                 ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
                             created_at=r["created_at"], updated_at=r["updated_at"], settled=r["settled_at"] is not None,
+                            profile_hash=r["profile_hash"],
                             shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"], gpus=list(s["gpus"] or [])) for s in shards])
                 for r, shards in reps
             ],
@@ -89,6 +91,12 @@ class ControlActivities:
         await remember_doubt(self.engine, snapshot)
         self.metrics.snapshot(snapshot)
         return snapshot
+
+    @activity.defn(name="rollout_step")
+    async def rollout_step(self, inp: RolloutStepInput) -> RolloutStep:
+        """What `model`'s rolling replacement does next, decided from a fresh snapshot (placement/rollout.py)."""
+        step = rollout_step(await self.read_snapshot(), inp.model)
+        return step.model_copy(update={"drain_timeout_s": self.drain_timeout_s})
 
     @activity.defn(name="record_placement")
     async def record_placement(self, inp: RecordPlacementInput) -> None:

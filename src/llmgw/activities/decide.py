@@ -34,7 +34,7 @@ from llmgw.schemas.payloads import (
 from llmgw.telemetry import ControlMetrics
 
 log = logging.getLogger(__name__)
-ACTING = ("place", "stop", "evict", "lost", "cleanup")
+ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout")
 
 Hook = Callable[[Snapshot, Plan], Plan]
 
@@ -140,6 +140,8 @@ def _action(d: Decision, rep: ReplicaSnap | None) -> PassAction:
     if d.kind == "place":
         return PassAction(kind="place", model=d.model, line=d.line(), replica_id=str(uuid.uuid4()), profile=d.profile,
                           profile_spec=d.profile_spec, shards=d.shards)
+    if d.kind == "rollout":
+        return PassAction(kind="rollout", model=d.model, line=d.line())
     assert d.replica_id
     return PassAction(kind=d.kind, model=d.model, line=d.line(), replica_id=d.replica_id, reason=d.reason,
                       drain=d.drain, final_status=d.final_status, profile=rep.profile if rep else None,

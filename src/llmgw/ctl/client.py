@@ -12,6 +12,7 @@ import httpx
 import typer
 
 from llmgw.config import Settings
+from llmgw.security.admin_token import client_token
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -21,11 +22,15 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 class Admin:
-    """A short-lived client of the admin API at `Settings().resolved_admin_url`. `now` is the server's
-    clock (its Date header) at the last answer, for AGE columns."""
+    """A short-lived client of the admin API at `Settings().resolved_admin_url`, sending the admin bearer
+    token when there is one (security/admin_token.py). `now` is the server's clock (its Date header) at the
+    last answer, for AGE columns."""
 
     def __init__(self, timeout_s: float = 30.0):
-        self.url = Settings().resolved_admin_url
+        settings = Settings()
+        self.url = settings.resolved_admin_url
+        token = client_token(settings)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
         self.now = datetime.now(timezone.utc)
 
@@ -37,7 +42,7 @@ class Admin:
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         try:
-            with httpx.Client(base_url=self.url, timeout=self.timeout_s) as c:
+            with httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers) as c:
                 r = c.request(method, path, **kw)
         except httpx.ConnectError:
             fail(f"cannot reach the admin API at {self.url}: nothing answers there; is `llmgw server` (or "

@@ -97,16 +97,18 @@ def _replica_message(r: dict) -> str:
 
 
 def _replicas_table(reps: list[dict], now: datetime, wide: bool):
-    cols = ["REPLICA", "MODEL", "STATUS", "RESTARTS", "SHARDS", "AGE", "MESSAGE"]
+    cols = ["REPLICA", "MODEL", "PROFILE", "STATUS", "RESTARTS", "SHARDS", "AGE", "MESSAGE"]
     if wide:
-        cols[5:5] = ["PROFILE", "ENDPOINT"]
+        cols[6:6] = ["ENDPOINT"]
         cols.append("TEMPORAL")
     rows = []
     for r in reps:
-        row = [r["id"][:8], r["model"], r["status"], r.get("restarts", 0), _shards(r), age(r["created_at"], now),
-               _replica_message(r)]
+        # profile@hash: what its node reports it runs; a rolling replacement retires the ones the catalog changed
+        profile = f"{r['profile']}@{(r.get('profile_hash') or '?')[:8]}"
+        row = [r["id"][:8], r["model"], profile, r["status"], r.get("restarts", 0), _shards(r),
+               age(r["created_at"], now), _replica_message(r)]
         if wide:
-            row[5:5] = [r["profile"], r["endpoint"] or "-"]
+            row[6:6] = [r["endpoint"] or "-"]
             row.append(r.get("temporal_url") or "-")
         rows.append(row)
     return table(cols, rows)
@@ -119,8 +121,8 @@ def replicas(
     """Replicas: status, shards (node, rank, GPUs), age, and why one failed.
 
     A failing model's latest failed replica is listed too, with RESTARTS, its decoded cause ("killed by
-    SIGILL (illegal instruction): ...") and the backoff left. `-o wide` adds the profile, the endpoint and
-    the Temporal UI link listing the replica's workflows.
+    SIGILL (illegal instruction): ...") and the backoff left. PROFILE is `name@hash` of the profile its node
+    reports it runs. `-o wide` adds the endpoint and the Temporal UI link listing the replica's workflows.
     """
     admin = Admin()
     show(lambda: (admin.get("/admin/v1/replicas", all=str(all).lower()), admin.now), _replicas_table, output,

@@ -11,6 +11,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw.catalog.upgrade import upgrade_model_spec
+from llmgw.db import load_repo
 from llmgw.db.tables import catalog_models, model_state
 from llmgw.schemas.api import ApplyResponse
 from llmgw.schemas.catalog import Catalog, Model
@@ -102,8 +103,18 @@ async def apply_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyRespons
 
 
 async def model_states(conn: AsyncConnection) -> list[ModelState]:
+    """Every model's state, with its load summed over the live gateways (db/load_repo.py)."""
     rows = (await conn.execute(select(model_state))).mappings().all()
-    return [ModelState.model_validate({k: v for k, v in r.items() if k in ModelState.model_fields}) for r in rows]
+    loads = await load_repo.totals(conn)
+    out = []
+    for r in rows:
+        st = ModelState.model_validate({k: v for k, v in r.items() if k in ModelState.model_fields})
+        ld = loads.get(st.name)
+        if ld is not None:
+            st = st.model_copy(update=dict(in_flight=ld.in_flight, queued=ld.queued, peak=ld.peak,
+                                           served_per_s=ld.served_per_s))
+        out.append(st)
+    return out
 
 
 async def record_demand(conn: AsyncConnection, name: str) -> None:

@@ -159,7 +159,7 @@ async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport
     shard to a replica it was not given."""
     res = await conn.execute(insert(replicas).values(
         id=report.replica_id, model=report.model, profile=report.profile, status="ready", endpoint=report.endpoint,
-        reason=f"adopted from node {node_id}", ready_at=func.now(),
+        reason=f"adopted from node {node_id}", ready_at=func.now(), profile_hash=report.profile_hash,
     ).on_conflict_do_nothing().returning(replicas.c.id))
     if res.first() is None:
         return False
@@ -325,6 +325,12 @@ async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport)
     row = res.first()
     if row is None:
         return None
+    if report.rank == 0 and report.profile_hash:
+        # What the node says it launched is the replica's profile (rolling replacement compares it with
+        # the catalog's): recorded from the fleet, not from the decision that placed it.
+        await conn.execute(update(replicas).where(and_(
+            replicas.c.id == row.replica_id, replicas.c.profile_hash.is_distinct_from(report.profile_hash)))
+            .values(profile_hash=report.profile_hash))
     rep = (await conn.execute(select(replicas.c.status).where(replicas.c.id == row.replica_id))).first()
     return rep.status if rep else None
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import (
-    Column, DateTime, ForeignKey, Integer, MetaData, String, Table, Text, func,
+    Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, Text, func,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -25,7 +25,6 @@ model_state = Table(
     Column("backoff_until", DateTime(timezone=True)),
     Column("demand_at", DateTime(timezone=True)),
     Column("last_used_at", DateTime(timezone=True)),
-    Column("in_flight", Integer, nullable=False, server_default="0"),
     Column("decisions", JSONB),  # the latest reconcile pass's reasons for this model (ctl explain)
     Column("decided_at", DateTime(timezone=True)),  # when that pass ran (0003_fleet)
 )
@@ -73,6 +72,7 @@ replicas = Table(
     Column("settled_at", DateTime(timezone=True)),  # every shard asked to stop, failure counted (0003_fleet)
     Column("ended_reason", Text),  # why it stopped: idle, evicted, node lost, ... (0003_fleet)
     Column("generation", Integer, nullable=False, server_default="1"),  # fencing; bumped towards stopping (0005)
+    Column("profile_hash", Text),  # `Profile.spec_hash()` it was started with: rolling replacement (0005)
 )
 
 shards = Table(
@@ -90,6 +90,17 @@ shards = Table(
     Column("exit_reason", Text),  # the exit in words, from the engine's adapter (0005_exit_reason)
     Column("progress", JSONB),  # a download in progress: {"source", "bytes", "total"?}; cleared by any transition
     Column("api_key", Text),  # the engine's key, from the node's report; the gateway sends it (0005_engine_keys)
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+gateway_load = Table(
+    "gateway_load", metadata,  # per gateway and model, refreshed every second (0005_gateway_load)
+    Column("gateway_id", Text, primary_key=True),
+    Column("model", Text, primary_key=True),
+    Column("in_flight", Integer, nullable=False, server_default="0"),
+    Column("queued", Integer, nullable=False, server_default="0"),
+    Column("peak", Integer, nullable=False, server_default="0"),  # in flight + queued, highest over the window
+    Column("served_per_s", Float, nullable=False, server_default="0"),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.gateway.errors import APIError, json_error
+from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.gateway.status_service import StatusService
 from llmgw.placement.liveness import FleetLiveness, fleet_liveness
@@ -31,9 +32,11 @@ from llmgw.temporal import LazyClient
 
 
 def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float,
-                     liveness: LivenessFacts | None = None):
-    """`liveness` carries the liveness settings (poller grace, silent share) the planner uses too."""
-    app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None)
+                     liveness: LivenessFacts | None = None, token: str | None = None, require_token: bool = False):
+    """The admin API behind its guard (security/admin_guard.py): with `require_token`, every request
+    must carry `Authorization: Bearer <token>`. `liveness` carries the liveness settings (poller grace,
+    silent share) the planner uses too."""
+    app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None, openapi_url=None)
     facts = liveness or LivenessFacts()
 
     async def fleet(conn) -> tuple[list, FleetLiveness]:
@@ -214,7 +217,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             return json_error(APIError(404, f"no API key with id {key_id!r}", param="id", code="not_found"))
         return KeyView(**row)
 
-    return AdminGuard(app)
+    return AdminGuard(BoundedJSON(app), token, require_token)
 
 
 def _with_silent(v: ReplicaView, live: FleetLiveness) -> ReplicaView:

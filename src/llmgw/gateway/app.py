@@ -68,10 +68,11 @@ class Gateway:
         self.feed.subscribe("keys", {"api_keys"}, self.keys.refresh)
         self.metrics = GatewayMetrics()
         self.temporal = LazyClient(settings)
-        self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s)
+        self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s, queued=self._queued)
         self.upstream = Upstream(settings.upstream_timeout_s)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
-                           Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics)
+                           Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,
+                           max_body=settings.max_request_bytes)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -79,10 +80,16 @@ class Gateway:
         await self.feed.start()
         self._tasks.append(asyncio.create_task(self.demand.flush_loop(), name="usage"))
 
+    def _queued(self, name: str) -> int:
+        """Requests waiting for a slot under `name`'s limits on this gateway."""
+        gate = self.gates.get(name)
+        return len(gate.waiters) if gate else 0
+
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.demand.forget()
         await self.feed.close()
         await self.upstream.close()
         await self.temporal.close()
@@ -93,8 +100,7 @@ class Gateway:
         for name, r in self.routes.models.items():
             self.metrics.ready.labels(name).set(len(r.endpoints))
             self.metrics.open_breakers.labels(name).set(sum(1 for e in r.endpoints if not self.proxy.balancer.usable(e, now)))
-            gate = self.gates.get(name)
-            self.metrics.queued.labels(name).set(len(gate.waiters) if gate else 0)
+            self.metrics.queued.labels(name).set(self._queued(name) + self.demand.waiting.get(name, 0))
         return self.metrics.render()
 
 

@@ -5,12 +5,16 @@ for it, and stop it when nobody does").
   the reconciler, which places one replica: its plan counts replicas already starting, so any number of
   concurrent requests, on any number of gateways, cause one load. This gateway writes demand at most once
   per `DEMAND_EVERY_S` per model.
-- The request then waits up to `load_wait_s` for a Ready replica, and otherwise gets 503 with Retry-After
-  and what is true: "loading" only while a replica is starting; "failing" with the last failure's cause and
-  the backoff left while its starts keep failing (answered at once: waiting cannot help); "cannot be
-  started" when no node can take it; "pending" when nothing has started yet; and, when its Ready replicas
-  are all on nodes the control plane cannot reach (heartbeats and pollers silent), which nodes those are. Refusing outright would make
-  on-demand useless, waiting without bound turns a request into a job. An unknown model is a 404 elsewhere.
+- The request is then held (issue 13, "hold, don't bounce") up to the model's `scaling.load_wait`
+  (default 120 s, capped by `LLMGW_LOAD_WAIT_S`) for a Ready replica; a streaming request receives SSE
+  comment lines meanwhile (`: loading smollm2-135m, 12 s`) so proxies and clients do not time out. Held
+  requests count as load, so a burst may start more than one replica (up to `max`). Past the wait, or
+  with `scaling.load_queue` requests already held on this gateway, it gets 503 with Retry-After and what
+  is true (placement/model_status.py): "loading" only while a replica is starting; "failing" with the last
+  failure's cause and the backoff left while its starts keep failing (answered at once when the backoff
+  outlasts the wait); "cannot be started" when passes keep refusing to place it; "pending" when nothing
+  has started yet; and, when its Ready replicas are all on nodes the control plane cannot reach (heartbeats
+  and pollers silent), which nodes those are. Waiting without bound turns a request into a job. An unknown model is a 404 elsewhere.
 - Use keeps a model alive: every second, models with requests in flight, and those whose last request
   ended since, are marked used now (`last_used_at`). So the reconciler's idle clock runs from when the
   last request ended, and a model serving a long stream is never idle.
@@ -21,11 +25,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import socket
+import uuid
+from typing import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.db import catalog_repo
+from llmgw.db import catalog_repo, load_repo
 from llmgw.gateway import errors
+from llmgw.gateway.load import LoadSampler
 from llmgw.gateway.routes import ModelRoute, RouteTable
 from llmgw.gateway.status_service import StatusService
 from llmgw.placement.model_status import ModelCondition, ModelStatus
@@ -35,13 +44,20 @@ log = logging.getLogger(__name__)
 DEMAND_EVERY_S = 2.0
 LOADING_RETRY_AFTER_S = 10
 CONDITION_TTL_S = 1.0
+WAKE_EVERY_S = 5.0
+HOLD_TICK_S = 2.0  # a held request checks the model's status, and a streaming one sends a comment, this often
+REFUSED_FOR_S = 10.0  # a held request is told the model cannot be placed once passes refused it this long
+
+Hold = Callable[[float], Awaitable[None]]
 
 
 class Usage:
-    """Per-model requests in flight on this gateway, and models whose requests ended since the last flush."""
+    """Per-model requests in flight on this gateway, requests served (a running count), and models whose
+    requests ended since the last flush."""
 
     def __init__(self) -> None:
         self.in_flight: dict[str, int] = {}
+        self.served: dict[str, int] = {}
         self.ended: set[str] = set()
 
     def begin(self, model: str) -> None:
@@ -49,6 +65,7 @@ class Usage:
 
     def end(self, model: str) -> None:
         self.in_flight[model] -= 1
+        self.served[model] = self.served.get(model, 0) + 1
         self.ended.add(model)
 
     def take(self) -> set[str]:
@@ -59,20 +76,31 @@ class Usage:
 
 
 class Demand:
-    """Asks for loads and keeps the idle clock honest. `flush_s` is the use-flush period (seconds)."""
+    """Asks for loads, holds requests while a model loads, keeps the idle clock honest and reports this
+    gateway's load. `load_wait_cap_s` caps every model's `scaling.load_wait`; `flush_s` is the period of the
+    use and load reports (seconds)."""
 
-    def __init__(self, engine: AsyncEngine, routes: RouteTable, temporal: LazyClient, load_wait_s: float,
-                 flush_s: float = 1.0):
+    def __init__(self, engine: AsyncEngine, routes: RouteTable, temporal: LazyClient, load_wait_cap_s: float,
+                 flush_s: float = 1.0, queued: Callable[[str], int] = lambda name: 0):
         self.engine = engine
         self.routes = routes
         self.temporal = temporal
-        self.load_wait_s = load_wait_s
+        self.load_wait_cap_s = load_wait_cap_s
         self.flush_s = flush_s
         self.usage = Usage()
+        self.waiting: dict[str, int] = {}  # model -> requests held here for a Ready replica
+        self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.sampler = LoadSampler(self.usage, self.waiting, queued, self._window)
         self.status = StatusService(engine)
+        self._reported_busy = False
         self._asked: dict[str, float] = {}
         self._conditions: dict[str, tuple[float, ModelCondition]] = {}
+        self._woke: dict[str, float] = {}
         self._background: set[asyncio.Task] = set()
+
+    def _window(self, name: str) -> float:
+        route = self.routes.resolve(name)
+        return route.model.effective_scaling.scale_down_delay if route else 60.0
 
     def ask(self, route: ModelRoute) -> None:
         """Record demand for an on-demand model with no Ready replica and wake the reconciler, in the
@@ -97,48 +125,73 @@ class Demand:
             self._asked.pop(name, None)
         await self.temporal.wake(f"demand for {name}")
 
-    async def wait(self, route: ModelRoute) -> ModelRoute:
-        """No Ready replica for `route`: ask for a load if the model may run, wait, else 503 + Retry-After
-        saying what is true (placement/model_status.py): failing (backing off after failed starts, with the
-        cause, Retry-After the backoff left), loading (only while a replica is starting), unplaceable, or
-        pending (nothing started yet)."""
+    async def wait(self, route: ModelRoute, holding: Hold | None = None) -> ModelRoute:
+        """No Ready replica for `route`: ask for a load if the model may run and hold the request until one
+        is Ready (up to the model's `load_wait`), else 503 + Retry-After saying what is true.
+
+        `holding(waited_s)` is awaited about every `HOLD_TICK_S` while the request waits (a streaming
+        request sends SSE comments from it). At most `scaling.load_queue` requests wait per model on this
+        gateway; one more is answered at once. A model backing off after failed starts for longer than the
+        wait has left is answered at once (`model_failing`), as is one the reconciler keeps refusing to place
+        for `REFUSED_FOR_S` (`model_unplaceable`).
+        """
         model = route.model
         sc = model.effective_scaling
         if not model.profiles:
             raise errors.unavailable(model.name, "none of its endpoints is reachable")
         if sc.off:
             raise errors.unavailable(model.name, "it is switched off in the catalog (scaling max 0)", retry_after_s=60)
+        name = model.name
+        if self.waiting.get(name, 0) >= sc.load_queue:
+            raise errors.loading(name, retry_after_s=LOADING_RETRY_AFTER_S,
+                                 detail=f"{sc.load_queue} requests are already waiting for it on this gateway")
         self.ask(route)
-        cond = await self.condition(model.name)
-        if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
-            raise self._failing(model.name, cond)  # backing off: waiting here would change nothing
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.load_wait_s
-        while True:
-            ready = await self.routes.wait_for_endpoint(model.name, min(DEMAND_EVERY_S, max(0.0, deadline - loop.time())))
-            if ready and ready.endpoints:
-                return ready
-            if loop.time() >= deadline:
-                break
-            # A request waiting for the load is demand: kept fresh, or a model whose idle_timeout is shorter
-            # than its placement takes (a node registering late) would be let go while it is being waited for.
-            self.ask(route)
-        cond = await self.condition(model.name, fresh=True)
+        started = loop.time()
+        deadline = started + min(sc.load_wait, self.load_wait_cap_s)
+        self.waiting[name] = self.waiting.get(name, 0) + 1
+        unplaceable_since: float | None = None
+        try:
+            while True:
+                cond = await self.condition(name)
+                now = loop.time()
+                if cond is not None and cond.status == ModelStatus.FAILING and (cond.retry_in_s or 0) > deadline - now:
+                    raise self._failing(name, cond)  # backing off past the wait: holding would change nothing
+                if cond is not None and cond.status == ModelStatus.UNPLACEABLE:
+                    unplaceable_since = unplaceable_since or now
+                    if now - unplaceable_since >= REFUSED_FOR_S:  # one pass's refusal may be a node registering
+                        raise errors.unplaceable(name, cond.reason)
+                else:
+                    unplaceable_since = None
+                ready = await self.routes.wait_for_endpoint(name, max(0.0, min(HOLD_TICK_S, deadline - loop.time())))
+                if ready and ready.endpoints:
+                    return ready
+                if loop.time() >= deadline:
+                    break
+                # A request waiting for the load is demand: kept fresh, or a model whose idle_timeout is shorter
+                # than its placement takes (a node registering late) would be let go while it is being waited for.
+                self.ask(self.routes.resolve(name) or route)
+                if holding is not None:
+                    await holding(loop.time() - started)
+        finally:
+            self.waiting[name] -= 1
+        cond = await self.condition(name, fresh=True)
         if cond is None or cond.status == ModelStatus.LOADING:
-            raise errors.loading(model.name, retry_after_s=LOADING_RETRY_AFTER_S)
+            raise errors.loading(name, retry_after_s=LOADING_RETRY_AFTER_S,
+                                 detail=f"no replica was ready after {loop.time() - started:.0f}s")
         if cond.status == ModelStatus.FAILING:
-            raise self._failing(model.name, cond)
+            raise self._failing(name, cond)
         if cond.status == ModelStatus.UNPLACEABLE:
-            raise errors.unplaceable(model.name, cond.reason)
+            raise errors.unplaceable(name, cond.reason)
         if cond.status == ModelStatus.READY:
-            silent = self.routes.unreachable.get(model.name)
+            silent = self.routes.unreachable.get(name)
             if silent:
-                raise errors.unavailable(model.name, f"its Ready replica(s) are on node(s) {', '.join(silent)}, which "
+                raise errors.unavailable(name, f"its Ready replica(s) are on node(s) {', '.join(silent)}, which "
                                          "the control plane cannot reach now (heartbeats and pollers silent)",
                                          retry_after_s=LOADING_RETRY_AFTER_S)
-            raise errors.unavailable(model.name, "its ready replicas are on nodes this gateway does not reach now",
+            raise errors.unavailable(name, "its ready replicas are on nodes this gateway does not reach now",
                                      retry_after_s=2)
-        raise errors.pending(model.name)
+        raise errors.pending(name)
 
     @staticmethod
     def _failing(name: str, cond: ModelCondition) -> errors.APIError:
@@ -161,16 +214,48 @@ class Demand:
         return cond
 
     async def flush_loop(self) -> None:
-        """Every `flush_s`, mark models used now (requests in flight or just ended)."""
+        """Every `flush_s`: mark models used now (requests in flight or just ended), and report this
+        gateway's load per model (db/load_repo.py)."""
         while True:
             await asyncio.sleep(self.flush_s)
             names = self.usage.take()
-            if not names:
+            now = asyncio.get_running_loop().time()
+            loads = self.sampler.sample(now)
+            self._wake_if_short(loads, now)
+            busy = any(not x.idle for x in loads)
+            if not names and not busy and not self._reported_busy:
                 continue
             try:
                 async with self.engine.begin() as conn:
                     for n in sorted(names):
                         await catalog_repo.record_use(conn, n)
+                    if busy or self._reported_busy:
+                        await load_repo.report(conn, self.gateway_id, loads)
+                self._reported_busy = busy
             except Exception:  # noqa: BLE001 - next tick retries; log and count
-                log.exception("recording model use failed")
+                log.exception("recording model use and load failed")
                 self.usage.ended |= names
+
+    def _wake_if_short(self, loads: list, now: float) -> None:
+        """A model whose load here exceeds what its Ready replicas carry wakes the reconciler (at most every
+        WAKE_EVERY_S per model), so a scale-up does not wait for the reconciler's timer."""
+        for x in loads:
+            route = self.routes.resolve(x.model)
+            if route is None or not route.model.profiles or x.in_flight + x.queued == 0:
+                continue
+            if x.in_flight + x.queued <= len(route.endpoints) * route.model.target_in_flight:
+                continue
+            if now - self._woke.get(x.model, -math.inf) < WAKE_EVERY_S:
+                continue
+            self._woke[x.model] = now
+            task = asyncio.create_task(self.temporal.wake(f"load on {x.model}"))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def forget(self) -> None:
+        """On a clean stop: this gateway's load leaves with it rather than after LOAD_FRESH_S."""
+        try:
+            async with self.engine.begin() as conn:
+                await load_repo.forget(conn, self.gateway_id)
+        except Exception:  # noqa: BLE001 - it expires anyway
+            log.warning("could not remove this gateway's load rows; they expire in %.0fs", load_repo.LOAD_FRESH_S)

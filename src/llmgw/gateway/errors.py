@@ -42,9 +42,10 @@ def model_not_found(name: str) -> APIError:
                     code="model_not_found", param="model")
 
 
-def loading(name: str, retry_after_s: int) -> APIError:
-    return APIError(503, f"the model `{name}` is loading; retry in about {retry_after_s}s", type="service_unavailable",
-                    code="model_loading", headers={"Retry-After": str(retry_after_s)})
+def loading(name: str, retry_after_s: int, detail: str | None = None) -> APIError:
+    why = f" ({detail})" if detail else ""
+    return APIError(503, f"the model `{name}` is loading{why}; retry in about {retry_after_s}s",
+                    type="service_unavailable", code="model_loading", headers={"Retry-After": str(retry_after_s)})
 
 
 def failing(name: str, cause: str, retry_after_s: int, restarts: int) -> APIError:
@@ -93,7 +94,7 @@ def method_not_allowed(method: str, path: str, allow: str) -> APIError:
 
 
 def too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit // (1 << 20)} MiB", code="request_too_large")
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
 def overloaded(name: str, retry_after_s: int = 1) -> APIError:

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from llmgw.gateway.errors import APIError, json_error
 
 from llmgw.gateway.fleet_service import FleetService, NodeRestricted
+from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
 from llmgw.security.node_address import NodeAddresses
 
@@ -48,7 +49,8 @@ def node_addresses(request: Request) -> NodeAddresses:
     return NodeAddresses(request.client.host if request.client else None)
 
 
-def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
+def create_node_api(fleet: FleetService, require_identity: bool):
+    """The node API's ASGI app; JSON bodies are bounded before they are parsed (gateway/jsonbody.py)."""
     app = FastAPI(title="llmgw node API", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -76,4 +78,4 @@ def create_node_api(fleet: FleetService, require_identity: bool) -> FastAPI:
         await fleet.shard_status(req, node_addresses(request))
         return {"ok": True}
 
-    return app
+    return BoundedJSON(app)

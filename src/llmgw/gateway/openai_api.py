@@ -1,8 +1,9 @@
 """The OpenAI API on the wire, for the hot path: reading and checking a request, and writing errors.
 
-Only what the gateway relies on is checked (`model`, the one field each path needs, a few types); the
-rest of the body is the engine's to judge and reaches it untouched. An engine's error answer is rewritten
-into the OpenAI envelope (gateway/errors.py).
+The body's shape is bounded before it is parsed whole (gateway/jsonbody.py: size, depth, element count,
+numbers JSON cannot carry). Then only what the gateway relies on is checked (`model`, the one field each
+path needs, a few types and ranges); the rest of the body is the engine's to judge and reaches it
+untouched. An engine's error answer is rewritten into the OpenAI envelope (gateway/errors.py).
 """
 
 from __future__ import annotations
@@ -13,12 +14,21 @@ from typing import Any, Awaitable, Callable
 
 from llmgw.gateway import errors
 from llmgw.gateway.errors import APIError
+from llmgw.gateway.jsonbody import JSONRefused, decode
+from llmgw.security.logtext import printable
 
 log = logging.getLogger(__name__)
 
 # path -> the field a request must carry besides `model`
 REQUIRED = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
 MAX_BODY = 64 << 20
+MAX_MODEL_NAME = 256
+# Counts the gateway bounds because each multiplies an engine's work: OpenAI's own ceilings (`n` 128), and
+# token limits within a signed 32-bit integer, which is what engines store them in.
+MAX_CHOICES = 128
+MAX_TOKENS = (1 << 31) - 1
+COUNTS = (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES),
+          ("best_of", MAX_CHOICES))
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -54,23 +64,25 @@ async def send_error(send: Send, err: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _positive_int(req: dict, field: str) -> None:
-    v = req.get(field)
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise errors.bad_request(f"`{field}` must be a positive integer", param=field)
+def _counts(req: dict) -> None:
+    for field, most in COUNTS:
+        if field in req:
+            v = req[field]
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most):
+                raise errors.bad_request(f"`{field}` must be an integer from 1 to {most}", param=field)
 
 
 def parse_request(path: str, body: bytes) -> dict[str, Any]:
     """Decode and check the request; raises a 400 `APIError` naming the field. Only what the gateway
     relies on is checked; everything else is the engine's to judge."""
     try:
-        req = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise errors.bad_request("the request body is not valid JSON") from None
+        req = decode(body)
+    except JSONRefused as exc:
+        raise errors.bad_request(str(exc), param=exc.param) from None
     if not isinstance(req, dict):
         raise errors.bad_request("the request body must be a JSON object")
     model = req.get("model")
-    if not isinstance(model, str) or not model:
+    if not isinstance(model, str) or not model or len(model) > MAX_MODEL_NAME:
         raise errors.bad_request("`model` is required: the name of a model from /v1/models", param="model")
     field = REQUIRED[path]
     value = req.get(field)
@@ -85,9 +97,7 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
         raise errors.bad_request(f"`{field}` is required", param=field)
     if "stream" in req and not isinstance(req["stream"], bool):
         raise errors.bad_request("`stream` must be true or false", param="stream")
-    _positive_int(req, "max_tokens")
-    _positive_int(req, "max_completion_tokens")
-    _positive_int(req, "n")
+    _counts(req)
     return req
 
 
@@ -106,7 +116,7 @@ def engine_error(status: int, body: bytes) -> APIError:
     except (ValueError, UnicodeDecodeError):
         pass
     if status >= 500:
-        log.warning("engine answered HTTP %d: %s", status, body[:2000].decode("utf-8", "replace"))
+        log.warning("engine answered HTTP %d: %s", status, printable(body))
         message = "see the gateway's log"
     elif not message:
         message = " ".join(body.decode("utf-8", "replace").split())[:300] or f"HTTP {status}"

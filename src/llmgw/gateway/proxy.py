@@ -13,9 +13,11 @@ For each request:
 - the model's concurrency gate (gateway/admission.py), then least-outstanding balancing with a circuit
   breaker per endpoint (gateway/balancer.py); a replica that fails before anything reached the client
   (no connection, or a 502/503/504 answer) is replaced by another;
-- the answer is relayed chunk by chunk as it arrives (no buffering, no Content-Length), bytes untouched,
-  so multi-byte characters split across writes reach the client whole; an SSE stream always ends with
-  `data: [DONE]`, or with an error event if the engine broke off;
+- the answer keeps OpenAI's contract whatever the engine sends: a non-streaming request gets one JSON
+  body, read whole before its status is sent (an answer cut mid-body is a 502, never a short 200); a
+  streaming one gets well-formed events relayed as each completes (no Content-Length, bytes untouched, so
+  multi-byte characters split across writes reach the client whole) and exactly one `data: [DONE]`,
+  after an error event if the engine broke off (gateway/sse.py);
 - a client that disconnects cancels the request wherever it is (queued, loading, streaming), and the
   engine's connection is dropped, which cancels its work.
 """
@@ -32,25 +34,42 @@ from typing import Any, Awaitable, Callable
 from llmgw.gateway import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
-from llmgw.gateway.demand import Demand
+from llmgw.gateway.demand import Demand, Hold
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
-    Receive, Send, engine_error, parse_request, read_body, send_error, sse_error,
+    MAX_BODY, Receive, Send, engine_error, parse_request, read_body, send_error, sse_error,
 )
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.sse import SSEFrames, StreamBroken
 from llmgw.gateway.upstream import ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout
 from llmgw.schemas.catalog import GuardPolicy
+from llmgw.security.logtext import printable
 from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
 GUARDED = ("/v1/chat/completions", "/v1/completions")
 MAX_HELD = 16 << 20  # an answer held for a response check
+MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
 SSE = b"text/event-stream"
-DONE = b"data: [DONE]\n\n"
+STREAM_HEADERS = [(b"content-type", SSE), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 RETRYABLE = (502, 503, 504)
+JSON_OPEN, JSON_CLOSE = (b"{", b"["), (b"}", b"]")
 WATCH_AFTER_S = 0.05
+
+
+def _require_stream(resp: Response) -> None:
+    if not (resp.content_type or b"").startswith(SSE):
+        raise errors.upstream_failed("it answered a streaming request without a stream")
+
+
+def looks_like_json(data: bytes) -> bool:
+    """A JSON object or array from its first to its last byte (a cheap check: an answer cut short, an
+    event stream or an HTML page fails it; the engine's JSON itself is the client's to read)."""
+    if data[:1] in JSON_OPEN and data[-1:] in JSON_CLOSE:
+        return True
+    return data[:64].lstrip()[:1] in JSON_OPEN and data[-64:].rstrip()[-1:] in JSON_CLOSE
 
 
 class _Exchange:
@@ -62,7 +81,7 @@ class _Exchange:
     nothing worth cancelling, and a client that leaves a longer one is noticed within that delay.
     """
 
-    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone")
+    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone", "held")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
@@ -72,6 +91,7 @@ class _Exchange:
         self.started = False  # the response has begun: errors can no longer change its status
         self.finished = False  # the last byte is being sent: a disconnect now is the normal end
         self.gone = False  # the client went away first
+        self.held = False  # a streaming request held for a load: its 200 and SSE headers are already sent
 
     def watch(self, receive: Receive) -> None:
         self.task = asyncio.current_task()
@@ -102,13 +122,14 @@ class Proxy:
     """The ASGI handler for POST /v1/chat/completions, /v1/completions and /v1/embeddings."""
 
     def __init__(self, routes: RouteTable, demand: Demand, gates: Gates, balancer: Balancer, upstream: Upstream,
-                 metrics: GatewayMetrics):
+                 metrics: GatewayMetrics, max_body: int = MAX_BODY):
         self.routes = routes
         self.demand = demand
         self.gates = gates
         self.balancer = balancer
         self.upstream = upstream
         self.metrics = metrics
+        self.max_body = max_body
         self.guard = Guard(self.call)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -120,7 +141,7 @@ class Proxy:
         counted = False
         try:
             path = scope["path"]
-            req_body = await read_body(receive)
+            req_body = await read_body(receive, self.max_body)
             req = parse_request(path, req_body)
             route = self.routes.resolve(req["model"])
             if route is None:
@@ -134,6 +155,9 @@ class Proxy:
             status = err.status
             if not x.started:
                 await send_error(send, err)
+            elif x.held and not x.finished:  # held while loading: the stream ends with the error event
+                x.finished = True
+                await send({"type": "http.response.body", "body": sse_error(err), "more_body": False})
         except asyncio.CancelledError:
             if not x.gone:
                 raise
@@ -161,12 +185,27 @@ class Proxy:
             await self._judge(route.model.name, policy, "request", conversation(path, req),
                               "messages" if path.endswith("chat/completions") else "prompt")
 
-        async def consume(resp: Response) -> tuple[int, float | None]:
-            if policy is not None and "response" in policy.check:
-                return await self._send_judged(resp, route.model.name, policy, path, req, send, x), None
-            return await self._relay(resp, send, x, started)
+        judged = policy is not None and "response" in policy.check
 
-        return await self._exchange(route, path, req, body, consume)
+        async def consume(resp: Response) -> tuple[int, float | None]:
+            if judged:
+                return await self._send_judged(resp, route.model.name, policy, path, req, send, x), None
+            return await self._relay(resp, req.get("stream") is True, send, x, started)
+
+        hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
+        return await self._exchange(route, path, req, body, consume, hold)
+
+    @staticmethod
+    def _holder(name: str, send: Send, x: _Exchange) -> Hold:
+        """While a streaming request waits for `name` to load: send 200 with SSE headers once, then a comment
+        line each time (`: loading NAME, 12 s`), so proxies and clients see a live stream (issue 13)."""
+        async def hold(waited_s: float) -> None:
+            if not x.started:
+                x.started = x.held = True
+                await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+            await send({"type": "http.response.body", "body": f": loading {name}, {waited_s:.0f} s\n\n".encode(),
+                        "more_body": True})
+        return hold
 
     def _plan(self, route: ModelRoute) -> list[ModelRoute]:
         """The models to try in order: the asked one if it has endpoints, then its fallbacks that do."""
@@ -177,12 +216,13 @@ class Proxy:
         return [r for r in (route, *self.routes.fallbacks(route)) if r.endpoints]
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
-                        consume: Callable[[Response], Awaitable[Any]]) -> Any:
+                        consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
-        requests, breaker, use for the idle clock, the concurrency slot) whatever happens."""
+        requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
+        replica the request is held for a load (`hold` is called while it waits)."""
         plan = self._plan(route)
         if not plan:
-            plan = [await self.demand.wait(route)]
+            plan = [await self.demand.wait(route, hold)]
         name = plan[0].model.name
         gate = self.gates.get(name)
         if gate is not None:
@@ -272,62 +312,91 @@ class Proxy:
         waits = [w for w in (self.balancer.reopens_in(mr.endpoints, loop.time()) for mr in plan) if w is not None]
         raise errors.circuit_open(plan[0].model.name, max(1, math.ceil(min(waits, default=1.0))))
 
-    async def _relay(self, resp: Response, send: Send, x: _Exchange, started: float) -> tuple[int, float | None]:
-        """Relay the answer as it arrives. Returns (status, seconds to the first streamed byte or None)."""
-        ctype = resp.header(b"content-type") or b"application/json"
-        sse = ctype.startswith(SSE)
+    async def _relay(self, resp: Response, stream: bool, send: Send, x: _Exchange,
+                     started: float) -> tuple[int, float | None]:
+        """Relay the answer as the client-facing contract says (gateway/sse.py): a streaming request gets
+        well-formed events as they complete, a non-streaming one a single JSON body. Returns (status,
+        seconds to the first streamed byte or None)."""
+        if not stream:
+            data = await self._read_whole(resp, stream=False)
+            x.started = x.finished = True
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": [(b"content-type", resp.content_type or b"application/json")]})
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+            return resp.status, None
+        _require_stream(resp)
+        frames = SSEFrames()
         try:
             chunk = await resp.next_chunk()
         except UpstreamTimeout:
             raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
         except UpstreamBroken as exc:
             raise errors.upstream_failed(str(exc)) from None
-        headers = [(b"content-type", ctype)]
-        if sse:
-            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        x.started = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        ttft = time.perf_counter() - started if sse else None
-        tail = b""
+        if not x.held:  # a request held through a load has had its 200 and SSE headers (Proxy._holder)
+            x.started = True
+            await send({"type": "http.response.start", "status": resp.status, "headers": STREAM_HEADERS})
+        ttft = time.perf_counter() - started
         try:
             while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
-                tail = (tail + chunk[-32:])[-32:]
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                out = frames.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()
-        except UpstreamError as exc:
+            out = frames.feed(chunk)
+        except (UpstreamError, StreamBroken) as exc:
             err = (errors.upstream_timeout(self.upstream.read_timeout_s) if isinstance(exc, UpstreamTimeout)
                    else errors.upstream_failed(str(exc)))
-            log.warning("the engine broke off an answer mid-way: %s", exc)
             x.finished = True
-            await send({"type": "http.response.body", "body": sse_error(err) if sse else b"", "more_body": False})
+            resp.abort()
+            tail = frames.broken(sse_error(err))
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            if not tail:  # it had said [DONE]: what came after is not the client's concern
+                return resp.status, ttft
+            log.warning("the engine broke off an answer mid-way: %s", exc)
             raise err from None
         x.finished = True
-        tail = (tail + chunk[-32:])[-32:]
-        if sse and not tail.rstrip().endswith(b"data: [DONE]"):
-            chunk += DONE
-        await send({"type": "http.response.body", "body": chunk, "more_body": False})
+        tail = frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+        await send({"type": "http.response.body", "body": out + tail, "more_body": False})
+        if tail.startswith(b"data: {"):
+            log.warning("the engine's stream ended mid-event")
+            raise errors.upstream_failed("its stream ended mid-event")
         return resp.status, ttft
 
     async def _send_judged(self, resp: Response, label: str, policy: GuardPolicy, path: str, req: dict,
                            send: Send, x: _Exchange) -> int:
-        """Hold the whole answer, have the guard judge it, then send it (or the refusal)."""
-        ctype = resp.header(b"content-type") or b"application/json"
-        data = await self._read_held(resp)
-        messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, ctype.startswith(SSE))}]
+        """Hold the whole answer, have the guard judge it, then send it (or the refusal), under the same
+        contract as `_relay`."""
+        stream = req.get("stream") is True
+        data = await self._read_whole(resp, stream, MAX_HELD)
+        if stream:
+            frames = SSEFrames()
+            data = frames.feed(data)
+            data += frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+        messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
         await self._judge(label, policy, "response", messages, None)
         x.started = x.finished = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": [(b"content-type", ctype)]})
+        headers = STREAM_HEADERS if stream else [(b"content-type", resp.content_type or b"application/json")]
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return resp.status
 
-    async def _read_held(self, resp: Response) -> bytes:
-        """A whole answer (up to MAX_HELD bytes), with engine failures as OpenAI errors (504/502)."""
+    async def _read_whole(self, resp: Response, stream: bool, limit: int = MAX_ANSWER) -> bytes:
+        """A whole answer (up to `limit` bytes) in the form the request asked for: one JSON body, or an
+        event stream; engine failures as OpenAI errors (504/502), so a body cut short is never a 200."""
+        if stream:
+            _require_stream(resp)
+        elif (resp.content_type or b"").startswith(SSE):
+            raise errors.upstream_failed("it streamed an answer to a request that did not ask for a stream")
         try:
-            return await resp.read(MAX_HELD)
+            data = await resp.read_whole(limit)
         except UpstreamTimeout:
             raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
         except UpstreamBroken as exc:
             raise errors.upstream_failed(str(exc)) from None
+        if not stream and not looks_like_json(data):
+            log.warning("the engine's answer is not one JSON body: %s", printable(data, 300))
+            raise errors.upstream_failed("its answer is not one JSON body")
+        return data
 
     async def _judge(self, label: str, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None) -> None:
         try:
@@ -346,7 +415,7 @@ class Proxy:
             raise errors.model_not_found(model)
 
         async def consume(resp: Response) -> tuple[int, Any]:
-            data = await self._read_held(resp)
+            data = await self._read_whole(resp, stream=False, limit=MAX_HELD)
             try:
                 return resp.status, json.loads(data)
             except (ValueError, UnicodeDecodeError):

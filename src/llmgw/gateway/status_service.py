@@ -114,7 +114,7 @@ class StatusService:
             endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
             shards=shards, reason=r.get("reason"), ended_reason=r.get("ended_reason"), cause=cause,
             restarts=cond.restarts if failing and cond else 0, retry_in_s=cond.retry_in_s if failing and cond else None,
-            temporal_url=self.temporal_link(r["id"], links_by_attribute))
+            temporal_url=self.temporal_link(r["id"], links_by_attribute), profile_hash=r.get("profile_hash"))
 
     def temporal_link(self, replica_id: str, by_attribute: bool) -> str | None:
         """The Temporal UI listing this replica's workflows (start and stop)."""

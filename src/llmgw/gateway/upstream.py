@@ -5,7 +5,15 @@ of CPU per proxied request; this client, an asyncio protocol around httptools' r
 uvicorn uses for requests), about 80 us. It does only what the gateway needs: POST a JSON body, read
 status and headers, then hand the body over chunk by chunk with no buffering beyond what has arrived.
 
-Errors, by what the caller may do about them:
+One connection carries one exchange at a time, and nothing an engine sends can become another request's
+answer: parsing stops at the end of each message (bytes after it mark the connection unusable), `1xx`
+informational answers are skipped, a pooled connection that has unread bytes when it is taken is
+discarded, and an answer's headers may take at most `MAX_HEAD_BYTES`. Engine connections use TCP
+keepalive and a TCP user timeout, so a lost host (not a killed process, which closes its sockets) fails
+the requests on it within about `DEAD_PEER_S` instead of `read_timeout_s`.
+
+Errors, by what the caller may do about them (their text never names the engine's address, since it
+may reach clients; callers log the endpoint beside it):
 - `ConnectFailed`: no connection, or it closed before any byte of the answer. The engine did not answer,
   so the request may go to another replica.
 - `UpstreamTimeout`: the engine sent nothing for `read_timeout_s` (before its answer or between chunks).
@@ -15,6 +23,8 @@ Errors, by what the caller may do about them:
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
@@ -24,6 +34,15 @@ import httptools
 
 HIGH_WATER = 256 * 1024  # stop reading from an engine while this much waits for a slow client; read again once taken
 MAX_IDLE_PER_TARGET = 64
+MAX_HEAD_BYTES = 64 << 10  # an answer's status line and headers
+# TCP keepalive: probe after 10 s of silence, every 5 s, give up after 3 unanswered; unacknowledged data
+# gives up after the same 25 s (TCP_USER_TIMEOUT). A lost host then fails its requests within ~25 s.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+DEAD_PEER_S = KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES
+
+
+class _NotOurs(Exception):
+    """Raised from the parser's callback to stop it at the end of the answer we asked for."""
 
 
 class UpstreamError(Exception):
@@ -82,6 +101,8 @@ class Response(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
+        self.pooled = False  # in the pool: any byte arriving now is not an answer to anything
+        self.poller = None  # a select.poll() on the socket, once connected
         self._reset()
 
     def _reset(self) -> None:
@@ -96,18 +117,40 @@ class Response(asyncio.Protocol):
         self.until_eof = False
         self.paused = False
         self.waiter: asyncio.Future | None = None
+        self.head_bytes = 0
+        self.informational = False  # parsing a 1xx answer, which is skipped
+        self.content_type: bytes | None = None
 
     # ---- asyncio protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            keepalive(sock)
+            self.poller = select.poll()  # registered once: `has_unread` is then one poll(2) per reuse
+            self.poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
+        if self.pooled:  # nobody asked: the connection cannot be trusted with the next request
+            self.abort()
+            return
+        if self.done:  # bytes after the end of the answer: read none of them, never reuse
+            self.keep_alive = False
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamBroken("the engine tried to upgrade the connection"))
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamBroken(f"the engine's answer is not valid HTTP ({exc})"))
+            if self.done:  # `_NotOurs`: another message followed the answer
+                self.keep_alive = False
+            else:
+                self._fail(UpstreamBroken(f"the engine's answer is not valid HTTP ({exc})"))
+            return
+        if not self.headers_done and not self.informational:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(UpstreamBroken(f"the engine's answer headers exceed {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -120,11 +163,24 @@ class Response(asyncio.Protocol):
         self._wake()
 
     # ---- httptools callbacks ------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.done:
+            raise _NotOurs
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"content-type" and self.content_type is None:
+            self.content_type = value
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the answer follows
+            self.informational = True
+            self.headers.clear()
+            self.content_type = None
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         names = {n for n, _ in self.headers}
         self.until_eof = b"content-length" not in names and b"transfer-encoding" not in names and self.status not in (204, 304)
@@ -140,6 +196,10 @@ class Response(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            self.head_bytes = 0
+            return
         self.done = True
         self._wake()
 
@@ -180,8 +240,13 @@ class Response(asyncio.Protocol):
                 return v
         return None
 
+    def has_unread(self) -> bool:
+        """Bytes (or an end of stream) wait on the socket while nothing was asked: not reusable."""
+        return bool(self.poller.poll(0)) if self.poller is not None else False
+
     async def _send(self, head: bytes, body: bytes) -> None:
         assert self.transport is not None
+        self.pooled = False
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self.transport.write(body)
@@ -217,10 +282,26 @@ class Response(asyncio.Protocol):
             out += chunk
         return bytes(out[:limit])
 
+    async def read_whole(self, limit: int) -> bytes:
+        """The whole rest of the body; `UpstreamBroken` if it is longer than `limit` bytes."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await self.next_chunk()
+            size += len(chunk)
+            if size > limit:
+                self.abort()
+                raise UpstreamBroken(f"the engine's answer is longer than {limit} bytes")
+            if chunk:
+                parts.append(chunk)
+            if not chunk or self.complete:  # (usually the first chunk is the whole answer)
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
     def release(self) -> None:
         """Done with the answer: keep the connection for the next request if it was read to the end."""
         if self.done and self.keep_alive and not self.closed and self.error is None:
             self._reset()
+            self.pooled = True
             self.upstream._put(self)
         else:
             self.abort()
@@ -230,6 +311,20 @@ class Response(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+
+def keepalive(sock) -> None:
+    """TCP keepalive and user timeout on an engine connection (where the OS has them)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, DEAD_PEER_S * 1000)
+    except OSError:  # not TCP (a test's Unix socket), or an OS without them
+        pass
 
 
 def _expire(fut: asyncio.Future, seconds: float) -> None:
@@ -264,9 +359,9 @@ class Upstream:
                 loop.create_connection(lambda: Response(self, target), target.host, target.port, **kw),
                 self.connect_timeout_s)
         except asyncio.TimeoutError:
-            raise ConnectFailed(f"no connection to {target.host}:{target.port} within {self.connect_timeout_s:g}s") from None
+            raise ConnectFailed(f"no connection within {self.connect_timeout_s:g}s") from None
         except OSError as exc:
-            raise ConnectFailed(f"cannot connect to {target.host}:{target.port}: {exc.strerror or exc}") from None
+            raise ConnectFailed(f"cannot connect ({exc.strerror or type(exc).__name__})") from None
         return conn
 
     async def post(self, target: Target, path: str, body: bytes) -> Response:
@@ -280,7 +375,8 @@ class Upstream:
         pool = self.idle.get(target)
         while pool:
             conn = pool.pop()
-            if conn.closed:
+            if conn.closed or conn.has_unread():
+                conn.abort()
                 continue
             try:
                 await conn._send(head, body)

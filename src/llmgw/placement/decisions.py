@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import ShardPlacement
 
-DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep"]
+DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep", "rollout"]
 
 
 REFUSED = "cannot place"
@@ -34,6 +34,7 @@ class Decision(BaseModel):
     - `wait`: `model` needs a replica but is held back (backoff, drains in progress, evictions, the most
       placements or evictions one pass makes).
     - `keep`: nothing to do for `model`; `reason` says what it has and why that is what it wants.
+    - `rollout`: some of `model`'s replicas run an older profile: make sure its `RolloutWorkflow` runs.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -67,6 +68,7 @@ _HEADS = {
     "refuse": lambda d, rid: f"{REFUSED} {d.model}",
     "wait": lambda d, rid: f"hold {d.model}",
     "keep": lambda d, rid: f"keep {d.model}",
+    "rollout": lambda d, rid: f"roll out {d.model}",
 }
 
 
@@ -96,4 +98,4 @@ class Plan(BaseModel):
 
     def acts(self) -> bool:
         """True when the pass changes something (anything but keep, wait and refuse)."""
-        return any(d.kind not in ("keep", "wait", "refuse") for d in self.decisions)
+        return any(d.kind not in ("keep", "wait", "refuse", "rollout") for d in self.decisions)

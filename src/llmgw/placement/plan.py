@@ -3,7 +3,8 @@
 Rules (seeds 003, "Phase 3 (2/3): catalog and reconciler" and "Load a model when someone asks for it";
 docs/architecture.md, "How a replica starts"):
 - keep `min` replicas of every model; on demand (`min 0, max > 0`) keep one while it is asked for and
-  stop it after `idle_timeout` without use, never with a request in flight; never more than `max`;
+  stop it after `idle_timeout` without use, never with a request in flight; between `min` and `max`, scale
+  on the load the gateways report (`placement.scale`: up at once, down by drain after `scale_down_delay`);
 - replicas whose model or profile left the catalog are stopped;
 - a node is Unreachable, then much later Lost, only when both witnesses (heartbeats, pollers) are silent;
   an Unreachable node keeps its replicas (a blip must not tear down a serving replica), a Lost node's
@@ -18,6 +19,8 @@ docs/architecture.md, "How a replica starts"):
   failure, which sets the backoff, is counted when it is settled);
 - a model that cannot be placed may evict lower-priority replicas (`placement.preempt`), for one model per
   pass; the room that frees (or that replicas already draining free) is reserved for it in the view;
+- a model whose replicas run an older profile is replaced one replica at a time (`placement.rollout`): the
+  planner places the surge replica, the `RolloutWorkflow` retires old ones;
 - every model gets a line, so `llmgw ctl explain` always describes the latest pass.
 """
 
@@ -31,31 +34,21 @@ from llmgw.placement.fit import HOLDING
 from llmgw.placement.liveness import FleetLiveness, TeardownBudget, fleet_liveness, held_decision
 from llmgw.placement.place import Probe, place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
+from llmgw.placement.rollout import next_step, plan_rules
+from llmgw.placement.scale import wanted
 from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model
-from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, Snapshot
+from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, RolloutStep, Snapshot
 
 __all__ = ["backoff_delay", "desired_replicas", "place_one", "plan_pass"]
 
 
-def desired_replicas(model: Model, state: ModelState | None, now: datetime, serving: int) -> tuple[int, str]:
-    """How many replicas `model` should have now, and why. `serving` counts its starting and ready ones."""
-    sc = model.effective_scaling
-    if sc.off:
-        return 0, "scaling is off (max 0)" if model.scaling else "no scaling stanza: off"
-    if sc.min > 0:
-        return sc.min, f"min {sc.min}"
-    # On demand: wanted while asked for, until idle_timeout has passed since the last use.
-    st = state or ModelState(name=model.name)
-    if st.in_flight > 0:
-        return max(1, min(serving, sc.max)), f"on demand, {st.in_flight} request(s) in flight"
-    last = max([t for t in (st.demand_at, st.last_used_at) if t is not None], default=None)
-    if last is None:
-        return 0, "on demand, not asked for"
-    idle = (now - last).total_seconds()
-    if idle < sc.idle_timeout:
-        return max(1, min(serving, sc.max)), f"on demand, used {idle:.0f}s ago (idle_timeout {sc.idle_timeout:g}s)"
-    return 0, f"on demand, idle for {idle:.0f}s (idle_timeout {sc.idle_timeout:g}s)"
+def desired_replicas(model: Model, state: ModelState | None, now: datetime, serving: int,
+                     newest_age_s: float | None = None) -> tuple[int, str]:
+    """How many replicas `model` should have now, and why (placement/scale.py has the rule). `serving`
+    counts its starting and Ready ones; `newest_age_s` is the newest one's age (scale-down delay)."""
+    w = wanted(model, state, now, serving, newest_age_s)
+    return w.count, w.reason
 
 
 def _where(r: ReplicaSnap) -> str:
@@ -98,6 +91,38 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
     return live
 
 
+def _with_status(snapshot: Snapshot, plan: Plan | None = None, fleet: FleetLiveness | None = None) -> list[NodeSnap]:
+    """The snapshot's nodes with their status now, as both liveness witnesses say (`placement.liveness`),
+    recorded in `plan.node_status` when given."""
+    fleet = fleet or fleet_liveness(snapshot)
+    nodes: list[NodeSnap] = []
+    for n in snapshot.nodes:
+        status = fleet.status(n.id)
+        if plan is not None:
+            plan.node_status[n.id] = status
+        nodes.append(n if n.status == status else n.model_copy(update={"status": status}))
+    return nodes
+
+
+def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
+    """The next step of `name`'s rolling replacement (placement/rollout.py), from one snapshot."""
+    model = next((m for m in snapshot.models if m.name == name), None)
+    mine = [r for r in snapshot.replicas if r.model == name and r.status in ("starting", "ready")]
+    if model is None:
+        return next_step(None, mine, 0, False, None)
+    st = next((s for s in snapshot.model_states if s.name == name), None)
+    newest = max((r.created_at for r in mine if r.created_at is not None), default=None)
+    want, _ = desired_replicas(model, st, snapshot.now, len(mine),
+                               (snapshot.now - newest).total_seconds() if newest is not None else None)
+    want = max(1, min(want, model.effective_scaling.max))  # a rollout never takes a model to zero itself
+    backoff = None
+    if st and st.backoff_until and st.backoff_until > snapshot.now:
+        backoff = (f"backing off {(st.backoff_until - snapshot.now).total_seconds():.0f}s after "
+                   f"{st.failures} failed start(s)")
+    room = place_one(model, FleetView(_with_status(snapshot), snapshot.replicas, snapshot.models)).kind == "place"
+    return next_step(model, mine, want, room, backoff)
+
+
 MAX_PLACEMENTS = 64  # per pass: each costs the workflow a record_placement and a child start (history events)
 
 
@@ -118,12 +143,8 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
         max_placements = 1
     now = snapshot.now
     plan = Plan()
-    nodes: list[NodeSnap] = []
     fleet = fleet_liveness(snapshot)
-    for n in snapshot.nodes:
-        status = fleet.status(n.id)
-        plan.node_status[n.id] = status
-        nodes.append(n if n.status == status else n.model_copy(update={"status": status}))
+    nodes = _with_status(snapshot, plan, fleet)
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}
     live = _ended_and_orphans(snapshot, plan, catalog, fleet)
@@ -145,10 +166,33 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
         mine = [r for r in serving_by_model.get(model.name, ()) if r.id not in evicting]
         serving = len(mine)
         st = states.get(model.name)
-        want, why = desired_replicas(model, st, now, serving)
+        newest = max((r.created_at for r in mine if r.created_at is not None), default=None)
+        want, why = desired_replicas(model, st, now, serving,
+                                     (now - newest).total_seconds() if newest is not None else None)
         want = min(want, model.effective_scaling.max)
+        rolling, surge = plan_rules(model, mine, want, why)
+        if rolling:
+            plan.decisions.extend(rolling)
+            if not surge:
+                continue
+            if st and st.backoff_until and st.backoff_until > now:
+                plan.decisions.append(Decision(kind="wait", model=model.name, reason=(
+                    f"{rolling[0].reason}; backing off {(st.backoff_until - now).total_seconds():.0f}s after "
+                    f"{st.failures} failed start(s); the old replicas keep serving")))
+                continue
+            if placed >= max_placements:
+                plan.more = True
+                continue
+            view = view or FleetView(nodes, snapshot.replicas, snapshot.models)
+            d = place_one(model, view)
+            d.reason = f"{rolling[0].reason}; surge: {d.reason}"
+            plan.decisions.append(d)
+            if d.kind == "place":
+                placed += 1
+                view.add(_holding(d, f"placed-{placed}"))
+            continue
         if serving > want:
-            if st and st.in_flight > 0 and want == 0:
+            if st and st.load > 0 and want == 0:
                 plan.decisions.append(Decision(kind="keep", model=model.name,
                                                reason=f"{why}; not stopped with requests in flight"))
                 continue

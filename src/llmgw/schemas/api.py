@@ -105,6 +105,7 @@ class ReplicaView(_Strict):
     reason: str | None = None
     ended_reason: str | None = None
     silent_nodes: list[str] = Field(default_factory=list)  # "node status" of its shards' nodes that are not Ready
+    profile_hash: str | None = None  # the profile it runs (as its node reports it); a rollout replaces old ones
     cause: str | None = None
     restarts: int = 0
     retry_in_s: int | None = None

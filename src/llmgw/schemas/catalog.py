@@ -44,14 +44,36 @@ def parse_duration_s(value: object) -> object:
     return value
 
 
+# Requests one replica is meant to carry at once when the catalog does not say (`scaling.target_in_flight`).
+# vLLM and SGLang batch continuously and keep dozens in flight without losing much per-request speed;
+# llama-server serves `--parallel` slots (4 when unset); the sim engine streams each request alone.
+DEFAULT_TARGET_IN_FLIGHT = {"vllm": 32, "sglang": 32, "llamacpp": 4, "sim": 8}
+
+
 class Scaling(_Strict):
-    """How many replicas of a model to run. `idle_timeout` is in seconds (or a duration: `90s`, `10m`, `1h`)."""
+    """How many replicas of a model to run, and how requests wait while one loads. Durations are seconds
+    or `90s`, `10m`, `1h`.
+
+    - `min`, `max`: bounds; between them the planner scales on load (placement/scale.py).
+    - `idle_timeout`: an on-demand model (`min 0`) stops after this long without use.
+    - `target_in_flight`: requests (in flight + queued, summed over every gateway) one replica should carry;
+      above it another replica is started. Unset: the engine's default (`DEFAULT_TARGET_IN_FLIGHT`,
+      llama.cpp's `--parallel`).
+    - `scale_down_delay`: load must have stayed low this long (its peak over the window) before a replica
+      is drained, and no replica is drained sooner than this after the newest started: no flapping.
+    - `load_wait`: how long a request for a model with no Ready replica waits for one (capped by the
+      gateway's `LLMGW_LOAD_WAIT_S`); `load_queue`: how many may wait at once on one gateway.
+    """
 
     min: int = Field(0, ge=0)
     max: int = Field(0, ge=0)
     idle_timeout: float = Field(600.0, gt=0)
+    target_in_flight: int | None = Field(None, ge=1)
+    scale_down_delay: float = Field(60.0, ge=0)
+    load_wait: float = Field(120.0, ge=0)
+    load_queue: int = Field(256, ge=0)
 
-    @field_validator("idle_timeout", mode="before")
+    @field_validator("idle_timeout", "scale_down_delay", "load_wait", mode="before")
     @classmethod
     def _duration(cls, v: object) -> object:
         return parse_duration_s(v)
@@ -120,6 +142,17 @@ class Profile(_Strict):
         import hashlib
 
         return hashlib.sha256(self.model_dump_json(exclude={"start_timeout"}).encode()).hexdigest()[:32]
+
+    def default_target_in_flight(self) -> int:
+        """Requests one replica of this profile carries well at once, when `scaling.target_in_flight` is unset:
+        llama.cpp's `--parallel`/`-np` slots when given, else the engine's default."""
+        if self.engine == "llamacpp":
+            for i, a in enumerate(self.args):
+                value = a.split("=", 1)[1] if a.startswith(("--parallel=", "-np=")) else (
+                    self.args[i + 1] if a in ("--parallel", "-np") and i + 1 < len(self.args) else None)
+                if value is not None and value.isdigit() and int(value) > 0:
+                    return int(value)
+        return DEFAULT_TARGET_IN_FLIGHT[self.engine]
 
     @property
     def tensor_parallel(self) -> bool:
@@ -205,6 +238,14 @@ class Model(_Strict):
     def effective_scaling(self) -> Scaling:
         """No scaling stanza means off (min 0, max 0)."""
         return self.scaling or Scaling(min=0, max=0)
+
+    @property
+    def target_in_flight(self) -> int:
+        """Requests one replica should carry (scaling.target_in_flight, else its first profile's default)."""
+        sc = self.effective_scaling
+        if sc.target_in_flight:
+            return sc.target_in_flight
+        return self.profiles[0].default_target_in_flight() if self.profiles else DEFAULT_TARGET_IN_FLIGHT["sim"]
 
     @property
     def simulated(self) -> bool:

@@ -29,7 +29,16 @@ class ModelState(_Strict):
     backoff_until: datetime | None = None
     demand_at: datetime | None = None  # last time a request asked for the model while none was Ready
     last_used_at: datetime | None = None  # last time a request for it ended
-    in_flight: int = 0  # requests in flight across gateways (reported by gateways)
+    # Load, summed over the gateways heard from in the last LOAD_FRESH_S (db/load_repo.py):
+    in_flight: int = 0  # requests being served now
+    queued: int = 0  # requests waiting: for a load, or for a slot under the model's limits
+    peak: int = 0  # the highest in_flight + queued over the model's scale_down_delay window, per gateway summed
+    served_per_s: float = 0.0  # requests completed per second, over the last few seconds
+
+    @property
+    def load(self) -> int:
+        """Requests that want a replica now: in flight plus queued."""
+        return self.in_flight + self.queued
 
 
 class NodeSnap(_Strict):
@@ -61,6 +70,7 @@ class ReplicaSnap(_Strict):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     settled: bool = False
+    profile_hash: str | None = None  # what rank 0's node reports it runs; None until it reports
 
 
 class LivenessFacts(_Strict):
@@ -138,14 +148,15 @@ class PassAction(_Strict):
 
     - `place`: record replica `replica_id` (an id `decide` chose) on `shards` and start it;
     - `stop`, `evict`, `lost`, `cleanup`: start the replica's stop workflow (`drain` False: no drain),
-      leaving it as `final_status`.
+      leaving it as `final_status`;
+    - `rollout`: make sure the model's `RolloutWorkflow` runs (no `replica_id`).
     `line` is the decision's line, for logs and as a placement's reason should its full reason be missing.
     """
 
-    kind: Literal["place", "stop", "evict", "lost", "cleanup"]
+    kind: Literal["place", "stop", "evict", "lost", "cleanup", "rollout"]
     model: str
     line: str
-    replica_id: str
+    replica_id: str = ""
     profile: str | None = None
     profile_spec: Profile | None = None
     shards: list[ShardPlacement] = Field(default_factory=list)
@@ -465,3 +476,36 @@ class ShardLogInput(_Strict):
     node_id: str
     read: ReadShardLogInput
     model: str = ""
+
+
+# ---- rolling replacement ------------------------------------------------------------------------
+
+class RolloutInput(_Strict):
+    """`RolloutWorkflow` (id `rollout/<model>`): replace `model`'s outdated replicas one at a time."""
+
+    model: str
+    steps: int = 0  # steps taken by earlier runs (continue-as-new)
+
+
+class RolloutStepInput(_Strict):
+    model: str
+
+
+class RolloutStep(_Strict):
+    """What a rollout does next (placement/rollout.py `next_step`): `done`, `wait` (for the reconciler to
+    place a surge replica, for it to become Ready, or out of a backoff), or `retire` `replica_id` (drain and
+    stop it). `drain_timeout_s` is the control plane's current setting."""
+
+    kind: Literal["done", "wait", "retire"]
+    reason: str
+    replica_id: str | None = None
+    outdated: int = 0
+    current_ready: int = 0
+    drain_timeout_s: float = 0.0
+
+
+class RolloutResult(_Strict):
+    model: str
+    retired: list[str] = Field(default_factory=list)
+    reason: str = ""
+

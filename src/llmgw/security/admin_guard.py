@@ -1,9 +1,10 @@
-"""Guards for the admin listener, which has no login: reaching it means holding the control plane.
+"""Guards for the admin listener: reaching it means holding the control plane.
 
 From seeds 003 ("Stop a browser page ... from running code on the nodes"): it answers only when `Host` is
 an IP address or `localhost` (defeats DNS rebinding), refuses requests a browser marks as cross-site
 (`Origin`, `Sec-Fetch-Site`), and accepts changes only as `application/json`, which no page can send
-across origins without a preflight nobody grants.
+across origins without a preflight nobody grants. And it wants the admin bearer token
+(security/admin_token.py) whenever it listens beyond loopback; a wrong token is refused everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.openai_api import send_error
+from llmgw.security.admin_token import bearer_matches
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
 
@@ -51,10 +53,15 @@ def check(method: str, headers: dict[str, str]) -> str | None:
 
 
 class AdminGuard:
-    """ASGI middleware applying `check` to every HTTP request."""
+    """ASGI middleware applying `check` to every HTTP request, then the bearer token: required when
+    `require_token`, and checked whenever one is sent."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, token: str | None = None, require_token: bool = False):
+        if require_token and not token:
+            raise ValueError("an admin API that requires a token needs one")
         self.app = app
+        self.token = token
+        self.require_token = require_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -63,5 +70,12 @@ class AdminGuard:
             if why:
                 status = 415 if why.startswith("changes must") else 403
                 await send_error(send, APIError(status, why, type="forbidden" if status == 403 else "invalid_request_error"))
+                return
+            sent = headers.get("authorization")
+            if (sent is not None or self.require_token) and not (self.token and bearer_matches(sent, self.token)):
+                await send_error(send, APIError(
+                    401, "the admin API wants its bearer token: `Authorization: Bearer <token>` (`llmgw ctl` sends "
+                    "LLMGW_ADMIN_TOKEN, or the token file in the server's state directory)", type="unauthorized",
+                    code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"}))
                 return
         await self.app(scope, receive, send)

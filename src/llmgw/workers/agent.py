@@ -113,8 +113,10 @@ class Agent:
 
     def inventory(self):
         if self.simulate is not None:
-            return simulated_inventory(self.simulate, self.settings.resolved_cache_dir, self.engines.names(),
-                                       self.fetcher.cached_names())
+            inv = simulated_inventory(self.simulate, self.settings.resolved_cache_dir, self.engines.names(),
+                                      self.fetcher.cached_names())
+            self.metrics.set_gpus(inv.gpus)  # a simulated node's metrics describe what it declares
+            return inv
         if self._gpus is None:
             # GPUs and adapters do not come and go while the worker runs: discovered once, reasons logged here,
             # on the machine whose operator can fix them.

@@ -32,9 +32,11 @@ from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID
 from llmgw.workflows.reclaim import ReclaimWorkflow
 from llmgw.workflows.reconciler import ReconcilerWorkflow
 from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+from llmgw.workflows.rollout import RolloutWorkflow
 
 log = logging.getLogger(__name__)
-WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, ShardLogWorkflow]
+WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, ShardLogWorkflow,
+             RolloutWorkflow]
 __all__ = ["WORKFLOWS", "ensure_reconciler", "run_control_worker", "watch_reconciler", "workflow_runner"]
 
 
@@ -97,7 +99,8 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
         metrics.serve(settings.control_metrics_port, settings.host)
     acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s,
                              client=client, settings=settings, attributes=check, metrics=metrics,
-                             backoff_base_s=settings.start_backoff_base_s, backoff_max_s=settings.start_backoff_max_s)
+                             backoff_base_s=settings.start_backoff_base_s, backoff_max_s=settings.start_backoff_max_s,
+                             drain_timeout_s=settings.replica_drain_timeout_s)
     decide = DecideActivities(engine, settings, acts.read_snapshot, metrics)
     worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all() + decide.all(),
                     workflow_runner=workflow_runner())

@@ -46,7 +46,8 @@ async def run_mirror(settings: Settings, directory: Path, port: int, stop: async
         acts = MirrorActivities(directory, policy, Limits.from_settings(settings), metrics)
         worker = asyncio.create_task(_work(settings, acts, stop), name="mirror worker")
     try:
-        await serve([Listener(app, settings.host, port, "mirror", lifespan="off")], stop)
+        await serve([Listener(app, settings.host, port, "mirror", lifespan="off",
+                              limits=settings.listener_limits(64 << 10))], stop)
     finally:
         stop.set()
         if worker is not None:

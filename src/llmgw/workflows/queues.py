@@ -21,6 +21,11 @@ def replica_stop_id(replica_id: str) -> str:
     return f"replica/{replica_id}/stop"
 
 
+def rollout_id(model: str) -> str:
+    """`rollout/<model>`: one rolling replacement per model at a time."""
+    return f"rollout/{model}"
+
+
 def mirror_workflow_id(name: str, version: str) -> str:
     """`mirror/<name>/<version>`: one workflow per version, whoever asks for it."""
     return f"{MIRROR_PREFIX}{name}/{version}"

@@ -35,11 +35,12 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
         DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, RecordPlacementInput,
-        RecordPlacementsInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput, Snapshot,
+        RecordPlacementsInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput, RolloutInput, Snapshot,
     )
     from llmgw.workflows import attributes, options
-    from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id
+    from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id, rollout_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+    from llmgw.workflows.rollout import RolloutWorkflow
 
 MAX_PASSES = 100
 DECIDE_PATCH = "decide-in-activity"
@@ -113,7 +114,9 @@ class ReconcilerWorkflow:
         return res
 
     async def _carry_out(self, a: PassAction, res: DecideResult) -> None:
-        if a.kind == "place":
+        if a.kind == "rollout":
+            await self._rollout(a.model)
+        elif a.kind == "place":
             assert a.profile_spec is not None
             await self._start_replica(a.replica_id, a.model, a.profile or "default", a.profile_spec, a.shards,
                                       res.ready_timeout_s)
@@ -146,6 +149,17 @@ class ReconcilerWorkflow:
             )
         except WorkflowAlreadyStartedError:
             pass  # already stopping
+
+    async def _rollout(self, model: str) -> None:
+        """Make sure the model's `RolloutWorkflow` runs (one per model: a second start is refused)."""
+        try:
+            await workflow.start_child_workflow(
+                RolloutWorkflow.run, RolloutInput(model=model), id=rollout_id(model), task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON, memo=attributes.memo(model),
+                search_attributes=attributes.lifecycle("rollout", model) if self._search_attributes else None,
+            )
+        except WorkflowAlreadyStartedError:
+            pass
 
     # ---- passes of runs started before `decide` (remove once none can be running) --------------------
 
@@ -183,6 +197,8 @@ class ReconcilerWorkflow:
                     replica_id=d.replica_id, reason=d.reason, drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
                     final_status=d.final_status), d.model, rep.profile if rep else None,
                     sorted({s.node_id for s in rep.shards}) if rep else [])
+            elif d.kind == "rollout" and workflow.patched("rollout"):
+                await self._rollout(d.model)
 
     async def _legacy_place(self, d: Decision, inp: ReconcilerInput) -> None:
         replica_id = str(workflow.uuid4())

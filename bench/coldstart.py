@@ -1,0 +1,175 @@
+"""Cold start: request -> first token for an on-demand sim model, against the sim engine's own
+start-to-healthy time measured in the same run, with the time broken down by phase (issue 13).
+
+Starts an embedded PostgreSQL, a Temporal dev server, `llmgw server`, `llmgw worker` and one simulated
+`llmgw agent` on free ports; applies N on-demand sim models (`--tokens-per-second 0`, nothing to fetch),
+then asks each one once with a streaming request and times the first token. The phases come from the
+database (demand, placement and ready times), the replica's start workflow history (fetch, launch,
+readiness) and the client (first token). Interleaved with the requests, the sim engine is started on its
+own N times (spawn -> /health 200), which is what no orchestration can remove.
+
+    .venv/bin/python bench/coldstart.py [--runs 15]
+
+Orchestration overhead = total - the engine's own start. Prints a table of p50/p90 per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import psycopg
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from temporalio.api.enums.v1 import EventType  # noqa: E402
+from temporalio.client import Client  # noqa: E402
+from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: E402
+
+from llmgw.db.migrate import upgrade  # noqa: E402
+from llmgw.dev.postgres import EmbeddedPostgres  # noqa: E402
+from llmgw.dev.procs import free_port  # noqa: E402
+from llmgw.dev.temporal_server import TemporalDevServer  # noqa: E402
+from tests.fleet import sim_spec  # noqa: E402
+from tests.helpers import ControlPlane  # noqa: E402
+
+PHASES = ["demand recorded, woken", "reconcile pass placed it", "start workflow began", "launch", "readiness detected",
+          "marked ready", "route updated, first token"]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def engine_start_s() -> float:
+    """Spawn the sim engine and poll /health every 2 ms until it answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "llmgw.engines.sim_server", "--model", "x", "--port", str(port),
+                          "--tokens-per-second", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client() as c:
+            while True:
+                try:
+                    if c.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        return time.perf_counter() - t0
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.002)
+    finally:
+        p.terminate()
+        p.wait()
+
+
+async def first_token(gateway: str, model: str) -> tuple[float, float]:
+    """(wall time sent, seconds to the first `data:` line) for one streaming request."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    async with httpx.AsyncClient(timeout=120) as c:
+        sent = time.time()
+        t0 = time.perf_counter()
+        async with c.stream("POST", gateway + "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    return sent, time.perf_counter() - t0
+    raise RuntimeError(f"{model}: no data line")
+
+
+async def demand_signal_time(temporal: str, namespace: str, model: str) -> float:
+    """Epoch seconds when the reconciler received the gateway's first wake-up for `model` (demand recorded,
+    reconciler signalled), from the reconciler's history (current run and those before it)."""
+    client = await Client.connect(temporal, namespace=namespace, data_converter=pydantic_data_converter)
+    async for wf in client.list_workflows("WorkflowId = 'reconciler'"):
+        h = await client.get_workflow_handle("reconciler", run_id=wf.run_id).fetch_history()
+        for e in h.events:
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+                payloads = e.workflow_execution_signaled_event_attributes.input.payloads
+                if payloads and payloads[0].data.decode().strip('"') == f"demand for {model}":
+                    return e.event_time.ToDatetime().timestamp()
+    raise RuntimeError(f"no demand signal for {model}")
+
+
+async def workflow_times(temporal: str, namespace: str, replica_id: str) -> dict[str, float]:
+    """Epoch seconds of the start workflow's milestones, from its history."""
+    client = await Client.connect(temporal, namespace=namespace, data_converter=pydantic_data_converter)
+    h = await client.get_workflow_handle(f"replica/{replica_id}/start").fetch_history()
+    out: dict[str, float] = {"started": h.events[0].event_time.ToDatetime().timestamp()}
+    scheduled: dict[int, str] = {}
+    for e in h.events:
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            name = scheduled[e.activity_task_completed_event_attributes.scheduled_event_id]
+            out.setdefault(name, e.event_time.ToDatetime().timestamp())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=15)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="llmgw-bench-cold-"))
+    pg = EmbeddedPostgres(root / "pg", free_port(), root / "pg.log", database="bench", durable=False)
+    temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log", namespaces=["bench"])
+    cp = None
+    try:
+        pg.start()
+        upgrade(pg.url)
+        temporal.start()
+        cp = ControlPlane(root, pg.url, temporal.address, LLMGW_TEMPORAL_NAMESPACE="bench",
+                          LLMGW_RECONCILE_INTERVAL_S="30")
+        cp.start()
+        cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=256))
+        cp.wait_nodes("n1")
+        names = [f"cold-{i}" for i in range(args.runs)]
+        cp.apply({"models": [{"name": n, "scaling": {"min": 0, "max": 1, "idle_timeout": "1h"},
+                              "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "0"]}]} for n in names]})
+        time.sleep(3)  # the route table has the models; the reconciler's passes are quiet
+        engine, rows = [], []
+        for n in names:
+            engine.append(engine_start_s())
+            sent, ttft = asyncio.run(first_token(cp.gateway, n))
+            time.sleep(0.5)  # let the rows settle before reading them
+            demand = asyncio.run(demand_signal_time(temporal.address, "bench", n))
+            with psycopg.connect(pg.url.replace("+psycopg", "")) as conn:
+                rid, created, ready = conn.execute(
+                    "select id, extract(epoch from created_at), extract(epoch from ready_at) from replicas "
+                    "where model=%s", (n,)).fetchone()
+            wf = asyncio.run(workflow_times(temporal.address, "bench", rid))
+            marks = [sent, float(demand), float(created), wf["started"], wf["launch_shard"], wf["wait_shard_ready"],
+                     float(ready), sent + ttft]
+            rows.append({"total": ttft, **{p: b - a for p, a, b in zip(PHASES, marks, marks[1:])}})
+            print(f"{n}: first token after {ttft * 1000:.0f} ms (engine alone {engine[-1] * 1000:.0f} ms)", flush=True)
+        print()
+        print(f"{'phase':<32}{'p50 ms':>10}{'p90 ms':>10}")
+        for p in [*PHASES, "total"]:
+            xs = [r[p] for r in rows]
+            print(f"{p:<32}{pct(xs, 0.5) * 1000:>10.1f}{pct(xs, 0.9) * 1000:>10.1f}")
+        print(f"{'engine start-to-healthy alone':<32}{pct(engine, 0.5) * 1000:>10.1f}{pct(engine, 0.9) * 1000:>10.1f}")
+        over = [r["total"] - e for r, e in zip(rows, engine)]
+        print(f"{'orchestration overhead':<32}{pct(over, 0.5) * 1000:>10.1f}{pct(over, 0.9) * 1000:>10.1f}"
+              f"   (total - engine alone, paired by run; target p50 <= 50 ms)")
+        print(f"\n{datetime.now():%Y-%m-%d %H:%M}, {args.runs} runs, load average "
+              f"{open('/proc/loadavg').read().split()[0]}")
+    finally:
+        if cp is not None:
+            cp.stop()
+        temporal.stop()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

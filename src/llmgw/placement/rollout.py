@@ -1,0 +1,84 @@
+"""Rolling replacement when a model's profile changes (issue 13). Pure: snapshot in, decisions out.
+
+A replica is *outdated* when the profile hash its node reports it runs (`ReplicaSnap.profile_hash`, from
+the shard reports) differs from the catalog's profile of the same name. A replica that has not reported
+yet (hash None) is not outdated: it was placed from the current catalog, or predates hashes.
+
+The work is split so that nothing races for GPUs:
+- the reconciler's planner (`plan_rules`, called by `plan_pass`) keeps a `RolloutWorkflow` running for the
+  model and places new replicas of the current profile: one at a time, up to `want + 1` (the surge), never
+  by evicting anything; while outdated replicas remain it scales nothing down;
+- the `RolloutWorkflow` retires old ones, one at a time, through `next_step`: when a new replica is Ready
+  and the model has more replicas than it wants (the surge arrived), drain and stop the oldest outdated one;
+  when no node has room for a surge, retire one first so the planner can place into the room it frees
+  (fewer Ready replicas for a while: only when capacity leaves no other way).
+So there are never fewer Ready replicas than before when capacity allows, and a new profile that fails to
+start leaves the old replicas serving (the model backs off as after any failed start).
+"""
+
+from __future__ import annotations
+
+from llmgw.placement.decisions import Decision
+from llmgw.schemas.catalog import Model
+from llmgw.schemas.payloads import ReplicaSnap, RolloutStep
+
+LIVE = ("starting", "ready")
+
+
+def is_outdated(r: ReplicaSnap, model: Model) -> bool:
+    profile = model.profile(r.profile)
+    return profile is not None and r.profile_hash is not None and r.profile_hash != profile.spec_hash()
+
+
+def hashes(model: Model) -> str:
+    return ", ".join(f"{p.name}@{p.spec_hash()[:8]}" for p in model.profiles)
+
+
+def plan_rules(model: Model, mine: list[ReplicaSnap], want: int, why: str) -> tuple[list[Decision], bool]:
+    """The planner's part for a model with outdated replicas. Returns (decisions, place): `place` is True
+    when the planner should place one replica of the current profile now (the surge), without eviction."""
+    old = [r for r in mine if is_outdated(r, model)]
+    if not old:
+        return [], False
+    new_starting = [r for r in mine if r not in old and r.status == "starting"]
+    head = (f"rolling replacement to {hashes(model)}: {len(old)} of {len(mine)} replica(s) run an older profile "
+            f"({want} wanted: {why})")
+    decisions = [Decision(kind="rollout", model=model.name, reason=head)]
+    if new_starting:
+        decisions.append(Decision(kind="keep", model=model.name,
+                                  reason=f"{head}; replica {new_starting[0].id[:8]} of the new profile is starting"))
+        return decisions, False
+    if len(mine) >= want + 1:
+        decisions.append(Decision(kind="keep", model=model.name,
+                                  reason=f"{head}; the rollout drains an old replica next"))
+        return decisions, False
+    return decisions, True
+
+
+def next_step(model: Model | None, replicas: list[ReplicaSnap], want: int, room: bool, backoff: str | None) -> RolloutStep:
+    """What the `RolloutWorkflow` does next for `model`. `replicas` are the model's; `want` is what the
+    planner wants now; `room` whether a node can take one more replica; `backoff` the reason the model is
+    held (failed starts) or None."""
+    if model is None:
+        return RolloutStep(kind="done", reason="the model left the catalog; the reconciler stops its replicas")
+    live = [r for r in replicas if r.status in LIVE]
+    old = sorted((r for r in live if is_outdated(r, model)),
+                 key=lambda r: (r.status != "starting", r.created_at.timestamp() if r.created_at else 0))
+    new = [r for r in live if r not in old]
+    counts = dict(outdated=len(old), current_ready=sum(1 for r in new if r.status == "ready"))
+    if not old:
+        return RolloutStep(kind="done", reason=f"every replica runs {hashes(model)}", **counts)
+    if any(r.status == "starting" for r in new):
+        return RolloutStep(kind="wait", reason="a replica of the new profile is starting", **counts)
+    if len(live) > want:
+        v = old[0]
+        return RolloutStep(kind="retire", replica_id=v.id, **counts,
+                           reason=f"{len(live)} replicas, {want} wanted: retire {v.id[:8]} (older profile)")
+    if backoff:
+        return RolloutStep(kind="wait", reason=f"the new profile is held: {backoff}; the old replicas keep serving",
+                           **counts)
+    if not room:
+        v = old[0]
+        return RolloutStep(kind="retire", replica_id=v.id, **counts,
+                           reason=f"no node has room for a surge replica: retire {v.id[:8]} first, then place into its room")
+    return RolloutStep(kind="wait", reason="waiting for the reconciler to place a replica of the new profile", **counts)

@@ -1,0 +1,73 @@
+"""The admin API's bearer token: who may change the catalog, keys and fleet when the admin API is reachable
+beyond this machine.
+
+- The token is `LLMGW_ADMIN_TOKEN` when set (at least 32 characters), else the file
+  `<state_dir>/admin.token`, created (mode 0600) at the server's first start.
+- The admin API requires it whenever it listens beyond loopback (`LLMGW_ADMIN_HOST` not 127.0.0.0/8,
+  ::1 or localhost); on loopback it is optional, but a wrong one is still refused.
+- `llmgw ctl` sends it, read the same way, so `llmgw dev` and `llmgw ctl` on one machine need no step.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import secrets
+
+from llmgw.config import Settings
+
+MIN_LENGTH = 32
+PREFIX = "llmgw-admin-"
+
+
+def loopback_only(host: str) -> bool:
+    """True when a listener on `host` can be reached from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def ensure_token(settings: Settings) -> str:
+    """The token the admin API accepts, creating the token file on first use. Raises SystemExit for a
+    `LLMGW_ADMIN_TOKEN` that is too short to be a secret."""
+    if settings.admin_token:
+        if len(settings.admin_token) < MIN_LENGTH:
+            raise SystemExit(f"LLMGW_ADMIN_TOKEN must be at least {MIN_LENGTH} characters of randomness; "
+                             f"for example: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        return settings.admin_token
+    path = settings.admin_token_path
+    existing = read_token_file(settings)
+    if existing:
+        return existing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = PREFIX + secrets.token_urlsafe(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another server on this state directory was quicker
+        return read_token_file(settings) or token
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def read_token_file(settings: Settings) -> str | None:
+    try:
+        return settings.admin_token_path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def client_token(settings: Settings) -> str | None:
+    """What `llmgw ctl` sends: `LLMGW_ADMIN_TOKEN`, else the token file when this user can read it."""
+    return settings.admin_token or read_token_file(settings)
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """`Authorization: Bearer <token>`, compared in constant time."""
+    if not authorization or not authorization[:7].lower() == "bearer ":
+        return False
+    return hmac.compare_digest(authorization[7:].strip().encode(), token.encode())

@@ -1,0 +1,123 @@
+"""The admin API's guard through a real `llmgw server` (security/admin_guard.py, security/admin_token.py):
+Host must be an address or localhost, cross-site requests are refused, changes come only as JSON, the
+bearer token is required beyond loopback (and `llmgw ctl` sends it), and bodies are bounded like the
+gateway's. Also: docker-compose.yml never publishes the admin API without its token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import yaml
+
+from llmgw.dev.procs import free_port
+from llmgw.security.admin_token import loopback_only
+from tests.helpers import REPO, ControlPlane
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+async def cp(tmp_path_factory, module_database_url):
+    plane = ControlPlane(tmp_path_factory.mktemp("admin"), module_database_url, f"127.0.0.1:{free_port()}")
+    try:
+        await asyncio.to_thread(plane.start, worker=False)
+        yield plane
+    finally:
+        await asyncio.to_thread(plane.stop)
+
+
+def get(cp: ControlPlane, **headers: str) -> httpx.Response:
+    return httpx.get(cp.admin + "/admin/v1/models", headers=headers, timeout=10)
+
+
+def test_host_must_be_an_ip_address_or_localhost(cp):
+    """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example."""
+    assert get(cp).status_code == 200
+    assert get(cp, host=f"localhost:{cp.ports['admin']}").status_code == 200
+    for host in ("evil.example", f"evil.example:{cp.ports['admin']}", "127.0.0.1.evil.example"):
+        r = get(cp, host=host)
+        assert r.status_code == 403, host
+        assert "Host" in r.json()["error"]["message"]
+
+
+def test_cross_site_requests_are_refused(cp):
+    same = f"http://127.0.0.1:{cp.ports['admin']}"
+    assert get(cp, origin=same).status_code == 200
+    for headers in ({"origin": "http://evil.example"}, {"origin": "null"}, {"sec-fetch-site": "cross-site"},
+                    {"origin": f"http://localhost:{cp.ports['admin']}"}):
+        r = get(cp, **headers)
+        assert r.status_code == 403, headers
+        assert r.json()["error"]["type"] == "forbidden"
+
+
+def test_changes_are_accepted_only_as_json(cp):
+    r = httpx.post(cp.admin + "/admin/v1/keys", content=b'{"name": "x"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+    assert "application/json" in r.json()["error"]["message"]
+
+
+def test_on_loopback_the_token_is_optional_but_a_wrong_one_is_refused(cp):
+    token = (cp.state / "admin.token").read_text().strip()  # created at the server's first start
+    assert len(token) >= 32 and (cp.state / "admin.token").stat().st_mode & 0o077 == 0
+    assert get(cp, authorization=f"Bearer {token}").status_code == 200
+    r = get(cp, authorization="Bearer not-the-token")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+
+
+def test_abusive_json_gets_400_not_500(cp):
+    cases = [b'{"catalog": ' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"catalog": {"models": []}, "x": NaN}',
+             b'{"catalog": {"models": [' + b",".join([b"{}"] * 200_000) + b"]}}", b'{"catalog": ' + b"1" * 5000 + b"}"]
+    for body in cases:
+        r = httpx.post(cp.admin + "/admin/v1/catalog", content=body, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 400, (body[:60], r.text[:300])
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off_with_413(cp):
+    """The admin API's app reads a body whole; the listener stops a chunked one at 16 MiB."""
+    def chunks():
+        for _ in range(17):
+            yield b"a" * (1 << 20)
+    r = httpx.post(cp.admin + "/admin/v1/catalog", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_beyond_loopback_every_request_needs_the_token_and_ctl_sends_it(tmp_path, database_url):
+    plane = ControlPlane(tmp_path, database_url, f"127.0.0.1:{free_port()}", LLMGW_ADMIN_HOST="0.0.0.0")
+    try:
+        plane.start(worker=False)
+        r = httpx.get(plane.admin + "/admin/v1/models", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
+        token = (plane.state / "admin.token").read_text().strip()
+        r = httpx.get(plane.admin + "/admin/v1/models", headers={"authorization": f"Bearer {token}"}, timeout=10)
+        assert r.status_code == 200
+        out = plane.ctl("models")  # reads the token file from the state directory
+        assert out.returncode == 0, out.stderr
+        out = plane.ctl("keys", "list")
+        assert out.returncode == 0, out.stderr
+        elsewhere = {**plane.env, "LLMGW_STATE_DIR": str(tmp_path / "another"), "LLMGW_ADMIN_TOKEN": token}
+        plane.env, saved = elsewhere, plane.env  # another machine: only the environment variable
+        try:
+            assert plane.ctl("models").returncode == 0
+        finally:
+            plane.env = saved
+    finally:
+        plane.stop()
+
+
+def test_docker_compose_publishes_the_admin_api_only_behind_its_token():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    server = compose["services"]["server"]
+    env = server["environment"]
+    host = env.get("LLMGW_ADMIN_HOST", "127.0.0.1")
+    published = [p for p in server.get("ports", []) if str(p).endswith(":8081")]
+    # Listening beyond loopback inside the container makes the server require the token; and the port
+    # is published on the host's loopback only.
+    assert not loopback_only(host) or not published
+    assert all(str(p).startswith("127.0.0.1:") for p in published), published
+    assert "LLMGW_ADMIN_TOKEN" not in json.dumps(env) or "${" in json.dumps(env)  # no token in the file

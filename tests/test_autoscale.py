@@ -1,0 +1,115 @@
+"""Scale with load, through the real path (issue 13): 40 concurrent clients against a sim model with a
+target of 15 requests per replica; the gateway reports the load, the reconciler scales 1 -> 3, and back to
+1 by drain once the clients stop, with no failed request. And a burst for an unloaded on-demand model whose
+engine takes seconds to become ready is held, not bounced: every request gets 200, one replica starts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.fleet import sim_spec
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+CLIENTS = 40
+
+
+def ready(cp, model: str) -> list[dict]:
+    return [r for r in cp.replicas() if r["model"] == model and r["status"] == "ready"]
+
+
+async def client_loop(gateway: str, model: str, stop: asyncio.Event, results: list) -> None:
+    async with httpx.AsyncClient(timeout=60) as c:
+        while not stop.is_set():
+            try:
+                r = await c.post(gateway + "/v1/chat/completions", json={
+                    "model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8})
+                results.append(r.status_code if r.status_code == 200 else (r.status_code, r.text[:200]))
+            except httpx.HTTPError as exc:
+                results.append(("error", repr(exc)))
+
+
+def test_steady_load_scales_one_to_three_and_back_with_zero_failed_requests(control_plane):
+    cp = control_plane.start()
+    cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
+    cp.wait_nodes("n1")
+    # 8 tokens at 20 tokens/s: each request lasts ~0.4 s, so 40 clients keep ~40 in flight.
+    catalog = {"models": [{"name": "busy", "scaling": {"min": 1, "max": 3, "target_in_flight": 15,
+                                                       "scale_down_delay": "4s"},
+                           "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "20"]}]}]}
+    assert cp.apply(catalog).status_code == 200
+    cp.wait_replicas("busy", timeout_s=60)
+
+    results: list = []
+
+    async def run():
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(client_loop(cp.gateway, "busy", stop, results)) for _ in range(CLIENTS)]
+        try:
+            deadline = time.monotonic() + 90
+            while len(await asyncio.to_thread(ready, cp, "busy")) < 3:
+                assert time.monotonic() < deadline, f"never scaled to 3: {cp.explain('busy')}"
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(3)  # the third replica takes traffic too
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    explain = "\n".join(cp.explain("busy")["decisions"])
+    failed = [r for r in results if r != 200]
+    assert not failed, failed[:5]
+    assert len(results) > 100
+
+    # The load is gone: after scale_down_delay the newest replicas drain, one by one, down to min.
+    wait_until(lambda: len(ready(cp, "busy")) == 1 and not [r for r in cp.replicas(all=False)
+                                                              if r["model"] == "busy" and r["status"] != "ready"],
+               timeout_s=90, what="back to one replica", why=lambda: cp.explain("busy"))
+    stopped = [r for r in cp.replicas() if r["model"] == "busy" and r["status"] == "stopped"]
+    assert len(stopped) == 2
+    assert all("wanted" in (r["ended_reason"] or "") for r in stopped), stopped
+    assert "target 15 per replica" in explain, explain
+
+
+def test_a_burst_for_an_unloaded_model_is_held_until_it_serves(control_plane):
+    """20 requests (half streaming) for an on-demand model whose engine takes 8 s to become healthy: every
+    one is held and answered 200, streaming ones see `: loading` comments, and one replica starts."""
+    cp = control_plane
+    cp.env["LLMGW_LOAD_WAIT_S"] = "60"
+    cp.start()
+    cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
+    cp.wait_nodes("n1")
+    catalog = {"models": [{"name": "cold", "scaling": {"min": 0, "max": 1, "load_wait": "45s"},
+                           "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "0",
+                                                                   "--startup-delay", "8"]}]}]}
+    assert cp.apply(catalog).status_code == 200
+    wait_until(lambda: "cold" in {m["id"] for m in httpx.get(cp.gateway + "/v1/models").json()["data"]},
+               timeout_s=10, what="cold listed")
+
+    async def one(i: int, c: httpx.AsyncClient) -> tuple[int, str]:
+        body = {"model": "cold", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+        if i % 2:
+            body["stream"] = True
+            async with c.stream("POST", cp.gateway + "/v1/chat/completions", json=body) as r:
+                text = "".join([line + "\n" async for line in r.aiter_lines()])
+                return r.status_code, text
+        r = await c.post(cp.gateway + "/v1/chat/completions", json=body)
+        return r.status_code, r.text
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=90) as c:
+            return await asyncio.gather(*(one(i, c) for i in range(20)))
+
+    started = time.monotonic()
+    out = asyncio.run(burst())
+    assert time.monotonic() - started > 5  # they were held through the engine's start
+    assert [s for s, _ in out] == [200] * 20, [o for o in out if o[0] != 200][:3]
+    streamed = [t for i, (_, t) in enumerate(out) if i % 2]
+    assert all(t.rstrip().endswith("data: [DONE]") for t in streamed)
+    assert any(": loading cold, " in t for t in streamed), streamed[0][:300]
+    assert len([r for r in cp.replicas() if r["model"] == "cold"]) == 1

@@ -1,0 +1,58 @@
+"""The gateway's engine client (gateway/upstream.py) on a real socket, for what the relay tests cannot
+time: bytes that reach a pooled connection's socket before the event loop has read them, and the TCP
+options that make a lost host fail its requests (the relay through the real gateway is tested in
+tests/test_gateway_api.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+from llmgw.gateway.upstream import DEAD_PEER_S, KEEPALIVE_IDLE_S, Upstream, parse_target
+from tests.fake_engine import RawEngine
+
+
+def engine_in_a_thread() -> tuple[RawEngine, asyncio.AbstractEventLoop]:
+    """A RawEngine on a loop of its own, so that it writes while the test blocks its own loop."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine = asyncio.run_coroutine_threadsafe(RawEngine().start(), loop).result(10)
+    return engine, loop
+
+
+async def test_a_pooled_connection_with_unread_bytes_is_not_used():
+    engine, loop = engine_in_a_thread()
+    up = Upstream(10)
+    try:
+        target = parse_target(engine.url("late"))
+        resp = await up.post(target, "/v1/chat/completions", b"{}")
+        assert b"answer 1" in await resp.read_whole(1 << 20)
+        resp.release()
+        assert up.idle[target] == [resp]
+        time.sleep(0.5)  # blocks the loop: the unasked answer sits in the socket, not yet read
+        again = await up.post(target, "/v1/chat/completions", b"{}")
+        assert again is not resp and resp.closed
+        assert b"answer 2" in await again.read_whole(1 << 20)
+        again.abort()
+    finally:
+        await up.close()
+        asyncio.run_coroutine_threadsafe(engine.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+async def test_engine_connections_use_tcp_keepalive_and_a_user_timeout():
+    engine = await RawEngine().start()
+    up = Upstream(300)
+    try:
+        resp = await up.post(parse_target(engine.url("plain")), "/v1/chat/completions", b"{}")
+        sock = resp.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == DEAD_PEER_S * 1000
+        await resp.read_whole(1 << 20)
+        resp.abort()
+    finally:
+        await up.close()
+        await engine.close()

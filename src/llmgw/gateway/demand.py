@@ -11,8 +11,8 @@ for it, and stop it when nobody does").
   requests count as load, so a burst may start more than one replica (up to `max`). Past the wait, or
   with `scaling.load_queue` requests already held on this gateway, it gets 503 with Retry-After and what
   is true (placement/model_status.py): "loading" only while a replica is starting; "failing" with the last
-  failure's cause and the backoff left while its starts keep failing (answered at once when the backoff
-  outlasts the wait); "cannot be started" when passes keep refusing to place it; "pending" when nothing
+  failure's cause and the backoff left while its starts keep failing (answered at once: a model
+  backing off is not loading); "cannot be started" when passes keep refusing to place it; "pending" when nothing
   has started yet; and, when its Ready replicas are all on nodes the control plane cannot reach (heartbeats
   and pollers silent), which nodes those are. Waiting without bound turns a request into a job. An unknown model is a 404 elsewhere.
 - Use keeps a model alive: every second, models with requests in flight, and those whose last request
@@ -131,9 +131,9 @@ class Demand:
 
         `holding(waited_s)` is awaited about every `HOLD_TICK_S` while the request waits (a streaming
         request sends SSE comments from it). At most `scaling.load_queue` requests wait per model on this
-        gateway; one more is answered at once. A model backing off after failed starts for longer than the
-        wait has left is answered at once (`model_failing`), as is one the reconciler keeps refusing to place
-        for `REFUSED_FOR_S` (`model_unplaceable`).
+        gateway; one more is answered at once. A model backing off after failed starts is answered at once
+        (`model_failing`), as is one the reconciler keeps refusing to place for `REFUSED_FOR_S`
+        (`model_unplaceable`) and one whose Ready replicas are all on unreachable nodes.
         """
         model = route.model
         sc = model.effective_scaling
@@ -155,8 +155,12 @@ class Demand:
             while True:
                 cond = await self.condition(name)
                 now = loop.time()
-                if cond is not None and cond.status == ModelStatus.FAILING and (cond.retry_in_s or 0) > deadline - now:
-                    raise self._failing(name, cond)  # backing off past the wait: holding would change nothing
+                if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
+                    # Its last start failed and it is backing off: not a load in progress. Held, the client
+                    # would wait out the backoff and likely another failure; told at once, it has the cause.
+                    raise self._failing(name, cond)
+                if cond is not None and cond.status == ModelStatus.READY and self.routes.unreachable.get(name):
+                    raise self._unreachable(name)  # Ready, on nodes the control plane cannot see: not a load
                 if cond is not None and cond.status == ModelStatus.UNPLACEABLE:
                     unplaceable_since = unplaceable_since or now
                     if now - unplaceable_since >= REFUSED_FOR_S:  # one pass's refusal may be a node registering
@@ -184,14 +188,17 @@ class Demand:
         if cond.status == ModelStatus.UNPLACEABLE:
             raise errors.unplaceable(name, cond.reason)
         if cond.status == ModelStatus.READY:
-            silent = self.routes.unreachable.get(name)
-            if silent:
-                raise errors.unavailable(name, f"its Ready replica(s) are on node(s) {', '.join(silent)}, which "
-                                         "the control plane cannot reach now (heartbeats and pollers silent)",
-                                         retry_after_s=LOADING_RETRY_AFTER_S)
+            if self.routes.unreachable.get(name):
+                raise self._unreachable(name)
             raise errors.unavailable(name, "its ready replicas are on nodes this gateway does not reach now",
                                      retry_after_s=2)
         raise errors.pending(name)
+
+    def _unreachable(self, name: str) -> errors.APIError:
+        silent = self.routes.unreachable.get(name) or []
+        return errors.unavailable(name, f"its Ready replica(s) are on node(s) {', '.join(silent)}, which the control "
+                                  "plane cannot reach now (heartbeats and pollers silent)",
+                                  retry_after_s=LOADING_RETRY_AFTER_S)
 
     @staticmethod
     def _failing(name: str, cond: ModelCondition) -> errors.APIError:

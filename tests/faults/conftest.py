@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import psycopg
 import pytest
 
 from llmgw.db.migrate import upgrade
@@ -196,10 +197,25 @@ class FaultFleet:
         """How many times any agent launched a shard of `replica_id` (its log line per launch)."""
         return sum(p.log().count(f"launched shard {replica_id}-r") for p in self.cp.procs if p.name.startswith("agent"))
 
+    def db_now_and_last_pass(self):
+        """Postgres's clock now, and when the reconciler last completed a pass (None: never)."""
+        with psycopg.connect(self.infra.pg.url) as conn:
+            now = conn.execute("SELECT now()").fetchone()[0]
+            row = conn.execute("SELECT pass_at FROM reconciler_state WHERE id = 1").fetchone()
+        return now, row[0] if row else None
+
     def steady(self, models: list[str], timeout_s: float = 90) -> dict[str, tuple[str, str, int]]:
-        """Wait until every model has exactly one Ready replica that answers, every node is ready and
-        nothing is starting or stopping; return `serving()`."""
+        """Wait until every model has exactly one Ready replica that answers, every node is ready,
+        nothing is starting or stopping, and the reconciler has completed a pass since this call began
+        (after a fault that failed its `decide`, Temporal retries it with a backoff of up to 30 s: until
+        then no pass reads the pollers, and the pollers witness starts a new run of sight when passes
+        resume); return `serving()`."""
+        began, _ = self.db_now_and_last_pass()
+
         def converged():
+            _, last_pass = self.db_now_and_last_pass()
+            if last_pass is None or last_pass <= began:
+                return None
             reps = self.cp.replicas(all=False)
             if any(r["status"] != "ready" for r in reps):
                 return None
@@ -216,7 +232,8 @@ class FaultFleet:
                     return None
             return self.serving()
         return wait_until(converged, timeout_s=timeout_s, interval_s=0.5, what=f"a converged fleet serving {models}",
-                          why=lambda: f"replicas {self.cp.replicas()}\nnodes {self.nodes()}\n{self.cp.logs()}")
+                          why=lambda: f"replicas {self.cp.replicas()}\nnodes {self.nodes()}\n"
+                                      f"(db now, last pass) {self.db_now_and_last_pass()}\n{self.cp.logs()}")
 
     @contextmanager
     def traffic(self, models: list[str]):

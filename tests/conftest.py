@@ -4,6 +4,7 @@ dirs, stopped at the end even on failure); a fresh database per test, cloned fro
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 import uuid
 from pathlib import Path
@@ -18,6 +19,15 @@ from llmgw.dev.temporal_server import TemporalDevServer
 from tests.helpers import TEMPORAL_DYNAMIC_CONFIG, ControlPlane
 
 TEMPLATE = "llmgw_template"
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI job's timeout, `timeout`, a helper stopping a run) ends the run as Ctrl-C does, so the
+    fixtures still stop every process they started; by default it would kill pytest outright and leave
+    the session's Postgres and Temporal servers running."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @pytest.fixture(scope="session")

@@ -113,3 +113,44 @@ def test_a_burst_for_an_unloaded_model_is_held_until_it_serves(control_plane):
     assert all(t.rstrip().endswith("data: [DONE]") for t in streamed)
     assert any(": loading cold, " in t for t in streamed), streamed[0][:300]
     assert len([r for r in cp.replicas() if r["model"] == "cold"]) == 1
+
+
+def test_the_hold_queue_is_bounded_and_its_settings_are_checked(control_plane):
+    """`scaling.load_queue` bounds how many requests one gateway holds for a model: with 3 allowed and 8
+    sent at once while the engine starts, 3 are held and served and 5 get 503 + Retry-After at once,
+    saying how many already wait. Negative values for the hold settings are refused when applied."""
+    cp = control_plane
+    cp.env["LLMGW_LOAD_WAIT_S"] = "60"
+    cp.start()
+    for bad in ({"load_queue": -1}, {"load_wait": "-5s"}, {"target_in_flight": 0}):
+        r = cp.apply({"models": [{"name": "x", "scaling": {"min": 0, "max": 1, **bad},
+                                  "profiles": [{"engine": "sim"}]}]})
+        assert r.status_code == 400 and next(iter(bad)) in r.text, (bad, r.status_code, r.text)
+    cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
+    cp.wait_nodes("n1")
+    catalog = {"models": [{"name": "q", "scaling": {"min": 0, "max": 1, "load_wait": "45s", "load_queue": 3},
+                           "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "0",
+                                                                   "--startup-delay", "6"]}]}]}
+    assert cp.apply(catalog).status_code == 200
+    wait_until(lambda: "q" in {m["id"] for m in httpx.get(cp.gateway + "/v1/models").json()["data"]},
+               timeout_s=10, what="q listed")
+
+    async def one(c: httpx.AsyncClient) -> tuple[int, float, httpx.Response]:
+        t = time.monotonic()
+        r = await c.post(cp.gateway + "/v1/chat/completions", json={
+            "model": "q", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        return r.status_code, time.monotonic() - t, r
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=90) as c:
+            return await asyncio.gather(*(one(c) for _ in range(8)))
+
+    out = asyncio.run(burst())
+    served = [o for o in out if o[0] == 200]
+    refused = [o for o in out if o[0] != 200]
+    assert len(served) == 3 and len(refused) == 5, [(s, round(t, 1), r.text[:120]) for s, t, r in out]
+    for status, took, r in refused:
+        assert status == 503 and r.headers.get("retry-after"), r.text
+        assert "3 requests are already waiting" in r.json()["error"]["message"], r.text
+        assert took < 3, took  # answered at once, not held
+    assert all(took > 3 for _, took, _ in served)  # held through the engine's start

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
-from llmgw.gateway.errors import APIError, json_error
+from llmgw.gateway.errors import APIError, http_exception_error, json_error
 from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.gateway.status_service import StatusService
@@ -70,13 +70,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         """Unknown routes and methods, and HTTPExceptions, in the same envelope as every other error."""
-        if exc.status_code == 404:
-            return json_error(APIError(404, f"no such route: {request.method} {request.url.path}", code="not_found"))
-        if exc.status_code == 405:
-            return json_error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                       code="method_not_allowed"))
-        return json_error(APIError(exc.status_code, str(exc.detail), type="service_unavailable"
-                                   if exc.status_code == 503 else "invalid_request_error"))
+        return json_error(http_exception_error(request.method, request.url.path, exc.status_code, exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -25,7 +25,7 @@ from llmgw.gateway import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
-from llmgw.gateway.errors import APIError, json_error
+from llmgw.gateway.errors import APIError, http_exception_error, json_error
 from llmgw.gateway.feed import ChangeFeed
 from llmgw.gateway.openai_api import REQUIRED, send_error
 from llmgw.gateway.proxy import Proxy
@@ -123,11 +123,7 @@ def create_gateway_app(gw: Gateway):
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 404:
-            return json_error(APIError(404, f"no such route: {request.method} {request.url.path}", code="not_found"))
-        if exc.status_code == 405:
-            return json_error(APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"))
-        return json_error(APIError(exc.status_code, str(exc.detail)))
+        return json_error(http_exception_error(request.method, request.url.path, exc.status_code, exc.detail))
 
     @api.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -142,6 +142,16 @@ def internal() -> APIError:
     return APIError(500, "internal error in the gateway; it has been logged", type="server_error", code="internal_error")
 
 
+def http_exception_error(method: str, path: str, status: int, detail: object) -> APIError:
+    """A framework HTTP error (unknown route, wrong method, an HTTPException) as an `APIError`, so the
+    FastAPI parts of the gateway and the admin API answer in the same envelope as every other error."""
+    if status == 404:
+        return APIError(404, f"no such route: {method} {path}", code="not_found")
+    if status == 405:
+        return APIError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
+    return APIError(status, str(detail), type="service_unavailable" if status == 503 else "invalid_request_error")
+
+
 def json_error(err: APIError):
     """`err` as a Starlette JSONResponse (for FastAPI handlers; the hot path sends `err.body()` itself)."""
     from starlette.responses import JSONResponse

@@ -121,3 +121,16 @@ def test_docker_compose_publishes_the_admin_api_only_behind_its_token():
     assert not loopback_only(host) or not published
     assert all(str(p).startswith("127.0.0.1:") for p in published), published
     assert "LLMGW_ADMIN_TOKEN" not in json.dumps(env) or "${" in json.dumps(env)  # no token in the file
+
+
+def test_unknown_routes_and_methods_get_the_error_envelope_on_both_apis(cp):
+    """Framework errors (no route, wrong method) through the real listeners: 404/405 in the same JSON
+    envelope as every other error, on the admin API and on the gateway's FastAPI part alike."""
+    for base in (cp.admin, cp.gateway):
+        r = httpx.get(base + "/no/such/thing", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (base, r.text)
+        assert "no such route: GET /no/such/thing" in r.json()["error"]["message"]
+    r = httpx.delete(cp.admin + "/admin/v1/catalog", timeout=10, headers={"Content-Type": "application/json"})
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    r = httpx.put(cp.gateway + "/v1/models", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text

@@ -34,6 +34,7 @@ from llmgw.schemas.payloads import (
 from llmgw.weights.fetcher import FetchError
 from llmgw.workers.errors import ReportRefused
 from llmgw.workers.logs import BadShardId, read_log
+from llmgw.workers.readiness import ReadinessCues
 from llmgw.workers.reclaim import reclaim
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class NodeActivities:
             raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
         adapter = self.agent.engines.get(shard.spec.profile.engine)
         started = time.monotonic()
-        pause = _pauses()
+        cues = ReadinessCues(shard.log_path)
         async with aiohttp.ClientSession() as session:
             while True:
                 code = sup.poll(shard)
@@ -162,21 +163,22 @@ class NodeActivities:
                     raise ApplicationError(f"worker shard {inp.shard_id} had not joined rank 0 after {inp.timeout_s:.0f}s",
                                            non_retryable=True)
                 activity.heartbeat({"waiting_s": round(waited)})
-                await asyncio.sleep(next(pause))
+                await cues.next()
         sup.set_state(shard, "ready")
         await self._report(shard, "ready")
         return WaitShardJoinedResult(shard_id=inp.shard_id, waited_s=round(time.monotonic() - started, 2))
 
     @activity.defn(name="wait_shard_ready")
     async def wait_shard_ready(self, inp: WaitShardReadyInput) -> WaitShardReadyResult:
-        """Poll the engine's readiness check until it passes. Fails at once if the engine exits."""
+        """Check the engine's readiness until it passes, as soon as its output grows and on a backoff between
+        (workers/readiness.py). Fails at once if the engine exits."""
         sup = self.agent.supervisor
         shard = sup.get(inp.shard_id)
         if shard is None:
             raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
         adapter = self.agent.engines.get(shard.spec.profile.engine)
         deadline = time.monotonic() + inp.timeout_s
-        pause = _pauses()
+        cues = ReadinessCues(shard.log_path)
         async with aiohttp.ClientSession() as session:
             while True:
                 code = sup.poll(shard)
@@ -187,7 +189,7 @@ class NodeActivities:
                 if time.monotonic() > deadline:
                     raise ApplicationError(f"shard {inp.shard_id} not ready after {inp.timeout_s:.0f}s", non_retryable=True)
                 activity.heartbeat({"waiting_s": round(inp.timeout_s - (deadline - time.monotonic()))})
-                await asyncio.sleep(next(pause))
+                await cues.next()
         sup.set_state(shard, "ready")
         await self._report(shard, "ready")
         return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
@@ -259,16 +261,6 @@ class NodeActivities:
         if result.removed:
             self.agent.inventory_dirty = True
         return result
-
-
-def _pauses(first_s: float = 0.01, cap_s: float = 0.25):
-    """Pauses between readiness checks: 10 ms doubling to 250 ms. Engines answer no "ready" event, so
-    readiness is polled; starting fast takes a quick engine's start off the cold-start path (a fixed 250 ms
-    added 125 ms on average), and backing off keeps a slow one (minutes of weight loading) cheap."""
-    pause = first_s
-    while True:
-        yield pause
-        pause = min(cap_s, pause * 2)
 
 
 async def _keepalive(progress: dict) -> None:

@@ -231,8 +231,13 @@ async def _serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    stop = asyncio.Event()
+    # Said as it happens, as real engines do ("Application startup complete", "server is listening"): the
+    # node checks readiness when an engine's output grows (workers/readiness.py).
+    print(f"sim: serving {args.model} on {args.host}:{args.port}", flush=True)
     loop = asyncio.get_running_loop()
+    if args.startup_delay > 0:
+        loop.call_later(max(0.0, engine.ready_at - time.monotonic()), lambda: print(f"sim: {args.model} loaded, ready", flush=True))
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:

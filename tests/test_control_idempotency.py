@@ -38,13 +38,16 @@ async def test_retried_state_changes_answer_the_same_and_act_once(database_url):
         first = await attempt("2", 1).run(acts.mark_replica, ready)
         retried = await attempt("2", 2).run(acts.mark_replica, ready)
         assert first.applied and retried == first  # before: the retry answered "not applied"
-        # The same call as a new activity (another id) is a new question, and gets the honest answer.
-        assert not (await attempt("3", 1).run(acts.mark_replica, ready)).applied
+        # Ready is where a start wants its replica, whoever marked it (its node pushes readiness first, issue
+        # 13): a new call finds it so and says applied, changing nothing.
+        assert (await attempt("3", 1).run(acts.mark_replica, ready)).applied
 
         draining = MarkReplicaInput(replica_id="r1", status="draining")
         a = await attempt("4", 1).run(acts.mark_replica, draining)
         b = await attempt("4", 2).run(acts.mark_replica, draining)
         assert a.applied and b == a
+        # The same call as a new activity (another id) is a new question, and gets the honest answer.
+        assert not (await attempt("4b", 1).run(acts.mark_replica, draining)).applied
         failed = MarkReplicaInput(replica_id="r1", status="failed", failure="engine died")
         f1 = await attempt("5", 1).run(acts.mark_replica, failed)
         assert (await attempt("5", 3).run(acts.mark_replica, failed)) == f1

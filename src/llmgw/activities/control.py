@@ -120,6 +120,9 @@ class ControlActivities:
         async def body(conn) -> MarkReplicaResult:
             t = await fleet_repo.transition_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure,
                                                     inp.reason)
+            if not t.applied and inp.status == "ready" and t.status == "ready":
+                # Its node pushed the readiness first (gateway/fleet_service.py): this start's, so done.
+                t = fleet_repo.Transition(True, t.status, t.generation)
             if t.applied and inp.status == "ready":
                 times.append(await status_repo.replica_times(conn, inp.replica_id))
             return MarkReplicaResult(applied=t.applied, status=t.status or "unknown", generation=t.generation)

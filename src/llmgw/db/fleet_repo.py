@@ -231,6 +231,17 @@ async def transition_replica(
     return Transition(False, cur.status if cur else None, cur.generation if cur else 0)
 
 
+async def ready_if_every_shard_is(conn: AsyncConnection, replica_id: str) -> bool:
+    """Mark a starting replica Ready, at rank 0's endpoint, once every one of its shards is reported ready by
+    its node (readiness pushed by the node, issue 13). True when this call marked it."""
+    rows = (await conn.execute(select(shards.c.rank, shards.c.status, shards.c.endpoint)
+                               .where(shards.c.replica_id == replica_id))).all()
+    rank0 = next((r for r in rows if r.rank == 0), None)
+    if rank0 is None or not rank0.endpoint or any(r.status != "ready" for r in rows):
+        return False
+    return (await transition_replica(conn, replica_id, "ready", endpoint=rank0.endpoint)).applied
+
+
 async def replica_state(conn: AsyncConnection, replica_id: str) -> tuple[str | None, int]:
     """(status, fencing generation) of a replica; (None, 0) when there is no such replica."""
     cur = (await conn.execute(select(replicas.c.status, replicas.c.generation).where(replicas.c.id == replica_id))).first()

@@ -22,6 +22,10 @@ node API (mTLS); here, whatever it says is checked against what is placed on it:
   id that replica's rank 0 has (`<replica>-r0`): a node cannot add itself to another node's replica;
 - every endpoint it reports must be at one of its own addresses (security/node_address.py), else the
   report is refused as above: the gateway proxies clients to these endpoints.
+
+Readiness is pushed (issue 13): when a node reports the last of a starting replica's shards ready, the
+replica is marked Ready here, at rank 0's endpoint, and gateways route to it on the NOTIFY that follows.
+The start workflow's own `mark_replica(ready)` then finds it Ready and goes on as if it had marked it.
 """
 
 from __future__ import annotations
@@ -192,7 +196,11 @@ class FleetService:
             if row is None:
                 return
             status = await fleet_repo.update_shard(conn, req.node_id, s)
-            if s.state == "failed" and status is not None and status not in ENDED_STATUSES:
+            if s.state == "ready" and status == "starting":
+                # Pushed by the node the moment the engine answered: routed now, not after the start
+                # workflow's next step (which then finds it Ready and carries on).
+                await fleet_repo.ready_if_every_shard_is(conn, row.replica_id)
+            elif s.state == "failed" and status is not None and status not in ENDED_STATUSES:
                 # First line: the cause, decoded; then the engine's own last words (what `ctl replicas` shows).
                 why = f"shard {s.shard_id} on {req.node_id} {s.exit_reason or describe_exit(s.exit_code)}"
                 if s.output_tail and s.output_tail.strip():

@@ -19,6 +19,11 @@ before keep their old path): the start asks whether the replica is still wanted 
 before each launch, and carries the replica's fencing generation in every node command; a stop marks the
 replica first (bumping the generation), then cancels the start and waits for it to close, then stops every
 shard with the new generation, which each node records on disk and holds against later launches.
+
+The cold-start path is kept short (issue 13): the "still wanted?" checks are local activities (no round
+trip through the Temporal server each), and the node pushes readiness to the control plane itself, so a
+replica is routed the moment its engine answers, before this workflow's `mark_replica(ready)` runs (which
+then finds it Ready). Both versioned: `QUICK_CHECKS`; the push needs no versioning (activity code).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
 # workflow.patched ids: each names a change to the commands these workflows issue (tests/test_replay.py).
 FENCED_START = "issue9-fenced-start"
 STOP_FENCES_START = "issue9-stop-fences-start"
+QUICK_CHECKS = "issue13-quick-checks"  # a start's "still wanted?" checks as local activities
 START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
 
 
@@ -116,12 +122,19 @@ class NotWanted(Exception):
         self.before = before
 
 
-async def still_wanted(replica_id: str, before: str) -> int:
-    """The replica's fencing generation if it is still `starting`; else raise `NotWanted`."""
-    res: CheckReplicaResult = await workflow.execute_activity(
-        "check_replica", CheckReplicaInput(replica_id=replica_id), result_type=CheckReplicaResult,
-        task_queue=CONTROL_QUEUE, **options.CONTROL,
-    )
+async def still_wanted(replica_id: str, before: str, local: bool = False) -> int:
+    """The replica's fencing generation if it is still `starting`; else raise `NotWanted`. `local`: asked as
+    a local activity (one read, on this worker, inside the workflow task: no round trip through the server)."""
+    if local:
+        res: CheckReplicaResult = await workflow.execute_local_activity(
+            "check_replica", CheckReplicaInput(replica_id=replica_id), result_type=CheckReplicaResult,
+            **options.CONTROL,
+        )
+    else:
+        res = await workflow.execute_activity(
+            "check_replica", CheckReplicaInput(replica_id=replica_id), result_type=CheckReplicaResult,
+            task_queue=CONTROL_QUEUE, **options.CONTROL,
+        )
     if not res.wanted:
         raise NotWanted(res.status, before)
     return res.generation
@@ -154,10 +167,11 @@ class ReplicaStartWorkflow:
         rank0 = next(s for s in inp.shards if s.rank == 0)
         workers = sorted((s for s in inp.shards if s.rank != 0), key=lambda s: s.rank)
         fenced = workflow.patched(FENCED_START)
+        quick = fenced and workflow.patched(QUICK_CHECKS)
         gen = 0
         try:
             if fenced:
-                gen = await still_wanted(rid, "fetching weights")
+                gen = await still_wanted(rid, "fetching weights", quick)
             self._phase = "fetching weights"
             fetched: list[FetchWeightsResult] = await asyncio.gather(*[
                 workflow.execute_activity(
@@ -177,11 +191,11 @@ class ReplicaStartWorkflow:
                     result_type=Rendezvous, task_queue=node_queue(rank0.node_id), **options.NODE_QUICK,
                 )
                 if fenced:
-                    gen = await still_wanted(rid, "launching the workers")
+                    gen = await still_wanted(rid, "launching the workers", quick)
                 self._phase = f"launching {len(workers)} worker(s)"
                 await asyncio.gather(*[self._launch(inp, s, paths[s.rank], rdv, gen) for s in workers])
             if fenced:
-                gen = await still_wanted(rid, "launching rank 0")
+                gen = await still_wanted(rid, "launching rank 0", quick)
             self._phase = "launching rank 0"
             await self._launch(inp, rank0, paths[0], rdv, gen)
             self._phase = "waiting for the workers to join rank 0 and for rank 0 to be ready" if workers \

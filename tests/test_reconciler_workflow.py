@@ -10,6 +10,7 @@ continue-as-new after a few dozen events.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -140,4 +141,6 @@ async def test_a_run_that_planned_in_workflow_code_moves_to_decide_at_its_next_p
     assert names[-1] == "decide" and names.count("read_snapshot") == old.snapshots, names
     assert not [e for e in evs if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
     markers = [e.marker_recorded_event_attributes for e in evs if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
-    assert len(markers) == 1  # one patch marker, at the pass where the run moved
+    # The patch markers, both at the pass where the run moved: `decide`, and `decide` creating what it places.
+    ids = sorted(json.loads(m.details["patch-data"].payloads[0].data)["id"] for m in markers)
+    assert ids == ["decide-in-activity/2", "issue13-decide-places/2"], ids

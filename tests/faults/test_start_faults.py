@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import psutil
 import psycopg
 import pytest
@@ -88,6 +89,54 @@ def test_worker_killed_between_commit_and_completion_the_replica_ends_ready_once
     assert fleet.cp.shard_pid(rep["node_id"], f"{rep['id']}-r0") == pid and psutil.pid_exists(pid)
     assert fleet.launches(rep["id"]) == 1
     assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
+
+
+def test_worker_killed_after_decide_committed_a_placement_the_replica_starts_once(fleet, tmp_path):
+    """The control worker is SIGKILLed right after the reconciler's `decide` committed a pass that placed a
+    replica (created in that pass's transaction, issue 13), before Temporal heard it completed. The retried
+    `decide` returns the stored result, so the replica it created gets its start workflow, once: one
+    replica, one launch, Ready; the model already serving sees nothing."""
+    marker = tmp_path / "crashed-after-decide"
+    hooked = fleet.restart_worker(LLMGW_TEST_CRASH_AFTER_COMMIT="decide:place", LLMGW_TEST_CRASH_MARKER=str(marker))
+    with fleet.traffic(["steady"]) as t:
+        assert fleet.cp.apply({"models": [STEADY, sim_model("epsilon")]}).status_code == 200
+        wait_until(lambda: marker.exists() and not hooked.alive(), timeout_s=90, what="the worker killed after decide",
+                   why=fleet.cp.logs)
+        placed = only_replica(fleet, "epsilon")  # committed before the kill
+        fleet.restart_worker()
+        ready = only_replica(fleet, "epsilon", "ready", timeout_s=90)
+        wait_until(lambda: start_status(fleet, ready["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=90,
+                   what="the start workflow completed", why=fleet.cp.logs)
+        fleet.steady(["steady", "epsilon"])
+    worker_log = "\n".join(p.log() for p in fleet.cp.procs if p.name == "worker")
+    assert "decide retried after it committed" in worker_log
+    assert ready["id"] == placed["id"] and len(fleet.replicas("epsilon")) == 1
+    assert fleet.launches(ready["id"]) == 1
+    assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
+
+
+def test_readiness_is_pushed_by_the_node_a_frozen_control_worker_does_not_hold_a_ready_replica_back(fleet):
+    """Issue 13: the node reports its engine ready to the control plane, which routes the replica at once.
+    The control worker (where the start workflow would mark it Ready) is frozen with SIGSTOP once the engine
+    is launched: the replica still becomes Ready and serves, while its start workflow is still running; once
+    the worker is thawed the start completes with that replica, launched once."""
+    zeta = sim_model("zeta", args=["--tokens-per-second", "0", "--startup-delay", "3"])
+    assert fleet.cp.apply({"models": [STEADY, zeta]}).status_code == 200
+    rep = only_replica(fleet, "zeta", "starting")
+    wait_until(lambda: fleet.launches(rep["id"]) == 1, timeout_s=60, what="zeta's engine launched", why=fleet.cp.logs)
+    worker = fleet.freeze("worker")
+    try:
+        ready = only_replica(fleet, "zeta", "ready", timeout_s=30)
+        r = httpx.post(fleet.cp.gateway + "/v1/chat/completions", timeout=30, json={
+            "model": "zeta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert start_status(fleet, rep["id"]) == WorkflowExecutionStatus.RUNNING  # it had no worker to get there
+    finally:
+        fleet.thaw(worker)
+    wait_until(lambda: start_status(fleet, rep["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=60,
+               what="the start workflow completed", why=fleet.cp.logs)
+    assert ready["id"] == rep["id"] and only_replica(fleet, "zeta", "ready")["id"] == rep["id"]
+    assert fleet.launches(rep["id"]) == 1
 
 
 def test_stop_decided_while_fetching_no_engine_ever_starts(fleet, source):

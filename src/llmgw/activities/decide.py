@@ -12,6 +12,7 @@ rather than a workflow task that fails forever on the same recorded snapshot.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import time
@@ -23,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from llmgw.activities.idempotent import CrashHook, store, stored
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.decisions import Decision, Plan
@@ -59,12 +61,28 @@ class DecideActivities:
         self.read_snapshot = read_snapshot
         self.metrics = metrics or ControlMetrics()
         self.hook = load_hook(settings.planner_hook)
+        self.crash = CrashHook(settings.test_crash_after_commit, settings.test_crash_marker)
 
     def all(self) -> list:
         return [self.decide, self.record_placements]
 
     @activity.defn(name="decide")
     async def decide(self, inp: DecideInput) -> DecideResult:
+        beat = asyncio.create_task(_heartbeats())
+        try:
+            return await self._decide(inp)
+        finally:
+            beat.cancel()
+
+    async def _decide(self, inp: DecideInput) -> DecideResult:
+        """One pass. With `inp.record_placements`, the replicas it places are created in the transaction
+        that saves its decisions, with its result stored beside them: a retry after that commit returns the
+        same actions (the same replica ids), so each placed replica gets its start workflow exactly once."""
+        if inp.record_placements:
+            async with self.engine.begin() as conn:
+                found, result = await stored(conn, "decide", DecideResult)
+            if found and result is not None:
+                return result
         started = time.monotonic()
         s = self.settings
         forget_after_s = max(s.node_forget_after_s, s.node_lost_after_s)  # never a node that is not yet Lost
@@ -100,22 +118,31 @@ class DecideActivities:
                 actions.append(_action(d, replicas.get(d.replica_id or "")))
                 if d.kind == "place":
                     reasons[actions[-1].replica_id] = "\n".join([d.line(), *d.refusals])
+        lines = [d.line() for d in plan.decisions if d.kind not in ("keep",)]
+        result = DecideResult(
+            actions=actions, more=plan.more,
+            lines=lines[:MAX_PASS_LINES] + ([f"... and {len(lines) - MAX_PASS_LINES} more"] if len(lines) > MAX_PASS_LINES else []),
+            interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
+            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes)
+        places = [a for a in actions if a.kind == "place"]
         async with self.engine.begin() as conn:
             await catalog_repo.save_decisions(conn, explanations)
             await reconciler_repo.record_pass(conn, reasons)
+            if inp.record_placements and places:
+                for a in places:
+                    await fleet_repo.create_replica(conn, a.replica_id, a.model, a.profile or "default", a.shards,
+                                                    reasons.get(a.replica_id) or a.line)
+                await store(conn, "decide", result)
+        if inp.record_placements and places:
+            self.crash("decide", "place")
         self.metrics.recorded([d.kind for d in plan.decisions], explanations, time.monotonic() - started)
-        lines = [d.line() for d in plan.decisions if d.kind not in ("keep",)]
         if plan.acts():
             log.info("reconcile pass %d: %s", inp.passes, "; ".join(a.line for a in actions))
             # A pass that does something is a span with every decision and refusal (a no-op without tracing).
             trace.get_tracer("llmgw.reconciler").start_span("reconcile pass", attributes={
                 "llmgw.decisions": [d.line() for d in plan.decisions],
                 "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]}).end()
-        return DecideResult(
-            actions=actions, more=plan.more,
-            lines=lines[:MAX_PASS_LINES] + ([f"... and {len(lines) - MAX_PASS_LINES} more"] if len(lines) > MAX_PASS_LINES else []),
-            interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
-            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes)
+        return result
 
     @activity.defn(name="record_placements")
     async def record_placements(self, inp: RecordPlacementsInput) -> None:
@@ -125,6 +152,13 @@ class DecideActivities:
             for p in inp.placements:
                 reason = await reconciler_repo.placement_reason(conn, p.replica_id) or p.reason
                 await fleet_repo.create_replica(conn, p.replica_id, p.model, p.profile, p.shards, reason)
+
+
+async def _heartbeats(every_s: float = 2.0) -> None:
+    """Heartbeat while `decide` runs: its worker is alive (options.DECIDE has a 10 s heartbeat timeout)."""
+    while True:
+        activity.heartbeat()
+        await asyncio.sleep(every_s)
 
 
 def forgettable(snapshot: Snapshot, after_s: float) -> list[str]:

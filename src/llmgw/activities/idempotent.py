@@ -75,22 +75,39 @@ async def once(engine: AsyncEngine, name: str, result_type: type[T] | None,
     Two attempts racing (a timed-out attempt still running beside its retry) both run `body`, but only one
     commits: the other's insert of the key conflicts, its transaction rolls back, and its own retry then
     returns the winner's result."""
-    key = idempotency_key()
     async with engine.begin() as conn:
-        if key is not None:
-            row = (await conn.execute(select(activity_results.c.result).where(activity_results.c.key == key))).first()
-            if row is not None:
-                log.info("%s retried after it committed (%s); returning its stored result", name, key)
-                return _decode(result_type, row.result)
+        found, result = await stored(conn, name, result_type)
+        if found:
+            return result
         result = await body(conn)
-        if key is not None:
-            stored = result.model_dump(mode="json") if isinstance(result, BaseModel) else None
-            await conn.execute(insert(activity_results).values(key=key, activity=name, result=stored))
-            if random.random() < 0.01:  # keep the table small without a job of its own
-                await conn.execute(delete(activity_results).where(activity_results.c.created_at < func.now() - KEEP))
+        await store(conn, name, result)
     if crash is not None:
         crash(name, detail)
     return result
+
+
+async def stored(conn: AsyncConnection, name: str, result_type: type[T] | None) -> tuple[bool, T | None]:
+    """(True, the result) when this activity already committed under its idempotency key (this is a retry),
+    else (False, None)."""
+    key = idempotency_key()
+    if key is None:
+        return False, None
+    row = (await conn.execute(select(activity_results.c.result).where(activity_results.c.key == key))).first()
+    if row is None:
+        return False, None
+    log.info("%s retried after it committed (%s); returning its stored result", name, key)
+    return True, _decode(result_type, row.result)
+
+
+async def store(conn: AsyncConnection, name: str, result: BaseModel | None) -> None:
+    """Store `result` under this activity's idempotency key, in the caller's transaction (with its effect)."""
+    key = idempotency_key()
+    if key is None:
+        return
+    value = result.model_dump(mode="json") if isinstance(result, BaseModel) else None
+    await conn.execute(insert(activity_results).values(key=key, activity=name, result=value))
+    if random.random() < 0.01:  # keep the table small without a job of its own
+        await conn.execute(delete(activity_results).where(activity_results.c.created_at < func.now() - KEEP))
 
 
 def _decode(result_type, stored):

@@ -138,9 +138,12 @@ class ReconcilerInput(_Strict):
 
 
 class DecideInput(_Strict):
-    """`passes`: how many passes the reconciler has run, this one not included (logs and traces)."""
+    """`passes`: how many passes the reconciler has run, this one not included (logs and traces).
+    `record_placements`: create the replicas the pass places in its own transaction (issue 13; a
+    reconciler run from before calls `record_placements` itself)."""
 
     passes: int = 0
+    record_placements: bool = False
 
 
 class PassAction(_Strict):

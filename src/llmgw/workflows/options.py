@@ -5,17 +5,21 @@ from datetime import timedelta
 from temporalio.common import RetryPolicy
 from temporalio.workflow import ActivityCancellationType
 
-# A control activity is one short transaction (or a few RPCs): one that has not finished in 10 s is retried,
+# A control activity is one short transaction (or a few RPCs; also run as a local activity, see replica.py): one that has not finished in 10 s is retried,
 # and a worker that died after its commit is noticed that soon (the retry returns the stored result).
 CONTROL = dict(
     start_to_close_timeout=timedelta(seconds=10),
     retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)),
 )
 # The reconciler's `decide`: snapshot, planner, saving the explanations. A failure (a planner bug, the
-# database away) is retried for as long as it takes, each attempt with a newer snapshot.
+# database away) is retried for as long as it takes, each attempt with a newer snapshot, at most 5 s apart
+# (the reconciler is back within 5 s of Postgres). It heartbeats while it runs, so a worker that died in a
+# pass is noticed in 10 s rather than at the 120 s timeout (issue 13: a pass that placed a replica and lost
+# its completion is retried at once; the retry returns what it committed).
 DECIDE = dict(
     start_to_close_timeout=timedelta(seconds=120),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+    heartbeat_timeout=timedelta(seconds=10),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5)),
 )
 # A node that never picks up its work is down: give up on it rather than wait forever.
 NODE_PICKUP = timedelta(seconds=60)

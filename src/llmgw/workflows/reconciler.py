@@ -2,8 +2,9 @@
 
 Each pass runs the `decide` activity (snapshot, pure planner, decisions saved for `llmgw ctl explain`;
 `activities/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
-abandoned on close so they outlive a continue-as-new): `place` actions are recorded together
-(`record_placements`) and each replica started; `stop` and
+abandoned on close so they outlive a continue-as-new): each `place` action's replica, already created by
+`decide` in the transaction that decided it (issue 13: one step less between a request and its load;
+runs from before call `record_placements` for them), is started; `stop` and
 `evict` drain then stop one; `lost` and `cleanup` stop every shard of one that cannot serve. A pass that
 stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
 (catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
@@ -44,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
 
 MAX_PASSES = 100
 DECIDE_PATCH = "decide-in-activity"
+DECIDE_PLACES_PATCH = "issue13-decide-places"  # `decide` creates the replicas it places (no record_placements)
 
 
 @workflow.defn(name="ReconcilerWorkflow")
@@ -52,6 +54,7 @@ class ReconcilerWorkflow:
         self._wakes: list[str] = []
         self._last: list[str] = []
         self._decides = False
+        self._decide_places = False
         self._search_attributes = False  # the namespace has llmgw's search attributes (from the latest pass)
 
     @workflow.signal
@@ -68,6 +71,13 @@ class ReconcilerWorkflow:
         if not self._decides:
             self._decides = workflow.patched(f"{DECIDE_PATCH}/{pass_no}")
         return self._decides
+
+    def _decide_records_placements(self, pass_no: int) -> bool:
+        """True from this run's first pass under code whose `decide` creates what it places (the per-pass id
+        for the same reason as `_decides_in_activity`)."""
+        if not self._decide_places:
+            self._decide_places = workflow.patched(f"{DECIDE_PLACES_PATCH}/{pass_no}")
+        return self._decide_places
 
     @workflow.run
     async def run(self, inp: ReconcilerInput) -> None:
@@ -97,13 +107,15 @@ class ReconcilerWorkflow:
         workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + passes}))
 
     async def _pass(self, pass_no: int) -> DecideResult:
+        recorded = self._decide_records_placements(pass_no)
         res: DecideResult = await workflow.execute_activity(
-            "decide", DecideInput(passes=pass_no), result_type=DecideResult, task_queue=CONTROL_QUEUE, **options.DECIDE,
+            "decide", DecideInput(passes=pass_no, record_placements=recorded), result_type=DecideResult,
+            task_queue=CONTROL_QUEUE, **options.DECIDE,
         )
         self._last = res.lines
         self._search_attributes = res.search_attributes
         places = [a for a in res.actions if a.kind == "place"]
-        if places:  # one activity for all of them: a pass's placements start together
+        if places and not recorded:  # one activity for all of them: a pass's placements start together
             await workflow.execute_activity(
                 "record_placements", RecordPlacementsInput(placements=[
                     RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",

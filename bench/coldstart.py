@@ -43,8 +43,8 @@ from llmgw.dev.temporal_server import TemporalDevServer  # noqa: E402
 from tests.fleet import sim_spec  # noqa: E402
 from tests.helpers import ControlPlane  # noqa: E402
 
-PHASES = ["demand recorded, woken", "reconcile pass placed it", "start workflow began", "launch", "readiness detected",
-          "marked ready", "route updated, first token"]
+PHASES = ["demand recorded, woken", "reconcile pass placed it", "start workflow began", "launch",
+          "readiness detected, marked ready", "route updated, first token"]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -101,19 +101,77 @@ async def demand_signal_time(temporal: str, namespace: str, model: str) -> float
     raise RuntimeError(f"no demand signal for {model}")
 
 
-async def workflow_times(temporal: str, namespace: str, replica_id: str) -> dict[str, float]:
-    """Epoch seconds of the start workflow's milestones, from its history."""
+async def reconciler_steps(temporal: str, namespace: str, model: str, replica_id: str) -> dict[str, float]:
+    """Seconds per step of the reconciler's pass that placed `replica_id`: from the demand signal to the
+    `decide` activity (queued, ran), `record_placements`, and the child start, from its history."""
+    client = await Client.connect(temporal, namespace=namespace, data_converter=pydantic_data_converter)
+    async for wf in client.list_workflows("WorkflowId = 'reconciler'"):
+        h = await client.get_workflow_handle("reconciler", run_id=wf.run_id).fetch_history()
+        signal = None
+        names: dict[int, str] = {}
+        t: dict[str, float] = {}
+        for e in h.events:
+            at = e.event_time.ToDatetime().timestamp()
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+                payloads = e.workflow_execution_signaled_event_attributes.input.payloads
+                if payloads and payloads[0].data.decode().strip('"') == f"demand for {model}":
+                    signal, t = at, {}
+            elif signal is None:
+                continue
+            elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                names[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name
+                t.setdefault(names[e.event_id] + " scheduled", at)
+            elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+                t.setdefault(names[e.activity_task_started_event_attributes.scheduled_event_id] + " started", at)
+            elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                t.setdefault(names[e.activity_task_completed_event_attributes.scheduled_event_id] + " completed", at)
+            elif e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
+                if e.start_child_workflow_execution_initiated_event_attributes.workflow_id == f"replica/{replica_id}/start":
+                    t["child initiated"] = at
+                    break
+        if signal is not None and "child initiated" in t and "decide completed" in t:
+            out = {"  signal -> decide scheduled": t["decide scheduled"] - signal,
+                   "  decide queued": t["decide started"] - t["decide scheduled"],
+                   "  decide ran": t["decide completed"] - t["decide started"]}
+            last = t["decide completed"]
+            if "record_placements completed" in t:
+                out["  -> record_placements done"] = t["record_placements completed"] - last
+                last = t["record_placements completed"]
+            out["  -> child initiated"] = t["child initiated"] - last
+            return out
+    return {}
+
+
+async def workflow_times(temporal: str, namespace: str, replica_id: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Epoch seconds of the start workflow's milestones, and seconds spent per step (each activity's time
+    queued and running, and the workflow's own time between them), from its history."""
     client = await Client.connect(temporal, namespace=namespace, data_converter=pydantic_data_converter)
     h = await client.get_workflow_handle(f"replica/{replica_id}/start").fetch_history()
     out: dict[str, float] = {"started": h.events[0].event_time.ToDatetime().timestamp()}
-    scheduled: dict[int, str] = {}
+    steps: dict[str, float] = {}
+    scheduled: dict[int, tuple[str, float]] = {}
+    started: dict[int, float] = {}
+    last = out["started"]
+    seen: dict[str, int] = {}
     for e in h.events:
+        t = e.event_time.ToDatetime().timestamp()
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-            scheduled[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name
+            name = e.activity_task_scheduled_event_attributes.activity_type.name
+            seen[name] = seen.get(name, 0) + 1
+            name = f"{name}#{seen[name]}" if seen[name] > 1 else name
+            scheduled[e.event_id] = (name, t)
+            steps["workflow tasks"] = steps.get("workflow tasks", 0.0) + (t - last)
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+            sid = e.activity_task_started_event_attributes.scheduled_event_id
+            started[sid] = t
         elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-            name = scheduled[e.activity_task_completed_event_attributes.scheduled_event_id]
-            out.setdefault(name, e.event_time.ToDatetime().timestamp())
-    return out
+            sid = e.activity_task_completed_event_attributes.scheduled_event_id
+            name, st = scheduled[sid]
+            out.setdefault(name.split("#")[0], t)
+            steps[f"  {name} queued"] = started.get(sid, st) - st
+            steps[f"  {name} ran"] = t - started.get(sid, st)
+            last = t
+    return out, steps
 
 
 def main() -> None:
@@ -137,7 +195,7 @@ def main() -> None:
         cp.apply({"models": [{"name": n, "scaling": {"min": 0, "max": 1, "idle_timeout": "1h"},
                               "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "0"]}]} for n in names]})
         time.sleep(3)  # the route table has the models; the reconciler's passes are quiet
-        engine, rows = [], []
+        engine, rows, details = [], [], []
         for n in names:
             engine.append(engine_start_s())
             sent, ttft = asyncio.run(first_token(cp.gateway, n))
@@ -147,9 +205,10 @@ def main() -> None:
                 rid, created, ready = conn.execute(
                     "select id, extract(epoch from created_at), extract(epoch from ready_at) from replicas "
                     "where model=%s", (n,)).fetchone()
-            wf = asyncio.run(workflow_times(temporal.address, "bench", rid))
-            marks = [sent, float(demand), float(created), wf["started"], wf["launch_shard"], wf["wait_shard_ready"],
-                     float(ready), sent + ttft]
+            wf, steps = asyncio.run(workflow_times(temporal.address, "bench", rid))
+            details.append({**asyncio.run(reconciler_steps(temporal.address, "bench", n, rid)), **steps})
+            # Readiness is pushed by the node (ready_at is set before the start's wait_shard_ready completes).
+            marks = [sent, float(demand), float(created), wf["started"], wf["launch_shard"], float(ready), sent + ttft]
             rows.append({"total": ttft, **{p: b - a for p, a, b in zip(PHASES, marks, marks[1:])}})
             print(f"{n}: first token after {ttft * 1000:.0f} ms (engine alone {engine[-1] * 1000:.0f} ms)", flush=True)
         print()
@@ -161,6 +220,11 @@ def main() -> None:
         over = [r["total"] - e for r, e in zip(rows, engine)]
         print(f"{'orchestration overhead':<32}{pct(over, 0.5) * 1000:>10.1f}{pct(over, 0.9) * 1000:>10.1f}"
               f"   (total - engine alone, paired by run; target p50 <= 50 ms)")
+        print("\nstep by step: the reconciler's pass, then the start workflow (activities queued and running, "
+              "workflow tasks between them)")
+        for k in max(details, key=len):
+            xs = [d[k] for d in details if k in d]
+            print(f"{k:<32}{pct(xs, 0.5) * 1000:>10.1f}{pct(xs, 0.9) * 1000:>10.1f}")
         print(f"\n{datetime.now():%Y-%m-%d %H:%M}, {args.runs} runs, load average "
               f"{open('/proc/loadavg').read().split()[0]}")
     finally:

@@ -207,7 +207,7 @@ class FaultFleet:
     def steady(self, models: list[str], timeout_s: float = 90) -> dict[str, tuple[str, str, int]]:
         """Wait until every model has exactly one Ready replica that answers, every node is ready,
         nothing is starting or stopping, and the reconciler has completed a pass since this call began
-        (after a fault that failed its `decide`, Temporal retries it with a backoff of up to 30 s: until
+        (after a fault that failed its `decide`, Temporal retries it with a backoff of up to 5 s: until
         then no pass reads the pollers, and the pollers witness starts a new run of sight when passes
         resume); return `serving()`."""
         began, _ = self.db_now_and_last_pass()

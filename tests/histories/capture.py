@@ -6,7 +6,8 @@ histories you want to keep, before changing workflow code:
     LLMGW_HISTORIES_OUT=tests/histories/v2 .venv/bin/python -m pytest tests/histories/capture.py
 
 Folders: `v1` was captured from code that planned inside the reconciler workflow; `v2` from code with the
-`decide` activity and several placements per pass.
+`decide` activity and several placements per pass; `v3` from code whose `decide` creates the replicas it
+places and whose starts check "still wanted?" as local activities (issue 13).
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history

@@ -152,6 +152,8 @@ async def workflow_times(temporal: str, namespace: str, replica_id: str) -> tupl
     scheduled: dict[int, tuple[str, float]] = {}
     started: dict[int, float] = {}
     last = out["started"]
+    wft = wft_started = last
+    n_wft = 0
     seen: dict[str, int] = {}
     for e in h.events:
         t = e.event_time.ToDatetime().timestamp()
@@ -161,6 +163,14 @@ async def workflow_times(temporal: str, namespace: str, replica_id: str) -> tupl
             name = f"{name}#{seen[name]}" if seen[name] > 1 else name
             scheduled[e.event_id] = (name, t)
             steps["workflow tasks"] = steps.get("workflow tasks", 0.0) + (t - last)
+        elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
+            wft = t
+        elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            wft_started = t
+            n_wft += 1
+            steps[f"  workflow task {n_wft} queued"] = t - wft
+        elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            steps[f"  workflow task {n_wft} in the worker"] = t - wft_started
         elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
             sid = e.activity_task_started_event_attributes.scheduled_event_id
             started[sid] = t

@@ -73,7 +73,7 @@ class Stand:
 async def run(temporal, namespace: str, stand: Stand):
     client = await Client.connect(temporal.address, namespace=namespace, data_converter=pydantic_data_converter)
     worker = Worker(client, task_queue=MIRROR_QUEUE, workflows=[MirrorWorkflow], activities=stand.all(),
-                    workflow_runner=workflow_runner(), max_heartbeat_throttle_interval=timedelta(seconds=0.5),
+                    workflow_runner=workflow_runner(sandbox_own_modules=True), max_heartbeat_throttle_interval=timedelta(seconds=0.5),
                     default_heartbeat_throttle_interval=timedelta(seconds=0.5))
     handle = await client.start_workflow(
         MirrorWorkflow.run, MirrorInput(name="m", version="v1", sources=["http://o/?token=SECRET"],

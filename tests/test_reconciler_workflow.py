@@ -74,7 +74,7 @@ class Stand:
 
 def worker(client: Client, stand: Stand, **kw) -> Worker:
     return Worker(client, task_queue=CONTROL_QUEUE, workflows=[ReconcilerWorkflow], activities=stand.all(),
-                  workflow_runner=workflow_runner(), **kw)
+                  workflow_runner=workflow_runner(sandbox_own_modules=True), **kw)
 
 
 async def events(client: Client, wf_id: str, run_id: str) -> list:

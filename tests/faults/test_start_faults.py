@@ -99,18 +99,18 @@ def test_worker_killed_after_decide_committed_a_placement_the_replica_starts_onc
     marker = tmp_path / "crashed-after-decide"
     hooked = fleet.restart_worker(LLMGW_TEST_CRASH_AFTER_COMMIT="decide:place", LLMGW_TEST_CRASH_MARKER=str(marker))
     with fleet.traffic(["steady"]) as t:
-        assert fleet.cp.apply({"models": [STEADY, sim_model("epsilon")]}).status_code == 200
+        assert fleet.cp.apply({"models": [STEADY, sim_model("eta")]}).status_code == 200
         wait_until(lambda: marker.exists() and not hooked.alive(), timeout_s=90, what="the worker killed after decide",
                    why=fleet.cp.logs)
-        placed = only_replica(fleet, "epsilon")  # committed before the kill
+        placed = only_replica(fleet, "eta")  # committed before the kill
         fleet.restart_worker()
-        ready = only_replica(fleet, "epsilon", "ready", timeout_s=90)
+        ready = only_replica(fleet, "eta", "ready", timeout_s=90)
         wait_until(lambda: start_status(fleet, ready["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=90,
                    what="the start workflow completed", why=fleet.cp.logs)
-        fleet.steady(["steady", "epsilon"])
+        fleet.steady(["steady", "eta"])
     worker_log = "\n".join(p.log() for p in fleet.cp.procs if p.name == "worker")
     assert "decide retried after it committed" in worker_log
-    assert ready["id"] == placed["id"] and len(fleet.replicas("epsilon")) == 1
+    assert ready["id"] == placed["id"] and len(fleet.replicas("eta")) == 1
     assert fleet.launches(ready["id"]) == 1
     assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
 
@@ -120,22 +120,22 @@ def test_readiness_is_pushed_by_the_node_a_frozen_control_worker_does_not_hold_a
     The control worker (where the start workflow would mark it Ready) is frozen with SIGSTOP once the engine
     is launched: the replica still becomes Ready and serves, while its start workflow is still running; once
     the worker is thawed the start completes with that replica, launched once."""
-    zeta = sim_model("zeta", args=["--tokens-per-second", "0", "--startup-delay", "3"])
-    assert fleet.cp.apply({"models": [STEADY, zeta]}).status_code == 200
-    rep = only_replica(fleet, "zeta", "starting")
-    wait_until(lambda: fleet.launches(rep["id"]) == 1, timeout_s=60, what="zeta's engine launched", why=fleet.cp.logs)
+    theta = sim_model("theta", args=["--tokens-per-second", "0", "--startup-delay", "3"])
+    assert fleet.cp.apply({"models": [STEADY, theta]}).status_code == 200
+    rep = only_replica(fleet, "theta", "starting")
+    wait_until(lambda: fleet.launches(rep["id"]) == 1, timeout_s=60, what="theta's engine launched", why=fleet.cp.logs)
     worker = fleet.freeze("worker")
     try:
-        ready = only_replica(fleet, "zeta", "ready", timeout_s=30)
+        ready = only_replica(fleet, "theta", "ready", timeout_s=30)
         r = httpx.post(fleet.cp.gateway + "/v1/chat/completions", timeout=30, json={
-            "model": "zeta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            "model": "theta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert start_status(fleet, rep["id"]) == WorkflowExecutionStatus.RUNNING  # it had no worker to get there
     finally:
         fleet.thaw(worker)
     wait_until(lambda: start_status(fleet, rep["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=60,
                what="the start workflow completed", why=fleet.cp.logs)
-    assert ready["id"] == rep["id"] and only_replica(fleet, "zeta", "ready")["id"] == rep["id"]
+    assert ready["id"] == rep["id"] and only_replica(fleet, "theta", "ready")["id"] == rep["id"]
     assert fleet.launches(rep["id"]) == 1
 
 

@@ -55,6 +55,7 @@ class NodeActivities:
 
     def __init__(self, agent: "Agent"):
         self.agent = agent
+        self._watches: dict[str, asyncio.Task] = {}  # shard id -> the task watching it become ready
 
     def all(self) -> list:
         return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.wait_shard_joined,
@@ -117,7 +118,9 @@ class NodeActivities:
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
         shard = sup.launch(spec, plan, adapter.redact(plan.argv))
+        self._watches.pop(inp.shard_id, None)
         await self._report(shard, "starting")
+        self._watch(shard)  # after "starting": the agent's reports keep their order
         return LaunchShardResult(shard_id=inp.shard_id, pid=shard.pid, endpoint=shard.endpoint)
 
     async def _report(self, shard, state: str) -> None:
@@ -144,55 +147,71 @@ class NodeActivities:
     async def wait_shard_joined(self, inp: WaitShardJoinedInput) -> WaitShardJoinedResult:
         """Wait until a worker shard (rank > 0) has joined rank 0; then it is Ready (it serves no HTTP of
         its own). Fails at once if the worker exits, so one dead shard fails the replica's start."""
-        sup = self.agent.supervisor
-        shard = sup.get(inp.shard_id)
-        if shard is None:
-            raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
-        adapter = self.agent.engines.get(shard.spec.profile.engine)
         started = time.monotonic()
-        cues = ReadinessCues(shard.log_path)
-        async with aiohttp.ClientSession() as session:
-            while True:
-                code = sup.poll(shard)
-                if code is not None:
-                    raise await self._exited(shard, f"worker shard {inp.shard_id} exited before it joined rank 0")
-                if await adapter.joined(session, shard.spec):
-                    break
-                waited = time.monotonic() - started
-                if waited > inp.timeout_s:
-                    raise ApplicationError(f"worker shard {inp.shard_id} had not joined rank 0 after {inp.timeout_s:.0f}s",
-                                           non_retryable=True)
-                activity.heartbeat({"waiting_s": round(waited)})
-                await cues.next()
-        sup.set_state(shard, "ready")
-        await self._report(shard, "ready")
+        await self._await_ready(inp.shard_id, inp.timeout_s, "exited before it joined rank 0",
+                                "had not joined rank 0 after")
         return WaitShardJoinedResult(shard_id=inp.shard_id, waited_s=round(time.monotonic() - started, 2))
 
     @activity.defn(name="wait_shard_ready")
     async def wait_shard_ready(self, inp: WaitShardReadyInput) -> WaitShardReadyResult:
-        """Check the engine's readiness until it passes, as soon as its output grows and on a backoff between
-        (workers/readiness.py). Fails at once if the engine exits."""
+        """Wait until the engine is ready (its node watches from the launch on: `_watch`). Fails at once if
+        the engine exits."""
+        shard = await self._await_ready(inp.shard_id, inp.timeout_s, "exited before it was ready", "not ready after")
+        return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
+
+    async def _await_ready(self, shard_id: str, timeout_s: float, exited: str, late: str) -> "Shard":
         sup = self.agent.supervisor
-        shard = sup.get(inp.shard_id)
+        shard = sup.get(shard_id)
         if shard is None:
-            raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
+            raise ApplicationError(f"shard {shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
+        watch = self._watch(shard)
+        started = time.monotonic()
+        while not watch.done():
+            waited = time.monotonic() - started
+            if waited > timeout_s:
+                watch.cancel()
+                raise ApplicationError(f"shard {shard_id} {late} {timeout_s:.0f}s", non_retryable=True)
+            activity.heartbeat({"waiting_s": round(waited)})
+            await asyncio.wait({watch}, timeout=min(1.0, max(0.0, timeout_s - waited) + 0.01))
+        if watch.cancelled():  # stopped meanwhile, or another wait on it gave up
+            raise ApplicationError(f"shard {shard_id} stopped being watched before it was ready (stopped, or its wait "
+                                   "timed out)", non_retryable=True)
+        if watch.result() is not None:  # raises what the watch raised (a refused report)
+            what = f"engine for shard {shard_id}" if shard.spec.rank == 0 else f"worker shard {shard_id}"
+            raise await self._exited(shard, f"{what} {exited}")
+        return shard
+
+    def _watch(self, shard: "Shard") -> asyncio.Task:
+        """The task watching `shard` become ready, started when it was launched (or now, for a shard adopted
+        after a restart). It does not wait for a workflow to ask: the moment the engine is ready (rank 0:
+        its readiness check; a worker: joined rank 0), the shard is marked and reported ready, and the
+        control plane routes the replica (readiness pushed, issue 13). Its result: None once ready, the
+        exit code if the engine exited first."""
+        watch = self._watches.get(shard.shard_id)
+        if watch is None or watch.cancelled():
+            watch = asyncio.get_running_loop().create_task(self._watch_ready(shard), name=f"ready {shard.shard_id}")
+            watch.add_done_callback(_retrieve)
+            self._watches[shard.shard_id] = watch
+        return watch
+
+    async def _watch_ready(self, shard: "Shard") -> int | None:
+        sup = self.agent.supervisor
         adapter = self.agent.engines.get(shard.spec.profile.engine)
-        deadline = time.monotonic() + inp.timeout_s
         cues = ReadinessCues(shard.log_path)
         async with aiohttp.ClientSession() as session:
             while True:
                 code = sup.poll(shard)
                 if code is not None:
-                    raise await self._exited(shard, f"engine for shard {inp.shard_id} exited before it was ready")
-                if await adapter.is_ready(session, shard.endpoint, shard.spec.api_key):
+                    return code
+                if shard.spec.rank == 0:
+                    if await adapter.is_ready(session, shard.endpoint, shard.spec.api_key):
+                        break
+                elif await adapter.joined(session, shard.spec):
                     break
-                if time.monotonic() > deadline:
-                    raise ApplicationError(f"shard {inp.shard_id} not ready after {inp.timeout_s:.0f}s", non_retryable=True)
-                activity.heartbeat({"waiting_s": round(inp.timeout_s - (deadline - time.monotonic()))})
                 await cues.next()
         sup.set_state(shard, "ready")
         await self._report(shard, "ready")
-        return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
+        return None
 
     async def _exited(self, shard: "Shard", what: str) -> ApplicationError:
         """An engine exited while a start waited on it: report the shard failed with its decoded exit and
@@ -237,6 +256,9 @@ class NodeActivities:
     async def stop_shard(self, inp: StopShardInput) -> StopShardResult:
         """Fence the replica (on disk), then stop the shard's process group (SIGTERM, SIGKILL after `grace_s`)."""
         self.agent.fences.record(inp.replica_id or replica_of(inp.shard_id), inp.generation)
+        watch = self._watches.pop(inp.shard_id, None)
+        if watch is not None:
+            watch.cancel()
         was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
         await self.agent.report_stopped(inp.shard_id)
         return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)
@@ -261,6 +283,12 @@ class NodeActivities:
         if result.removed:
             self.agent.inventory_dirty = True
         return result
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A readiness watch nobody awaited (its start gave up) still has its failure logged, once."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s: %s", task.get_name(), task.exception())
 
 
 async def _keepalive(progress: dict) -> None:

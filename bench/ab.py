@@ -7,7 +7,14 @@ older llmgw, for example `git archive <commit> | tar -x -C /tmp/base`) and `B` f
 same catalog, and alternates between them request by request (latency) or segment by segment (throughput,
 streaming). Each figure of B is printed next to A's from the same minutes.
 
-Run: `.venv/bin/python bench/ab.py --baseline-src /tmp/base/src` (about two minutes).
+Streaming is measured two ways. Bulk: one stream at a time from an engine with no token delay; the relay
+then reads many events per read, and how many depends on the load on the other core, so its CPU per event
+varies from one stream to the next by more than the difference looked for: several alternating pairs are
+run and the median of their B/A ratios printed beside the total. Paced: many concurrent streams from a
+second engine that writes each stream's tokens `1/--paced-rate` s apart, so that nearly every event is a
+read and a write of its own, as with real engines; this is the relay's full cost per event, and steadier.
+
+Run: `.venv/bin/python bench/ab.py --baseline-src /tmp/base/src` (about three minutes).
 """
 
 from __future__ import annotations
@@ -62,6 +69,28 @@ async def throughput(url: str, proc: psutil.Process, concurrency: int, seconds: 
     return done, cpu_s(proc) - cpu0
 
 
+async def paced(url: str, proc: psutil.Process, streams: int, tokens: int) -> tuple[int, float]:
+    """`streams` concurrent streams of `tokens` tokens from the paced engine: (events, relay CPU s)."""
+    body = json.dumps({**CHAT, "model": "paced", "max_tokens": tokens, "stream": True}).encode()
+    events = 0
+
+    async def one_stream(s: aiohttp.ClientSession) -> None:
+        nonlocal events
+        async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            async for chunk in r.content.iter_any():
+                events += chunk.count(b"\n\n")
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=streams)) as s:
+        await one(s, url, json.dumps({**CHAT, "model": "paced", "max_tokens": 1}).encode())  # connections warm
+        cpu0 = cpu_s(proc)
+        await asyncio.gather(*(one_stream(s) for _ in range(streams)))
+    return events, cpu_s(proc) - cpu0
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if len(xs) % 2 else sum(sorted(xs)[len(xs) // 2 - 1:len(xs) // 2 + 1]) / 2
+
+
 async def stream(url: str, proc: psutil.Process, tokens: int) -> tuple[int, float]:
     body = json.dumps({**CHAT, "max_tokens": tokens, "stream": True}).encode()
     events = 0
@@ -81,6 +110,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0, help="per throughput segment")
     ap.add_argument("--segments", type=int, default=8, help="throughput segments per gateway, alternating")
     ap.add_argument("--stream-tokens", type=int, default=20000)
+    ap.add_argument("--stream-pairs", type=int, default=4, help="bulk streams per gateway, alternating")
+    ap.add_argument("--paced-streams", type=int, default=50, help="concurrent streams in a paced segment")
+    ap.add_argument("--paced-rate", type=float, default=100.0, help="tokens per second of each paced stream")
+    ap.add_argument("--paced-tokens", type=int, default=300, help="tokens per paced stream")
+    ap.add_argument("--paced-segments", type=int, default=4, help="paced segments per gateway, alternating")
     ap.add_argument("--gateway-cpu", type=int, default=0)
     args = ap.parse_args()
 
@@ -114,6 +148,10 @@ def main() -> None:
         engine = spawn([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(eport), "--model", "bench",
                         "--tokens-per-second", "0"], others, dict(os.environ), "engine")
         wait_port(eport, 30, engine, "sim engine")
+        pport = free_port()
+        pacer = spawn([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(pport), "--model", "paced",
+                       "--tokens-per-second", str(args.paced_rate)], others, dict(os.environ), "paced-engine")
+        wait_port(pport, 30, pacer, "paced sim engine")
         urls, gw = {}, {}
         for name, src in (("A", str(Path(args.baseline_src).resolve())), ("B", str(here))):
             g, a, n = free_port(), free_port(), free_port()
@@ -128,7 +166,8 @@ def main() -> None:
             gw[name] = psutil.Process(p.pid)
             admin = f"http://127.0.0.1:{a}"
         httpx.post(admin + "/admin/v1/catalog", timeout=30, json={"catalog": {"models": [
-            {"name": "bench", "endpoints": [f"http://127.0.0.1:{eport}"]}]}}).raise_for_status()
+            {"name": "bench", "endpoints": [f"http://127.0.0.1:{eport}"]},
+            {"name": "paced", "endpoints": [f"http://127.0.0.1:{pport}"]}]}}).raise_for_status()
         deadline = time.monotonic() + 30
         while any(httpx.post(u, json=CHAT, timeout=10).status_code != 200 for u in urls.values()):
             if time.monotonic() > deadline:
@@ -144,11 +183,25 @@ def main() -> None:
                 thr[k][0] += done
                 thr[k][1] += cpu
         st = {k: [0, 0.0] for k in urls}
-        for i in range(2):
+        pairs: list[float] = []  # B/A per event of each alternating pair
+        for i in range(args.stream_pairs):
+            per = {}
             for k in (("A", "B") if i % 2 == 0 else ("B", "A")):
                 ev, cpu = asyncio.run(stream(urls[k], gw[k], args.stream_tokens))
                 st[k][0] += ev
                 st[k][1] += cpu
+                per[k] = cpu / ev
+            pairs.append(per["B"] / per["A"])
+        pc = {k: [0, 0.0] for k in urls}
+        paced_pairs: list[float] = []
+        for i in range(args.paced_segments):
+            per = {}
+            for k in (("A", "B") if i % 2 == 0 else ("B", "A")):
+                ev, cpu = asyncio.run(paced(urls[k], gw[k], args.paced_streams, args.paced_tokens))
+                pc[k][0] += ev
+                pc[k][1] += cpu
+                per[k] = cpu / ev
+            paced_pairs.append(per["B"] / per["A"])
     finally:
         for p in reversed(procs):
             stop_process(p, grace_s=5)
@@ -171,13 +224,22 @@ def main() -> None:
         done, cpu = thr[k]
         print(f"  {k}  {done / (args.segments * args.seconds):.0f} req/s  CPU {cpu / done * 1e6:.0f} us/request "
               f"= {done / cpu:.0f} req/s per gateway core")
-    print(f"streaming, 2 alternating streams of {args.stream_tokens} tokens each:")
+    print(f"streaming, bulk: {args.stream_pairs} alternating streams of {args.stream_tokens} tokens each per gateway:")
     for k in urls:
         ev, cpu = st[k]
         print(f"  {k}  CPU {cpu / ev * 1e6:.1f} us/event")
+    print(f"  B/A of each pair: {' '.join(f'{r:.3f}' for r in pairs)}")
+    print(f"streaming, paced: {args.paced_segments} alternating segments per gateway of {args.paced_streams} concurrent "
+          f"streams of {args.paced_tokens} tokens at {args.paced_rate:g} tokens/s:")
+    for k in urls:
+        ev, cpu = pc[k]
+        print(f"  {k}  {ev} events  CPU {cpu / ev * 1e6:.1f} us/event")
+    print(f"  B/A of each pair: {' '.join(f'{r:.3f}' for r in paced_pairs)}")
     a, b = thr["A"], thr["B"]
     print(f"B/A: CPU per request at c=1 {lat['B']['cpu_us'] / lat['A']['cpu_us']:.3f}, at c={args.concurrency} "
-          f"{(b[1] / b[0]) / (a[1] / a[0]):.3f}; per event {(st['B'][1] / st['B'][0]) / (st['A'][1] / st['A'][0]):.3f}")
+          f"{(b[1] / b[0]) / (a[1] / a[0]):.3f}; per event, bulk {(st['B'][1] / st['B'][0]) / (st['A'][1] / st['A'][0]):.3f} "
+          f"(median of pairs {median(pairs):.3f}), paced {(pc['B'][1] / pc['B'][0]) / (pc['A'][1] / pc['A'][0]):.3f} "
+          f"(median of pairs {median(paced_pairs):.3f})")
 
 
 if __name__ == "__main__":

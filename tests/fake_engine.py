@@ -253,7 +253,8 @@ class FakeEngines:
 
 class RawEngine:
     """An engine written at the byte level, for what aiohttp would never send: a second answer after the
-    first, bytes on an idle kept-alive connection, informational (1xx) answers, a 1 MiB header. The
+    first, bytes on an idle kept-alive connection, informational (1xx) answers, a 1 MiB header, a stream that
+drips then stalls. The
     first path segment picks the behaviour; every answer's content is `answer(N)` where N counts requests."""
 
     def __init__(self) -> None:
@@ -305,6 +306,16 @@ class RawEngine:
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </s.css>\r\n\r\n" + mine)
                 elif behaviour == "bighead":
                     writer.write(self.response("big", b"X-Big: " + b"a" * (1 << 20) + b"\r\n"))
+                elif behaviour in ("drip", "dripstall"):  # a chunk every 0.1 s, 8 of them; then the end, or silence
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    for i in range(8):
+                        event = b"data: {\"n\": %d}\n\n" % i
+                        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        await writer.drain()
+                        await asyncio.sleep(0.1)
+                    if behaviour == "dripstall":
+                        await asyncio.sleep(3600)
+                    writer.write(b"0\r\n\r\n")
                 else:
                     writer.write(mine)
                 await writer.drain()

@@ -6,11 +6,14 @@ tests/test_gateway_api.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
 
-from llmgw.gateway.upstream import DEAD_PEER_S, KEEPALIVE_IDLE_S, Upstream, parse_target
+import pytest
+
+from llmgw.gateway.upstream import DEAD_PEER_S, KEEPALIVE_IDLE_S, Upstream, UpstreamTimeout, parse_target
 from tests.fake_engine import RawEngine
 
 
@@ -53,6 +56,36 @@ async def test_engine_connections_use_tcp_keepalive_and_a_user_timeout():
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == DEAD_PEER_S * 1000
         await resp.read_whole(1 << 20)
         resp.abort()
+    finally:
+        await up.close()
+        await engine.close()
+
+
+async def test_the_read_timeout_counts_from_each_wait_across_a_stream_and_a_reused_connection():
+    """One timer per connection serves every wait (a stream waits once per event): a stream whose events
+    come 0.1 s apart for longer than the 0.5 s timeout is never cut, on a kept-alive connection whose timer
+    was armed by an earlier answer; a stream that then goes silent times out 0.5 s after its last event."""
+    engine = await RawEngine().start()
+    up = Upstream(0.5)
+    try:
+        target = parse_target(engine.url(""))  # the path's first segment picks the behaviour
+        first = await up.post(target, "/plain", b"{}")
+        await first.read_whole(1 << 20)
+        first.release()
+        for behaviour in ("drip", "dripstall"):
+            resp = await up.post(target, f"/{behaviour}", b"{}")
+            assert resp is first  # the same connection, and its timer, each time
+            events, last = 0, time.monotonic()
+            with pytest.raises(UpstreamTimeout) if behaviour == "dripstall" else contextlib.nullcontext():
+                while chunk := await resp.next_chunk():
+                    events += chunk.count(b"\n\n")
+                    last = time.monotonic()
+            assert events == 8
+            if behaviour == "drip":
+                resp.release()
+            else:
+                assert 0.45 < time.monotonic() - last < 5
+                resp.abort()
     finally:
         await up.close()
         await engine.close()

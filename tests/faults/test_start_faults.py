@@ -67,24 +67,32 @@ def only_replica(fleet: FaultFleet, model: str, status: str | None = None, timeo
                       why=lambda: f"{fleet.replicas(model)}\n{fleet.cp.logs()}")
 
 
+def crash_worker_after(fleet: FaultFleet, marker, hook: str, model: str) -> None:
+    """Restart the control worker with the crash-after-commit hook `hook` (activity[:detail]), apply a
+    catalog adding `model`, and wait until the hook has killed the worker."""
+    hooked = fleet.restart_worker(LLMGW_TEST_CRASH_AFTER_COMMIT=hook, LLMGW_TEST_CRASH_MARKER=str(marker))
+    assert fleet.cp.apply({"models": [STEADY, sim_model(model)]}).status_code == 200
+    wait_until(lambda: marker.exists() and not hooked.alive(), timeout_s=90, what=f"the worker killed after {hook}",
+               why=fleet.cp.logs)
+
+
+def worker_log(fleet: FaultFleet) -> str:
+    return "\n".join(p.log() for p in fleet.cp.procs if p.name == "worker")
+
+
 def test_worker_killed_between_commit_and_completion_the_replica_ends_ready_once(fleet, tmp_path):
     """The control worker is SIGKILLed right after `mark_replica(ready)` committed, before Temporal heard
     it completed (a test hook, once). The restarted worker retries the activity, which returns the stored
     result: the replica stays Ready with the engine it has, nothing is stopped, nothing placed again."""
-    marker = tmp_path / "crashed-after-commit"
-    hooked = fleet.restart_worker(LLMGW_TEST_CRASH_AFTER_COMMIT="mark_replica:ready", LLMGW_TEST_CRASH_MARKER=str(marker))
     with fleet.traffic(["steady"]) as t:
-        assert fleet.cp.apply({"models": [STEADY, sim_model("gamma")]}).status_code == 200
-        wait_until(lambda: marker.exists() and not hooked.alive(), timeout_s=90, what="the worker killed after the commit",
-                   why=fleet.cp.logs)
+        crash_worker_after(fleet, tmp_path / "crashed-after-commit", "mark_replica:ready", "gamma")
         rep = only_replica(fleet, "gamma", "ready")  # committed before the kill
         pid = fleet.cp.shard_pid(rep["node_id"], f"{rep['id']}-r0")
         fleet.restart_worker()
         wait_until(lambda: start_status(fleet, rep["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=90,
                    what="the start workflow completed after the retry", why=fleet.cp.logs)
         fleet.steady(["steady", "gamma"])
-    worker_log = "\n".join(p.log() for p in fleet.cp.procs if p.name == "worker")
-    assert "mark_replica retried after it committed" in worker_log
+    assert "mark_replica retried after it committed" in worker_log(fleet)
     assert only_replica(fleet, "gamma", "ready")["id"] == rep["id"]
     assert fleet.cp.shard_pid(rep["node_id"], f"{rep['id']}-r0") == pid and psutil.pid_exists(pid)
     assert fleet.launches(rep["id"]) == 1
@@ -96,20 +104,15 @@ def test_worker_killed_after_decide_committed_a_placement_the_replica_starts_onc
     replica (created in that pass's transaction, issue 13), before Temporal heard it completed. The retried
     `decide` returns the stored result, so the replica it created gets its start workflow, once: one
     replica, one launch, Ready; the model already serving sees nothing."""
-    marker = tmp_path / "crashed-after-decide"
-    hooked = fleet.restart_worker(LLMGW_TEST_CRASH_AFTER_COMMIT="decide:place", LLMGW_TEST_CRASH_MARKER=str(marker))
     with fleet.traffic(["steady"]) as t:
-        assert fleet.cp.apply({"models": [STEADY, sim_model("eta")]}).status_code == 200
-        wait_until(lambda: marker.exists() and not hooked.alive(), timeout_s=90, what="the worker killed after decide",
-                   why=fleet.cp.logs)
+        crash_worker_after(fleet, tmp_path / "crashed-after-decide", "decide:place", "eta")
         placed = only_replica(fleet, "eta")  # committed before the kill
         fleet.restart_worker()
         ready = only_replica(fleet, "eta", "ready", timeout_s=90)
         wait_until(lambda: start_status(fleet, ready["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=90,
                    what="the start workflow completed", why=fleet.cp.logs)
         fleet.steady(["steady", "eta"])
-    worker_log = "\n".join(p.log() for p in fleet.cp.procs if p.name == "worker")
-    assert "decide retried after it committed" in worker_log
+    assert "decide retried after it committed" in worker_log(fleet)
     assert ready["id"] == placed["id"] and len(fleet.replicas("eta")) == 1
     assert fleet.launches(ready["id"]) == 1
     assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")

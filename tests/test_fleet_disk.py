@@ -43,6 +43,10 @@ def test_a_node_without_disk_room_is_refused_unless_it_holds_the_weights(control
     assert "cannot place nowhere" in out.stdout
     for n in ("node-a", "node-b"):
         assert f"default on {n}: needs 50 GB of disk for the weights, 10.0 GB free; it does not hold them" in out.stdout
+    # The pass that placed `held` is the latest one until the next pass finds it running (decide creates
+    # what it places in the pass that decided it), so wait for a pass that keeps it.
+    wait_until(lambda: any(line.startswith("keep held") for line in cp.explain("held")["decisions"]),
+               timeout_s=20, what="a pass that keeps held")
     out = cp.ctl("explain", "held")
     assert "keep held: 1 of 1 wanted (min 1)" in out.stdout and "placed: place held/default on node-b" in out.stdout
     assert not [r for r in cp.replicas() if r["model"] == "nowhere"]

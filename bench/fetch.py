@@ -72,21 +72,22 @@ class Origin:
         self.proc.wait(5)
 
 
-def curl(url: str, dest: Path) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of curl)."""
+def curl(url: str, dest: Path) -> tuple[float, float, float]:
+    """(wall seconds, user and system CPU seconds of curl)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(["curl", "-sS", "--fail", "-o", str(dest), url], check=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
 
 
-def timed(coro_fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process, all threads) of running `coro_fn()`."""
-    c0, t0 = time.process_time(), time.perf_counter()
+def timed(coro_fn) -> tuple[float, float, float]:
+    """(wall seconds, user and system CPU seconds of this process, all threads) of running `coro_fn()`."""
+    before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     asyncio.run(coro_fn())
-    return time.perf_counter() - t0, time.process_time() - c0
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    return wall, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
 
 
 async def mirror_fetch(url: str, work: Path) -> None:
@@ -106,16 +107,22 @@ def clean(*dirs: Path) -> None:
 
 
 def throughput(root: Path, size: int, rounds: int) -> None:
+    """Each round runs the three in another order (curl, node, mirror; then node, mirror, curl; ...): on a
+    virtual machine the kernel's cost of writing a file into the page cache varies by 3x from one run to the
+    next (bench/README.md), and which writer comes first after another's file was deleted mattered more
+    than what it was."""
     origin = Origin(root)
     url = origin.url + "/f.bin"
     tmp = root.parent
     out, work, cache = tmp / "curl", tmp / "mirror", tmp / "cache"
-    times: dict[str, list[tuple[float, float]]] = {"curl": [], "mirror fetch": [], "node fetcher": []}
+    times: dict[str, list[tuple[float, float, float]]] = {"curl": [], "node fetcher": [], "mirror fetch": []}
+    order = list(times)
     try:
         subprocess.run(["cat", str(root / "f.bin")], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
-        for _ in range(rounds):
-            for name in times:
+        for i in range(rounds):
+            for name in order[i % 3:] + order[:i % 3]:
                 clean(out, work, cache)
+                os.sync()  # no dirty pages left from the previous copy (curl's is never fsynced)
                 if name == "curl":
                     times[name].append(curl(url, out / "f.bin"))
                 elif name == "mirror fetch":
@@ -125,16 +132,17 @@ def throughput(root: Path, size: int, rounds: int) -> None:
     finally:
         origin.stop()
         clean(out, work, cache)
-    base = statistics.median(t for t, _ in times["curl"])
-    base_cpu = statistics.median(c for _, c in times["curl"])
-    print(f"\nthroughput, {size / 2**30:.2f} GiB file, median of {rounds}, load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs (MB/s = 10^6 bytes/s; CPU s/GB: user+system of the fetching process)")
-    print(f"{'':16s} {'MB/s':>8s} {'ratio to curl':>14s} {'CPU s/GB':>9s} {'CPU vs curl':>12s}   wall per run (s)")
+    base = statistics.median(t for t, _, _ in times["curl"])
+    print(f"\nthroughput, {size / 2**30:.2f} GiB file, median of {rounds} (order rotated per round), load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (MB/s = 10^6 bytes/s; CPU s/GB of the fetching process: "
+          "user = its own work, sys = the kernel's, mostly receiving and writing)")
+    print(f"{'':16s} {'MB/s':>8s} {'ratio to curl':>14s} {'user s/GB':>10s} {'sys s/GB':>9s}   wall per run (s)")
     for name, runs in times.items():
-        med = statistics.median(t for t, _ in runs)
-        cpu = statistics.median(c for _, c in runs)
-        print(f"{name:16s} {size / med / 1e6:8.0f} {base / med:13.2f}x {cpu / size * 1e9:9.2f} {cpu / base_cpu:11.2f}x"
-              f"   {' '.join(f'{t:.2f}' for t, _ in runs)}")
+        med = statistics.median(t for t, _, _ in runs)
+        user = statistics.median(u for _, u, _ in runs)
+        sys_ = statistics.median(k for _, _, k in runs)
+        print(f"{name:16s} {size / med / 1e6:8.0f} {base / med:13.2f}x {user / size * 1e9:10.2f} {sys_ / size * 1e9:9.2f}"
+              f"   {' '.join(f'{t:.2f}' for t, _, _ in runs)}")
 
 
 def resume_after_drop(root: Path, size: int) -> tuple[int, int, int]:
@@ -210,7 +218,7 @@ def resume_after_kill(root: Path, size: int, rate: int) -> tuple[int, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1G", help="file size (1G, 256M, ...)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--kill-rate", type=int, default=100_000_000, help="origin rate (bytes/s) while the fetcher is killed")
     ap.add_argument("--dir", default=None, help="where to put the file and the copies (default: a temp dir)")
     args = ap.parse_args()

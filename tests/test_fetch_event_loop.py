@@ -5,6 +5,7 @@ node's heartbeats keeps turning. A real HTTP server with Range support, the real
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 
@@ -14,7 +15,7 @@ from llmgw.weights.download import sha256_of
 from llmgw.weights.fetcher import Fetcher
 from llmgw.weights.naming import cache_name_for
 
-PARTIAL_MB = 512  # sparse: costs no disk, still has to be read and hashed
+PROBE_MB = 256  # sparse partials cost no disk, and still have to be read and hashed
 TAIL = b"the rest of the weights\n" * 1000
 
 
@@ -39,22 +40,36 @@ async def serve_file(size_prefix: int):
     return runner, f"http://127.0.0.1:{port}/w.bin"
 
 
+def hash_seconds(path) -> float:
+    """How long verifying `path` takes when nothing else runs (the fastest of two: the second has its cache warm)."""
+    times = []
+    for _ in range(2):
+        started = time.monotonic()
+        sha256_of(path)
+        times.append(time.monotonic() - started)
+    return min(times)
+
+
+def sparse(path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)  # what an interrupted download left behind
+
+
 async def test_resuming_a_large_partial_download_does_not_block_the_event_loop(tmp_path):
-    prefix = PARTIAL_MB << 20
+    # A partial large enough that hashing it takes about a second on this machine, whatever its speed: a
+    # fixed 512 MB took only 0.29 s on a machine with SHA extensions, too little to show a stall.
+    probe = tmp_path / "probe"
+    sparse(probe, PROBE_MB << 20)
+    per_probe = hash_seconds(probe)
+    probe.unlink()
+    prefix = min(32, max(2, math.ceil(1.0 / max(per_probe, 1e-3)))) * (PROBE_MB << 20)
     runner, url = await serve_file(prefix)
     try:
         fetcher = Fetcher(tmp_path / "cache", None)
         partial = fetcher.partial_dir / cache_name_for(url)
-        with open(partial, "wb") as f:
-            f.truncate(prefix)  # what an interrupted download left behind
-
-        times = []
-        for _ in range(2):  # how long the verification takes when nothing else runs (the second: cache warm)
-            started = time.monotonic()
-            sha256_of(partial)
-            times.append(time.monotonic() - started)
-        hash_s = min(times)
-        assert hash_s > 0.3, f"hashing {PARTIAL_MB} MB took only {hash_s:.2f}s: too little to show anything"
+        sparse(partial, prefix)
+        hash_s = hash_seconds(partial)
+        assert hash_s > 0.3, f"hashing {prefix >> 20} MB took only {hash_s:.2f}s: too little to show anything"
 
         gaps: list[float] = []
         last = [time.monotonic()]

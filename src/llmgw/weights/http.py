@@ -97,6 +97,24 @@ class Opened:
         if self.conn.sock is not None:
             self.conn.sock.settimeout(seconds)
 
+    def readinto1(self, view: memoryview) -> int:
+        """Read what one receive gives (at most `len(view)` bytes, never past the body's announced length)
+        into `view`; 0 at the end of the body. Straight into the caller's buffer when the body is not
+        chunked (no bytes object made and copied per read); through `read1` when it is."""
+        r = self.response
+        if r.chunked or r.fp is None:
+            piece = r.read1(len(view))
+            view[:len(piece)] = piece
+            return len(piece)
+        if r.length is not None:
+            view = view[:r.length]
+            if not view:
+                return 0
+        n = r.fp.readinto1(view)
+        if r.length is not None:
+            r.length -= n
+        return n
+
     def close(self) -> None:
         self.conn.close()
 

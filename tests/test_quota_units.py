@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from llmgw.db.keys_repo import ActiveKey
 from llmgw.db.usage_repo import MinuteTotal, PeriodTotal
-from llmgw.gateway.buckets import Budget, Window, duration_text, period_bounds
+from llmgw.gateway.buckets import Budget, Window, duration_text, period_bounds, reset_header
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.quotas import Quotas
 from llmgw.gateway.tokens import ask_usage, counts, read_events, usage_of_body
@@ -84,6 +84,9 @@ def test_the_wait_of_a_fading_previous_minute():
     assert w.wait_s(start + e, 1) == pytest.approx(39 - e)
     assert not w.room(start + 38.9, 1) and w.room(start + 39.0, 1)
     assert w.reset_s(start + e) == pytest.approx(120 - e)
+    left, reset = w.report(start + e)
+    assert left == w.remaining(start + e) == 0 and reset == w.reset_s(start + e)
+    assert w.report(start + 50) == (w.remaining(start + 50), w.reset_s(start + 50)) == (4, 70)  # 20 · (1 − 50/60) + 2 = 5.3 used
 
 
 def test_no_limit_counts_and_never_refuses():
@@ -133,6 +136,7 @@ def test_period_bounds_days_months_and_the_test_day():
 def test_durations_are_written_as_openai_writes_them():
     assert [duration_text(s) for s in (0, 0.02, 0.9994, 1, 1.5, 59.25, 60, 360, 3723.5)] == \
         ["0ms", "20ms", "999ms", "1s", "1.5s", "59.25s", "1m0s", "6m0s", "1h2m3.5s"]
+    assert [reset_header(s) for s in (0.02, 1, 1.2, 59.5, 119.01)] == [b"20ms", b"1s", b"2s", b"1m0s", b"2m0s"]
 
 
 # ---- usage in answers ----------------------------------------------------------------------------
@@ -266,7 +270,7 @@ REQ = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}]}
 
 def test_admission_refuses_over_the_rpm_with_retry_after_and_openai_headers(monkeypatch):
     q, acct = quotas_with({"rpm": 3})
-    monkeypatch.setattr(q, "now", lambda: T0)
+    q.clock = lambda: T0
     for i in range(3):
         meter, _, _ = q.admit(acct, MODEL, REQ, b"{}")
         headers = dict(meter.headers)
@@ -283,7 +287,7 @@ def test_admission_refuses_over_the_rpm_with_retry_after_and_openai_headers(monk
 
 def test_tokens_are_counted_after_the_answer_and_spent_budgets_get_insufficient_quota(monkeypatch):
     q, acct = quotas_with({"tokens_per_day": 100}, key_limits={"tpm": 10_000})
-    monkeypatch.setattr(q, "now", lambda: T0)
+    q.clock = lambda: T0
     meter, _, _ = q.admit(acct, MODEL, REQ, b"{}")
     meter.body(json.dumps({"usage": {"prompt_tokens": 30, "completion_tokens": 80}}).encode())
     q.settle(meter)  # 110 of 100: the request was admitted while budget was left, and counted in full
@@ -297,7 +301,7 @@ def test_tokens_are_counted_after_the_answer_and_spent_budgets_get_insufficient_
     assert err.headers["x-should-retry"] == "false" and "110 of 100" in err.message
     # the key's own tpm is reported on the way (the tightest window with a limit)
     assert err.headers["x-ratelimit-limit-tokens"] == "10000" and err.headers["x-ratelimit-remaining-tokens"] == "9890"
-    monkeypatch.setattr(q, "now", lambda: day_end + 1)  # the day turns
+    q.clock = lambda: day_end + 1  # the day turns
     q.admit(acct, MODEL, REQ, b"{}")
 
 
@@ -349,7 +353,7 @@ async def test_the_sync_writes_this_gateways_counts_and_takes_the_fleets(monkeyp
     monkeypatch.setattr(usage_repo, "add", add)
     monkeypatch.setattr(usage_repo, "totals", totals)
     q.engine = Engine()  # type: ignore[assignment]
-    monkeypatch.setattr("time.time", lambda: T0 - 5)  # this host's clock is 5 s behind the database's
+    q.clock = lambda: T0 - 5  # this host's clock is 5 s behind the database's
     q.admit(accts["k1"], MODEL, REQ, b"{}")
     await q.sync()
     assert written == {("team", "k1", "llama-8b"): [1, 0, 0]} and q.pending == {}

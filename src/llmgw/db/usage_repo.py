@@ -47,6 +47,29 @@ async def db_now(conn: AsyncConnection) -> float:
     return float((await conn.execute(select(func.extract("epoch", func.now())))).scalar_one())
 
 
+def _upsert_usage():
+    ins = insert(usage)
+    return ins.on_conflict_do_update(
+        index_elements=[usage.c.minute, usage.c.tenant, usage.c.key_id, usage.c.model],
+        set_={"requests": usage.c.requests + ins.excluded.requests,
+              "prompt_tokens": usage.c.prompt_tokens + ins.excluded.prompt_tokens,
+              "completion_tokens": usage.c.completion_tokens + ins.excluded.completion_tokens})
+
+
+def _upsert_periods():
+    ins = insert(usage_periods)
+    return ins.on_conflict_do_update(
+        index_elements=[usage_periods.c.period, usage_periods.c.starts_at, usage_periods.c.tenant,
+                        usage_periods.c.key_id],
+        set_={"requests": usage_periods.c.requests + ins.excluded.requests,
+              "tokens": usage_periods.c.tokens + ins.excluded.tokens})
+
+
+# Built once: executed with a list of parameter sets (executemany), so SQLAlchemy compiles each once.
+_UPSERT_USAGE = _upsert_usage()
+_UPSERT_PERIODS = _upsert_periods()
+
+
 async def add(conn: AsyncConnection, minute: float, periods: dict[str, float],
               rows: dict[RowKey, list[int]]) -> None:
     """Add `rows` ((tenant, key, model) -> [requests, prompt tokens, completion tokens]) to the minute
@@ -54,26 +77,16 @@ async def add(conn: AsyncConnection, minute: float, periods: dict[str, float],
     if not rows:
         return
     at = _ts(minute)
-    ins = insert(usage).values([dict(minute=at, tenant=t, key_id=k, model=m, requests=r, prompt_tokens=p,
-                                     completion_tokens=c) for (t, k, m), (r, p, c) in sorted(rows.items())])
-    await conn.execute(ins.on_conflict_do_update(
-        index_elements=[usage.c.minute, usage.c.tenant, usage.c.key_id, usage.c.model],
-        set_={"requests": usage.c.requests + ins.excluded.requests,
-              "prompt_tokens": usage.c.prompt_tokens + ins.excluded.prompt_tokens,
-              "completion_tokens": usage.c.completion_tokens + ins.excluded.completion_tokens}))
+    await conn.execute(_UPSERT_USAGE, [dict(minute=at, tenant=t, key_id=k, model=m, requests=r, prompt_tokens=p,
+                                            completion_tokens=c) for (t, k, m), (r, p, c) in sorted(rows.items())])
     per_key: dict[tuple[str, str], list[int]] = {}
     for (t, k, _), (r, p, c) in rows.items():
         acc = per_key.setdefault((t, k), [0, 0])
         acc[0] += r
         acc[1] += p + c
-    for period, start in sorted(periods.items()):
-        ins = insert(usage_periods).values([dict(period=period, starts_at=_ts(start), tenant=t, key_id=k, requests=r,
-                                                 tokens=n) for (t, k), (r, n) in sorted(per_key.items())])
-        await conn.execute(ins.on_conflict_do_update(
-            index_elements=[usage_periods.c.period, usage_periods.c.starts_at, usage_periods.c.tenant,
-                            usage_periods.c.key_id],
-            set_={"requests": usage_periods.c.requests + ins.excluded.requests,
-                  "tokens": usage_periods.c.tokens + ins.excluded.tokens}))
+    await conn.execute(_UPSERT_PERIODS, [dict(period=period, starts_at=_ts(start), tenant=t, key_id=k, requests=r,
+                                              tokens=n) for period, start in sorted(periods.items())
+                                         for (t, k), (r, n) in sorted(per_key.items())])
 
 
 async def totals(conn: AsyncConnection, since_minute: float,

@@ -61,10 +61,28 @@ def duration_text(seconds: float) -> str:
     return out + f"{rest / 1000:.3f}".rstrip("0").rstrip(".") + "s"
 
 
+_RESET_TEXT: dict[int, bytes] = {}
+
+
+def reset_header(seconds: float) -> bytes:
+    """`duration_text` for the `x-ratelimit-reset-*` headers sent with every answer of a key with limits:
+    whole seconds from 1 s up (rounded up, so a client that waits that long finds the window reset), kept
+    once made (a window resets within 120 s: a few hundred strings at most)."""
+    if seconds < 1:
+        return b"%dms" % max(0, round(seconds * 1000))
+    n = math.ceil(seconds)
+    text = _RESET_TEXT.get(n)
+    if text is None:
+        text = duration_text(n).encode()
+        if len(_RESET_TEXT) < 4096:
+            _RESET_TEXT[n] = text
+    return text
+
+
 class Window:
     """Requests or tokens in the last minute, fleet-wide. `limit` None: counted, never refused."""
 
-    __slots__ = ("limit", "start", "prev", "cur", "unsynced")
+    __slots__ = ("_limit", "limit_text", "start", "prev", "cur", "unsynced")
 
     def __init__(self, limit: int | None = None):
         self.limit = limit
@@ -72,6 +90,15 @@ class Window:
         self.prev = 0
         self.cur = 0
         self.unsynced = 0  # counted here since the last sync took its snapshot
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self._limit = value
+        self.limit_text = b"" if value is None else b"%d" % value  # for the headers of every answer
 
     def _roll(self, now: float) -> None:
         if now >= self.start + WINDOW_S:
@@ -91,26 +118,35 @@ class Window:
 
     def room(self, now: float, cost: int) -> bool:
         """Whether something of `cost` fits now: `used + cost ≤ limit`, or `used < limit` for cost 0."""
-        if self.limit is None:
+        if self._limit is None:
             return True
         used = self.used(now)
-        return used + cost <= self.limit if cost else used < self.limit
+        return used + cost <= self._limit if cost else used < self._limit
 
     def remaining(self, now: float) -> int:
-        return 0 if self.limit is None else max(0, math.floor(self.limit - self.used(now)))
+        return 0 if self._limit is None else max(0, math.floor(self._limit - self.used(now)))
 
     def wait_s(self, now: float, cost: int) -> float:
         """Seconds until `room(cost)`, if nothing more is counted meanwhile (0 when there is room now)."""
         if self.room(now, cost):
             return 0.0
-        assert self.limit is not None
-        need = self.limit - cost
+        assert self._limit is not None
+        need = self._limit - cost
         e = now - self.start
         if self.prev and (self.cur < need if cost == 0 else self.cur <= need):
             # the previous minute's share fades: room once prev · (1 − e'/60) + cur ≤ need
             return max(0.0, WINDOW_S * (1.0 - (need - self.cur) / self.prev) - e)
         # this minute alone is over: room in the next, once cur · (1 − e''/60) ≤ need
         return (WINDOW_S - e) + WINDOW_S * (1.0 - need / self.cur)
+
+    def report(self, now: float) -> tuple[int, float]:
+        """(`remaining`, `reset_s`) in one pass, for the headers of every answer."""
+        if now >= self.start + WINDOW_S:
+            self._roll(now)
+        e = now - self.start
+        left = (self._limit or 0) - (self.prev * (1.0 - e / WINDOW_S) + self.cur)
+        reset = 2 * WINDOW_S - e if self.cur else WINDOW_S - e if self.prev else 0.0
+        return (int(left) if left > 0 else 0), reset
 
     def reset_s(self, now: float) -> float:
         """Seconds until nothing is counted any more (what OpenAI calls the reset), if nothing more comes."""

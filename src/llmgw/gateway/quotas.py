@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.db import usage_repo
 from llmgw.db.keys_repo import ActiveKey
 from llmgw.gateway import errors
-from llmgw.gateway.buckets import WINDOW_S, Budget, Window, duration_text, period_bounds
+from llmgw.gateway.buckets import WINDOW_S, Budget, Window, duration_text, period_bounds, reset_header
 from llmgw.gateway.tokens import Counts, ask_usage, read_events, usage_of_body
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.tenants import Limits
@@ -43,6 +43,8 @@ from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 NO_TENANT = "-"  # the tenant label, and what `ctl usage` shows, for a key of no tenant
+_REQUEST_NAMES = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
+_TOKEN_NAMES = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
 
 
 class Quota:
@@ -68,12 +70,47 @@ class Quota:
         self.requests.limit, self.tokens.limit = limits.rpm, limits.tpm
         self.day.limit, self.month.limit = limits.tokens_per_day, limits.tokens_per_month
 
+    def fits(self, now: float) -> bool:
+        """Room for one more request: under the rpm, tokens per minute and budgets not exhausted."""
+        r, t, d, m = self.requests, self.tokens, self.day, self.month
+        return ((r._limit is None or r.used(now) + 1 <= r._limit) and (t._limit is None or t.used(now) < t._limit)
+                and (d.limit is None or d.room(now)) and (m.limit is None or m.room(now)))
+
+    def spend(self, n: int, now: float) -> None:
+        """`n` tokens used: in the minute's window and both budgets (their `add`, written out)."""
+        t, d, m = self.tokens, self.day, self.month
+        if now >= t.start + WINDOW_S:
+            t.report(now)  # rolls the window forward
+        t.cur += n
+        t.unsynced += n
+        for b in (d, m):
+            if now >= b.end or now < b.start:
+                b.used_now(now)  # rolls the budget into its period
+            b.used += n
+            b.unsynced += n
+
     def taken(self) -> tuple[int, int, int, int]:
         return self.requests.taken(), self.tokens.taken(), self.day.taken(), self.month.taken()
 
     def restore(self, t: tuple[int, int, int, int]) -> None:
         for part, n in zip((self.requests, self.tokens, self.day, self.month), t):
             part.restore(n)
+
+
+def _window_headers(names: tuple[bytes, bytes, bytes], windows: tuple[Window, ...],
+                    now: float) -> tuple[tuple[bytes, bytes], ...]:
+    """The three headers of the window with the least room left. Sent with every answer of a key with a
+    per-minute limit, so the arithmetic of `Window.report` is written out here (one call, not three)."""
+    w = windows[0]
+    if len(windows) > 1:
+        w = min(windows, key=lambda x: x.report(now)[0])
+    if now >= w.start + WINDOW_S:
+        w.report(now)  # rolls the window forward
+    e = now - w.start
+    left = w._limit - (w.prev * (1.0 - e / WINDOW_S) + w.cur)  # type: ignore[operator]
+    reset = 2 * WINDOW_S - e if w.cur else WINDOW_S - e if w.prev else 0.0
+    return ((names[0], w.limit_text), (names[1], b"%d" % left if left > 0 else b"0"),
+            (names[2], reset_header(reset)))
 
 
 def model_allowed(patterns: list[str], model: Model) -> bool:
@@ -85,14 +122,28 @@ class Account:
     """An accounted key as the proxy sees it: its id, tenant (None: none), metric label, and quotas (its
     tenant's, then its own when it has limits)."""
 
-    __slots__ = ("key_id", "tenant", "label", "quotas", "_allowed")
+    __slots__ = ("key_id", "tenant", "label", "quotas", "limited", "request_windows", "token_windows", "_allowed",
+                 "_rows")
 
     def __init__(self, key_id: str, tenant: str | None, quotas: tuple[Quota, ...]):
         self.key_id = key_id
         self.tenant = tenant
         self.label = tenant or NO_TENANT
         self.quotas = quotas
+        # Made once per refresh (limits change only through one): what admission and the headers look at.
+        self.limited = tuple(q for q in quotas if (q.limits.rpm, q.limits.tpm, q.limits.tokens_per_day,
+                                                    q.limits.tokens_per_month) != (None, None, None, None))
+        self.request_windows = tuple(q.requests for q in quotas if q.limits.rpm is not None)
+        self.token_windows = tuple(q.tokens for q in quotas if q.limits.tpm is not None)
         self._allowed: dict[str, Quota | None] = {}  # model name -> the quota refusing it (None: allowed)
+        self._rows: dict[str, usage_repo.RowKey] = {}  # model name -> its usage row's key
+
+    def row(self, model: str) -> usage_repo.RowKey:
+        """The key of this key's usage row for `model`: (tenant or '', key id, model)."""
+        key = self._rows.get(model)
+        if key is None:
+            key = self._rows[model] = (self.tenant or "", self.key_id, model)
+        return key
 
     def refusing(self, model: Model) -> Quota | None:
         """The quota whose `models` does not allow `model`, or None (cached until the catalog changes)."""
@@ -109,11 +160,11 @@ class Meter:
     """One accounted request on its way: the usage read from its answer, the rate-limit headers for its
     response, and whether the usage chunk it did not ask for must be dropped (`strip`)."""
 
-    __slots__ = ("account", "model", "strip", "headers", "counts")
+    __slots__ = ("account", "row", "strip", "headers", "counts")
 
-    def __init__(self, account: Account, model: str, strip: bool, headers: list[tuple[bytes, bytes]]):
+    def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, headers: list[tuple[bytes, bytes]]):
         self.account = account
-        self.model = model
+        self.row = row  # its usage row's key: (tenant or '', key id, the model the client asked for)
         self.strip = strip
         self.headers = headers
         self.counts: Counts | None = None
@@ -145,6 +196,7 @@ class Quotas:
         self.accounts: dict[str, Account] = {}
         self.pending: dict[usage_repo.RowKey, list[int]] = {}  # counted since the last sync: [requests, prompt, completion]
         self.offset = 0.0  # database clock - this host's clock, as of the last sync
+        self.clock = time.time  # this host's clock (tests set their own)
 
     # ---- what the keys and tenants say (KeyRing.refresh) ----------------------------------------
     def rebuild(self, tenants: dict[str, dict], keys: list[ActiveKey]) -> dict[str, Account]:
@@ -181,89 +233,82 @@ class Quotas:
 
     def now(self) -> float:
         """The database clock, as estimated here."""
-        return time.time() + self.offset
+        return self.clock() + self.offset
 
     # ---- one request -------------------------------------------------------------------------------
     def admit(self, account: Account, model: Model, req: dict, body: bytes) -> tuple[Meter, dict, bytes]:
         """Admit one request of `account` for `model` (the catalog model the client named), or raise the
-        403/429 `APIError`. Returns its meter and the request to send (asking for usage when it streams)."""
-        refusing = account.refusing(model)
+        403/429 `APIError`. Returns its meter and the request to send (asking for usage when it streams).
+        Every answer of a key with limits goes through here: a few compares and additions per quota."""
+        refusing = account._allowed[model.name] if model.name in account._allowed else account.refusing(model)
         if refusing is not None:
             self.metrics.refused(account.label, "models")
             raise errors.model_not_allowed(model.name, refusing.who, refusing.limits.models or [])
-        now = self.now()
-        for q in account.quotas:
-            self._check(account, q, now)
-        req, body, strip = ask_usage(req, body)
+        now = self.clock() + self.offset
+        for q in account.limited:
+            if not q.fits(now):
+                raise self._refusal(account, q, now)
+        strip = False
+        if req.get("stream") is True:
+            req, body, strip = ask_usage(req, body)
         for q in account.quotas:
             q.requests.add(1, now)
-        key = (account.tenant or "", account.key_id, model.name)
+        key = account.row(model.name)
         row = self.pending.get(key)
         if row is None:
             row = self.pending[key] = [0, 0, 0]
         row[0] += 1
-        headers = [(k.encode(), v.encode()) for k, v in self._headers(account, now).items()]
-        return Meter(account, model.name, strip, headers), req, body
+        return Meter(account, key, strip, self._headers(account, now)), req, body
 
-    def _check(self, account: Account, q: Quota, now: float) -> None:
-        if not q.requests.room(now, 1):
+    def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
+        """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""
+        headers = {k.decode(): v.decode() for k, v in self._headers(account, now)}
+        w = q.requests
+        if not w.room(now, 1):
             self.metrics.refused(account.label, "rpm")
-            w = q.requests
             wait = w.wait_s(now, 1)
-            raise errors.rate_limited(
+            return errors.rate_limited(
                 f"Rate limit reached for {q.who} on requests per minute (RPM): limit {w.limit}, used "
-                f"{w.used(now):.0f}, requested 1. Please try again in {duration_text(wait)}.",
-                wait, self._headers(account, now))
-        if not q.tokens.room(now, 0):
+                f"{w.used(now):.0f}, requested 1. Please try again in {duration_text(wait)}.", wait, headers)
+        w = q.tokens
+        if not w.room(now, 0):
             self.metrics.refused(account.label, "tpm")
-            w = q.tokens
             wait = w.wait_s(now, 0)
-            raise errors.rate_limited(
+            return errors.rate_limited(
                 f"Rate limit reached for {q.who} on tokens per minute (TPM): limit {w.limit}, used "
-                f"{w.used(now):.0f}. Please try again in {duration_text(wait)}.", wait, self._headers(account, now))
-        for b, period in ((q.day, "day"), (q.month, "month")):
-            if not b.room(now):
-                self.metrics.refused(account.label, f"tokens_per_{period}")
-                wait = b.wait_s(now)
-                renews = datetime.fromtimestamp(b.end, timezone.utc).isoformat().replace("+00:00", "Z")
-                raise errors.quota_spent(
-                    f"{q.who} has used its token budget for the {period}: {b.used_now(now)} of {b.limit} tokens; "
-                    f"it renews at {renews} (in {duration_text(wait)})", wait, self._headers(account, now))
+                f"{w.used(now):.0f}. Please try again in {duration_text(wait)}.", wait, headers)
+        b, period = (q.day, "day") if not q.day.room(now) else (q.month, "month")
+        self.metrics.refused(account.label, f"tokens_per_{period}")
+        wait = b.wait_s(now)
+        renews = datetime.fromtimestamp(b.end, timezone.utc).isoformat().replace("+00:00", "Z")
+        return errors.quota_spent(
+            f"{q.who} has used its token budget for the {period}: {b.used_now(now)} of {b.limit} tokens; it renews "
+            f"at {renews} (in {duration_text(wait)})", wait, headers)
 
     @staticmethod
-    def _headers(account: Account, now: float) -> dict[str, str]:
+    def _headers(account: Account, now: float) -> list[tuple[bytes, bytes]]:
         """OpenAI's `x-ratelimit-*` headers, from the tightest of the account's windows with a limit."""
-        out: dict[str, str] = {}
-        for kind, attr in (("requests", "requests"), ("tokens", "tokens")):
-            windows = [getattr(q, attr) for q in account.quotas if getattr(q, attr).limit is not None]
-            if not windows:
-                continue
-            w = min(windows, key=lambda w: w.remaining(now))
-            out[f"x-ratelimit-limit-{kind}"] = str(w.limit)
-            out[f"x-ratelimit-remaining-{kind}"] = str(w.remaining(now))
-            out[f"x-ratelimit-reset-{kind}"] = duration_text(w.reset_s(now))
+        out: list[tuple[bytes, bytes]] = []
+        if account.request_windows:
+            out += _window_headers(_REQUEST_NAMES, account.request_windows, now)
+        if account.token_windows:
+            out += _window_headers(_TOKEN_NAMES, account.token_windows, now)
         return out
 
     def settle(self, meter: Meter) -> None:
         """The request ended: count the tokens its answer reported, once."""
         if meter.counts is None:
-            self.metrics.usage_missing.labels(meter.model).inc()
+            self.metrics.usage_missing.labels(meter.row[2]).inc()
             return
         prompt, completion = meter.counts
-        account = meter.account
-        n = prompt + completion
-        now = self.now()
-        for q in account.quotas:
-            q.tokens.add(n, now)
-            q.day.add(n, now)
-            q.month.add(n, now)
-        key = (account.tenant or "", account.key_id, meter.model)
-        row = self.pending.get(key)
+        now = self.clock() + self.offset
+        for q in meter.account.quotas:
+            q.spend(prompt + completion, now)
+        row = self.pending.get(meter.row)
         if row is None:
-            row = self.pending[key] = [0, 0, 0]
+            row = self.pending[meter.row] = [0, 0, 0]
         row[1] += prompt
         row[2] += completion
-        self.metrics.count_tokens(account.label, meter.model, prompt, completion)
 
     # ---- the sync ---------------------------------------------------------------------------------
     async def sync(self) -> None:
@@ -273,7 +318,7 @@ class Quotas:
             return  # no accounted key: nothing to write, nothing to read
         rows, self.pending = self.pending, {}
         taken = [(q, q.taken()) for q in quotas]
-        t0 = time.time()
+        t0 = self.clock()
         try:
             async with self.engine.begin() as conn:
                 now = await usage_repo.db_now(conn)
@@ -294,6 +339,9 @@ class Quotas:
             raise
         self.offset = now - t0
         self._apply(minute, day, month, minutes, spent)
+        for (tenant, _, model), (_, prompt, completion) in rows.items():  # counted once, when written
+            if prompt or completion:
+                self.metrics.count_tokens(tenant or NO_TENANT, model, prompt, completion)
 
     def _apply(self, minute: float, day: tuple[float, float], month: tuple[float, float],
                minutes: list[usage_repo.MinuteTotal], spent: list[usage_repo.PeriodTotal]) -> None:

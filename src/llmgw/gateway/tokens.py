@@ -16,6 +16,7 @@ relayed chunk, and a JSON decode only of an event or body tail that holds a `usa
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from llmgw.gateway import errors
@@ -25,6 +26,9 @@ MAX_COUNT = (1 << 31) - 1  # per request and kind: more than any engine's contex
 _TAIL = 4096  # a body's usage object is looked for in this many bytes after its key
 _DECODER = json.JSONDecoder()
 _ASK = b', "stream_options": {"include_usage": true}}'
+_USUAL = re.compile(rb'"usage"\s*:\s*\{\s*"prompt_tokens"\s*:\s*([0-9]+)\s*,\s*"completion_tokens"\s*:\s*([0-9]+)')
+_FLAT = re.compile(rb'"usage"\s*:\s*\{([^{}"]*(?:"[a-z_]+"[^{}"]*)*)\}')  # an object of plain keys and numbers
+_FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*([0-9]+)')
 
 Counts = tuple[int, int]  # (prompt tokens, completion tokens)
 
@@ -40,7 +44,27 @@ def counts(usage: Any) -> Counts | None:
     `completion_tokens` (embeddings), completion is `total_tokens - prompt_tokens`."""
     if not isinstance(usage, dict):
         return None
-    prompt, completion, total = (_count(usage.get(k)) for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens"))
+    total = _count(usage.get("total_tokens"))
+    if prompt is None and completion is None and total is None:
+        return None
+    if completion is None:
+        completion = max(0, (total or 0) - (prompt or 0))
+    return prompt or 0, completion
+
+
+def _flat_counts(inner: bytes) -> Counts | None:
+    """`counts` of a flat usage object's inside, from its digits (the common case, kept cheap)."""
+    prompt = completion = total = None
+    for k, v in _FIELD.findall(inner):
+        n = min(int(v), MAX_COUNT) if len(v) < 19 else MAX_COUNT
+        if k == b"prompt_tokens":
+            prompt = n
+        elif k == b"completion_tokens":
+            completion = n
+        else:
+            total = n
     if prompt is None and completion is None and total is None:
         return None
     if completion is None:
@@ -68,8 +92,21 @@ def _object_after(data: bytes, i: int) -> Any:
 
 def usage_of_body(data: bytes) -> Counts | None:
     """The counts of a non-streamed answer's `usage`. Inside JSON strings quotes are escaped, so `"usage"`
-    followed by a colon is a key; the last one is taken, which is the top-level one as engines write it."""
+    followed by a colon is a key; the last one is taken, which is the top-level one as engines write it.
+    A flat usage object (no nested `*_details`), as most engines write it, is read with two regular
+    expressions; any other with the JSON decoder."""
     i = data.rfind(USAGE)
+    if i >= 0:
+        m = _USUAL.match(data, i)
+        if m is not None:  # `{"prompt_tokens": P, "completion_tokens": C`, as OpenAI, vLLM, llama.cpp write it
+            p, c = m.group(1), m.group(2)
+            return (min(int(p), MAX_COUNT) if len(p) < 19 else MAX_COUNT,
+                    min(int(c), MAX_COUNT) if len(c) < 19 else MAX_COUNT)
+        m = _FLAT.match(data, i)
+        if m is not None:
+            found = _flat_counts(m.group(1))
+            if found is not None:
+                return found
     while i >= 0:
         found = counts(_object_after(data, i))
         if found is not None:

@@ -363,3 +363,18 @@ async def test_the_sync_writes_this_gateways_counts_and_takes_the_fleets(monkeyp
     # used = 30 · (1 − 40/60) + 9 = 19 > 10: refused, although this gateway itself admitted only one
     with pytest.raises(APIError):
         q.admit(accts["k2"], MODEL, REQ, b"{}")
+
+
+def test_a_request_refused_by_the_key_is_not_counted_against_its_tenant():
+    q, acct = quotas_with({"rpm": 100}, key_limits={"rpm": 1})
+    q.clock = lambda: T0
+    meter, _, _ = q.admit(acct, MODEL, REQ, b"{}")
+    # both have an rpm: the headers come from the tighter one, the key's, with none left
+    assert dict(meter.headers)[b"x-ratelimit-limit-requests"] == b"1"
+    assert dict(meter.headers)[b"x-ratelimit-remaining-requests"] == b"0"
+    with pytest.raises(APIError) as e:
+        q.admit(acct, MODEL, REQ, b"{}")
+    assert "key `k1`" in e.value.message
+    tenant, key = acct.quotas
+    assert tenant.requests.cur == 1 and key.requests.cur == 1 and tenant.requests.unsynced == 1
+    assert q.pending[("team", "k1", "llama-8b")] == [1, 0, 0]

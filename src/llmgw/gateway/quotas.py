@@ -28,6 +28,7 @@ import logging
 import time
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
+from operator import attrgetter
 
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -50,7 +51,8 @@ _TOKEN_NAMES = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"
 class Quota:
     """One scope's limits and its fleet-wide counts: a tenant's (shared by every key of it) or a key's own."""
 
-    __slots__ = ("scope", "name", "limits", "requests", "tokens", "day", "month")
+    __slots__ = ("scope", "name", "limits", "requests", "tokens", "day", "month", "requests_left",
+                 "requests_reset", "tokens_left", "tokens_reset")
 
     def __init__(self, scope: str, name: str, day_s: float | None):
         self.scope = scope  # "tenant" or "key"
@@ -60,6 +62,9 @@ class Quota:
         self.tokens = Window()
         self.day = Budget("day", lambda now: period_bounds("day", now, day_s))
         self.month = Budget("month", lambda now: period_bounds("month", now))
+        # As of this scope's last admission (`take`): what the `x-ratelimit-*` headers say.
+        self.requests_left = self.tokens_left = 0
+        self.requests_reset = self.tokens_reset = 0.0
 
     @property
     def who(self) -> str:
@@ -70,11 +75,47 @@ class Quota:
         self.requests.limit, self.tokens.limit = limits.rpm, limits.tpm
         self.day.limit, self.month.limit = limits.tokens_per_day, limits.tokens_per_month
 
-    def fits(self, now: float) -> bool:
-        """Room for one more request: under the rpm, tokens per minute and budgets not exhausted."""
-        r, t, d, m = self.requests, self.tokens, self.day, self.month
-        return ((r._limit is None or r.used(now) + 1 <= r._limit) and (t._limit is None or t.used(now) < t._limit)
-                and (d.limit is None or d.room(now)) and (m.limit is None or m.room(now)))
+    def take(self, now: float) -> bool:
+        """Count one request if it fits (the arithmetic of `fits`, `Window.add` and `Window.report` written
+        out: every request of an accounted key comes here), keeping what the headers will say; False, and
+        nothing counted, if it does not fit."""
+        r, t = self.requests, self.tokens
+        if now >= r.start + WINDOW_S:
+            r.report(now)  # rolls the window forward
+        e = now - r.start
+        used = r.prev * (1.0 - e / WINDOW_S) + r.cur
+        limit = r._limit
+        if limit is not None and used + 1 > limit:
+            return False
+        if t._limit is not None or self.day.limit is not None or self.month.limit is not None:
+            if not self._tokens_fit(now):
+                return False
+        r.cur += 1
+        r.unsynced += 1
+        if limit is not None:
+            left = limit - used - 1
+            self.requests_left = int(left) if left > 0 else 0
+            self.requests_reset = 2 * WINDOW_S - e
+        return True
+
+    def _tokens_fit(self, now: float) -> bool:
+        """Tokens per minute and both budgets not exhausted (a request is admitted while any is left)."""
+        t, d, m = self.tokens, self.day, self.month
+        if t._limit is not None:
+            if now >= t.start + WINDOW_S:
+                t.report(now)  # rolls the window forward
+            e = now - t.start
+            used = t.prev * (1.0 - e / WINDOW_S) + t.cur
+            if used >= t._limit:
+                return False
+            self.tokens_left = int(t._limit - used)
+            self.tokens_reset = 2 * WINDOW_S - e if t.cur else WINDOW_S - e if t.prev else 0.0
+        return (d.limit is None or d.room(now)) and (m.limit is None or m.room(now))
+
+    def untake(self) -> None:
+        """Undo `take` (another quota of the same request refused it)."""
+        self.requests.cur -= 1
+        self.requests.unsynced -= 1
 
     def spend(self, n: int, now: float) -> None:
         """`n` tokens used: in the minute's window and both budgets (their `add`, written out)."""
@@ -97,20 +138,8 @@ class Quota:
             part.restore(n)
 
 
-def _window_headers(names: tuple[bytes, bytes, bytes], windows: tuple[Window, ...],
-                    now: float) -> tuple[tuple[bytes, bytes], ...]:
-    """The three headers of the window with the least room left. Sent with every answer of a key with a
-    per-minute limit, so the arithmetic of `Window.report` is written out here (one call, not three)."""
-    w = windows[0]
-    if len(windows) > 1:
-        w = min(windows, key=lambda x: x.report(now)[0])
-    if now >= w.start + WINDOW_S:
-        w.report(now)  # rolls the window forward
-    e = now - w.start
-    left = w._limit - (w.prev * (1.0 - e / WINDOW_S) + w.cur)  # type: ignore[operator]
-    reset = 2 * WINDOW_S - e if w.cur else WINDOW_S - e if w.prev else 0.0
-    return ((names[0], w.limit_text), (names[1], b"%d" % left if left > 0 else b"0"),
-            (names[2], reset_header(reset)))
+_requests_left = attrgetter("requests_left")
+_tokens_left = attrgetter("tokens_left")
 
 
 def model_allowed(patterns: list[str], model: Model) -> bool:
@@ -122,19 +151,16 @@ class Account:
     """An accounted key as the proxy sees it: its id, tenant (None: none), metric label, and quotas (its
     tenant's, then its own when it has limits)."""
 
-    __slots__ = ("key_id", "tenant", "label", "quotas", "limited", "request_windows", "token_windows", "_allowed",
-                 "_rows")
+    __slots__ = ("key_id", "tenant", "label", "quotas", "request_quotas", "token_quotas", "_allowed", "_rows")
 
     def __init__(self, key_id: str, tenant: str | None, quotas: tuple[Quota, ...]):
         self.key_id = key_id
         self.tenant = tenant
         self.label = tenant or NO_TENANT
         self.quotas = quotas
-        # Made once per refresh (limits change only through one): what admission and the headers look at.
-        self.limited = tuple(q for q in quotas if (q.limits.rpm, q.limits.tpm, q.limits.tokens_per_day,
-                                                    q.limits.tokens_per_month) != (None, None, None, None))
-        self.request_windows = tuple(q.requests for q in quotas if q.limits.rpm is not None)
-        self.token_windows = tuple(q.tokens for q in quotas if q.limits.tpm is not None)
+        # Made once per refresh (limits change only through one): the quotas the headers come from.
+        self.request_quotas = tuple(q for q in quotas if q.limits.rpm is not None)
+        self.token_quotas = tuple(q for q in quotas if q.limits.tpm is not None)
         self._allowed: dict[str, Quota | None] = {}  # model name -> the quota refusing it (None: allowed)
         self._rows: dict[str, usage_repo.RowKey] = {}  # model name -> its usage row's key
 
@@ -244,15 +270,18 @@ class Quotas:
         if refusing is not None:
             self.metrics.refused(account.label, "models")
             raise errors.model_not_allowed(model.name, refusing.who, refusing.limits.models or [])
-        now = self.clock() + self.offset
-        for q in account.limited:
-            if not q.fits(now):
-                raise self._refusal(account, q, now)
         strip = False
         if req.get("stream") is True:
             req, body, strip = ask_usage(req, body)
-        for q in account.quotas:
-            q.requests.add(1, now)
+        now = self.clock() + self.offset
+        quotas = account.quotas
+        if not quotas[0].take(now):
+            raise self._refusal(account, quotas[0], now)
+        for i in range(1, len(quotas)):
+            if not quotas[i].take(now):
+                for q in quotas[:i]:
+                    q.untake()
+                raise self._refusal(account, quotas[i], now)
         key = account.row(model.name)
         row = self.pending.get(key)
         if row is None:
@@ -262,7 +291,7 @@ class Quotas:
 
     def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
         """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""
-        headers = {k.decode(): v.decode() for k, v in self._headers(account, now)}
+        headers = self._current_headers(account, now)
         w = q.requests
         if not w.room(now, 1):
             self.metrics.refused(account.label, "rpm")
@@ -286,13 +315,32 @@ class Quotas:
             f"at {renews} (in {duration_text(wait)})", wait, headers)
 
     @staticmethod
+    def _current_headers(account: Account, now: float) -> dict[str, str]:
+        """The `x-ratelimit-*` headers as of `now` (for a refusal, where nothing was taken)."""
+        out: dict[str, str] = {}
+        for kind, quotas in (("requests", account.request_quotas), ("tokens", account.token_quotas)):
+            windows = [q.requests if kind == "requests" else q.tokens for q in quotas]
+            if windows:
+                left, reset, w = min((w.report(now) + (w,) for w in windows), key=lambda x: x[0])
+                out[f"x-ratelimit-limit-{kind}"] = str(w.limit)
+                out[f"x-ratelimit-remaining-{kind}"] = str(left)
+                out[f"x-ratelimit-reset-{kind}"] = duration_text(reset)
+        return out
+
+    @staticmethod
     def _headers(account: Account, now: float) -> list[tuple[bytes, bytes]]:
         """OpenAI's `x-ratelimit-*` headers, from the tightest of the account's windows with a limit."""
         out: list[tuple[bytes, bytes]] = []
-        if account.request_windows:
-            out += _window_headers(_REQUEST_NAMES, account.request_windows, now)
-        if account.token_windows:
-            out += _window_headers(_TOKEN_NAMES, account.token_windows, now)
+        quotas = account.request_quotas
+        if quotas:
+            q = quotas[0] if len(quotas) == 1 else min(quotas, key=_requests_left)
+            out += ((_REQUEST_NAMES[0], q.requests.limit_text), (_REQUEST_NAMES[1], b"%d" % q.requests_left),
+                    (_REQUEST_NAMES[2], reset_header(q.requests_reset)))
+        quotas = account.token_quotas
+        if quotas:
+            q = quotas[0] if len(quotas) == 1 else min(quotas, key=_tokens_left)
+            out += ((_TOKEN_NAMES[0], q.tokens.limit_text), (_TOKEN_NAMES[1], b"%d" % q.tokens_left),
+                    (_TOKEN_NAMES[2], reset_header(q.tokens_reset)))
         return out
 
     def settle(self, meter: Meter) -> None:

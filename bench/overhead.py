@@ -43,16 +43,16 @@ LIMITS = {"rpm": 10_000_000, "tpm": 100_000_000_000, "tokens_per_day": 10**15, "
           "models": ["bench*"]}
 
 
-def make_keys(admin: str, gateway: str, same: bool = False) -> dict[str, dict]:
-    """A key of no tenant and a key of a tenant with `LIMITS`; the headers of each. With `same`, the second
-    is a key of no tenant too: the method's own bias (the ratio it prints should be 1)."""
+def make_keys(admin: str, gateway: str, same: bool = False, limits: dict | None = None) -> dict[str, dict]:
+    """A key of no tenant and a key of a tenant with `limits` (default `LIMITS`); the headers of each. With
+    `same`, the second is a key of no tenant too: the method's own bias (the ratio it prints should be 1)."""
     def post(path: str, body: dict) -> dict:
         r = httpx.post(admin + path, json=body, timeout=30)
         r.raise_for_status()
         return r.json()
 
     plain = post("/admin/v1/keys", {"name": "plain"})["key"]
-    post("/admin/v1/tenants", {"name": "bench", "limits": LIMITS})
+    post("/admin/v1/tenants", {"name": "bench", "limits": LIMITS if limits is None else limits})
     limited = post("/admin/v1/keys", {"name": "limited", "tenant": None if same else "bench"})["key"]
     kinds = {"plain": {"Authorization": f"Bearer {plain}"}, "limited": {"Authorization": f"Bearer {limited}"}}
     deadline = time.monotonic() + 30
@@ -139,7 +139,7 @@ def idle_cpu_ms_per_s(gw, seconds: float = 4.0) -> float:
 def keys_and_limits(st: Stack, args) -> dict:
     gw = st.gateway_proc
     idle_before = idle_cpu_ms_per_s(gw)
-    kinds = make_keys(st.admin, st.gateway, args.same)
+    kinds = make_keys(st.admin, st.gateway, args.same, json.loads(args.limits) if args.limits else None)
     idle_after = idle_cpu_ms_per_s(gw)
     lat = asyncio.run(keyed_latency(st.gateway, kinds, args.key_blocks, args.key_block, gw))
     thr = {k: [0, 0.0] for k in kinds}
@@ -170,8 +170,8 @@ def keys_and_limits(st: Stack, args) -> dict:
 
 def print_keys(k: dict, args) -> None:
     lat, thr, paced = k["lat"], k["thr"], k["paced"]
-    print("keys and limits, one gateway: `plain` a key of no tenant, `limited` a key of a tenant with rpm, tpm, "
-          "day and month budgets and model patterns (none reached):")
+    print(f"keys and limits, one gateway: `plain` a key of no tenant, `limited` a key of a tenant with "
+          f"{args.limits or json.dumps(LIMITS)}:")
     print(f"  latency, one request at a time, {args.key_blocks} alternating blocks of {args.key_block} per kind:")
     for name, v in lat.items():
         print(f"    {name:8} p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms  CPU {v['cpu_us']:.0f} us/request")
@@ -215,6 +215,7 @@ def main() -> None:
     ap.add_argument("--paced-segments", type=int, default=4)
     ap.add_argument("--no-keys", action="store_true", help="skip the keys-and-limits phase")
     ap.add_argument("--same", action="store_true", help="both kinds keys of no tenant: the method's own bias")
+    ap.add_argument("--limits", help="the tenant's limits as JSON (default: every kind, none reached)")
     args = ap.parse_args()
 
     with Stack(args.gateway_cpu, slow_tokens_per_second=args.paced_rate) as st:

@@ -76,7 +76,7 @@ class Quota:
         self.day.limit, self.month.limit = limits.tokens_per_day, limits.tokens_per_month
 
     def take(self, now: float) -> bool:
-        """Count one request if it fits (the arithmetic of `fits`, `Window.add` and `Window.report` written
+        """Count one request if it fits (the arithmetic of `Window.room`, `.add` and `.report` written
         out: every request of an accounted key comes here), keeping what the headers will say; False, and
         nothing counted, if it does not fit."""
         r, t = self.requests, self.tokens

@@ -35,14 +35,26 @@ def cpu_s(p: psutil.Process) -> float:
     return t.user + t.system
 
 
+def cpu_exact_s(p: psutil.Process) -> float:
+    """CPU seconds of every thread of `p`, from the scheduler's nanosecond counters (`/proc/<pid>/task/*/
+    schedstat`), where `cpu_times` counts 10 ms clock ticks: for short segments measured one by one."""
+    total = 0
+    for task in Path(f"/proc/{p.pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+async def one(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict | None = None) -> float:
     t0 = time.perf_counter()
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}) as r:
         await r.read()
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
@@ -192,6 +204,7 @@ class Stack:
         httpx.post(f"http://127.0.0.1:{aport}/admin/v1/catalog", timeout=30,
                    json={"catalog": {"models": models}}).raise_for_status()
         self.gateway = f"http://127.0.0.1:{gport}/v1/chat/completions"
+        self.admin = f"http://127.0.0.1:{aport}"
         deadline = time.monotonic() + 30
         while httpx.post(self.gateway, json=CHAT, timeout=10).status_code != 200:
             if time.monotonic() > deadline:

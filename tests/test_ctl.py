@@ -90,11 +90,11 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     cp.wait_replicas("s", timeout_s=60)
 
     out = cp.ctl("keys", "list")  # no keys: a header, and a line saying what that means
-    assert out.returncode == 0 and out.stdout.split() == ["ID", "PREFIX", "NAME", "STATUS", "AGE"], out.stdout
+    assert out.returncode == 0 and out.stdout.split() == ["ID", "PREFIX", "NAME", "TENANT", "STATUS", "AGE"], out.stdout
     assert "no API keys" in out.stderr
 
     listings = {"models": ("MODEL", "s"), "replicas": ("REPLICA", "s"), "nodes": ("NODE", "n1"),
-                "keys list": ("ID", None), "reclaim": ("NODE", None)}
+                "keys list": ("ID", None), "tenants list": ("NAME", None), "reclaim": ("NODE", None)}
     for listing, (first, name) in listings.items():
         args = listing.split()
         for fmt in ("table", "wide"):

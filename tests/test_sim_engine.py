@@ -58,3 +58,35 @@ def test_usage_counts_the_prompt_and_streams_when_asked(sim):
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         events = [e for e in b"".join(r.iter_raw()).split(b"\n\n") if e]
     assert b'"usage": {"prompt_tokens": 3' in events[-2] and events[-1] == b"data: [DONE]"
+
+
+def test_the_usage_chunk_is_openais_and_the_counters_count_what_was_generated(sim):
+    """As OpenAI and vLLM send it: one last chunk before [DONE], `choices: []` and `usage`, nothing else
+    carrying usage; without `include_usage`, no usage at all. `/metrics` counts as vLLM's counters do."""
+    import json
+
+    def counters() -> dict[str, int]:
+        text = httpx.get(sim + "/metrics").text
+        return {ln.split()[0]: int(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+    before = counters()
+    body = {"model": "s", "messages": [{"role": "user", "content": "a b c d"}], "max_tokens": 5, "stream": True}
+    for opts, asked in (({"include_usage": True}, True), ({"include_usage": False}, False), (None, False)):
+        with httpx.stream("POST", sim + "/v1/chat/completions",
+                          json={**body, **({"stream_options": opts} if opts is not None else {})}) as r:
+            events = [e for e in b"".join(r.iter_raw()).split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        with_usage = [c for c in chunks if "usage" in c]
+        if asked:
+            assert len(chunks) == 6 and with_usage == [chunks[-1]]
+            assert chunks[-1]["choices"] == [] and chunks[-1]["object"] == "chat.completion.chunk"
+            assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+        else:
+            assert len(chunks) == 5 and not with_usage
+    r = httpx.post(sim + "/v1/chat/completions", json={**body, "stream_options": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    after = counters()
+    assert after["sim:prompt_tokens_total"] - before["sim:prompt_tokens_total"] == 12
+    assert after["sim:generation_tokens_total"] - before["sim:generation_tokens_total"] == 15
+    assert after["sim:requests_total"] - before["sim:requests_total"] == 3

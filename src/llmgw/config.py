@@ -123,6 +123,9 @@ class Settings(BaseSettings):
     # (`mark_replica` or `mark_replica:ready`), once per marker file. Unset in any real deployment.
     test_crash_after_commit: str | None = None
     test_crash_marker: Path | None = None
+    # Test hook (tests/test_tenants_*.py): budget "days" this many seconds long, so a test sees a spent daily
+    # budget renew without waiting a day (gateway/buckets.py period_bounds). Unset in any real deployment.
+    test_budget_day_s: float | None = Field(None, gt=0)
 
     # Gateway (docs/gateway.md). A request for a model that is loading is held up to its `scaling.load_wait`
     # (default 120 s), never longer than `load_wait_s`, then gets 503 + Retry-After; an engine silent for
@@ -133,6 +136,9 @@ class Settings(BaseSettings):
     require_api_key: bool | None = None
     breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...
     breaker_open_s: float = 10.0  # ... for this long, then one trial request decides
+    # Tenants' limits (gateway/quotas.py): each gateway writes its token usage to Postgres and reads the
+    # fleet's back this often (seconds); N gateways pass a limit by at most about this much of their traffic.
+    usage_sync_s: float = Field(1.0, gt=0, le=60)
 
     # Every listener (gateway, admin API, node API, mirror; serving.py, docs/security.md): a request's line
     # and headers must arrive within `header_timeout_s` and be at most `max_header_bytes`; its body within

@@ -32,7 +32,12 @@ class GatewayMetrics:
       those waiting for a concurrency slot;
     - `llmgw_ready_replicas{model}`, `llmgw_open_breakers{model}`: from the route table, at scrape time;
     - `llmgw_upstream_retries_total{model}`: requests sent to another replica before the first byte;
-    - `llmgw_guard_refusals_total{model,stage}`.
+    - `llmgw_guard_refusals_total{model,stage}`;
+    - tenants (issue 15; `tenant` is a tenant this gateway knows, or `-` for a key of no tenant: the
+      operator creates them, at most `MAX_TENANTS`): `llmgw_tokens_total{tenant,model,type}` (`prompt`,
+      `completion`: what the engines reported for accounted requests), `llmgw_rate_limited_total{tenant,limit}`
+      (`rpm`, `tpm`, `tokens_per_day`, `tokens_per_month`, `models`), `llmgw_usage_missing_total{model}`
+      (accounted requests that ended without usage), `llmgw_usage_sync_errors_total`.
     """
 
     def __init__(self) -> None:
@@ -53,7 +58,16 @@ class GatewayMetrics:
                                ["model"], registry=r)
         self.guard_refusals = Counter("llmgw_guard_refusals", "Requests or responses refused by a guard model",
                                       ["model", "stage"], registry=r)
+        self.tokens = Counter("llmgw_tokens", "Tokens the engines reported for accounted requests",
+                              ["tenant", "model", "type"], registry=r)
+        self.rate_limited = Counter("llmgw_rate_limited", "Requests refused by a tenant's or key's limits",
+                                    ["tenant", "limit"], registry=r)
+        self.usage_missing = Counter("llmgw_usage_missing", "Accounted requests that ended without usage",
+                                     ["model"], registry=r)
+        self.usage_sync_errors = Counter("llmgw_usage_sync_errors", "Usage syncs with Postgres that failed",
+                                         registry=r)
         self._children: dict[tuple, tuple] = {}
+        self._tokens: dict[tuple[str, str], tuple] = {}
 
     def begin(self, model: str) -> None:
         self._model(model)[2].inc()
@@ -79,6 +93,17 @@ class GatewayMetrics:
         lat.observe(seconds)
         if ttft_s is not None:
             ttft.observe(ttft_s)
+
+    def count_tokens(self, tenant: str, model: str, prompt: int, completion: int) -> None:
+        c = self._tokens.get((tenant, model))
+        if c is None:
+            c = self._tokens[(tenant, model)] = (self.tokens.labels(tenant, model, "prompt"),
+                                                 self.tokens.labels(tenant, model, "completion"))
+        c[0].inc(prompt)
+        c[1].inc(completion)
+
+    def refused(self, tenant: str, limit: str) -> None:
+        self.rate_limited.labels(tenant, limit).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import typer
 
-from llmgw.ctl import catalog, cert, fleet, keys, reclaim
+from llmgw.ctl import catalog, cert, fleet, keys, reclaim, tenants
 
 ctl_app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
                       help="Operate a running control plane through its admin API.")
@@ -15,3 +15,5 @@ catalog.register(ctl_app)
 reclaim.register(ctl_app)
 ctl_app.add_typer(cert.app, name="cert")
 ctl_app.add_typer(keys.app, name="keys")
+ctl_app.add_typer(tenants.app, name="tenants")
+ctl_app.command("usage")(tenants.usage)

@@ -1,36 +1,59 @@
-"""`llmgw ctl keys create | list | revoke`: gateway API keys."""
+"""`llmgw ctl keys create | list | set | revoke`: gateway API keys, their tenant and their own limits."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Optional
 
 import typer
 
 from llmgw.ctl.client import Admin, fail
 from llmgw.ctl.output import Output, age, output_option, show, table
+from llmgw.ctl.tenants import MODELS, PER_DAY, PER_MONTH, RPM, TPM, limits_body, limits_text
 
-app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown", help="Gateway API keys: create, list, revoke.")
+app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
+                  help="Gateway API keys: create, list, set limits, revoke.")
 
 
 @app.command("create")
-def create(name: str = typer.Option("", "--name", help="Whose key this is (free text)")):
-    """Create an API key and print it. It is shown only now: only its hash is stored."""
-    k = Admin().post("/admin/v1/keys", {"name": name})
+def create(name: str = typer.Option("", "--name", help="Whose key this is (free text)"),
+           tenant: Optional[str] = typer.Option(None, "--tenant", help="The tenant it belongs to (its limits apply)"),
+           rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
+           tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
+    """Create an API key and print it. It is shown only now: only its hash is stored. With `--tenant` (or
+    limits of its own) its use is counted and limited; without, it is unlimited."""
+    body: dict = {"name": name, "limits": limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models)}
+    if tenant is not None:
+        body["tenant"] = tenant
+    k = Admin().post("/admin/v1/keys", body)
     typer.echo(k["key"])
-    typer.echo(f"created key {k['id']}{' (' + k['name'] + ')' if k['name'] else ''}; it cannot be shown again. "
+    owner = f", tenant {k['tenant']}" if k.get("tenant") else ""
+    typer.echo(f"created key {k['id']}{' (' + k['name'] + ')' if k['name'] else ''}{owner}; it cannot be shown again. "
                "Once any key exists the gateway requires one (see docs/gateway.md).", err=True)
 
 
+@app.command("set")
+def set_(key_id: str, rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
+         tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
+    """Change a key's own limits (on top of its tenant's): only those given (`none` removes one)."""
+    body = limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models)
+    if not body:
+        typer.echo("nothing to change: give --rpm, --tpm, --tokens-per-day, --tokens-per-month or --models", err=True)
+        raise typer.Exit(2)
+    k = Admin().post(f"/admin/v1/keys/{key_id}", {"limits": body})
+    typer.echo(f"key {k['id']}: {limits_text(k['limits'])}")
+
+
 def _keys_table(keys: list[dict], now: datetime, wide: bool):
-    cols = ["ID", "PREFIX", "NAME", "STATUS", "AGE"]
+    cols = ["ID", "PREFIX", "NAME", "TENANT", "STATUS", "AGE"]
     if wide:
-        cols += ["CREATED", "REVOKED"]
+        cols += ["LIMITS", "CREATED", "REVOKED"]
     rows = []
     for k in keys:
         state = f"revoked {age(k['revoked_at'], now)} ago" if k["revoked_at"] else "active"
-        row = [k["id"], k["prefix"] + "...", k["name"] or "-", state, age(k["created_at"], now)]
+        row = [k["id"], k["prefix"] + "...", k["name"] or "-", k.get("tenant") or "-", state, age(k["created_at"], now)]
         if wide:
-            row += [k["created_at"], k["revoked_at"] or "-"]
+            row += [limits_text(k.get("limits") or {}), k["created_at"], k["revoked_at"] or "-"]
         rows.append(row)
     return table(cols, rows)
 

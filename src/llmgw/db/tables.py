@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import (
-    Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, Text, func,
+    BigInteger, Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, Text, func,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -124,6 +124,41 @@ api_keys = Table(
     Column("key_hash", Text, nullable=False, unique=True),  # sha256 of the key; the key itself is never stored
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("revoked_at", DateTime(timezone=True)),
+    Column("tenant", Text, ForeignKey("tenants.name")),  # null: a key of no tenant (0006_tenants)
+    Column("limits", JSONB, nullable=False, server_default="{}"),  # the key's own `Limits` (0006_tenants)
+)
+
+# A team that keys belong to, with its `Limits` (schemas/tenants.py) (0006_tenants).
+tenants = Table(
+    "tenants", metadata,
+    Column("name", Text, primary_key=True),
+    Column("limits", JSONB, nullable=False, server_default="{}"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Tokens the engines reported, per minute, tenant ('' for none), key and model; every gateway adds its
+# counts each second (db/usage_repo.py) (0006_tenants).
+usage = Table(
+    "usage", metadata,
+    Column("minute", DateTime(timezone=True), primary_key=True),
+    Column("tenant", Text, primary_key=True),
+    Column("key_id", Text, primary_key=True),
+    Column("model", Text, primary_key=True),
+    Column("requests", BigInteger, nullable=False, server_default="0"),
+    Column("prompt_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("completion_tokens", BigInteger, nullable=False, server_default="0"),
+)
+
+# The same, summed per budget period ('day', 'month') and key: the budgets in use, read every second.
+usage_periods = Table(
+    "usage_periods", metadata,
+    Column("period", Text, primary_key=True),
+    Column("starts_at", DateTime(timezone=True), primary_key=True),
+    Column("tenant", Text, primary_key=True),
+    Column("key_id", Text, primary_key=True),
+    Column("requests", BigInteger, nullable=False, server_default="0"),
+    Column("tokens", BigInteger, nullable=False, server_default="0"),
 )
 
 # Replica statuses that end a replica (see db/fleet_repo.py for the lifecycle).

@@ -1,10 +1,16 @@
 """The sim engine: an OpenAI-compatible server that streams Greek letters at a fixed rate.
 
 It stands in for a GPU engine wherever there is none: it serves `/v1/chat/completions`,
-`/v1/completions`, `/v1/embeddings`, `/v1/models` and `/health`, streaming or not, emitting tokens from
-the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16). Its models
-are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503 until
-`--startup-delay` seconds have passed, then 200 with the number of requests in flight.
+`/v1/completions`, `/v1/embeddings`, `/v1/models`, `/health` and `/metrics`, streaming or not, emitting
+tokens from the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16). Its
+models are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503
+until `--startup-delay` seconds have passed, then 200 with the number of requests in flight.
+
+`usage` is reported as OpenAI and vLLM report it: in every non-streamed answer, and for a stream that asks
+with `stream_options: {"include_usage": true}` in one last chunk before `[DONE]` with `"choices": []`. Its
+prompt tokens are the prompt's words (at least 1), its completion tokens the tokens it emitted. `/metrics`
+counts them as vLLM's counters do (`sim:prompt_tokens_total`, `sim:generation_tokens_total`, as each token
+is generated, whether or not anyone reads it), which is what the gateway's accounting is checked against.
 
 A multi-node (tensor-parallel) sim replica is one process per shard, each with its `--rank`, all given the
 replica's `--rendezvous HOST:PORT`, `--world-size` and `--token` (`llmgw.engines.sim_group`): rank 0
@@ -54,6 +60,9 @@ class SimEngine:
         self.in_flight = 0
         self.rank = rank
         self.group = group
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_total = 0
 
     def token(self, i: int) -> str:
         return GREEK[i % len(GREEK)] + " "
@@ -69,6 +78,17 @@ class SimEngine:
         if self.group is not None and not self.group.complete:
             return web.json_response({"status": "waiting for ranks to join", **self._group_view()}, status=503)
         return web.json_response({"status": "ok", "in_flight": self.in_flight, "rank": self.rank, **self._group_view()})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: the engine's own token and request counters (as vLLM's `vllm:*_tokens_total`)."""
+        lines = []
+        for name, help_, value in (("sim:prompt_tokens_total", "Prompt tokens processed", self.prompt_tokens_total),
+                                   ("sim:generation_tokens_total", "Tokens generated", self.generation_tokens_total),
+                                   ("sim:requests_total", "Requests started", self.requests_total),
+                                   ("sim:num_requests_running", "Requests in flight", self.in_flight)):
+            kind = "gauge" if name.endswith("running") else "counter"
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -107,6 +127,8 @@ class SimEngine:
         if inputs is None:
             return error(400, "`input` is required", param="input")
         items = inputs if isinstance(inputs, list) else [inputs]
+        self.requests_total += 1
+        self.prompt_tokens_total += len(items)
         data = []
         for i, text in enumerate(items):
             digest = hashlib.sha256(str(text).encode()).digest()
@@ -118,6 +140,9 @@ class SimEngine:
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         if not isinstance(n, int) or n < 1:
             return error(400, "`max_tokens` must be a positive integer", param="max_tokens")
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):  # as vLLM's request model refuses it
+            return error(400, "`stream_options` must be an object", param="stream_options")
         if self.group is not None and not self.group.complete:
             return error(503, "the replica's ranks have not all joined yet", code="not_ready")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -127,6 +152,8 @@ class SimEngine:
         usage = {"prompt_tokens": prompt_tokens(prompt), "completion_tokens": n}
         usage["total_tokens"] = usage["prompt_tokens"] + n
         self.in_flight += 1
+        self.requests_total += 1
+        self.prompt_tokens_total += usage["prompt_tokens"]
         try:
             if self.group is not None:
                 await self.group.step()
@@ -134,6 +161,7 @@ class SimEngine:
                 for _ in range(n):
                     if self.delay:
                         await asyncio.sleep(self.delay)
+                    self.generation_tokens_total += 1
                 text = "".join(self.token(i) for i in range(n))
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                           if chat else {"index": 0, "text": text, "finish_reason": "length"})
@@ -145,6 +173,7 @@ class SimEngine:
             for i in range(n):
                 if self.delay:
                     await asyncio.sleep(self.delay)
+                self.generation_tokens_total += 1
                 last = i == n - 1
                 if chat:
                     delta = {"content": self.token(i)} if i else {"role": "assistant", "content": self.token(i)}
@@ -153,7 +182,7 @@ class SimEngine:
                     choice = {"index": 0, "text": self.token(i), "finish_reason": "length" if last else None}
                 event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if (opts or {}).get("include_usage") is True:
                 event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [],
                          "usage": usage}
                 await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
@@ -191,6 +220,7 @@ def make_app(engine: SimEngine, api_key: str | None = None) -> web.Application:
     app = web.Application(middlewares=[require_key(api_key)] if api_key else [])
     app.router.add_get("/health", engine.health)
     app.router.add_get("/v1/models", engine.models)
+    app.router.add_get("/metrics", engine.metrics)
     app.router.add_post("/v1/chat/completions", engine.chat)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_post("/v1/embeddings", engine.embeddings)

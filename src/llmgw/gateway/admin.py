@@ -1,5 +1,5 @@
 """The admin API (127.0.0.1:8081): catalog apply, models (with status; retry), replicas (with causes; engine logs),
-nodes, explain, API keys, reclaim. Used by `llmgw ctl`."""
+nodes, explain, API keys, tenants and usage, reclaim. Used by `llmgw ctl`."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from llmgw.gateway.errors import APIError, http_exception_error, json_error
 from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.gateway.status_service import StatusService
+from llmgw.gateway.tenant_service import TenantService
 from llmgw.placement.liveness import FleetLiveness, fleet_liveness
 from llmgw.schemas.api import (
     ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LiveReplicaView, LogsView, ModelView,
     NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView, RetryResult,
 )
+from llmgw.schemas.tenants import LimitsChange, TenantCreate, TenantView, UsageReport
 from llmgw.workflows import attributes
 from llmgw.schemas.payloads import (
     LivenessFacts, NodeSnap, ReclaimInput, ReclaimResult, ReplicaSnap, ShardPlacement, Snapshot,
@@ -74,9 +76,11 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        problems = [f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()]
+        fields = [".".join(str(p) for p in e["loc"][1:]) for e in exc.errors()]
+        problems = [f"{f}: {e['msg']}" for f, e in zip(fields, exc.errors())]
         return JSONResponse(status_code=400, content={"error": {"message": "; ".join(problems),
-                                                                "type": "invalid_request_error", "param": None,
+                                                                "type": "invalid_request_error",
+                                                                "param": fields[0] if fields else None,
                                                                 "code": "bad_request", "problems": problems}})
 
     @app.get("/admin/v1/catalog")
@@ -201,8 +205,37 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
 
     @app.post("/admin/v1/keys", response_model=KeyCreated)
     async def create_key(req: KeyCreateRequest) -> KeyCreated:
-        key, row = await keys.create(req.name)
+        key, row = await keys.create(req.name, req.tenant, req.limits.stored())
         return KeyCreated(**row, key=key)
+
+    @app.post("/admin/v1/keys/{key_id}", response_model=KeyView)
+    async def set_key(key_id: str, req: LimitsChange):
+        """Change a key's own limits: only the fields given; null removes one."""
+        row = await keys.set_limits(key_id, req.limits)
+        if row is None:
+            return json_error(APIError(404, f"no API key with id {key_id[:40]!r}", param="id", code="not_found"))
+        return KeyView(**row)
+
+    tenant_service = TenantService(engine)
+
+    @app.get("/admin/v1/tenants", response_model=list[TenantView])
+    async def list_tenants():
+        return await tenant_service.list()
+
+    @app.post("/admin/v1/tenants", response_model=TenantView)
+    async def create_tenant(req: TenantCreate) -> TenantView:
+        return await tenant_service.create(req)
+
+    @app.post("/admin/v1/tenants/{name}", response_model=TenantView)
+    async def set_tenant(name: str, req: LimitsChange) -> TenantView:
+        """Change a tenant's limits: only the fields given; null removes one."""
+        return await tenant_service.set(name, req.limits)
+
+    @app.get("/admin/v1/usage", response_model=UsageReport)
+    async def usage(tenant: str | None = Query(None, max_length=200), since: str = Query("7d", max_length=40),
+                    by: str = Query("tenant", max_length=40)) -> UsageReport:
+        """Token use per tenant, and per model, key or UTC day (`by`), over the last `since` (30m, 24h, 7d)."""
+        return await tenant_service.usage(tenant, since, by)
 
     @app.post("/admin/v1/keys/{key_id}/revoke", response_model=KeyView)
     async def revoke_key(key_id: str):

@@ -3,7 +3,9 @@ app served on :8080).
 
 POST /v1/chat/completions, /v1/completions and /v1/embeddings go straight to the `Proxy` (the hot path);
 everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastAPI app. Every `/v1/` path
-checks the API key first (llmgw.security.api_keys); `/healthz`, `/metrics` and the chat page do not.
+checks the API key first (llmgw.security.api_keys); `/healthz`, `/metrics` and the chat page do not. A key
+that belongs to a tenant or has limits is accounted (gateway/quotas.py): the proxy admits, counts and
+limits its requests, and `/v1/models` lists only the models it may use.
 Every error, FastAPI's included, is rendered in the OpenAI envelope (gateway/errors.py).
 """
 
@@ -29,6 +31,7 @@ from llmgw.gateway.errors import APIError, http_exception_error, json_error
 from llmgw.gateway.feed import ChangeFeed
 from llmgw.gateway.openai_api import REQUIRED, send_error
 from llmgw.gateway.proxy import Proxy
+from llmgw.gateway.quotas import Quotas
 from llmgw.gateway.routes import TABLES, RouteTable
 from llmgw.gateway.upstream import Upstream
 from llmgw.placement.model_status import ModelCondition
@@ -39,6 +42,7 @@ from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
+ACCOUNT = "llmgw.account"  # the scope key that carries an accounted key's Account to the FastAPI routes
 
 
 def model_object(m: Model, cond: ModelCondition | None = None) -> dict:
@@ -60,25 +64,28 @@ class Gateway:
         self.settings = settings
         self.engine = engine
         self.routes = RouteTable(engine, settings.node_unreachable_after_s, settings.poller_grace_s)
-        self.keys = KeyRing(engine, settings.require_api_key)
+        self.metrics = GatewayMetrics()
+        self.quotas = Quotas(engine, self.metrics, settings.usage_sync_s, settings.test_budget_day_s)
+        self.keys = KeyRing(engine, settings.require_api_key, self.quotas)
         self.gates = Gates()
         self.routes.on_refresh.append(self.gates.sync)
+        self.routes.on_refresh.append(self.quotas.catalog_changed)
         self.feed = ChangeFeed(settings.require_database_url(), settings.route_refresh_s)
         self.feed.subscribe("routes", TABLES, self.routes.refresh)
-        self.feed.subscribe("keys", {"api_keys"}, self.keys.refresh)
-        self.metrics = GatewayMetrics()
+        self.feed.subscribe("keys", {"api_keys", "tenants"}, self.keys.refresh)
         self.temporal = LazyClient(settings)
         self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s, queued=self._queued)
         self.upstream = Upstream(settings.upstream_timeout_s)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
                            Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,
-                           max_body=settings.max_request_bytes)
+                           max_body=settings.max_request_bytes, quotas=self.quotas)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         self.temporal.start()
         await self.feed.start()
         self._tasks.append(asyncio.create_task(self.demand.flush_loop(), name="usage"))
+        self._tasks.append(asyncio.create_task(self.quotas.sync_loop(), name="quotas"))
 
     def _queued(self, name: str) -> int:
         """Requests waiting for a slot under `name`'s limits on this gateway."""
@@ -90,6 +97,7 @@ class Gateway:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.demand.forget()
+        await self.quotas.close()
         await self.feed.close()
         await self.upstream.close()
         await self.temporal.close()
@@ -144,16 +152,21 @@ def create_gateway_app(gw: Gateway):
             return {}
 
     @api.get("/v1/models")
-    async def list_models():
-        catalog = gw.routes.catalog
+    async def list_models(request: Request):
+        account = request.scope.get(ACCOUNT)
+        models = [m for m in gw.routes.catalog.models if account is None or account.refusing(m) is None]
         conds = await conditions()
-        return {"object": "list", "data": [model_object(m, conds.get(m.name)) for m in catalog.models]}
+        return {"object": "list", "data": [model_object(m, conds.get(m.name)) for m in models]}
 
     @api.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str):
+    async def get_model(model_id: str, request: Request):
         route = gw.routes.resolve(model_id)
         if route is None:
             raise errors.model_not_found(model_id)
+        account = request.scope.get(ACCOUNT)
+        refusing = account.refusing(route.model) if account is not None else None
+        if refusing is not None:
+            raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])
         return model_object(route.model, (await conditions([route.model.name])).get(route.model.name))
 
     @api.get("/healthz")
@@ -174,15 +187,19 @@ def create_gateway_app(gw: Gateway):
     async def app(scope, receive, send):
         if scope["type"] == "http":
             path = scope["path"]
-            if path.startswith("/v1/") and not keys.allows(scope["headers"]):
-                await send_error(send, errors.unauthorized())
-                return
-            if path in REQUIRED:
-                if scope["method"] == "POST":
-                    await proxy(scope, receive, send)
-                else:
-                    await send_error(send, errors.method_not_allowed(scope["method"], path, "POST"))
-                return
+            if path.startswith("/v1/"):
+                account = keys.lookup(scope["headers"])
+                if account is False:
+                    await send_error(send, errors.unauthorized())
+                    return
+                if path in REQUIRED:
+                    if scope["method"] == "POST":
+                        await proxy.handle(scope, receive, send, account)
+                    else:
+                        await send_error(send, errors.method_not_allowed(scope["method"], path, "POST"))
+                    return
+                if account is not None:
+                    scope[ACCOUNT] = account
         await api(scope, receive, send)
 
     app.fastapi = api  # type: ignore[attr-defined]

@@ -1,15 +1,18 @@
 """The OpenAI error envelope: `{"error": {"message", "type", "param", "code"}}`, one shape for every error.
 
 Nothing expected is ever a 500, and no body ever carries a traceback. Statuses: 400 a bad request (naming
-the field in `param`), 401 no valid API key, 404 unknown model or route, 405 wrong method, 413 body too
-large, 429 the model's queue is full, 502 the engine failed, 503 loading / unavailable / queued too long
-(with Retry-After; `code` says which: model_loading only while a replica is starting, model_failing while its
-starts fail and it backs off, model_pending, model_unplaceable, ...), 504 the engine did not answer in time.
+the field in `param`), 401 no valid API key, 403 a model the key may not use, 404 unknown model or route,
+405 wrong method, 413 body too large, 429 the model's queue is full, or a tenant's or key's limit is
+reached (`rate_limit_exceeded`; `insufficient_quota` for a spent budget), 502 the engine failed, 503
+loading / unavailable / queued too long (with Retry-After; `code` says which: model_loading only while a
+replica is starting, model_failing while its starts fail and it backs off, model_pending,
+model_unplaceable, ...), 504 the engine did not answer in time.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 
 class APIError(Exception):
@@ -101,6 +104,29 @@ def overloaded(name: str, retry_after_s: int = 1) -> APIError:
     """429: the model's queue (`limits.max_queue`) is full."""
     return APIError(429, f"the model `{name}` is at its concurrency limit and its queue is full; retry shortly",
                     type="rate_limit_exceeded", code="model_overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+def model_not_allowed(name: str, who: str, patterns: list[str]) -> APIError:
+    """403: the key's tenant (or the key itself) may not use this model (issue 15). A 403 rather than
+    OpenAI's 404: the name is right, the key is what stops it, and the client's PermissionDeniedError and
+    the message say so, where a 404 would send its owner looking for a typo."""
+    return APIError(403, f"this API key may not use the model `{name}`: {who} allows only {', '.join(patterns)} "
+                    "(an operator changes that with `llmgw ctl tenants set` or `llmgw ctl keys set`)",
+                    type="permission_error", param="model", code="model_not_allowed")
+
+
+def rate_limited(message: str, retry_after_s: float, headers: dict[str, str]) -> APIError:
+    """429: a tenant's or key's requests or tokens per minute are used up (issue 15)."""
+    return APIError(429, message, type="rate_limit_exceeded", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_after_s))), **headers})
+
+
+def quota_spent(message: str, retry_after_s: float, headers: dict[str, str]) -> APIError:
+    """429: a tenant's or key's token budget for the day or month is spent, until the period turns. The
+    openai client retries a 429 by itself; `x-should-retry: false` tells it not to wait hours for this one."""
+    return APIError(429, message, type="insufficient_quota", code="insufficient_quota",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_after_s))), "x-should-retry": "false",
+                             **headers})
 
 
 def queue_timeout(name: str, waited_s: float, retry_after_s: int = 5) -> APIError:

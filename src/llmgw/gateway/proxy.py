@@ -19,7 +19,11 @@ For each request:
   multi-byte characters split across writes reach the client whole) and exactly one `data: [DONE]`,
   after an error event if the engine broke off (gateway/sse.py);
 - a client that disconnects cancels the request wherever it is (queued, loading, streaming), and the
-  engine's connection is dropped, which cancels its work.
+  engine's connection is dropped, which cancels its work;
+- a request with an accounted key (gateway/quotas.py) is admitted against its tenant's and key's limits
+  before anything else (403/429), carries their `x-ratelimit-*` headers, asks a streaming engine for usage
+  when the client did not (and drops that chunk again), and has its answer's `usage` counted once when it
+  ends. Every other request skips all of it: one `is None` test per request and per relayed chunk.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
     MAX_BODY, Receive, Send, engine_error, parse_request, read_body, send_error, sse_error,
 )
+from llmgw.gateway.quotas import Account, Meter, Quotas
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.sse import SSEFrames, StreamBroken
+from llmgw.gateway.tokens import USAGE
 from llmgw.gateway.upstream import ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout
 from llmgw.schemas.catalog import GuardPolicy
 from llmgw.security.logtext import printable
@@ -64,6 +70,10 @@ def _require_stream(resp: Response) -> None:
         raise errors.upstream_failed("it answered a streaming request without a stream")
 
 
+def _stream_headers(x: "_Exchange") -> list[tuple[bytes, bytes]]:
+    return STREAM_HEADERS if x.meter is None else STREAM_HEADERS + x.meter.headers
+
+
 def looks_like_json(data: bytes) -> bool:
     """A JSON object or array from its first to its last byte (a cheap check: an answer cut short, an
     event stream or an HTML page fails it; the engine's JSON itself is the client's to read)."""
@@ -81,7 +91,7 @@ class _Exchange:
     nothing worth cancelling, and a client that leaves a longer one is noticed within that delay.
     """
 
-    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone", "held")
+    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone", "held", "meter")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
@@ -92,6 +102,7 @@ class _Exchange:
         self.finished = False  # the last byte is being sent: a disconnect now is the normal end
         self.gone = False  # the client went away first
         self.held = False  # a streaming request held for a load: its 200 and SSE headers are already sent
+        self.meter: Meter | None = None  # an accounted request's usage and rate-limit headers
 
     def watch(self, receive: Receive) -> None:
         self.task = asyncio.current_task()
@@ -122,8 +133,9 @@ class Proxy:
     """The ASGI handler for POST /v1/chat/completions, /v1/completions and /v1/embeddings."""
 
     def __init__(self, routes: RouteTable, demand: Demand, gates: Gates, balancer: Balancer, upstream: Upstream,
-                 metrics: GatewayMetrics, max_body: int = MAX_BODY):
+                 metrics: GatewayMetrics, max_body: int = MAX_BODY, quotas: Quotas | None = None):
         self.routes = routes
+        self.quotas = quotas
         self.demand = demand
         self.gates = gates
         self.balancer = balancer
@@ -133,6 +145,10 @@ class Proxy:
         self.guard = Guard(self.call)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        await self.handle(scope, receive, send, None)
+
+    async def handle(self, scope: dict, receive: Receive, send: Send, account: Account | None) -> None:
+        """One request; `account` when its key is accounted (KeyRing.lookup), else None."""
         started = time.perf_counter()
         label = "unknown"  # never a client-chosen string: label cardinality stays bounded
         status = 0
@@ -147,6 +163,8 @@ class Proxy:
             if route is None:
                 raise errors.model_not_found(req["model"])
             label = route.model.name
+            if account is not None and self.quotas is not None:
+                x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body)
             self.metrics.begin(label)
             counted = True
             x.watch(receive)
@@ -173,6 +191,8 @@ class Proxy:
                 await send_error(send, errors.internal())
         finally:
             x.stop()
+            if x.meter is not None:
+                self.quotas.settle(x.meter)  # type: ignore[union-attr]
             if counted:
                 self.metrics.end(label)
             self.metrics.observe(label, status, time.perf_counter() - started, ttft)
@@ -202,7 +222,7 @@ class Proxy:
         async def hold(waited_s: float) -> None:
             if not x.started:
                 x.started = x.held = True
-                await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+                await send({"type": "http.response.start", "status": 200, "headers": _stream_headers(x)})
             await send({"type": "http.response.body", "body": f": loading {name}, {waited_s:.0f} s\n\n".encode(),
                         "more_body": True})
         return hold
@@ -317,11 +337,15 @@ class Proxy:
         """Relay the answer as the client-facing contract says (gateway/sse.py): a streaming request gets
         well-formed events as they complete, a non-streaming one a single JSON body. Returns (status,
         seconds to the first streamed byte or None)."""
+        meter = x.meter
         if not stream:
             data = await self._read_whole(resp, stream=False)
+            headers = [(b"content-type", resp.content_type or b"application/json")]
+            if meter is not None:
+                meter.body(data)
+                headers += meter.headers
             x.started = x.finished = True
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": [(b"content-type", resp.content_type or b"application/json")]})
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             await send({"type": "http.response.body", "body": data, "more_body": False})
             return resp.status, None
         _require_stream(resp)
@@ -334,15 +358,19 @@ class Proxy:
             raise errors.upstream_failed(str(exc)) from None
         if not x.held:  # a request held through a load has had its 200 and SSE headers (Proxy._holder)
             x.started = True
-            await send({"type": "http.response.start", "status": resp.status, "headers": STREAM_HEADERS})
+            await send({"type": "http.response.start", "status": resp.status, "headers": _stream_headers(x)})
         ttft = time.perf_counter() - started
         try:
             while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
                 out = frames.feed(chunk)
+                if meter is not None and USAGE in out:
+                    out = meter.events(out)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()
             out = frames.feed(chunk)
+            if meter is not None and USAGE in out:
+                out = meter.events(out)
         except (UpstreamError, StreamBroken) as exc:
             err = (errors.upstream_timeout(self.upstream.read_timeout_s) if isinstance(exc, UpstreamTimeout)
                    else errors.upstream_failed(str(exc)))
@@ -372,10 +400,15 @@ class Proxy:
             frames = SSEFrames()
             data = frames.feed(data)
             data += frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+            if x.meter is not None:
+                data = x.meter.events(data)
+        elif x.meter is not None:
+            x.meter.body(data)
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
         await self._judge(label, policy, "response", messages, None)
         x.started = x.finished = True
-        headers = STREAM_HEADERS if stream else [(b"content-type", resp.content_type or b"application/json")]
+        headers = (_stream_headers(x) if stream else
+                   [(b"content-type", resp.content_type or b"application/json")] + (x.meter.headers if x.meter else []))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return resp.status

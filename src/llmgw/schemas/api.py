@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
+from llmgw.schemas.tenants import Limits, tenant_name_problem
 
 
 class _Strict(BaseModel):
@@ -208,19 +209,34 @@ class NodeRemoveResponse(_Strict):
 
 
 class KeyCreateRequest(_Strict):
-    """Admin API: create a gateway API key. `name` says whose it is (free text)."""
+    """Admin API: create a gateway API key. `name` says whose it is (free text); `tenant` the tenant it
+    belongs to (issue 15; None: none, and unlimited unless `limits`); `limits` the key's own, on top of
+    its tenant's."""
 
     name: str = Field("", max_length=200)
+    tenant: str | None = Field(None, max_length=200)
+    limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, v: str | None) -> str | None:
+        why = tenant_name_problem(v) if v is not None else None
+        if why:
+            raise ValueError(why)
+        return v
 
 
 class KeyView(_Strict):
-    """A gateway API key as listed: never the key itself, only its first characters (`prefix`)."""
+    """A gateway API key as listed: never the key itself, only its first characters (`prefix`); its
+    tenant and its own limits."""
 
     id: str
     name: str
     prefix: str
     created_at: datetime
     revoked_at: datetime | None = None
+    tenant: str | None = None
+    limits: Limits = Field(default_factory=Limits)
 
 
 class KeyCreated(KeyView):

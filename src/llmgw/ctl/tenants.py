@@ -1,0 +1,160 @@
+"""`llmgw ctl tenants create | list | set` and `llmgw ctl usage` (issue 15): teams, their limits, what
+they used.
+
+Limit options take an integer (`60`, or with a suffix: `10k`, `2M`, `1G`), or `none` to remove the limit
+(on `set`); `--models` a comma-separated list of model names, aliases or patterns (`llama-*,judge`). What
+they mean and how they are checked is the admin API's to say (schemas/tenants.py): a value it refuses is
+printed as its one-line error.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Optional
+
+import typer
+
+from llmgw.ctl.client import Admin
+from llmgw.ctl.output import Output, age, dump, output_option, show, table
+
+app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
+                  help="Tenants (teams) and their limits: create, list, set.")
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)([kKmMgGtT]?)")
+
+
+def limit_value(text: str) -> Any:
+    """`60`, `10k`, `2.5M` -> an integer; `none` -> None (no limit); anything else as it is, for the admin
+    API to refuse by name."""
+    if text.strip().lower() == "none":
+        return None
+    m = _NUMBER.fullmatch(text.strip())
+    if m:
+        n = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+        if n == int(n):
+            return int(n)
+    return text
+
+
+def limits_body(rpm: str | None, tpm: str | None, per_day: str | None, per_month: str | None,
+                models: str | None) -> dict:
+    """The `limits` object of the options given (an option not given is left out: unchanged on `set`)."""
+    out: dict[str, Any] = {}
+    for field, value in (("rpm", rpm), ("tpm", tpm), ("tokens_per_day", per_day), ("tokens_per_month", per_month)):
+        if value is not None:
+            out[field] = limit_value(value)
+    if models is not None:
+        out["models"] = None if models.strip().lower() == "none" else models.split(",")
+    return out
+
+
+RPM = typer.Option(None, "--rpm", help="Requests per minute, fleet-wide (`none`: no limit)")
+TPM = typer.Option(None, "--tpm", help="Tokens (prompt + completion) per minute, fleet-wide (`none`: no limit)")
+PER_DAY = typer.Option(None, "--tokens-per-day", help="A token budget per UTC day (`none`: no budget)")
+PER_MONTH = typer.Option(None, "--tokens-per-month", help="A token budget per UTC month (`none`: no budget)")
+MODELS = typer.Option(None, "--models", help="Models it may use: names, aliases or patterns, comma-separated "
+                      "(`llama-*,judge`; `none`: every model)")
+
+
+def limits_text(limits: dict) -> str:
+    """`rpm 60, tpm 10000, 1000000/day, models llama-*` (or `unlimited`)."""
+    parts = [f"rpm {limits['rpm']}"] if limits.get("rpm") else []
+    if limits.get("tpm"):
+        parts.append(f"tpm {limits['tpm']}")
+    if limits.get("tokens_per_day"):
+        parts.append(f"{limits['tokens_per_day']}/day")
+    if limits.get("tokens_per_month"):
+        parts.append(f"{limits['tokens_per_month']}/month")
+    if limits.get("models") is not None:
+        parts.append("models " + ",".join(limits["models"]))
+    return ", ".join(parts) or "unlimited"
+
+
+def _notes(view: dict) -> None:
+    for n in view.get("notes") or []:
+        typer.echo(f"note: {n}", err=True)
+
+
+@app.command("create")
+def create(name: str = typer.Argument(..., help="The tenant's name: lower-case letters, digits and . _ -"),
+           rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
+           tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
+    """Create a tenant with its limits. Its keys come from `llmgw ctl keys create --tenant NAME`."""
+    view = Admin().post("/admin/v1/tenants", {"name": name, "limits": limits_body(rpm, tpm, tokens_per_day,
+                                                                                 tokens_per_month, models)})
+    typer.echo(f"created tenant {view['name']}: {limits_text(view['limits'])}")
+    _notes(view)
+
+
+@app.command("set")
+def set_(name: str = typer.Argument(..., help="The tenant"), rpm: Optional[str] = RPM, tpm: Optional[str] = TPM,
+         tokens_per_day: Optional[str] = PER_DAY, tokens_per_month: Optional[str] = PER_MONTH,
+         models: Optional[str] = MODELS):
+    """Change a tenant's limits: only those given (`none` removes one). Every gateway applies them within a
+    moment."""
+    body = limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models)
+    if not body:
+        typer.echo("nothing to change: give --rpm, --tpm, --tokens-per-day, --tokens-per-month or --models", err=True)
+        raise typer.Exit(2)
+    view = Admin().post(f"/admin/v1/tenants/{name}", {"limits": body})
+    typer.echo(f"tenant {view['name']}: {limits_text(view['limits'])}")
+    _notes(view)
+
+
+def _tenants_table(tenants: list[dict], now: datetime, wide: bool):
+    cols = ["NAME", "RPM", "TPM", "TOKENS/DAY", "TOKENS/MONTH", "MODELS", "KEYS", "AGE"]
+    if wide:
+        cols += ["CREATED", "UPDATED"]
+    rows = []
+    for t in tenants:
+        lim = t["limits"]
+        row = [t["name"], lim.get("rpm") or "-", lim.get("tpm") or "-", lim.get("tokens_per_day") or "-",
+               lim.get("tokens_per_month") or "-", ",".join(lim["models"]) if lim.get("models") else "*",
+               t["keys"], age(t["created_at"], now)]
+        if wide:
+            row += [t["created_at"], t["updated_at"]]
+        rows.append(row)
+    return table(cols, rows)
+
+
+@app.command("list")
+def list_tenants(output: Output = output_option()):
+    """Every tenant: its limits (`-`: none; MODELS `*`: every model), active keys, age."""
+    admin = Admin()
+    show(lambda: (admin.get("/admin/v1/tenants"), admin.now), _tenants_table, output,
+         empty="no tenants; `llmgw ctl tenants create NAME --rpm 60` makes one")
+
+
+# ---- usage --------------------------------------------------------------------------------------
+
+def _usage_table(report: dict, now: datetime, wide: bool):
+    by = report["by"]
+    group = {"model": ["MODEL"], "key": ["KEY", "NAME"], "day": ["DAY"], "tenant": []}[by]
+    cols = ["TENANT", *group, "REQUESTS", "PROMPT", "COMPLETION", "TOTAL", "LAST USE"]
+    rows = []
+    for r in report["rows"]:
+        g = {"model": [r["model"]], "key": [r["key_id"], r["key_name"] or "-"], "day": [r["day"]], "tenant": []}[by]
+        rows.append([r["tenant"], *g, r["requests"], r["prompt_tokens"], r["completion_tokens"], r["total_tokens"],
+                     f"{age(r['last_at'], now)} ago" if r["last_at"] else "-"])
+    return table(cols, rows)
+
+
+def usage(tenant: Optional[str] = typer.Option(None, "--tenant", help="Only this tenant (`-`: keys of no tenant)"),
+          since: str = typer.Option("7d", "--since", help="How far back: 30m, 24h, 7d (at most 400d)"),
+          by: str = typer.Option("tenant", "--by", help="Group by tenant (default), model, key or day (UTC)"),
+          output: Output = output_option()):
+    """Tokens and requests of accounted keys (those of a tenant, or with limits), as the engines reported
+    them: per tenant, and per model, key or day."""
+    admin = Admin()
+    params: dict[str, str] = {"since": since, "by": by}
+    if tenant is not None:
+        params["tenant"] = tenant
+    report = admin.get("/admin/v1/usage", **params)
+    if output in (Output.json, Output.yaml):
+        typer.echo(dump(report, output))
+        return
+    show(lambda: (report, admin.now), _usage_table, output)
+    if not report["rows"]:
+        typer.echo(f"no use in the last {since}: only keys of a tenant, or with limits, are counted", err=True)

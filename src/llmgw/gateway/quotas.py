@@ -1,0 +1,431 @@
+"""Tenants' and keys' limits, enforced in each gateway's memory and reconciled fleet-wide every second
+(issue 15). The arithmetic is in gateway/buckets.py, reading `usage` from answers in gateway/tokens.py.
+
+A key is *accounted* when it belongs to a tenant or has limits of its own; only accounted keys are counted
+and limited, and only their requests pay for it (a dict lookup, a few compares and additions, no I/O and
+no task per request). A key of neither kind, or no key at all, takes the path it took before tenants.
+
+- Admission (`admit`, before routing): the model must be one the tenant and the key allow (else 403
+  `model_not_allowed`), then for the tenant and for the key: requests per minute with room for one more,
+  tokens per minute not exhausted, the day's and the month's budgets not spent; else 429
+  `rate_limit_exceeded` / `insufficient_quota` with Retry-After and OpenAI's `x-ratelimit-*` headers. The
+  request is counted at once, so this gateway's next request sees it.
+- The answer's `usage` is read as it passes (`Meter`), and counted once when the request ends (`settle`),
+  under the model the client asked for (its catalog name). A request that ends without usage (the engine
+  broke off, the client left mid-stream) counts as a request with no tokens, and in
+  `llmgw_usage_missing_total`.
+- Every `sync_s` (`sync`): this gateway's counts since the last sync are added to Postgres (one usage row
+  per minute, tenant, key and model; one per budget period and key), and the fleet's totals for the last
+  two minutes, the day and the month are read back in the same transaction, from the database clock. If
+  Postgres cannot be reached, the counts are kept and written at the next sync, and limits are judged by
+  the last fleet totals plus this gateway's own traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime, timezone
+from fnmatch import fnmatchcase
+from operator import attrgetter
+
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from llmgw.db import usage_repo
+from llmgw.db.keys_repo import ActiveKey
+from llmgw.gateway import errors
+from llmgw.gateway.buckets import WINDOW_S, Budget, Window, duration_text, period_bounds, reset_header
+from llmgw.gateway.tokens import Counts, ask_usage, read_events, usage_of_body
+from llmgw.schemas.catalog import Model
+from llmgw.schemas.tenants import Limits
+from llmgw.telemetry import GatewayMetrics
+
+log = logging.getLogger(__name__)
+NO_TENANT = "-"  # the tenant label, and what `ctl usage` shows, for a key of no tenant
+_REQUEST_NAMES = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
+_TOKEN_NAMES = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
+
+
+class Quota:
+    """One scope's limits and its fleet-wide counts: a tenant's (shared by every key of it) or a key's own."""
+
+    __slots__ = ("scope", "name", "limits", "requests", "tokens", "day", "month", "requests_left",
+                 "requests_reset", "tokens_left", "tokens_reset")
+
+    def __init__(self, scope: str, name: str, day_s: float | None):
+        self.scope = scope  # "tenant" or "key"
+        self.name = name
+        self.limits = Limits()
+        self.requests = Window()
+        self.tokens = Window()
+        self.day = Budget("day", lambda now: period_bounds("day", now, day_s))
+        self.month = Budget("month", lambda now: period_bounds("month", now))
+        # As of this scope's last admission (`take`): what the `x-ratelimit-*` headers say.
+        self.requests_left = self.tokens_left = 0
+        self.requests_reset = self.tokens_reset = 0.0
+
+    @property
+    def who(self) -> str:
+        return f"tenant `{self.name}`" if self.scope == "tenant" else f"key `{self.name}`"
+
+    def set(self, limits: Limits) -> None:
+        self.limits = limits
+        self.requests.limit, self.tokens.limit = limits.rpm, limits.tpm
+        self.day.limit, self.month.limit = limits.tokens_per_day, limits.tokens_per_month
+
+    def take(self, now: float) -> bool:
+        """Count one request if it fits (the arithmetic of `Window.room`, `.add` and `.report` written
+        out: every request of an accounted key comes here), keeping what the headers will say; False, and
+        nothing counted, if it does not fit."""
+        r, t = self.requests, self.tokens
+        if now >= r.start + WINDOW_S:
+            r.report(now)  # rolls the window forward
+        e = now - r.start
+        used = r.prev * (1.0 - e / WINDOW_S) + r.cur
+        limit = r._limit
+        if limit is not None and used + 1 > limit:
+            return False
+        if t._limit is not None or self.day.limit is not None or self.month.limit is not None:
+            if not self._tokens_fit(now):
+                return False
+        r.cur += 1
+        r.unsynced += 1
+        if limit is not None:
+            left = limit - used - 1
+            self.requests_left = int(left) if left > 0 else 0
+            self.requests_reset = 2 * WINDOW_S - e
+        return True
+
+    def _tokens_fit(self, now: float) -> bool:
+        """Tokens per minute and both budgets not exhausted (a request is admitted while any is left)."""
+        t, d, m = self.tokens, self.day, self.month
+        if t._limit is not None:
+            if now >= t.start + WINDOW_S:
+                t.report(now)  # rolls the window forward
+            e = now - t.start
+            used = t.prev * (1.0 - e / WINDOW_S) + t.cur
+            if used >= t._limit:
+                return False
+            self.tokens_left = int(t._limit - used)
+            self.tokens_reset = 2 * WINDOW_S - e if t.cur else WINDOW_S - e if t.prev else 0.0
+        return (d.limit is None or d.room(now)) and (m.limit is None or m.room(now))
+
+    def untake(self) -> None:
+        """Undo `take` (another quota of the same request refused it)."""
+        self.requests.cur -= 1
+        self.requests.unsynced -= 1
+
+    def spend(self, n: int, now: float) -> None:
+        """`n` tokens used: in the minute's window and both budgets (their `add`, written out)."""
+        t, d, m = self.tokens, self.day, self.month
+        if now >= t.start + WINDOW_S:
+            t.report(now)  # rolls the window forward
+        t.cur += n
+        t.unsynced += n
+        for b in (d, m):
+            if now >= b.end or now < b.start:
+                b.used_now(now)  # rolls the budget into its period
+            b.used += n
+            b.unsynced += n
+
+    def taken(self) -> tuple[int, int, int, int]:
+        return self.requests.taken(), self.tokens.taken(), self.day.taken(), self.month.taken()
+
+    def restore(self, t: tuple[int, int, int, int]) -> None:
+        for part, n in zip((self.requests, self.tokens, self.day, self.month), t):
+            part.restore(n)
+
+
+_requests_left = attrgetter("requests_left")
+_tokens_left = attrgetter("tokens_left")
+
+
+def model_allowed(patterns: list[str], model: Model) -> bool:
+    """Whether a pattern matches the model's name or one of its aliases (so a pattern may name either)."""
+    return any(fnmatchcase(n, p) for p in patterns for n in (model.name, *model.aliases))
+
+
+class Account:
+    """An accounted key as the proxy sees it: its id, tenant (None: none), metric label, and quotas (its
+    tenant's, then its own when it has limits)."""
+
+    __slots__ = ("key_id", "tenant", "label", "quotas", "request_quotas", "token_quotas", "_allowed", "_rows")
+
+    def __init__(self, key_id: str, tenant: str | None, quotas: tuple[Quota, ...]):
+        self.key_id = key_id
+        self.tenant = tenant
+        self.label = tenant or NO_TENANT
+        self.quotas = quotas
+        # Made once per refresh (limits change only through one): the quotas the headers come from.
+        self.request_quotas = tuple(q for q in quotas if q.limits.rpm is not None)
+        self.token_quotas = tuple(q for q in quotas if q.limits.tpm is not None)
+        self._allowed: dict[str, Quota | None] = {}  # model name -> the quota refusing it (None: allowed)
+        self._rows: dict[str, usage_repo.RowKey] = {}  # model name -> its usage row's key
+
+    def row(self, model: str) -> usage_repo.RowKey:
+        """The key of this key's usage row for `model`: (tenant or '', key id, model)."""
+        key = self._rows.get(model)
+        if key is None:
+            key = self._rows[model] = (self.tenant or "", self.key_id, model)
+        return key
+
+    def refusing(self, model: Model) -> Quota | None:
+        """The quota whose `models` does not allow `model`, or None (cached until the catalog changes)."""
+        name = model.name
+        if name in self._allowed:
+            return self._allowed[name]
+        out = next((q for q in self.quotas if q.limits.models is not None
+                    and not model_allowed(q.limits.models, model)), None)
+        self._allowed[name] = out
+        return out
+
+
+class Meter:
+    """One accounted request on its way: the usage read from its answer, the rate-limit headers for its
+    response, and whether the usage chunk it did not ask for must be dropped (`strip`)."""
+
+    __slots__ = ("account", "row", "strip", "headers", "counts")
+
+    def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, headers: list[tuple[bytes, bytes]]):
+        self.account = account
+        self.row = row  # its usage row's key: (tenant or '', key id, the model the client asked for)
+        self.strip = strip
+        self.headers = headers
+        self.counts: Counts | None = None
+
+    def body(self, data: bytes) -> None:
+        """A non-streamed answer, whole."""
+        found = usage_of_body(data)
+        if found is not None:
+            self.counts = found
+
+    def events(self, out: bytes) -> bytes:
+        """Complete events about to be relayed -> the events to relay (the usage chunk stripped)."""
+        out, found = read_events(out, self.strip)
+        if found is not None:
+            self.counts = found
+        return out
+
+
+class Quotas:
+    """Every accounted key's quotas on this gateway, their admission, and their sync with Postgres.
+    `sync_s`: seconds between syncs; `day_s`: a shorter budget day (tests only)."""
+
+    def __init__(self, engine: AsyncEngine, metrics: GatewayMetrics, sync_s: float = 1.0, day_s: float | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.sync_s = sync_s
+        self.day_s = day_s
+        self.scopes: dict[tuple[str, str], Quota] = {}
+        self.accounts: dict[str, Account] = {}
+        self.pending: dict[usage_repo.RowKey, list[int]] = {}  # counted since the last sync: [requests, prompt, completion]
+        self.offset = 0.0  # database clock - this host's clock, as of the last sync
+        self.clock = time.time  # this host's clock (tests set their own)
+
+    # ---- what the keys and tenants say (KeyRing.refresh) ----------------------------------------
+    def rebuild(self, tenants: dict[str, dict], keys: list[ActiveKey]) -> dict[str, Account]:
+        """Accounts for the active keys that belong to a tenant or have limits, keeping the counts of every
+        tenant and key already known. Returns key id -> Account."""
+        scopes: dict[tuple[str, str], Quota] = {}
+
+        def quota(scope: str, name: str, stored: dict) -> Quota:
+            q = scopes.get((scope, name)) or self.scopes.get((scope, name)) or Quota(scope, name, self.day_s)
+            try:
+                q.set(Limits.model_validate(stored))
+            except ValidationError as exc:  # written around the admin API: said loudly, and not enforced
+                log.error("the stored limits of %s are not valid and are not enforced: %s", q.who, exc)
+                q.set(Limits())
+            scopes[(scope, name)] = q
+            return q
+
+        accounts: dict[str, Account] = {}
+        for k in keys:
+            qs = []
+            if k.tenant is not None:
+                qs.append(quota("tenant", k.tenant, tenants.get(k.tenant, {})))
+            if k.limits:
+                qs.append(quota("key", k.id, k.limits))
+            if qs:
+                accounts[k.id] = Account(k.id, k.tenant, tuple(qs))
+        self.scopes, self.accounts = scopes, accounts
+        return accounts
+
+    def catalog_changed(self, catalog=None) -> None:
+        """Aliases and names may have changed: model permissions are judged again."""
+        for a in self.accounts.values():
+            a._allowed.clear()
+
+    def now(self) -> float:
+        """The database clock, as estimated here."""
+        return self.clock() + self.offset
+
+    # ---- one request -------------------------------------------------------------------------------
+    def admit(self, account: Account, model: Model, req: dict, body: bytes) -> tuple[Meter, dict, bytes]:
+        """Admit one request of `account` for `model` (the catalog model the client named), or raise the
+        403/429 `APIError`. Returns its meter and the request to send (asking for usage when it streams).
+        Every answer of a key with limits goes through here: a few compares and additions per quota."""
+        refusing = account._allowed[model.name] if model.name in account._allowed else account.refusing(model)
+        if refusing is not None:
+            self.metrics.refused(account.label, "models")
+            raise errors.model_not_allowed(model.name, refusing.who, refusing.limits.models or [])
+        strip = False
+        if req.get("stream") is True:
+            req, body, strip = ask_usage(req, body)
+        now = self.clock() + self.offset
+        quotas = account.quotas
+        if not quotas[0].take(now):
+            raise self._refusal(account, quotas[0], now)
+        for i in range(1, len(quotas)):
+            if not quotas[i].take(now):
+                for q in quotas[:i]:
+                    q.untake()
+                raise self._refusal(account, quotas[i], now)
+        key = account.row(model.name)
+        row = self.pending.get(key)
+        if row is None:
+            row = self.pending[key] = [0, 0, 0]
+        row[0] += 1
+        return Meter(account, key, strip, self._headers(account, now)), req, body
+
+    def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
+        """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""
+        headers = self._current_headers(account, now)
+        w = q.requests
+        if not w.room(now, 1):
+            self.metrics.refused(account.label, "rpm")
+            wait = w.wait_s(now, 1)
+            return errors.rate_limited(
+                f"Rate limit reached for {q.who} on requests per minute (RPM): limit {w.limit}, used "
+                f"{w.used(now):.0f}, requested 1. Please try again in {duration_text(wait)}.", wait, headers)
+        w = q.tokens
+        if not w.room(now, 0):
+            self.metrics.refused(account.label, "tpm")
+            wait = w.wait_s(now, 0)
+            return errors.rate_limited(
+                f"Rate limit reached for {q.who} on tokens per minute (TPM): limit {w.limit}, used "
+                f"{w.used(now):.0f}. Please try again in {duration_text(wait)}.", wait, headers)
+        b, period = (q.day, "day") if not q.day.room(now) else (q.month, "month")
+        self.metrics.refused(account.label, f"tokens_per_{period}")
+        wait = b.wait_s(now)
+        renews = datetime.fromtimestamp(b.end, timezone.utc).isoformat().replace("+00:00", "Z")
+        return errors.quota_spent(
+            f"{q.who} has used its token budget for the {period}: {b.used_now(now)} of {b.limit} tokens; it renews "
+            f"at {renews} (in {duration_text(wait)})", wait, headers)
+
+    @staticmethod
+    def _current_headers(account: Account, now: float) -> dict[str, str]:
+        """The `x-ratelimit-*` headers as of `now` (for a refusal, where nothing was taken)."""
+        out: dict[str, str] = {}
+        for kind, quotas in (("requests", account.request_quotas), ("tokens", account.token_quotas)):
+            windows = [q.requests if kind == "requests" else q.tokens for q in quotas]
+            if windows:
+                left, reset, w = min((w.report(now) + (w,) for w in windows), key=lambda x: x[0])
+                out[f"x-ratelimit-limit-{kind}"] = str(w.limit)
+                out[f"x-ratelimit-remaining-{kind}"] = str(left)
+                out[f"x-ratelimit-reset-{kind}"] = duration_text(reset)
+        return out
+
+    @staticmethod
+    def _headers(account: Account, now: float) -> list[tuple[bytes, bytes]]:
+        """OpenAI's `x-ratelimit-*` headers, from the tightest of the account's windows with a limit."""
+        out: list[tuple[bytes, bytes]] = []
+        quotas = account.request_quotas
+        if quotas:
+            q = quotas[0] if len(quotas) == 1 else min(quotas, key=_requests_left)
+            out += ((_REQUEST_NAMES[0], q.requests.limit_text), (_REQUEST_NAMES[1], b"%d" % q.requests_left),
+                    (_REQUEST_NAMES[2], reset_header(q.requests_reset)))
+        quotas = account.token_quotas
+        if quotas:
+            q = quotas[0] if len(quotas) == 1 else min(quotas, key=_tokens_left)
+            out += ((_TOKEN_NAMES[0], q.tokens.limit_text), (_TOKEN_NAMES[1], b"%d" % q.tokens_left),
+                    (_TOKEN_NAMES[2], reset_header(q.tokens_reset)))
+        return out
+
+    def settle(self, meter: Meter) -> None:
+        """The request ended: count the tokens its answer reported, once."""
+        if meter.counts is None:
+            self.metrics.usage_missing.labels(meter.row[2]).inc()
+            return
+        prompt, completion = meter.counts
+        now = self.clock() + self.offset
+        for q in meter.account.quotas:
+            q.spend(prompt + completion, now)
+        row = self.pending.get(meter.row)
+        if row is None:
+            row = self.pending[meter.row] = [0, 0, 0]
+        row[1] += prompt
+        row[2] += completion
+
+    # ---- the sync ---------------------------------------------------------------------------------
+    async def sync(self) -> None:
+        """Add this gateway's counts since the last sync to Postgres and read back the fleet's."""
+        quotas = list(self.scopes.values())
+        if not quotas and not self.pending:
+            return  # no accounted key: nothing to write, nothing to read
+        rows, self.pending = self.pending, {}
+        taken = [(q, q.taken()) for q in quotas]
+        t0 = self.clock()
+        try:
+            async with self.engine.begin() as conn:
+                now = await usage_repo.db_now(conn)
+                minute = now // WINDOW_S * WINDOW_S
+                day = period_bounds("day", now, self.day_s)
+                month = period_bounds("month", now)
+                periods = {"day": day[0], "month": month[0]}
+                await usage_repo.add(conn, minute, periods, rows)
+                minutes, spent = await usage_repo.totals(conn, minute - WINDOW_S, periods)
+        except BaseException:
+            for q, t in taken:
+                q.restore(t)
+            for k, (r, p, c) in rows.items():
+                row = self.pending.setdefault(k, [0, 0, 0])
+                row[0] += r
+                row[1] += p
+                row[2] += c
+            raise
+        self.offset = now - t0
+        self._apply(minute, day, month, minutes, spent)
+        for (tenant, _, model), (_, prompt, completion) in rows.items():  # counted once, when written
+            if prompt or completion:
+                self.metrics.count_tokens(tenant or NO_TENANT, model, prompt, completion)
+
+    def _apply(self, minute: float, day: tuple[float, float], month: tuple[float, float],
+               minutes: list[usage_repo.MinuteTotal], spent: list[usage_repo.PeriodTotal]) -> None:
+        # per tenant and per key: [requests prev minute, requests this minute, tokens prev, tokens this, day, month]
+        sums: dict[tuple[str, str], list[int]] = {}
+
+        def add(tenant: str, key_id: str, i: int, n: int) -> None:
+            for scope in ((("tenant", tenant),) if tenant else ()) + (("key", key_id),):
+                sums.setdefault(scope, [0] * 6)[i] += n
+
+        for m in minutes:
+            now_minute = m.minute >= minute
+            add(m.tenant, m.key_id, 1 if now_minute else 0, m.requests)
+            add(m.tenant, m.key_id, 3 if now_minute else 2, m.tokens)
+        for s in spent:
+            add(s.tenant, s.key_id, 4 if s.period == "day" else 5, s.tokens)
+        zero = [0] * 6
+        for scope, q in self.scopes.items():
+            v = sums.get(scope, zero)
+            q.requests.synced(minute, v[0], v[1])
+            q.tokens.synced(minute, v[2], v[3])
+            q.day.synced(day[0], day[1], v[4])
+            q.month.synced(month[0], month[1], v[5])
+
+    async def sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sync_s)
+            try:
+                await self.sync()
+            except Exception:  # noqa: BLE001 - kept for the next sync; logged and counted
+                log.exception("syncing token usage with Postgres failed; the counts are kept for the next try")
+                self.metrics.usage_sync_errors.inc()
+
+    async def close(self) -> None:
+        """On a clean stop: what was counted since the last sync is written."""
+        try:
+            await self.sync()
+        except Exception:  # noqa: BLE001 - the process is going; say what is lost
+            log.warning("could not write the last second of token usage (%d rows) on the way out", len(self.pending))

@@ -1,0 +1,408 @@
+"""Tenants, limits and usage through the real path (issue 15): `llmgw ctl` and the admin API on a real
+`llmgw server`, a second `llmgw server` on the same Postgres, real sim engines as static endpoints (their
+own `/metrics` counters are what usage is checked against) and a fake engine that records request bodies.
+
+One control plane for the module (no Temporal, no nodes), with budget days shortened to `DAY_S` seconds
+(`LLMGW_TEST_BUDGET_DAY_S`) so a spent daily budget is seen to renew. Each test uses tenants of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+import aiohttp
+import httpx
+import psycopg
+import pytest
+
+from llmgw.dev.procs import free_port, stop_process, wait_port
+from tests.fake_engine import FakeEngines
+from tests.helpers import ControlPlane, wait_until
+
+pytestmark = pytest.mark.integration
+
+DAY_S = 10.0
+
+
+class Sim:
+    """A real sim engine process (no token delay), and its own counters."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(self.port),
+                                      "--model", model, "--tokens-per-second", "0"], start_new_session=True,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def counters(self) -> dict[str, int]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {ln.split()[0]: int(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+
+@pytest.fixture(scope="module")
+async def plane(tmp_path_factory, module_database_url):
+    """`.cp` the control plane (its gateway is gateway 1), `.gw2` the second gateway's URL, `.sims` the sim
+    engines by model, `.fake` the recording engines."""
+    fake = await FakeEngines().start()
+    sims = {m: Sim(m) for m in ("sim", "sim-b")}
+    cp = ControlPlane(tmp_path_factory.mktemp("tenants"), module_database_url, f"127.0.0.1:{free_port()}",
+                      LLMGW_ROUTE_REFRESH_S="0.5", LLMGW_TEST_BUDGET_DAY_S=str(DAY_S))
+    try:
+        for s in sims.values():
+            wait_port(s.port, 30, s.proc, f"sim engine {s.model}")
+        await asyncio.to_thread(cp.start, worker=False)
+        g2, a2 = free_port(), free_port()
+        second = cp.spawn("server-2", "server", "--no-migrate", env={
+            "LLMGW_GATEWAY_PORT": str(g2), "LLMGW_ADMIN_PORT": str(a2), "LLMGW_NODE_API_PORT": "0"})
+        await asyncio.to_thread(wait_port, g2, 60, second.proc, "the second gateway")
+        r = cp.apply({"models": [
+            {"name": "sim", "aliases": ["sim-alias"], "endpoints": [sims["sim"].url]},
+            {"name": "sim-b", "endpoints": [sims["sim-b"].url]},
+            {"name": "echo", "endpoints": [fake.url("echo")]},
+        ]})
+        assert r.status_code == 200, r.text
+        cp.gw2 = f"http://127.0.0.1:{g2}"  # type: ignore[attr-defined]
+        cp.sims = sims  # type: ignore[attr-defined]
+        cp.fake = fake  # type: ignore[attr-defined]
+        cp.db = module_database_url  # type: ignore[attr-defined]
+        cp.plain_key = create_key(cp, "plain")  # a key of no tenant: the gateways now want keys
+        for gw in (cp.gateway, cp.gw2):  # (in a thread: the fake engine answers on this event loop)
+            await asyncio.to_thread(
+                wait_until, lambda: httpx.post(gw + "/v1/chat/completions", json=chat("echo"), timeout=10,
+                                               headers=auth(cp.plain_key)).status_code == 200,
+                timeout_s=20, what=f"{gw} routing echo with the plain key")
+        yield cp
+    finally:
+        await asyncio.to_thread(cp.stop)
+        for s in sims.values():
+            stop_process(s.proc)
+        await fake.close()
+
+
+def chat(model: str, text: str = "hi", **kw) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **kw}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def admin(cp: ControlPlane, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.request(method, cp.admin + path, json=body, timeout=10)
+
+
+def create_tenant(cp: ControlPlane, name: str, **limits) -> dict:
+    r = admin(cp, "POST", "/admin/v1/tenants", {"name": name, "limits": limits})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def create_key(cp: ControlPlane, name: str, tenant: str | None = None, **limits) -> str:
+    r = admin(cp, "POST", "/admin/v1/keys", {"name": name, "tenant": tenant, "limits": limits})
+    assert r.status_code == 200, r.text
+    return r.json()["key"]
+
+
+def usage_rows(cp: ControlPlane, tenant: str) -> list[tuple]:
+    with psycopg.connect(cp.db) as conn:  # type: ignore[attr-defined]
+        return conn.execute("SELECT key_id, model, sum(requests), sum(prompt_tokens), sum(completion_tokens) "
+                            "FROM usage WHERE tenant = %s GROUP BY key_id, model ORDER BY model", (tenant,)).fetchall()
+
+
+def wait_key(cp: ControlPlane, key: str) -> None:
+    """Until both gateways know the new key (they are told by NOTIFY); /v1/models counts nothing."""
+    for gw in (cp.gateway, cp.gw2):  # type: ignore[attr-defined]
+        wait_until(lambda: httpx.get(gw + "/v1/models", headers=auth(key), timeout=10).status_code == 200,
+                   timeout_s=10, what="the key at " + gw)
+
+
+async def test_two_gateways_share_one_tenants_rpm(plane):
+    """Each gateway gets 5 requests a second for 10 s (100 in all) under one tenant's 40 per minute.
+    Together they admit at most the limit plus one second's traffic (10), plus what a minute boundary
+    inside the run lets the previous minute's share fade (40 · 10/60): never the 80 two gateways would
+    admit counting alone, and no fewer than the limit."""
+    cp = plane
+    limit, rate, seconds = 40, 5.0, 10.0
+    create_tenant(cp, "shared", rpm=limit)
+    key = create_key(cp, "shared-1", "shared")
+    wait_key(cp, key)
+    statuses: dict[str, list[int]] = {cp.gateway: [], cp.gw2: []}
+    refused: list[tuple[dict, dict]] = []
+    admitted_headers: list[dict] = []
+
+    async def drive(gw: str) -> None:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            for i in range(int(rate * seconds)):
+                await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+                async with s.post(gw + "/v1/chat/completions", json=chat("echo"), headers=auth(key)) as r:
+                    body = await r.json()
+                    statuses[gw].append(r.status)
+                    if r.status == 429:
+                        refused.append((dict(r.headers), body))
+                    elif r.status == 200:
+                        admitted_headers.append(dict(r.headers))
+
+    await asyncio.gather(drive(cp.gateway), drive(cp.gw2))
+    admitted = sum(s.count(200) for s in statuses.values())
+    assert all(s in (200, 429) for v in statuses.values() for s in v), statuses
+    one_second = 2 * rate
+    assert limit <= admitted <= limit + one_second + limit * seconds / 60 + 1, (admitted, statuses)
+    assert all(v.count(200) and v.count(429) for v in statuses.values()), statuses  # both admitted, both refused
+    headers, body = refused[0]
+    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "rate_limit_exceeded"
+    assert "tenant `shared`" in body["error"]["message"] and int(headers["Retry-After"]) >= 1
+    assert headers["x-ratelimit-limit-requests"] == str(limit) and headers["x-ratelimit-remaining-requests"] == "0"
+    assert all(h["x-ratelimit-limit-requests"] == str(limit) for h in admitted_headers)
+    remaining = [int(h["x-ratelimit-remaining-requests"]) for h in admitted_headers]
+    assert max(remaining) == limit - 1 and min(remaining) <= 5
+    # Counted exactly once: the rows hold every admitted request, from both gateways, and no refused one.
+    wait_until(lambda: sum(r[2] for r in usage_rows(cp, "shared")) == admitted, timeout_s=5,
+               what="usage rows of every admitted request", why=lambda: usage_rows(cp, "shared"))
+
+
+async def test_a_streamed_answer_is_counted_once_and_its_usage_chunk_reaches_only_a_client_that_asked(plane):
+    cp = plane
+    sim = cp.sims["sim"]
+    create_tenant(cp, "streams")
+    key = create_key(cp, "streams-1", "streams")
+    wait_key(cp, key)
+    before = sim.counters()
+    body = chat("sim", "one two three", max_tokens=7, stream=True)
+
+    async def stream(gw: str, req: dict, key: str) -> tuple[dict, list[bytes]]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw + "/v1/chat/completions", json=req, headers=auth(key)) as r:
+                assert r.status == 200
+                raw = await r.content.read()
+        assert raw.endswith(b"data: [DONE]\n\n")
+        return dict(r.headers), [e for e in raw.split(b"\n\n") if e]
+
+    headers, events = await stream(cp.gateway, body, key)  # did not ask: the gateway asks, and strips it
+    assert len(events) == 8 and not any(b'"usage"' in e for e in events), events[-2:]
+    assert "x-ratelimit-limit-requests" not in headers  # a tenant with no limits: counted, not limited
+    headers, events = await stream(cp.gw2, {**body, "stream_options": {"include_usage": True}}, key)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert [c for c in chunks if c.get("usage")] == [chunks[-1]] and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    after = sim.counters()
+    engine_prompt = after["sim:prompt_tokens_total"] - before["sim:prompt_tokens_total"]
+    engine_generated = after["sim:generation_tokens_total"] - before["sim:generation_tokens_total"]
+    assert (engine_prompt, engine_generated) == (6, 14)
+    wait_until(lambda: [r[2:] for r in usage_rows(cp, "streams")] == [(2, engine_prompt, engine_generated)],
+               timeout_s=5, what="the two streams counted once each", why=lambda: usage_rows(cp, "streams"))
+    for gw in (cp.gateway, cp.gw2):  # each gateway counted its own stream in its metrics
+        text = httpx.get(gw + "/metrics", timeout=10).text
+        assert 'llmgw_tokens_total{model="sim",tenant="streams",type="completion"} 7.0' in text, gw
+        assert 'llmgw_tokens_total{model="sim",tenant="streams",type="prompt"} 3.0' in text, gw
+
+    # The engine is asked only for accounted keys: a key of no tenant streams the client's body untouched.
+    fake = cp.fake
+    fake.state["bodies"].clear()
+    for k in (cp.plain_key, key):
+        await stream(cp.gateway, chat("echo", "a b", stream=True), k)
+    (_, plain_body), (_, accounted_body) = fake.state["bodies"]
+    assert "stream_options" not in plain_body
+    assert accounted_body["stream_options"] == {"include_usage": True}
+
+
+async def test_a_spent_budget_gets_insufficient_quota_until_the_period_turns(plane):
+    """A day is DAY_S seconds here (LLMGW_TEST_BUDGET_DAY_S), from the database clock. 30 tokens a day:
+    two answers of 17 spend it; then 429 insufficient_quota on both gateways until the day turns, then
+    200 again."""
+    cp = plane
+
+    def db_now() -> float:
+        with psycopg.connect(cp.db) as conn:
+            return float(conn.execute("SELECT extract(epoch FROM now())").fetchone()[0])
+
+    create_tenant(cp, "budget", tokens_per_day=30)
+    key = create_key(cp, "budget-1", "budget")
+    monthly = create_key(cp, "monthly", tokens_per_month=10)  # a key of no tenant, with a budget of its own
+    wait_key(cp, key)
+    wait_key(cp, monthly)
+    left = DAY_S - db_now() % DAY_S
+    if left < 6:  # spend and check within one day
+        await asyncio.sleep(left + 0.2)
+    async with aiohttp.ClientSession() as s:
+        async def ask(gw: str, key: str = key) -> tuple[int, dict, dict]:
+            async with s.post(gw + "/v1/chat/completions", json=chat("sim", max_tokens=16), headers=auth(key)) as r:
+                return r.status, dict(r.headers), await r.json()
+
+        assert (await ask(cp.gateway))[0] == 200  # 17 of 30
+        assert (await ask(cp.gateway))[0] == 200  # 34: admitted while budget was left, counted in full
+        status, headers, body = await ask(cp.gateway)
+        turn = (db_now() // DAY_S + 1) * DAY_S
+        assert status == 429, body
+        assert body["error"]["code"] == "insufficient_quota" and body["error"]["type"] == "insufficient_quota"
+        assert "34 of 30" in body["error"]["message"] and headers["x-should-retry"] == "false"
+        assert 1 <= int(headers["Retry-After"]) <= DAY_S
+        await asyncio.sleep(2.2)  # its sync wrote the spend, the other's read it: the other gateway knows too
+        status, _, body = await ask(cp.gw2)
+        assert status == 429 and body["error"]["code"] == "insufficient_quota"
+        while db_now() < turn - 0.5:
+            assert (await ask(cp.gateway))[0] == 429
+            await asyncio.sleep(0.5)
+        while (await ask(cp.gateway))[0] != 200:
+            assert db_now() < turn + 3, "the budget did not renew when the day turned"
+            await asyncio.sleep(0.2)
+        assert db_now() >= turn - 0.2  # renewed by the turn, not before
+        # A month's budget on a key of no tenant: spent until the calendar month turns.
+        assert (await ask(cp.gateway, monthly))[0] == 200
+        status, headers, body = await ask(cp.gateway, monthly)
+        err = body["error"]
+        assert status == 429 and err["code"] == "insufficient_quota" and "for the month" in err["message"]
+        now = db_now()
+        d = datetime.fromtimestamp(now, timezone.utc)
+        month_end = datetime(d.year + (d.month == 12), d.month % 12 + 1, 1, tzinfo=timezone.utc).timestamp()
+        assert abs(int(headers["Retry-After"]) - (month_end - now)) <= 3
+
+
+async def test_ctl_usage_matches_the_engines_own_counts(plane):
+    cp = plane
+    sims = cp.sims
+    assert cp.ctl("tenants", "create", "acct", "--rpm", "10k", "--tpm", "1M").returncode == 0
+    keys = []
+    for name in ("acct-1", "acct-2"):
+        out = cp.ctl("keys", "create", "--name", name, "--tenant", "acct")
+        assert out.returncode == 0, out.stderr
+        keys.append(out.stdout.strip())
+    for k in keys:
+        wait_key(cp, k)
+    before = {m: s.counters() for m, s in sims.items()}
+    async with aiohttp.ClientSession() as s:
+        async def go(gw: str, path: str, body: dict, key: str) -> None:
+            async with s.post(gw + path, json=body, headers=auth(key)) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+
+        for i, (gw, key) in enumerate([(cp.gateway, keys[0]), (cp.gw2, keys[1]), (cp.gw2, keys[0])]):
+            await go(gw, "/v1/chat/completions", chat("sim", "a b c " * (i + 1), max_tokens=5 + i), key)
+            await go(gw, "/v1/chat/completions", chat("sim-alias", "d e", max_tokens=9, stream=True), key)
+            await go(gw, "/v1/chat/completions", chat("sim-b", "f", max_tokens=3, stream=True,
+                                                      stream_options={"include_usage": True}), key)
+            await go(gw, "/v1/completions", {"model": "sim-b", "prompt": "g h i j", "max_tokens": 4 + i}, key)
+            await go(gw, "/v1/embeddings", {"model": "sim-b", "input": ["x", "y"]}, key)
+    after = {m: s.counters() for m, s in sims.items()}
+    engine = {m: (after[m]["sim:requests_total"] - before[m]["sim:requests_total"],
+                  after[m]["sim:prompt_tokens_total"] - before[m]["sim:prompt_tokens_total"],
+                  after[m]["sim:generation_tokens_total"] - before[m]["sim:generation_tokens_total"]) for m in sims}
+
+    def by_model():
+        out = cp.ctl("usage", "--tenant", "acct", "--by", "model", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return {r["model"]: (r["requests"], r["prompt_tokens"], r["completion_tokens"])
+                for r in json.loads(out.stdout)["rows"]}
+    wait_until(lambda: by_model() == engine, timeout_s=5, what="ctl usage by model = the engines' counters",
+               why=lambda: f"ctl: {by_model()}, engines: {engine}")
+    out = cp.ctl("usage", "--tenant", "acct", "--by", "key", "-o", "json")
+    rows = json.loads(out.stdout)["rows"]
+    assert {r["key_name"] for r in rows} == {"acct-1", "acct-2"}
+    assert sum(r["total_tokens"] for r in rows) == sum(p + c for _, p, c in engine.values())
+    assert [r["requests"] for r in sorted(rows, key=lambda r: r["key_name"])] == [10, 5]
+    out = cp.ctl("usage", "--tenant", "acct", "--by", "day")
+    header = out.stdout.splitlines()[0].split()
+    assert out.returncode == 0 and header[:2] == ["TENANT", "DAY"] and "LAST" in header
+    total = sum(p + c for _, p, c in engine.values())
+    assert str(total) in out.stdout.splitlines()[1]
+    out = cp.ctl("usage", "--since", "5x")
+    assert out.returncode == 1 and "since" in out.stderr and "Traceback" not in out.stderr
+    out = cp.ctl("tenants", "list")
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("acct "))
+    assert out.stdout.splitlines()[0].split()[0] == "NAME" and "10000" in line and "1000000" in line
+    assert cp.ctl("tenants", "set", "acct", "--rpm", "none").returncode == 0
+    acct = next(t for t in admin(cp, "GET", "/admin/v1/tenants").json() if t["name"] == "acct")
+    assert acct["limits"]["rpm"] is None and acct["limits"]["tpm"] == 1_000_000 and acct["keys"] == 2
+
+
+async def test_a_key_may_use_only_the_models_its_tenant_allows(plane):
+    cp = plane
+    create_tenant(cp, "narrow", models=["sim-al*"])  # a pattern over an alias of `sim`
+    key = create_key(cp, "narrow-1", "narrow")
+    wait_key(cp, key)
+    for model in ("sim", "sim-alias"):
+        r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat(model, max_tokens=1), headers=auth(key), timeout=10)
+        assert r.status_code == 200, r.text
+    r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sim-b"), headers=auth(key), timeout=10)
+    err = r.json()["error"]
+    assert r.status_code == 403 and err["code"] == "model_not_allowed" and err["param"] == "model"
+    assert "tenant `narrow`" in err["message"] and "sim-al*" in err["message"]
+    r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("nope"), headers=auth(key), timeout=10)
+    assert r.status_code == 404  # an unknown model is still unknown
+    listed = httpx.get(cp.gateway + "/v1/models", headers=auth(key), timeout=10).json()["data"]
+    assert [m["id"] for m in listed] == ["sim"]
+    assert httpx.get(cp.gateway + "/v1/models/sim-b", headers=auth(key), timeout=10).status_code == 403
+    every = httpx.get(cp.gateway + "/v1/models", headers=auth(cp.plain_key), timeout=10).json()["data"]
+    assert len(every) == 3
+
+
+BAD_LIMITS = [({"rpm": -1}, "limits.rpm"), ({"rpm": 0}, "limits.rpm"), ({"rpm": 1.5}, "limits.rpm"),
+              ({"rpm": "60"}, "limits.rpm"), ({"rpm": True}, "limits.rpm"), ({"rpm": 10**12}, "limits.rpm"),
+              ({"tpm": 10**15}, "limits.tpm"), ({"tokens_per_day": -1}, "limits.tokens_per_day"),
+              ({"tokens_per_month": 10**18}, "limits.tokens_per_month"), ({"models": []}, "limits.models"),
+              ({"models": ["llama["]}, "limits.models"), ({"models": ["a b"]}, "limits.models"),
+              ({"models": ["x"] * 65}, "limits.models"), ({"models": "sim"}, "limits.models"),
+              ({"models": ["\u202esim"]}, "limits.models"), ({"burst": 5}, "limits.burst")]
+
+
+def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
+    cp = plane
+
+    def refused(r: httpx.Response, status: int, param: str | None) -> dict:
+        assert r.status_code == status, (r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"} and "Traceback" not in r.text
+        if param is not None:
+            assert err["param"] == param, err
+        return err
+
+    for name in ("Team-A", "ｔｅａｍ", " team", "team\n", "", "-x", "a" * 64, "a/b", "tеam", "x" * 5000, 7, None):
+        err = refused(admin(cp, "POST", "/admin/v1/tenants", {"name": name}), 400, "name")
+        if name == "Team-A":
+            assert "write 'team-a'" in err["message"]
+    for limits, field in BAD_LIMITS:
+        refused(admin(cp, "POST", "/admin/v1/tenants", {"name": "abuse", "limits": limits}), 400, field)
+    r = httpx.post(cp.admin + "/admin/v1/tenants", content=b'{"name": "abuse", "limits": {"rpm": 1' + b"0" * 30 + b"}}",
+                   headers={"content-type": "application/json"}, timeout=10)
+    refused(r, 400, None)  # beyond int64: refused before it is parsed
+    assert admin(cp, "GET", "/admin/v1/tenants").status_code == 200
+    assert "abuse" not in [t["name"] for t in admin(cp, "GET", "/admin/v1/tenants").json()]
+    create_tenant(cp, "abuse")
+    refused(admin(cp, "POST", "/admin/v1/tenants", {"name": "abuse"}), 409, "name")
+    for limits, field in BAD_LIMITS:
+        refused(admin(cp, "POST", "/admin/v1/tenants/abuse", {"limits": limits}), 400, field)
+    refused(admin(cp, "POST", "/admin/v1/tenants/Abuse", {"limits": {"rpm": 5}}), 400, "name")
+    refused(admin(cp, "POST", "/admin/v1/tenants/nobody", {"limits": {"rpm": 5}}), 404, "name")
+    refused(admin(cp, "POST", "/admin/v1/tenants/abuse", {"rpm": 5}), 400, None)  # limits are under `limits`
+    # keys
+    refused(admin(cp, "POST", "/admin/v1/keys", {"name": "k", "tenant": "Abuse"}), 400, "tenant")
+    err = refused(admin(cp, "POST", "/admin/v1/keys", {"name": "k", "tenant": "nobody"}), 400, "tenant")
+    assert err["code"] == "tenant_not_found"
+    for limits, field in BAD_LIMITS:
+        refused(admin(cp, "POST", "/admin/v1/keys", {"name": "k", "limits": limits}), 400, field)
+    key_id = admin(cp, "POST", "/admin/v1/keys", {"name": "k", "tenant": "abuse"}).json()["id"]
+    for limits, field in BAD_LIMITS[:4]:
+        refused(admin(cp, "POST", f"/admin/v1/keys/{key_id}", {"limits": limits}), 400, field)
+    refused(admin(cp, "POST", "/admin/v1/keys/no-such-key", {"limits": {"rpm": 5}}), 404, "id")
+    # usage
+    for query, param in (("since=5x", "since"), ("since=401d", "since"), ("since=", "since"), ("by=minute", "by"),
+                         ("tenant=Abuse", "tenant"), ("since=" + "9" * 100, None)):
+        refused(admin(cp, "GET", "/admin/v1/usage?" + query), 400, param)
+    # and as an operator sees it: one line, exit status 1, no traceback
+    for args in (("tenants", "create", "Team A"), ("tenants", "create", "abuse2", "--rpm", "-5"),
+                 ("tenants", "create", "abuse3", "--models", "a,,b"), ("keys", "create", "--tenant", "nobody")):
+        out = cp.ctl(*args)
+        assert out.returncode == 1 and out.stderr.startswith("error (400)") and "Traceback" not in out.stderr, out
+    r = admin(cp, "POST", "/admin/v1/tenants/abuse", {"limits": {"rpm": 7, "models": ["nothing-*"]}})
+    assert r.status_code == 200 and r.json()["limits"] == {"rpm": 7, "models": ["nothing-*"], "tpm": None,
+                                                           "tokens_per_day": None, "tokens_per_month": None}
+    assert r.json()["notes"] == ["models: 'nothing-*' matches no model of the catalog now"]

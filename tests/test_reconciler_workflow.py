@@ -10,7 +10,9 @@ continue-as-new after a few dozen events.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import logging
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,10 +26,15 @@ from temporalio.worker import Worker
 
 from llmgw.dev.procs import free_port
 from llmgw.dev.temporal_server import TemporalDevServer
-from llmgw.schemas.payloads import DecideInput, DecideResult, ReconcilerInput, RecordDecisionsInput, Snapshot
+from llmgw.schemas.catalog import Profile
+from llmgw.schemas.payloads import (
+    DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, ShardPlacement,
+    Snapshot,
+)
 from llmgw.workers.control import workflow_runner
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.workflows.reconciler import MAX_PASSES, ReconcilerWorkflow
+from tests.stand_workflows import FailingStart
 
 pytestmark = pytest.mark.integration
 
@@ -144,3 +151,40 @@ async def test_a_run_that_planned_in_workflow_code_moves_to_decide_at_its_next_p
     # The patch markers, both at the pass where the run moved: `decide`, and `decide` creating what it places.
     ids = sorted(json.loads(m.details["patch-data"].payloads[0].data)["id"] for m in markers)
     assert ids == ["decide-in-activity/2", "issue13-decide-places/2"], ids
+
+
+class Placing(Stand):
+    """`decide` places one replica at the first pass and nothing after; the run then waits for its timer."""
+
+    @activity.defn(name="decide")
+    async def decide(self, inp: DecideInput) -> DecideResult:
+        self.decides += 1
+        actions = [PassAction(kind="place", model="m", line="place m", replica_id=str(uuid.uuid4()),
+                              profile="default", profile_spec=Profile(engine="sim"),
+                              shards=[ShardPlacement(node_id="n1", rank=0)])] if self.decides == 1 else []
+        return DecideResult(actions=actions, more=False, interval_s=60)
+
+
+async def test_a_failed_child_start_is_collected_not_logged_as_never_retrieved(server, caplog):
+    """The reconciler abandons its children and never awaits them; their failures are the children's to
+    record. Uncollected, each failed start became an ERROR traceback in the worker's log ("_ChildWorkflowHandle
+    exception was never retrieved") once the handle was garbage-collected (seen in `llmgw dev`)."""
+    client = await Client.connect(server.address, namespace="can", data_converter=pydantic_data_converter)
+    stand = Placing(more=False)
+    caplog.set_level(logging.ERROR)
+    async with Worker(client, task_queue=CONTROL_QUEUE, workflows=[ReconcilerWorkflow, FailingStart],
+                      activities=stand.all(), workflow_runner=workflow_runner()):
+        handle = await client.start_workflow(ReconcilerWorkflow.run, ReconcilerInput(),
+                                             id=f"reconciler-{uuid.uuid4().hex[:8]}", task_queue=CONTROL_QUEUE)
+        for _ in range(100):
+            if any(e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_FAILED
+                   for e in (await handle.fetch_history()).events):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the stand-in start never failed")
+        await asyncio.sleep(0.5)  # the run's activation with the child's failure has been processed
+        gc.collect()
+    await handle.terminate("test done")
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], \
+        [r.getMessage()[:300] for r in caplog.records]

@@ -48,6 +48,19 @@ DECIDE_PATCH = "decide-in-activity"
 DECIDE_PLACES_PATCH = "issue13-decide-places"  # `decide` creates the replicas it places (no record_placements)
 
 
+def _abandoned(handle):
+    """A child this workflow starts and never awaits (abandoned on close): its outcome is collected, so a
+    failed start is not logged as "exception was never retrieved" (its failure is recorded by the child
+    itself). Collecting it issues no command: replay is unchanged."""
+    handle.add_done_callback(_collect)
+    return handle
+
+
+def _collect(task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 @workflow.defn(name="ReconcilerWorkflow")
 class ReconcilerWorkflow:
     def __init__(self) -> None:
@@ -138,7 +151,7 @@ class ReconcilerWorkflow:
                 final_status=a.final_status), a.model, a.profile, a.nodes)
 
     async def _start_replica(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float) -> None:
-        await workflow.start_child_workflow(
+        _abandoned(await workflow.start_child_workflow(
             ReplicaStartWorkflow.run,
             ReplicaStartInput(replica_id=replica_id, model=model, profile=spec, shards=shards,
                               ready_timeout_s=ready_timeout_s),
@@ -147,29 +160,29 @@ class ReconcilerWorkflow:
             memo=attributes.memo(model, profile),
             search_attributes=attributes.lifecycle("start", model, replica_id, [s.node_id for s in shards])
             if self._search_attributes else None,
-        )
+        ))
 
     async def _start_stop(self, replica_id: str, inp: ReplicaStopInput, model: str, profile: str | None,
                           nodes: list[str]) -> None:
         try:
-            await workflow.start_child_workflow(
+            _abandoned(await workflow.start_child_workflow(
                 ReplicaStopWorkflow.run, inp, id=replica_stop_id(replica_id), task_queue=CONTROL_QUEUE,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                 memo=attributes.memo(model, profile),
                 search_attributes=attributes.lifecycle("stop", model, replica_id, nodes or None)
                 if self._search_attributes else None,
-            )
+            ))
         except WorkflowAlreadyStartedError:
             pass  # already stopping
 
     async def _rollout(self, model: str) -> None:
         """Make sure the model's `RolloutWorkflow` runs (one per model: a second start is refused)."""
         try:
-            await workflow.start_child_workflow(
+            _abandoned(await workflow.start_child_workflow(
                 RolloutWorkflow.run, RolloutInput(model=model), id=rollout_id(model), task_queue=CONTROL_QUEUE,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON, memo=attributes.memo(model),
                 search_attributes=attributes.lifecycle("rollout", model) if self._search_attributes else None,
-            )
+            ))
         except WorkflowAlreadyStartedError:
             pass
 

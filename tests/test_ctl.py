@@ -134,3 +134,25 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "404" in out.stderr
     out = cp.ctl("retry", "s-alias")
     assert out.returncode == 0 and out.stdout.startswith("s: no failed starts to clear"), out.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["tenants", "create", "t1", "--tokens-per-day", "20X"],
+     "--tokens-per-day '20X' is not a whole number: write one such as 60, 10k, 2M or 1G, or `none` for no limit"),
+    (["tenants", "create", "t1", "--rpm", "0"], "--rpm 0: a limit is at least 1; write `--rpm none` for no limit"),
+    (["keys", "create", "--name", "k", "--tpm", "-5"], "--tpm -5: a limit is at least 1; write `--tpm none` for no limit"),
+    (["tenants", "set", "t1", "--tokens-per-month", "1.5"], "--tokens-per-month '1.5' is not a whole number"),
+])
+def test_a_limit_option_the_admin_api_would_refuse_is_refused_in_the_option_s_own_words(args, says, monkeypatch):
+    # No admin API anywhere: the value is refused before anything is sent (a port nothing listens on).
+    monkeypatch.setenv("LLMGW_ADMIN_PORT", str(free_port()))
+    out = CliRunner().invoke(app, ["ctl", *args])
+    assert out.exit_code == 1, out.output
+    assert says in out.output
+    assert "Traceback" not in out.output
+
+
+def test_limit_options_take_suffixes_and_none():
+    from llmgw.ctl.tenants import limits_body
+    assert limits_body("10k", "2M", "1G", "none", "a-*,b") == {
+        "rpm": 10_000, "tpm": 2_000_000, "tokens_per_day": 10**9, "tokens_per_month": None, "models": ["a-*", "b"]}

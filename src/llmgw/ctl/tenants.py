@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import typer
 
-from llmgw.ctl.client import Admin
+from llmgw.ctl.client import Admin, fail
 from llmgw.ctl.output import Output, age, dump, output_option, show, table
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
@@ -25,17 +25,19 @@ _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _NUMBER = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)([kKmMgGtT]?)")
 
 
-def limit_value(text: str) -> Any:
-    """`60`, `10k`, `2.5M` -> an integer; `none` -> None (no limit); anything else as it is, for the admin
-    API to refuse by name."""
+def limit_value(text: str, option: str = "the limit") -> Any:
+    """`60`, `10k`, `2.5M` -> an integer; `none` -> None (no limit). Anything else, or a number under 1, is
+    refused here in the option's own words (the admin API refuses caps and the rest by field)."""
     if text.strip().lower() == "none":
         return None
     m = _NUMBER.fullmatch(text.strip())
     if m:
         n = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
-        if n == int(n):
+        if n == int(n) and n >= 1:
             return int(n)
-    return text
+        if n < 1:
+            fail(f"{option} {text}: a limit is at least 1; write `{option} none` for no limit")
+    fail(f"{option} {text!r} is not a whole number: write one such as 60, 10k, 2M or 1G, or `none` for no limit")
 
 
 def limits_body(rpm: str | None, tpm: str | None, per_day: str | None, per_month: str | None,
@@ -44,7 +46,7 @@ def limits_body(rpm: str | None, tpm: str | None, per_day: str | None, per_month
     out: dict[str, Any] = {}
     for field, value in (("rpm", rpm), ("tpm", tpm), ("tokens_per_day", per_day), ("tokens_per_month", per_month)):
         if value is not None:
-            out[field] = limit_value(value)
+            out[field] = limit_value(value, "--" + field.replace("_", "-"))
     if models is not None:
         out["models"] = None if models.strip().lower() == "none" else models.split(",")
     return out

@@ -324,6 +324,8 @@ async def test_two_operators_one_download_then_cancel_and_a_single_file(tmp_path
     origin = origin_proc(tmp_path / "origin").start(rate=150_000)
     mirror = mirror_for()
     mirror.serve()
+    empty = mirror.cli("list").stdout  # nothing downloaded yet: it says where copied-in files are listed
+    assert "no versions downloaded with `llmgw mirror add URL` yet" in empty and "/files lists them" in empty, empty
     source = f"{origin.url}/slow/"
     a = mirror.cli("add", source, "--detach")
     assert a.returncode == 0, a.stdout + a.stderr

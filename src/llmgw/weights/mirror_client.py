@@ -184,7 +184,8 @@ async def list_versions(settings: Settings, all_runs: bool = False) -> int:
         return 1
     rows = await versions(client, all_runs)
     if not rows:
-        _say("no versions mirrored with `llmgw mirror add` yet")
+        _say("no versions downloaded with `llmgw mirror add URL` yet (files placed from `pypi:` or a path are "
+             f"copied in at once, not downloaded: {settings.resolved_mirror_url.rstrip('/')}/files lists them)")
         return 0
     width = max(len(p.name) for p, _ in rows)
     _say(f"{'NAME':{width}}  {'VERSION':12}  {'STATE':11}  DETAIL")

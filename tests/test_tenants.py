@@ -398,10 +398,13 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
                          ("tenant=Abuse", "tenant"), ("since=" + "9" * 100, None)):
         refused(admin(cp, "GET", "/admin/v1/usage?" + query), 400, param)
     # and as an operator sees it: one line, exit status 1, no traceback
-    for args in (("tenants", "create", "Team A"), ("tenants", "create", "abuse2", "--rpm", "-5"),
+    for args in (("tenants", "create", "Team A"), ("tenants", "create", "abuse2", "--rpm", "1000000000000"),
                  ("tenants", "create", "abuse3", "--models", "a,,b"), ("keys", "create", "--tenant", "nobody")):
         out = cp.ctl(*args)
         assert out.returncode == 1 and out.stderr.startswith("error (400)") and "Traceback" not in out.stderr, out
+    # a limit under 1 is refused by ctl itself, in the option's words (tests/test_ctl.py), before anything is sent
+    out = cp.ctl("tenants", "create", "abuse2", "--rpm", "-5")
+    assert out.returncode == 1 and out.stderr.startswith("--rpm -5: a limit is at least 1") and "Traceback" not in out.stderr, out
     r = admin(cp, "POST", "/admin/v1/tenants/abuse", {"limits": {"rpm": 7, "models": ["nothing-*"]}})
     assert r.status_code == 200 and r.json()["limits"] == {"rpm": 7, "models": ["nothing-*"], "tpm": None,
                                                            "tokens_per_day": None, "tokens_per_month": None}

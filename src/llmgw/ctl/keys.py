@@ -9,7 +9,7 @@ import typer
 
 from llmgw.ctl.client import Admin, fail
 from llmgw.ctl.output import Output, age, output_option, show, table
-from llmgw.ctl.tenants import MODELS, PER_DAY, PER_MONTH, RPM, TPM, limits_body, limits_text
+from llmgw.ctl.tenants import MODELS, PER_DAY, PER_MONTH, RPM, TPM, changed_limits, limits_body, limits_text
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
                   help="Gateway API keys: create, list, set limits, revoke.")
@@ -36,10 +36,7 @@ def create(name: str = typer.Option("", "--name", help="Whose key this is (free 
 def set_(key_id: str, rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
          tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
     """Change a key's own limits (on top of its tenant's): only those given (`none` removes one)."""
-    body = limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models)
-    if not body:
-        typer.echo("nothing to change: give --rpm, --tpm, --tokens-per-day, --tokens-per-month or --models", err=True)
-        raise typer.Exit(2)
+    body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models)
     k = Admin().post(f"/admin/v1/keys/{key_id}", {"limits": body})
     typer.echo(f"key {k['id']}: {limits_text(k['limits'])}")
 

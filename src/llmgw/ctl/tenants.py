@@ -52,6 +52,16 @@ def limits_body(rpm: str | None, tpm: str | None, per_day: str | None, per_month
     return out
 
 
+def changed_limits(rpm: str | None, tpm: str | None, per_day: str | None, per_month: str | None,
+                   models: str | None) -> dict:
+    """`limits_body` for a `set`: at least one option must be given (else exit 2 saying which there are)."""
+    body = limits_body(rpm, tpm, per_day, per_month, models)
+    if not body:
+        typer.echo("nothing to change: give --rpm, --tpm, --tokens-per-day, --tokens-per-month or --models", err=True)
+        raise typer.Exit(2)
+    return body
+
+
 RPM = typer.Option(None, "--rpm", help="Requests per minute, fleet-wide (`none`: no limit)")
 TPM = typer.Option(None, "--tpm", help="Tokens (prompt + completion) per minute, fleet-wide (`none`: no limit)")
 PER_DAY = typer.Option(None, "--tokens-per-day", help="A token budget per UTC day (`none`: no budget)")
@@ -96,10 +106,7 @@ def set_(name: str = typer.Argument(..., help="The tenant"), rpm: Optional[str] 
          models: Optional[str] = MODELS):
     """Change a tenant's limits: only those given (`none` removes one). Every gateway applies them within a
     moment."""
-    body = limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models)
-    if not body:
-        typer.echo("nothing to change: give --rpm, --tpm, --tokens-per-day, --tokens-per-month or --models", err=True)
-        raise typer.Exit(2)
+    body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models)
     view = Admin().post(f"/admin/v1/tenants/{name}", {"limits": body})
     typer.echo(f"tenant {view['name']}: {limits_text(view['limits'])}")
     _notes(view)

@@ -49,6 +49,7 @@ from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.sse import SSEFrames, StreamBroken
 from llmgw.gateway.tokens import USAGE
 from llmgw.gateway.upstream import ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout
+from llmgw.response_head import EXTENSION as HEAD
 from llmgw.schemas.catalog import GuardPolicy
 from llmgw.security.logtext import printable
 from llmgw.telemetry import GatewayMetrics
@@ -70,8 +71,15 @@ def _require_stream(resp: Response) -> None:
         raise errors.upstream_failed("it answered a streaming request without a stream")
 
 
-def _stream_headers(x: "_Exchange") -> list[tuple[bytes, bytes]]:
-    return STREAM_HEADERS if x.meter is None else STREAM_HEADERS + x.meter.headers
+def _start(status: int, headers: list[tuple[bytes, bytes]], x: "_Exchange") -> dict:
+    """The response's start message; an accounted answer's rate-limit headers go as the safe lines of
+    llmgw/response_head.py where the server takes them (every llmgw listener), else in the list."""
+    m = x.meter
+    if m is None:
+        return {"type": "http.response.start", "status": status, "headers": headers}
+    if m.lines:
+        return {"type": "http.response.start", "status": status, "headers": headers, HEAD: m.head}
+    return {"type": "http.response.start", "status": status, "headers": headers + m.headers}
 
 
 def looks_like_json(data: bytes) -> bool:
@@ -165,6 +173,7 @@ class Proxy:
             label = route.model.name
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body)
+                x.meter.lines = HEAD in (scope.get("extensions") or ())
             self.metrics.begin(label)
             counted = True
             x.watch(receive)
@@ -222,7 +231,7 @@ class Proxy:
         async def hold(waited_s: float) -> None:
             if not x.started:
                 x.started = x.held = True
-                await send({"type": "http.response.start", "status": 200, "headers": _stream_headers(x)})
+                await send(_start(200, STREAM_HEADERS, x))
             await send({"type": "http.response.body", "body": f": loading {name}, {waited_s:.0f} s\n\n".encode(),
                         "more_body": True})
         return hold
@@ -340,12 +349,10 @@ class Proxy:
         meter = x.meter
         if not stream:
             data = await self._read_whole(resp, stream=False)
-            headers = [(b"content-type", resp.content_type or b"application/json")]
             if meter is not None:
                 meter.body(data)
-                headers += meter.headers
             x.started = x.finished = True
-            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            await send(_start(resp.status, [(b"content-type", resp.content_type or b"application/json")], x))
             await send({"type": "http.response.body", "body": data, "more_body": False})
             return resp.status, None
         _require_stream(resp)
@@ -358,7 +365,7 @@ class Proxy:
             raise errors.upstream_failed(str(exc)) from None
         if not x.held:  # a request held through a load has had its 200 and SSE headers (Proxy._holder)
             x.started = True
-            await send({"type": "http.response.start", "status": resp.status, "headers": _stream_headers(x)})
+            await send(_start(resp.status, STREAM_HEADERS, x))
         ttft = time.perf_counter() - started
         try:
             while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
@@ -407,9 +414,8 @@ class Proxy:
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
         await self._judge(label, policy, "response", messages, None)
         x.started = x.finished = True
-        headers = (_stream_headers(x) if stream else
-                   [(b"content-type", resp.content_type or b"application/json")] + (x.meter.headers if x.meter else []))
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        headers = STREAM_HEADERS if stream else [(b"content-type", resp.content_type or b"application/json")]
+        await send(_start(resp.status, headers, x))
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return resp.status
 

@@ -38,14 +38,15 @@ from llmgw.db.keys_repo import ActiveKey
 from llmgw.gateway import errors
 from llmgw.gateway.buckets import WINDOW_S, Budget, Window, duration_text, period_bounds, reset_header
 from llmgw.gateway.tokens import Counts, ask_usage, read_events, usage_of_body
+from llmgw.response_head import head_lines
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.tenants import Limits
 from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 NO_TENANT = "-"  # the tenant label, and what `ctl usage` shows, for a key of no tenant
-_REQUEST_NAMES = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
-_TOKEN_NAMES = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
+_REQUEST_LINES = b"x-ratelimit-limit-requests: %s\r\nx-ratelimit-remaining-requests: %d\r\nx-ratelimit-reset-requests: %s\r\n"
+_TOKEN_LINES = b"x-ratelimit-limit-tokens: %s\r\nx-ratelimit-remaining-tokens: %d\r\nx-ratelimit-reset-tokens: %s\r\n"
 
 
 class Quota:
@@ -186,14 +187,20 @@ class Meter:
     """One accounted request on its way: the usage read from its answer, the rate-limit headers for its
     response, and whether the usage chunk it did not ask for must be dropped (`strip`)."""
 
-    __slots__ = ("account", "row", "strip", "headers", "counts")
+    __slots__ = ("account", "row", "strip", "head", "lines", "counts")
 
-    def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, headers: list[tuple[bytes, bytes]]):
+    def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, head: bytes):
         self.account = account
         self.row = row  # its usage row's key: (tenant or '', key id, the model the client asked for)
         self.strip = strip
-        self.headers = headers
+        self.head = head  # the rate-limit headers as header lines (llmgw/response_head.py)
+        self.lines = False  # the server writes `head` as it is (the proxy sets it from the scope)
         self.counts: Counts | None = None
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The rate-limit headers as a header list (for a server without the `llmgw.head` extension)."""
+        return head_lines(self.head)
 
     def body(self, data: bytes) -> None:
         """A non-streamed answer, whole."""
@@ -287,7 +294,7 @@ class Quotas:
         if row is None:
             row = self.pending[key] = [0, 0, 0]
         row[0] += 1
-        return Meter(account, key, strip, self._headers(account, now)), req, body
+        return Meter(account, key, strip, self._head(account, now)), req, body
 
     def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
         """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""
@@ -328,19 +335,18 @@ class Quotas:
         return out
 
     @staticmethod
-    def _headers(account: Account, now: float) -> list[tuple[bytes, bytes]]:
-        """OpenAI's `x-ratelimit-*` headers, from the tightest of the account's windows with a limit."""
-        out: list[tuple[bytes, bytes]] = []
+    def _head(account: Account, now: float) -> bytes:
+        """OpenAI's `x-ratelimit-*` headers, from the tightest of the account's windows with a limit, as
+        header lines (llmgw/response_head.py: names of ours, values digits and durations)."""
+        out = b""
         quotas = account.request_quotas
         if quotas:
             q = quotas[0] if len(quotas) == 1 else min(quotas, key=_requests_left)
-            out += ((_REQUEST_NAMES[0], q.requests.limit_text), (_REQUEST_NAMES[1], b"%d" % q.requests_left),
-                    (_REQUEST_NAMES[2], reset_header(q.requests_reset)))
+            out = _REQUEST_LINES % (q.requests.limit_text, q.requests_left, reset_header(q.requests_reset))
         quotas = account.token_quotas
         if quotas:
             q = quotas[0] if len(quotas) == 1 else min(quotas, key=_tokens_left)
-            out += ((_TOKEN_NAMES[0], q.tokens.limit_text), (_TOKEN_NAMES[1], b"%d" % q.tokens_left),
-                    (_TOKEN_NAMES[2], reset_header(q.tokens_reset)))
+            out += _TOKEN_LINES % (q.tokens.limit_text, q.tokens_left, reset_header(q.tokens_reset))
         return out
 
     def settle(self, meter: Meter) -> None:

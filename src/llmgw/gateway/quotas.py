@@ -47,18 +47,21 @@ log = logging.getLogger(__name__)
 NO_TENANT = "-"  # the tenant label, and what `ctl usage` shows, for a key of no tenant
 _REQUEST_LINES = b"x-ratelimit-limit-requests: %s\r\nx-ratelimit-remaining-requests: %d\r\nx-ratelimit-reset-requests: %s\r\n"
 _TOKEN_LINES = b"x-ratelimit-limit-tokens: %s\r\nx-ratelimit-remaining-tokens: %d\r\nx-ratelimit-reset-tokens: %s\r\n"
+_BOTH_LINES = _REQUEST_LINES + _TOKEN_LINES
+_UNSEEN = object()  # a model not judged yet for an account
 
 
 class Quota:
     """One scope's limits and its fleet-wide counts: a tenant's (shared by every key of it) or a key's own."""
 
-    __slots__ = ("scope", "name", "limits", "requests", "tokens", "day", "month", "requests_left",
+    __slots__ = ("scope", "name", "limits", "metered", "requests", "tokens", "day", "month", "requests_left",
                  "requests_reset", "tokens_left", "tokens_reset")
 
     def __init__(self, scope: str, name: str, day_s: float | None):
         self.scope = scope  # "tenant" or "key"
         self.name = name
         self.limits = Limits()
+        self.metered = False  # a limit on tokens: per minute, or a budget
         self.requests = Window()
         self.tokens = Window()
         self.day = Budget("day", lambda now: period_bounds("day", now, day_s))
@@ -75,12 +78,13 @@ class Quota:
         self.limits = limits
         self.requests.limit, self.tokens.limit = limits.rpm, limits.tpm
         self.day.limit, self.month.limit = limits.tokens_per_day, limits.tokens_per_month
+        self.metered = limits.tpm is not None or limits.tokens_per_day is not None or limits.tokens_per_month is not None
 
     def take(self, now: float) -> bool:
-        """Count one request if it fits (the arithmetic of `Window.room`, `.add` and `.report` written
-        out: every request of an accounted key comes here), keeping what the headers will say; False, and
-        nothing counted, if it does not fit."""
-        r, t = self.requests, self.tokens
+        """Count one request if it fits (the arithmetic of `Window.room`, `.add` and `.report`, and of
+        `Budget.room`, written out: every request of an accounted key comes here), keeping what the headers
+        will say; False, and nothing counted, if it does not fit."""
+        r = self.requests
         if now >= r.start + WINDOW_S:
             r.report(now)  # rolls the window forward
         e = now - r.start
@@ -88,8 +92,22 @@ class Quota:
         limit = r._limit
         if limit is not None and used + 1 > limit:
             return False
-        if t._limit is not None or self.day.limit is not None or self.month.limit is not None:
-            if not self._tokens_fit(now):
+        if self.metered:
+            t = self.tokens
+            if t._limit is not None:
+                if now >= t.start + WINDOW_S:
+                    t.report(now)  # rolls the window forward
+                te = now - t.start
+                tused = t.prev * (1.0 - te / WINDOW_S) + t.cur
+                if tused >= t._limit:
+                    return False
+                self.tokens_left = int(t._limit - tused)
+                self.tokens_reset = 2 * WINDOW_S - te if t.cur else WINDOW_S - te if t.prev else 0.0
+            d = self.day
+            if d.limit is not None and not (d.start <= now < d.end and d.used < d.limit) and not d.room(now):
+                return False
+            d = self.month
+            if d.limit is not None and not (d.start <= now < d.end and d.used < d.limit) and not d.room(now):
                 return False
         r.cur += 1
         r.unsynced += 1
@@ -99,20 +117,6 @@ class Quota:
             self.requests_reset = 2 * WINDOW_S - e
         return True
 
-    def _tokens_fit(self, now: float) -> bool:
-        """Tokens per minute and both budgets not exhausted (a request is admitted while any is left)."""
-        t, d, m = self.tokens, self.day, self.month
-        if t._limit is not None:
-            if now >= t.start + WINDOW_S:
-                t.report(now)  # rolls the window forward
-            e = now - t.start
-            used = t.prev * (1.0 - e / WINDOW_S) + t.cur
-            if used >= t._limit:
-                return False
-            self.tokens_left = int(t._limit - used)
-            self.tokens_reset = 2 * WINDOW_S - e if t.cur else WINDOW_S - e if t.prev else 0.0
-        return (d.limit is None or d.room(now)) and (m.limit is None or m.room(now))
-
     def untake(self) -> None:
         """Undo `take` (another quota of the same request refused it)."""
         self.requests.cur -= 1
@@ -120,16 +124,21 @@ class Quota:
 
     def spend(self, n: int, now: float) -> None:
         """`n` tokens used: in the minute's window and both budgets (their `add`, written out)."""
-        t, d, m = self.tokens, self.day, self.month
+        t = self.tokens
         if now >= t.start + WINDOW_S:
             t.report(now)  # rolls the window forward
         t.cur += n
         t.unsynced += n
-        for b in (d, m):
-            if now >= b.end or now < b.start:
-                b.used_now(now)  # rolls the budget into its period
-            b.used += n
-            b.unsynced += n
+        b = self.day
+        if now >= b.end or now < b.start:
+            b.used_now(now)  # rolls the budget into its period
+        b.used += n
+        b.unsynced += n
+        b = self.month
+        if now >= b.end or now < b.start:
+            b.used_now(now)
+        b.used += n
+        b.unsynced += n
 
     def taken(self) -> tuple[int, int, int, int]:
         return self.requests.taken(), self.tokens.taken(), self.day.taken(), self.month.taken()
@@ -152,7 +161,8 @@ class Account:
     """An accounted key as the proxy sees it: its id, tenant (None: none), metric label, and quotas (its
     tenant's, then its own when it has limits)."""
 
-    __slots__ = ("key_id", "tenant", "label", "quotas", "request_quotas", "token_quotas", "_allowed", "_rows")
+    __slots__ = ("key_id", "tenant", "label", "quotas", "request_quotas", "token_quotas", "one_quota", "_allowed",
+                 "_rows")
 
     def __init__(self, key_id: str, tenant: str | None, quotas: tuple[Quota, ...]):
         self.key_id = key_id
@@ -162,6 +172,8 @@ class Account:
         # Made once per refresh (limits change only through one): the quotas the headers come from.
         self.request_quotas = tuple(q for q in quotas if q.limits.rpm is not None)
         self.token_quotas = tuple(q for q in quotas if q.limits.tpm is not None)
+        rq, tq = self.request_quotas, self.token_quotas
+        self.one_quota = rq[0] if len(rq) == 1 and tq == rq else None  # both headers' kinds from one quota
         self._allowed: dict[str, Quota | None] = {}  # model name -> the quota refusing it (None: allowed)
         self._rows: dict[str, usage_repo.RowKey] = {}  # model name -> its usage row's key
 
@@ -273,10 +285,13 @@ class Quotas:
         """Admit one request of `account` for `model` (the catalog model the client named), or raise the
         403/429 `APIError`. Returns its meter and the request to send (asking for usage when it streams).
         Every answer of a key with limits goes through here: a few compares and additions per quota."""
-        refusing = account._allowed[model.name] if model.name in account._allowed else account.refusing(model)
+        refusing = account._allowed.get(model.name, _UNSEEN)
         if refusing is not None:
-            self.metrics.refused(account.label, "models")
-            raise errors.model_not_allowed(model.name, refusing.who, refusing.limits.models or [])
+            if refusing is _UNSEEN:
+                refusing = account.refusing(model)
+            if refusing is not None:
+                self.metrics.refused(account.label, "models")
+                raise errors.model_not_allowed(model.name, refusing.who, refusing.limits.models or [])
         strip = False
         if req.get("stream") is True:
             req, body, strip = ask_usage(req, body)
@@ -338,6 +353,10 @@ class Quotas:
     def _head(account: Account, now: float) -> bytes:
         """OpenAI's `x-ratelimit-*` headers, from the tightest of the account's windows with a limit, as
         header lines (llmgw/response_head.py: names of ours, values digits and durations)."""
+        q = account.one_quota
+        if q is not None:  # one quota with both limits (a tenant's rpm and tpm): one format
+            return _BOTH_LINES % (q.requests.limit_text, q.requests_left, reset_header(q.requests_reset),
+                                  q.tokens.limit_text, q.tokens_left, reset_header(q.tokens_reset))
         out = b""
         quotas = account.request_quotas
         if quotas:

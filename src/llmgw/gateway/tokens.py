@@ -99,7 +99,9 @@ def usage_of_body(data: bytes) -> Counts | None:
     if i >= 0:
         m = _USUAL.match(data, i)
         if m is not None:  # `{"prompt_tokens": P, "completion_tokens": C`, as OpenAI, vLLM, llama.cpp write it
-            p, c = m.group(1), m.group(2)
+            p, c = m.groups()
+            if len(p) < 10 and len(c) < 10:  # nine digits are below MAX_COUNT
+                return int(p), int(c)
             return (min(int(p), MAX_COUNT) if len(p) < 19 else MAX_COUNT,
                     min(int(c), MAX_COUNT) if len(c) < 19 else MAX_COUNT)
         m = _FLAT.match(data, i)

@@ -66,3 +66,22 @@ async def test_retried_state_changes_answer_the_same_and_act_once(database_url):
         assert state.failures == 1
     finally:
         await engine.dispose()
+
+
+async def test_a_first_attempt_on_a_used_key_acts_once(database_url):
+    """A first attempt does not look for a stored result (one query less on every pass and state change,
+    issue 13). If its key was used after all (an operator's `temporal activity reset` restarts the count on
+    the same key), its insert of the key conflicts, nothing it did commits, and its retry returns the first
+    result: the failure is still counted once."""
+    engine = async_engine(database_url)
+    acts = ControlActivities(engine, 15, 300)
+    try:
+        await attempt("r1", 1, run="run-reset").run(acts.record_replica_failure, "m-reset")
+        with pytest.raises(Exception, match="activity_results|duplicate key|UniqueViolation"):
+            await attempt("r1", 1, run="run-reset").run(acts.record_replica_failure, "m-reset")
+        await attempt("r1", 2, run="run-reset").run(acts.record_replica_failure, "m-reset")
+        async with engine.connect() as conn:
+            [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "m-reset"]
+        assert state.failures == 1
+    finally:
+        await engine.dispose()

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from llmgw.activities.idempotent import CrashHook, store, stored
+from llmgw.activities.idempotent import CrashHook, may_have_committed, store, stored
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.decisions import Decision, Plan
@@ -78,7 +78,7 @@ class DecideActivities:
         """One pass. With `inp.record_placements`, the replicas it places are created in the transaction
         that saves its decisions, with its result stored beside them: a retry after that commit returns the
         same actions (the same replica ids), so each placed replica gets its start workflow exactly once."""
-        if inp.record_placements:
+        if inp.record_placements and may_have_committed():  # a first attempt has nothing stored: no transaction
             async with self.engine.begin() as conn:
                 found, result = await stored(conn, "decide", DecideResult)
             if found and result is not None:

@@ -86,11 +86,18 @@ async def once(engine: AsyncEngine, name: str, result_type: type[T] | None,
     return result
 
 
+def may_have_committed() -> bool:
+    """Whether an earlier attempt of this activity may have committed: not on its first attempt, whose key
+    no attempt has used yet (an operator's `temporal activity reset` restarts the count on the same key,
+    and then `store`'s insert conflicts, the transaction rolls back, and the retry finds the result)."""
+    return not activity.in_activity() or activity.info().attempt > 1
+
+
 async def stored(conn: AsyncConnection, name: str, result_type: type[T] | None) -> tuple[bool, T | None]:
     """(True, the result) when this activity already committed under its idempotency key (this is a retry),
-    else (False, None)."""
+    else (False, None). A first attempt does not look (`may_have_committed`)."""
     key = idempotency_key()
-    if key is None:
+    if key is None or not may_have_committed():
         return False, None
     row = (await conn.execute(select(activity_results.c.result).where(activity_results.c.key == key))).first()
     if row is None:

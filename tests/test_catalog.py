@@ -123,3 +123,18 @@ def test_every_problem_is_reported_at_once_naming_its_field():
 
 def test_rendezvous_flags_are_the_node_workers():
     assert "--rendezvous is set by the node worker" in refused(one({"engine": "sim", "args": ["--rendezvous", "h:1"]}))
+
+
+def test_a_model_that_is_off_is_said_at_apply_and_only_that_one():
+    from llmgw.catalog.rules import apply_warnings
+
+    catalog = read_catalog({"models": [
+        {"name": "no-scaling", "profiles": [{"engine": "sim"}]},
+        {"name": "max-zero", "scaling": {"min": 0, "max": 0}, "profiles": [{"engine": "sim"}]},
+        {"name": "on-demand", "scaling": {"max": 1}, "profiles": [{"engine": "sim"}]},
+        {"name": "elsewhere", "endpoints": ["http://10.0.0.5:8000/v1"]},  # routed, not run: never off
+    ]}).catalog
+    warnings = apply_warnings(catalog)
+    assert [w.split(" ")[0] for w in warnings] == ["no-scaling", "max-zero"]
+    assert "has no `scaling`" in warnings[0] and "has scaling max 0" in warnings[1]
+    assert all("`scaling: {max: 1}`" in w for w in warnings)

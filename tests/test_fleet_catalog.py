@@ -21,6 +21,7 @@ CATALOG = {"models": [
      "profiles": [{"engine": "llamacpp", "source": "mirror:m.gguf", "tp": 2}]},
     {"name": "hub", "scaling": {"min": 0, "max": 1},
      "profiles": [{"engine": "vllm", "source": "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct", "tp": 1}]},
+    {"name": "parked", "profiles": [{"engine": "sim"}]},  # no scaling: off
 ]}
 
 
@@ -37,6 +38,10 @@ def test_ctl_apply_shows_repairs_and_diff_and_the_repairs_reach_placement(contro
     assert ("repaired: models[1] (hub).profiles[0] (default).source: the repository page "
             "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct is read as the repository id Qwen/Qwen2.5-0.5B-Instruct") in out.stdout
     assert "  + gguf" in out.stdout and "  + hub" in out.stdout and out.stdout.rstrip().endswith("applied")
+    # A model without scaling is off: accepted, and said so with what to write (only of that one).
+    assert ("  note: parked has no `scaling`, so it is off and does not run: write `scaling: {max: 1}` to load "
+            "it on demand, or `{min: 1, max: 1}` to keep one replica running") in out.stdout
+    assert out.stdout.count("  note: ") == 1
     stored = httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]
     assert stored[0]["profiles"][0] == {"engine": "llamacpp", "source": "mirror:m.gguf", "gpus_per_node": 2}
     assert stored[1]["profiles"][0]["source"] == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -65,3 +65,15 @@ def check_source(p: Profile, where: str) -> list[str]:
         return [f"{where}.source: {p.engine} needs a source (a model id such as Qwen/Qwen2.5-7B-Instruct, "
                 "a mirror: version, or a path on the node)"]
     return []
+
+
+def apply_warnings(catalog) -> list[str]:
+    """What a catalog says that its writer may not mean, told at apply and refused nowhere: a model with
+    profiles and no scaling, or `max: 0`, is off (`Model.effective_scaling`) and never runs."""
+    out = []
+    for m in catalog.models:
+        if m.profiles and m.effective_scaling.off:
+            said = "has no `scaling`" if m.scaling is None else "has scaling max 0"
+            out.append(f"{m.name} {said}, so it is off and does not run: write `scaling: {{max: 1}}` to load it "
+                       "on demand, or `{min: 1, max: 1}` to keep one replica running")
+    return out

@@ -45,6 +45,8 @@ def apply(
     diff = admin.post("/admin/v1/catalog", {"catalog": raw, "dry_run": True})
     for note in diff.get("notes", []):
         typer.echo(f"  repaired: {note}")
+    for warning in diff.get("warnings", []):
+        typer.echo(f"  note: {warning}")
     for k, sign in (("added", "+"), ("changed", "~"), ("removed", "-")):
         for n in diff[k]:
             typer.echo(f"  {sign} {n}")

@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
+from llmgw.catalog.rules import apply_warnings
 from llmgw.gateway.errors import APIError, http_exception_error, json_error
 from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
@@ -97,6 +98,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             else:
                 diff = await catalog_repo.apply_catalog(conn, loaded.catalog)
         diff.notes = loaded.notes
+        diff.warnings = apply_warnings(loaded.catalog)
         if not req.dry_run:
             await temporal.wake("catalog applied")
         return diff

@@ -62,7 +62,8 @@ class ApplyRequest(_Strict):
 
 class ApplyResponse(_Strict):
     """What applying a catalog changes, by model name. `changes` lists, per changed model, one line per
-    field (`scaling.max: 1 -> 2`); `notes` are the upgrade repairs made to the catalog as written."""
+    field (`scaling.max: 1 -> 2`); `notes` are the upgrade repairs made to the catalog as written;
+    `warnings`, what it says that its writer may not mean (a model that is off: catalog/rules.py)."""
 
     added: list[str] = Field(default_factory=list)
     changed: list[str] = Field(default_factory=list)
@@ -71,6 +72,7 @@ class ApplyResponse(_Strict):
     applied: bool = False
     changes: dict[str, list[str]] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
 
 
 class ShardView(_Strict):

@@ -109,22 +109,29 @@ async def reconciler_steps(temporal: str, namespace: str, model: str, replica_id
         h = await client.get_workflow_handle("reconciler", run_id=wf.run_id).fetch_history()
         signal = None
         names: dict[int, str] = {}
+        after: set[int] = set()  # activities scheduled after the signal
         t: dict[str, float] = {}
         for e in h.events:
             at = e.event_time.ToDatetime().timestamp()
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:  # named even before the signal:
+                names[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name  # (a pass under way)
             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
                 payloads = e.workflow_execution_signaled_event_attributes.input.payloads
                 if payloads and payloads[0].data.decode().strip('"') == f"demand for {model}":
-                    signal, t = at, {}
+                    signal, t, after = at, {}, set()
             elif signal is None:
                 continue
             elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-                names[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name
                 t.setdefault(names[e.event_id] + " scheduled", at)
+                after.add(e.event_id)
             elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
-                t.setdefault(names[e.activity_task_started_event_attributes.scheduled_event_id] + " started", at)
+                sid = e.activity_task_started_event_attributes.scheduled_event_id
+                if sid in after:  # not the end of a pass that was under way when the signal came
+                    t.setdefault(names[sid] + " started", at)
             elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-                t.setdefault(names[e.activity_task_completed_event_attributes.scheduled_event_id] + " completed", at)
+                sid = e.activity_task_completed_event_attributes.scheduled_event_id
+                if sid in after:
+                    t.setdefault(names[sid] + " completed", at)
             elif e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
                 if e.start_child_workflow_execution_initiated_event_attributes.workflow_id == f"replica/{replica_id}/start":
                     t["child initiated"] = at

@@ -87,6 +87,19 @@ async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, dat
                 async with s.get(cp.gateway + path) as r:
                     assert r.status == 200
 
+            async def refused() -> float:
+                async with s.get(cp.gateway + "/metrics") as r:
+                    for line in (await r.text()).splitlines():
+                        if line.startswith("llmgw_requests_total{") and 'status="401"' in line:
+                            assert 'model="unknown"' in line  # never a name the client chose
+                            return float(line.rsplit(" ", 1)[1])
+                return 0.0
+
+            before = await refused()  # 401s are in llmgw_requests_total, so an operator sees them
+            for k in (None, "llmgw-not-a-key", "wrong"):
+                assert await status_of(cp, k) == 401
+            assert await refused() - before == 3
+
         code, listing, _ = await ctl(cp, "list")
         header, row = listing.splitlines()[:2]
         key_id = row.split()[0]

@@ -94,6 +94,15 @@ class GatewayMetrics:
         if ttft_s is not None:
             ttft.observe(ttft_s)
 
+    def unauthorized(self) -> None:
+        """A /v1/ request refused for its key (401), before any model was read: counted as model `unknown`
+        in `llmgw_requests_total` (no latency: it never reached the proxy)."""
+        key = ("unknown", 401)
+        counter = self._children.get(key)
+        if counter is None:
+            counter = self._children[key] = self.requests.labels("unknown", "401")
+        counter.inc()
+
     def count_tokens(self, tenant: str, model: str, prompt: int, completion: int) -> None:
         c = self._tokens.get((tenant, model))
         if c is None:

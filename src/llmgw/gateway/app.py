@@ -183,6 +183,7 @@ def create_gateway_app(gw: Gateway):
 
     proxy = gw.proxy
     keys = gw.keys
+    gw_metrics = gw.metrics
 
     async def app(scope, receive, send):
         if scope["type"] == "http":
@@ -190,6 +191,7 @@ def create_gateway_app(gw: Gateway):
             if path.startswith("/v1/"):
                 account = keys.lookup(scope["headers"])
                 if account is False:
+                    gw_metrics.unauthorized()
                     await send_error(send, errors.unauthorized())
                     return
                 if path in REQUIRED:

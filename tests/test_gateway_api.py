@@ -632,3 +632,27 @@ async def test_chat_page_never_preselects_a_model(gw):
             page = await r.text()
     assert '<option value="" selected disabled>' in page  # a placeholder, not a model
     assert page.count(" selected") == 1 and ".selected =" not in page and "selected = true" not in page
+
+
+async def test_a_whole_answer_has_its_length_and_an_http_1_0_client_can_read_it(gw):
+    """A non-streamed answer is held whole, so it goes with `content-length`, not chunked: an HTTP/1.0
+    client (load balancers' health checks, `ab`) reads it; one over HTTP/1.1 gets the same length."""
+    body = json.dumps(chat("echo", "one-oh")).encode()
+    host, port = gw.gateway.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)  # HTTP/1.0: the server closes after the answer
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    assert lines[0].startswith(b"http/1.1 200"), head
+    assert b"transfer-encoding: chunked" not in lines
+    assert f"content-length: {len(payload)}".encode() in lines
+    assert json.loads(payload)["choices"][0]["message"]["content"] == "echo: one-oh"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.gateway + "/v1/chat/completions", json=chat("echo", "one-one")) as r:
+            data = await r.read()
+            assert r.status == 200 and r.headers["Content-Length"] == str(len(data))
+            assert "Transfer-Encoding" not in r.headers

@@ -71,6 +71,12 @@ def _require_stream(resp: Response) -> None:
         raise errors.upstream_failed("it answered a streaming request without a stream")
 
 
+def _whole_headers(resp: Response, data: bytes) -> list[tuple[bytes, bytes]]:
+    """A whole (non-streamed) answer's headers: its length is known, so it goes with `content-length`,
+    never chunked (which an HTTP/1.0 client cannot read)."""
+    return [(b"content-type", resp.content_type or b"application/json"), (b"content-length", b"%d" % len(data))]
+
+
 def _start(status: int, headers: list[tuple[bytes, bytes]], x: "_Exchange") -> dict:
     """The response's start message; an accounted answer's rate-limit headers go as the safe lines of
     llmgw/response_head.py where the server takes them (every llmgw listener), else in the list."""
@@ -352,7 +358,7 @@ class Proxy:
             if meter is not None:
                 meter.body(data)
             x.started = x.finished = True
-            await send(_start(resp.status, [(b"content-type", resp.content_type or b"application/json")], x))
+            await send(_start(resp.status, _whole_headers(resp, data), x))
             await send({"type": "http.response.body", "body": data, "more_body": False})
             return resp.status, None
         _require_stream(resp)
@@ -414,8 +420,7 @@ class Proxy:
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
         await self._judge(label, policy, "response", messages, None)
         x.started = x.finished = True
-        headers = STREAM_HEADERS if stream else [(b"content-type", resp.content_type or b"application/json")]
-        await send(_start(resp.status, headers, x))
+        await send(_start(resp.status, STREAM_HEADERS if stream else _whole_headers(resp, data), x))
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return resp.status
 

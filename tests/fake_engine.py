@@ -304,6 +304,10 @@ drips then stalls. The
                     writer.write(self.response("smuggled"))
                 elif behaviour == "informational":
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </s.css>\r\n\r\n" + mine)
+                elif behaviour == "ctltype":  # a control character in a header the gateway relays
+                    writer.write(mine.replace(b"Content-Type: application/json", b"Content-Type: application/json\x01\r\nX-Injected: 1", 1))
+                elif behaviour == "obstype":  # bytes above 0x7f: allowed in a header value, relayed as they are
+                    writer.write(mine.replace(b"Content-Type: application/json", b"Content-Type: application/json; x=\x80\xff", 1))
                 elif behaviour == "bighead":
                     writer.write(self.response("big", b"X-Big: " + b"a" * (1 << 20) + b"\r\n"))
                 elif behaviour in ("drip", "dripstall"):  # a chunk every 0.1 s, 8 of them; then the end, or silence

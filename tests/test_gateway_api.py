@@ -68,7 +68,7 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "busy", "endpoints": [e.url("busy503"), e.url("echo")]},
         {"name": "fail500", "endpoints": [e.url("fail500")]},
         {"name": "refuse400", "endpoints": [e.url("refuse400")]},
-        *([{"name": f"raw-{b}", "endpoints": [raw.url(b)]} for b in ("extra", "late", "informational", "bighead")]
+        *([{"name": f"raw-{b}", "endpoints": [raw.url(b)]} for b in ("extra", "late", "informational", "bighead", "ctltype", "obstype")]
           if raw else []),
         {"name": "held", "endpoints": [e.url("hold")], "limits": {"max_concurrency": 1, "max_queue": 4,
                                                                   "queue_timeout_s": 0.5}},
@@ -656,3 +656,25 @@ async def test_a_whole_answer_has_its_length_and_an_http_1_0_client_can_read_it(
             data = await r.read()
             assert r.status == 200 and r.headers["Content-Length"] == str(len(data))
             assert "Transfer-Encoding" not in r.headers
+
+
+async def test_an_engine_header_with_a_control_character_is_a_502_and_never_relayed(gw):
+    """What the gateway relays from an engine's head (its content-type) is checked on the way in and again
+    when the response head is written (response_head.HeadCycle): a control character is a 502 in the
+    envelope, not a dropped connection or a 500, and nothing of it reaches the client; bytes above 0x7f,
+    which HTTP allows in a value, are relayed as they are."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.gateway + "/v1/chat/completions", json=chat("raw-ctltype")) as r:
+            body = await r.json(content_type=None)
+            assert r.status == 502 and assert_envelope(body, r.status)["code"] == "engine_error", body
+            assert "X-Injected" not in r.headers
+    host, port = gw.gateway.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    req = json.dumps(chat("raw-obstype")).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(req), req))
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head = raw.partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 200") and b"\r\ncontent-type: application/json; x=\x80\xff\r\n" in head, head

@@ -84,11 +84,7 @@ class GatewayMetrics:
 
     def observe(self, model: str, status: int, seconds: float, ttft_s: float | None = None) -> None:
         """One finished request: its outcome, duration and, for a stream, time to first byte (seconds)."""
-        key = (model, status)
-        counter = self._children.get(key)
-        if counter is None:
-            counter = self._children[key] = self.requests.labels(model, str(status))
-        counter.inc()
+        self._count(model, status)
         lat, ttft, _ = self._model(model)
         lat.observe(seconds)
         if ttft_s is not None:
@@ -97,10 +93,13 @@ class GatewayMetrics:
     def unauthorized(self) -> None:
         """A /v1/ request refused for its key (401), before any model was read: counted as model `unknown`
         in `llmgw_requests_total` (no latency: it never reached the proxy)."""
-        key = ("unknown", 401)
+        self._count("unknown", 401)
+
+    def _count(self, model: str, status: int) -> None:
+        key = (model, status)
         counter = self._children.get(key)
         if counter is None:
-            counter = self._children[key] = self.requests.labels("unknown", "401")
+            counter = self._children[key] = self.requests.labels(model, str(status))
         counter.inc()
 
     def count_tokens(self, tenant: str, model: str, prompt: int, completion: int) -> None:

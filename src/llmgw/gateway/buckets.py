@@ -199,7 +199,8 @@ class Budget:
         """Not spent yet (a request is admitted while any of the budget is left)."""
         if self.limit is None:
             return True
-        self._roll(now)
+        if not self.start <= now < self.end:  # (the common case, inside the period, without a call)
+            self._roll(now)
         return self.used < self.limit
 
     def used_now(self, now: float) -> int:

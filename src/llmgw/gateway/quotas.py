@@ -81,9 +81,9 @@ class Quota:
         self.metered = limits.tpm is not None or limits.tokens_per_day is not None or limits.tokens_per_month is not None
 
     def take(self, now: float) -> bool:
-        """Count one request if it fits (the arithmetic of `Window.room`, `.add` and `.report`, and of
-        `Budget.room`, written out: every request of an accounted key comes here), keeping what the headers
-        will say; False, and nothing counted, if it does not fit."""
+        """Count one request if it fits (the arithmetic of `Window.room`, `.add` and `.report` written
+        out: every request of an accounted key comes here), keeping what the headers will say; False, and
+        nothing counted, if it does not fit."""
         r = self.requests
         if now >= r.start + WINDOW_S:
             r.report(now)  # rolls the window forward
@@ -103,11 +103,7 @@ class Quota:
                     return False
                 self.tokens_left = int(t._limit - tused)
                 self.tokens_reset = 2 * WINDOW_S - te if t.cur else WINDOW_S - te if t.prev else 0.0
-            d = self.day
-            if d.limit is not None and not (d.start <= now < d.end and d.used < d.limit) and not d.room(now):
-                return False
-            d = self.month
-            if d.limit is not None and not (d.start <= now < d.end and d.used < d.limit) and not d.room(now):
+            if not (self.day.room(now) and self.month.room(now)):
                 return False
         r.cur += 1
         r.unsynced += 1
@@ -123,22 +119,14 @@ class Quota:
         self.requests.unsynced -= 1
 
     def spend(self, n: int, now: float) -> None:
-        """`n` tokens used: in the minute's window and both budgets (their `add`, written out)."""
+        """`n` tokens used: in the minute's window (its `add`, written out) and both budgets."""
         t = self.tokens
         if now >= t.start + WINDOW_S:
             t.report(now)  # rolls the window forward
         t.cur += n
         t.unsynced += n
-        b = self.day
-        if now >= b.end or now < b.start:
-            b.used_now(now)  # rolls the budget into its period
-        b.used += n
-        b.unsynced += n
-        b = self.month
-        if now >= b.end or now < b.start:
-            b.used_now(now)
-        b.used += n
-        b.unsynced += n
+        self.day.add(n, now)
+        self.month.add(n, now)
 
     def taken(self) -> tuple[int, int, int, int]:
         return self.requests.taken(), self.tokens.taken(), self.day.taken(), self.month.taken()

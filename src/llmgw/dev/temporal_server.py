@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from llmgw.dev.procs import stop_process, wait_port
@@ -71,9 +72,26 @@ class TemporalDevServer:
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
+        deadline = time.monotonic() + timeout_s
         wait_port(self.port, timeout_s, self.proc, "the Temporal dev server")
+        self._wait_serving(deadline)
         if self.ui_port:
             wait_port(self.ui_port, timeout_s, self.proc, "the Temporal web UI")
+
+    def _wait_serving(self, deadline: float) -> None:
+        """The frontend listens before it serves ("Frontend is not healthy yet" to a client that connects
+        then): wait until the CLI's health check says SERVING."""
+        while True:
+            check = subprocess.run([temporal_binary(), "operator", "cluster", "health", "--address", self.address],
+                                   capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if any(line.strip() == "SERVING" for line in check.stdout.splitlines()):
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"the Temporal dev server exited with code {self.proc.returncode} while starting")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the Temporal dev server on {self.address} did not become healthy: "
+                                   f"{(check.stdout + check.stderr).strip()[-300:]}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is not None:

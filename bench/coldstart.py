@@ -225,12 +225,15 @@ def main() -> None:
             wf, steps = asyncio.run(workflow_times(temporal.address, "bench", rid))
             details.append({**asyncio.run(reconciler_steps(temporal.address, "bench", n, rid)), **steps})
             # Readiness is pushed by the node (ready_at is set before the start's wait_shard_ready completes).
-            marks = [sent, float(demand), float(created), wf["started"], wf["launch_shard"], float(ready), sent + ttft]
+            # The node step that launches: `start_shard` (fetch and launch in one activity), or `launch_shard`
+            # after `fetch_weights` (a start recorded before `issue13-one-node-step`).
+            launch = "start_shard" if "start_shard" in wf else "launch_shard"
+            marks = [sent, float(demand), float(created), wf["started"], wf[launch], float(ready), sent + ttft]
             rows.append({"total": ttft, **{p: b - a for p, a, b in zip(PHASES, marks, marks[1:])}})
             # The engine's own start in this run: from the launch activity starting (the spawn follows at once)
             # to the node's pushed "ready". Total minus that is what orchestration cost this request, free of
             # the engine's start-time variance between runs (100-270 ms on this machine within minutes).
-            launched = wf["launch_shard"] - steps["  launch_shard ran"]
+            launched = wf[launch] - steps[f"  {launch} ran"]
             in_run.append(ttft - (float(ready) - launched))
             print(f"{n}: first token after {ttft * 1000:.0f} ms (engine alone {engine[-1] * 1000:.0f} ms)", flush=True)
         print()

@@ -55,7 +55,9 @@ def test_sim_replica_serves_through_gateway_and_is_replaced_when_killed(control_
                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
     scheduled = asyncio.run(history())
     by_name = {a.activity_type.name: a.task_queue.name for a in scheduled}
-    assert by_name["fetch_weights"] == by_name["launch_shard"] == by_name["wait_shard_ready"] == f"node/{node}"
+    # A single-shard replica is fetched and launched in one node step (issue 13).
+    assert by_name["start_shard"] == by_name["wait_shard_ready"] == f"node/{node}"
+    assert "fetch_weights" not in by_name and "launch_shard" not in by_name
     assert by_name["mark_replica"] == "llmgw-control"
 
     # Kill the engine: the replica leaves routing within seconds and the reconciler starts another.

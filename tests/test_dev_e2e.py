@@ -142,7 +142,7 @@ def start_workflows(temporal_port: int, node: str) -> list[tuple[str, set[str]]]
             queues = {e.activity_task_scheduled_event_attributes.task_queue.name for e in h.events
                       if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
                       and e.activity_task_scheduled_event_attributes.activity_type.name
-                      in ("fetch_weights", "launch_shard", "wait_shard_ready")}
+                      in ("fetch_weights", "launch_shard", "start_shard", "wait_shard_ready")}
             out.append((wf.id, queues))
         return out
     return asyncio.run(go())

@@ -65,3 +65,38 @@ def test_fences_never_go_down_and_are_pruned_when_old(tmp_path):
     assert f.refuses("unknown", 0) is None
     assert f.record("../../etc/passwd", 1) == 1 and not (tmp_path / "etc").exists()  # names are never paths
     assert f.prune(keep_s=-1) == 2 and f.get("r") is None
+
+
+async def test_start_shard_asks_before_launching_after_a_long_fetch(tmp_path, monkeypatch):
+    """`start_shard` (fetch, then launch, in one node activity): after a fetch longer than RECHECK_AFTER_S
+    (here: any), the node asks the control plane whether the replica is still wanted, and launches only if
+    so; a retry finds the shard running instead of starting a second one. The whole path, through the
+    control plane: tests/faults/test_start_faults.py."""
+    import llmgw.activities.node as node_activities
+    from llmgw.schemas.api import LaunchCheckResponse
+    from llmgw.schemas.payloads import NOT_WANTED, StartShardInput
+
+    monkeypatch.setattr(node_activities, "RECHECK_AFTER_S", -1.0)
+    env = ActivityEnvironment()
+    acts = NodeActivities(agent(tmp_path))
+    asked: list[str] = []
+    answer = {"rep3": "stopped", "rep4": "starting"}
+
+    async def launch_wanted(shard_id: str, replica_id: str) -> LaunchCheckResponse:
+        asked.append(shard_id)
+        return LaunchCheckResponse(wanted=answer[replica_id] == "starting", status=answer[replica_id])
+    acts.agent.launch_wanted = launch_wanted  # type: ignore[method-assign]
+
+    with pytest.raises(ApplicationError) as exc:
+        await env.run(acts.start_shard, StartShardInput(launch=launch("rep3", generation=1), source=None))
+    assert exc.value.type == NOT_WANTED and exc.value.non_retryable and exc.value.details == ("stopped",)
+    assert asked == ["rep3-r0"] and acts.agent.supervisor.get("rep3-r0") is None  # asked, and nothing started
+
+    first = await env.run(acts.start_shard, StartShardInput(launch=launch("rep4", generation=1), source=None))
+    again = await env.run(acts.start_shard, StartShardInput(launch=launch("rep4", generation=1), source=None))
+    assert first.pid > 0 and again.adopted and again.pid == first.pid
+    assert asked == ["rep3-r0", "rep4-r0"]  # the retry found it running: no fetch, no question
+    await env.run(acts.stop_shard, StopShardInput(shard_id="rep4-r0", replica_id="rep4", generation=2))
+    with pytest.raises(ApplicationError) as exc:  # and the fence still refuses a late retry
+        await env.run(acts.start_shard, StartShardInput(launch=launch("rep4", generation=1), source=None))
+    assert exc.value.type == "Fenced"

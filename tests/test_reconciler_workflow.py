@@ -148,9 +148,10 @@ async def test_a_run_that_planned_in_workflow_code_moves_to_decide_at_its_next_p
     assert names[-1] == "decide" and names.count("read_snapshot") == old.snapshots, names
     assert not [e for e in evs if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
     markers = [e.marker_recorded_event_attributes for e in evs if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
-    # The patch markers, both at the pass where the run moved: `decide`, and `decide` creating what it places.
+    # The patch markers, all at the pass where the run moved: `decide`, `decide` creating what it places,
+    # and `decide` starting what it places.
     ids = sorted(json.loads(m.details["patch-data"].payloads[0].data)["id"] for m in markers)
-    assert ids == ["decide-in-activity/2", "issue13-decide-places/2"], ids
+    assert ids == ["decide-in-activity/2", "issue13-decide-places/2", "issue13-decide-starts/2"], ids
 
 
 class Placing(Stand):

@@ -43,7 +43,7 @@ def test_replica_start_is_one_trace_across_worker_and_node(tmp_path, database_ur
                      and s["attributes"].get("temporalWorkflowID") == f"replica/{rep['id']}/start")
         trace = [s for s in all_spans if s["trace_id"] == start["trace_id"]]
         node = {s["name"] for s in trace if s["service"] == "llmgw-agent"}
-        assert {"RunActivity:fetch_weights", "RunActivity:launch_shard", "RunActivity:wait_shard_ready"} <= node
+        assert {"RunActivity:start_shard", "RunActivity:wait_shard_ready"} <= node  # fetch and launch: one node step
         passes = [s for s in trace if s["name"] == "reconcile pass"]
         assert any(any("place sim-a/default on n1" in d for d in p["attributes"]["llmgw.decisions"]) for p in passes)
     finally:

@@ -55,6 +55,14 @@ def start_status(fleet: FaultFleet, replica_id: str) -> WorkflowExecutionStatus 
         return None
 
 
+def start_parent(fleet: FaultFleet, replica_id: str) -> str | None:
+    """The workflow id of the replica's start workflow's parent (None: started by a client, i.e. `decide`)."""
+    async def ask():
+        client = await Client.connect(fleet.infra.temporal.address)
+        return (await client.get_workflow_handle(f"replica/{replica_id}/start").describe()).parent_id
+    return asyncio.run(ask())
+
+
 def closed(fleet: FaultFleet, replica_id: str) -> bool:
     return start_status(fleet, replica_id) not in (None, WorkflowExecutionStatus.RUNNING)
 
@@ -102,8 +110,9 @@ def test_worker_killed_between_commit_and_completion_the_replica_ends_ready_once
 def test_worker_killed_after_decide_committed_a_placement_the_replica_starts_once(fleet, tmp_path):
     """The control worker is SIGKILLed right after the reconciler's `decide` committed a pass that placed a
     replica (created in that pass's transaction, issue 13), before Temporal heard it completed. The retried
-    `decide` returns the stored result, so the replica it created gets its start workflow, once: one
-    replica, one launch, Ready; the model already serving sees nothing."""
+    `decide` returns the stored result and starts the start workflow of the replica it created (decide
+    starts what it places, issue 13), once: one replica, one launch, Ready; the model already serving sees
+    nothing."""
     with fleet.traffic(["steady"]) as t:
         crash_worker_after(fleet, tmp_path / "crashed-after-decide", "decide:place", "eta")
         placed = only_replica(fleet, "eta")  # committed before the kill
@@ -114,6 +123,7 @@ def test_worker_killed_after_decide_committed_a_placement_the_replica_starts_onc
         fleet.steady(["steady", "eta"])
     assert "decide retried after it committed" in worker_log(fleet)
     assert ready["id"] == placed["id"] and len(fleet.replicas("eta")) == 1
+    assert start_parent(fleet, ready["id"]) is None  # started by the retried decide, not by the reconciler
     assert fleet.launches(ready["id"]) == 1
     assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
 
@@ -164,6 +174,37 @@ def test_stop_decided_while_fetching_no_engine_ever_starts(fleet, source):
     node = rep["shards"][0]["node_id"]
     assert not (fleet.cp.state / "shards" / node / f"{rep['id']}-r0.json").exists()
     assert (fleet.cp.state / "shards" / node / "fences" / rep["id"]).exists()
+    fleet.steady(["steady"])
+
+
+def test_a_start_whose_cancellation_never_came_is_not_launched_the_node_asks_after_its_fetch(fleet, source):
+    """The replica is marked stopped while its node fetches (the first step of a stop), and the stop's
+    cancellation never reaches the start: the control worker is frozen with SIGSTOP, so no workflow moves.
+    When the download completes, the node asks the control plane over the node API whether the replica is
+    still wanted before it launches (`start_shard`), hears "stopped", and launches nothing. Once thawed, the
+    start ends (failed with that reason) and the replica is cleaned up, never launched."""
+    source.hold()
+    kappa = sim_model("kappa", source=source.url("kappa.bin"))
+    assert fleet.cp.apply({"models": [STEADY, kappa]}).status_code == 200
+    rep = only_replica(fleet, "kappa", "starting")
+    assert source.served_head.wait(60), "the download never started"
+    worker = fleet.freeze("worker")
+    try:
+        with psycopg.connect(fleet.infra.pg.url) as conn:
+            conn.execute("UPDATE replicas SET status = 'stopped', generation = generation + 1 WHERE id = %s",
+                         (rep["id"],))
+        source.release()
+        refusal = f"did not launch shard {rep['id']}-r0: its replica became stopped"
+        wait_until(lambda: refusal in "\n".join(p.log() for p in fleet.cp.procs if p.name.startswith("agent")),
+                   timeout_s=60, what="the node's refusal after its fetch", why=fleet.cp.logs)
+        assert fleet.launches(rep["id"]) == 0
+    finally:
+        fleet.thaw(worker)
+    wait_until(lambda: closed(fleet, rep["id"]), timeout_s=60, what="kappa's start closed", why=fleet.cp.logs)
+    # Failed by the node's answer (or cancelled by the cleanup that follows, if it came first).
+    assert start_status(fleet, rep["id"]) in (WorkflowExecutionStatus.FAILED, WorkflowExecutionStatus.CANCELED)
+    assert fleet.launches(rep["id"]) == 0
+    assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
     fleet.steady(["steady"])
 
 

@@ -22,7 +22,10 @@ from collections.abc import Awaitable, Callable
 from opentelemetry import trace
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.client import Client
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError
 
 from llmgw.activities.idempotent import CrashHook, may_have_committed, store, stored
 from llmgw.config import Settings
@@ -31,9 +34,12 @@ from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.liveness import fleet_liveness
 from llmgw.placement.plan import plan_pass
 from llmgw.schemas.payloads import (
-    MAX_PASS_LINES, DecideInput, DecideResult, PassAction, RecordPlacementsInput, ReplicaSnap, Snapshot,
+    MAX_PASS_LINES, DecideInput, DecideResult, PassAction, RecordPlacementsInput, ReplicaSnap, ReplicaStartInput,
+    Snapshot,
 )
 from llmgw.telemetry import ControlMetrics
+from llmgw.workflows import attributes
+from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id
 
 log = logging.getLogger(__name__)
 ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout")
@@ -55,8 +61,9 @@ class DecideActivities:
     `read_snapshot` is the control activities' (one transaction: catalog, states, nodes, replicas)."""
 
     def __init__(self, engine: AsyncEngine, settings: Settings, read_snapshot: Callable[[], Awaitable[Snapshot]],
-                 metrics: ControlMetrics | None = None):
+                 metrics: ControlMetrics | None = None, client: Client | None = None):
         self.engine = engine
+        self.client = client  # starts what a pass placed (`start_replicas`); None: the reconciler does
         self.settings = settings
         self.read_snapshot = read_snapshot
         self.metrics = metrics or ControlMetrics()
@@ -70,9 +77,41 @@ class DecideActivities:
     async def decide(self, inp: DecideInput) -> DecideResult:
         beat = asyncio.create_task(_heartbeats())
         try:
-            return await self._decide(inp)
+            result = await self._decide(inp)
+            if inp.start_replicas and inp.record_placements and self.client is not None:
+                result = result.model_copy(update={"started": await self._start_placed(result)})
+            return result
         finally:
             beat.cancel()
+
+    async def _start_placed(self, result: DecideResult) -> list[str]:
+        """Start the start workflow of every replica the pass placed, once its placement is committed (a
+        retry, which returns the stored result, starts them again: a start already there, running or
+        closed, is never started twice). The ids started or found started; one that could not be started
+        is left to the reconciler, which starts it as its child."""
+        started: list[str] = []
+        for a in result.actions:
+            if a.kind != "place" or a.profile_spec is None:
+                continue
+            try:
+                await self.client.start_workflow(
+                    "ReplicaStartWorkflow",
+                    ReplicaStartInput(replica_id=a.replica_id, model=a.model, profile=a.profile_spec, shards=a.shards,
+                                      ready_timeout_s=result.ready_timeout_s),
+                    id=replica_start_id(a.replica_id), task_queue=CONTROL_QUEUE,
+                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                    memo=attributes.memo(a.model, a.profile or "default"),
+                    search_attributes=attributes.lifecycle("start", a.model, a.replica_id, [x.node_id for x in a.shards])
+                    if result.search_attributes else None,
+                    request_eager_start=True,
+                )
+            except WorkflowAlreadyStartedError:
+                pass  # started by an earlier attempt of this pass
+            except RPCError as exc:
+                log.warning("could not start replica %s's start workflow (%s); the reconciler will", a.replica_id, exc)
+                continue
+            started.append(a.replica_id)
+        return started
 
     async def _decide(self, inp: DecideInput) -> DecideResult:
         """One pass. With `inp.record_placements`, the replicas it places are created in the transaction

@@ -71,14 +71,12 @@ async def record_and_read_liveness(conn: AsyncConnection, now: datetime, ages: d
     fresh = settings.node_unreachable_after_s
     if pollers_error is None:
         await fleet_repo.observer_tick(conn, fleet_repo.POLLERS, fresh)
+    seen = await fleet_repo.liveness_reads(conn, fresh, settings.lost_teardown_window_s)
     return LivenessFacts(
-        observer_since=await fleet_repo.observer_since(conn, fresh),
-        pollers_error=pollers_error,
-        pollers_since=await fleet_repo.observer_since(conn, fresh, fleet_repo.POLLERS),
-        doubted_at=await fleet_repo.observer_seen(conn, fleet_repo.DOUBT),
-        poller_grace_s=settings.poller_grace_s, silent_share=settings.silent_share,
+        observer_since=seen.node_api_since, pollers_error=pollers_error, pollers_since=seen.pollers_since,
+        doubted_at=seen.doubted_at, poller_grace_s=settings.poller_grace_s, silent_share=settings.silent_share,
         lost_teardown_limit=settings.lost_teardown_limit, lost_teardown_window_s=settings.lost_teardown_window_s,
-        recent_lost=await fleet_repo.recent_lost(conn, settings.lost_teardown_window_s))
+        recent_lost=seen.recent_lost)
 
 
 async def remember_doubt(engine: AsyncEngine, snapshot: Snapshot) -> None:

@@ -4,8 +4,8 @@ Each is idempotent on the shard id the workflow gives it: a retried `launch_shar
 already started (or adopted after a worker restart) instead of starting a second engine.
 
 Fencing (workers/fences.py): `stop_shard` records the replica's fence on disk before it stops anything;
-`fetch_weights`, `open_rendezvous` and `launch_shard` (every command that fetches, opens or starts
-something) refuse a replica fenced at a later generation than theirs, so a replica this node was told to
+`fetch_weights`, `open_rendezvous`, `launch_shard` and `start_shard` (every command that fetches, opens or
+starts something) refuse a replica fenced at a later generation than theirs, so a replica this node was told to
 stop never launches here. Waiting, draining and stopping start nothing and carry no generation.
 
 Each serving shard gets a fresh engine key here, on its node (engines/base.py): it goes to the engine, to
@@ -27,9 +27,9 @@ from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, ShardSpec, new_api_key, reserve_port
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
-    FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput, NodeReclaimResult,
-    OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StopShardInput, StopShardResult,
-    WaitShardJoinedInput, WaitShardJoinedResult, WaitShardReadyInput, WaitShardReadyResult,
+    NOT_WANTED, FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput,
+    NodeReclaimResult, OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StartShardInput,
+    StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult, WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
 from llmgw.workers.errors import ReportRefused
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from llmgw.workers.supervisor import Shard
 
 log = logging.getLogger(__name__)
+RECHECK_AFTER_S = 0.25  # a fetch longer than this (or one that downloaded) is followed by "still wanted?"
 
 
 def replica_of(shard_id: str) -> str:
@@ -58,7 +59,7 @@ class NodeActivities:
         self._watches: dict[str, asyncio.Task] = {}  # shard id -> the task watching it become ready
 
     def all(self) -> list:
-        return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.wait_shard_joined,
+        return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.start_shard, self.wait_shard_joined,
                 self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache, self.read_shard_log]
 
     def _check_fence(self, replica_id: str, generation: int, what: str) -> None:
@@ -73,6 +74,9 @@ class NodeActivities:
     @activity.defn(name="fetch_weights")
     async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
         """Fetch the profile's source into the cache, heartbeating progress (bytes, total)."""
+        return await self._fetch(inp)
+
+    async def _fetch(self, inp: FetchWeightsInput) -> FetchWeightsResult:
         self._check_fence(inp.replica_id, inp.generation, "fetch weights")
         seen: dict = {}
 
@@ -99,6 +103,40 @@ class NodeActivities:
     @activity.defn(name="launch_shard")
     async def launch_shard(self, inp: LaunchShardInput) -> LaunchShardResult:
         """Start the engine for one shard, after the node's own policy check. Returns pid and endpoint."""
+        return await self._launch(inp)
+
+    @activity.defn(name="start_shard")
+    async def start_shard(self, inp: StartShardInput) -> LaunchShardResult:
+        """Fetch the weights, then launch: the one node step of a single-shard replica's start (issue 13).
+
+        The start asked "still wanted?" just before it sent this. A fetch that downloaded anything, or took
+        longer than `RECHECK_AFTER_S`, is followed by the same question asked here, of the control plane over
+        the node API, so a replica stopped while it fetched is not launched even when the cancellation of
+        this activity has not reached the node yet (heartbeats carry it, throttled); the fence refuses the
+        rest. A retry finds the weights cached and the shard already running (adopted)."""
+        la, sup = inp.launch, self.agent.supervisor
+        existing = sup.get(la.shard_id)
+        if existing is None or sup.poll(existing) is not None:
+            began = time.monotonic()
+            got = await self._fetch(FetchWeightsInput(replica_id=la.replica_id, source=inp.source, generation=la.generation))
+            if got.fetched or time.monotonic() - began > RECHECK_AFTER_S:
+                await self._still_wanted(la)
+            la = la.model_copy(update={"weights_path": got.path})
+        return await self._launch(la)
+
+    async def _still_wanted(self, la: LaunchShardInput) -> None:
+        try:
+            ans = await self.agent.launch_wanted(la.shard_id, la.replica_id)
+        except ReportRefused as exc:
+            raise ApplicationError(f"node {self.agent.node_id}: the control plane refused to say whether shard "
+                                   f"{la.shard_id} may launch: {exc}", type="ReportRefused", non_retryable=True) from None
+        if not ans.wanted:
+            log.warning("did not launch shard %s: its replica became %s while its weights were fetched", la.shard_id,
+                        ans.status)
+            raise ApplicationError(f"replica {la.replica_id} became {ans.status} before launching", ans.status,
+                                   type=NOT_WANTED, non_retryable=True)
+
+    async def _launch(self, inp: LaunchShardInput) -> LaunchShardResult:
         sup = self.agent.supervisor
         # No await between this check and the launch: a stop (which fences first) cannot slip in between.
         self._check_fence(inp.replica_id, inp.generation, f"launch shard {inp.shard_id}")

@@ -103,16 +103,37 @@ POLLERS = "pollers"  # the observer id ticked when the control worker has read t
 DOUBT = "doubt"  # ticked by every snapshot that finds the observer doubtful (placement/liveness.py)
 
 
+def _observer_since(fresh_s: float, kind: str):
+    return select(func.min(observers.c.started_at)).where(and_(
+        observers.c.id.startswith(kind), observers.c.seen_at >= func.now() - timedelta(seconds=fresh_s))).scalar_subquery()
+
+
+def _observer_seen(observer_id: str):
+    return select(observers.c.seen_at).where(observers.c.id == observer_id).scalar_subquery()
+
+
+def _recent_lost(window_s: float):
+    return select(func.count()).select_from(replicas).where(and_(
+        replicas.c.status == "lost", replicas.c.ended_at >= func.now() - timedelta(seconds=window_s))).scalar_subquery()
+
+
 async def observer_since(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> datetime | None:
     """Since when a witness has been continuously observed: the earliest start among observers of `kind`
     (id prefix) that ticked within `fresh_s`. None when none did (that witness cannot see now)."""
-    return (await conn.execute(select(func.min(observers.c.started_at)).where(and_(
-        observers.c.id.startswith(kind), observers.c.seen_at >= func.now() - timedelta(seconds=fresh_s))))).scalar_one_or_none()
+    return (await conn.execute(select(_observer_since(fresh_s, kind)))).scalar_one_or_none()
 
 
 async def observer_seen(conn: AsyncConnection, observer_id: str) -> datetime | None:
     """When observer `observer_id` last ticked, however long ago (None: never)."""
-    return (await conn.execute(select(observers.c.seen_at).where(observers.c.id == observer_id))).scalar_one_or_none()
+    return (await conn.execute(select(_observer_seen(observer_id)))).scalar_one_or_none()
+
+
+async def liveness_reads(conn: AsyncConnection, fresh_s: float, window_s: float):
+    """In one statement (issue 13: a pass is on the path from a request to its load): `observer_since` of
+    the node API and of the pollers, `observer_seen` of the doubt, and `recent_lost` over `window_s`."""
+    return (await conn.execute(select(
+        _observer_since(fresh_s, NODE_API).label("node_api_since"), _observer_since(fresh_s, POLLERS).label("pollers_since"),
+        _observer_seen(DOUBT).label("doubted_at"), _recent_lost(window_s).label("recent_lost")))).one()
 
 
 async def observer_age_s(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> float | None:
@@ -125,8 +146,7 @@ async def observer_age_s(conn: AsyncConnection, fresh_s: float, kind: str = NODE
 
 async def recent_lost(conn: AsyncConnection, window_s: float) -> int:
     """Replicas that ended `lost` within the last `window_s` (the teardown rate limit counts them)."""
-    return (await conn.execute(select(func.count()).select_from(replicas).where(and_(
-        replicas.c.status == "lost", replicas.c.ended_at >= func.now() - timedelta(seconds=window_s))))).scalar_one()
+    return (await conn.execute(select(_recent_lost(window_s)))).scalar_one()
 
 
 # ---- replicas and shards ------------------------------------------------------------------------

@@ -39,7 +39,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.db.tables import ENDED_STATUSES
 from llmgw.engines.exits import describe_exit
-from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
+from llmgw.schemas.api import (
+    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, RegisterRequest, RegisterResponse,
+    ShardStatusRequest,
+)
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.inventory import ShardReport
 from llmgw.security.node_address import NodeAddresses, endpoint_not_own
@@ -178,6 +181,18 @@ class FleetService:
             return None
         why = await endpoint_not_own(report.endpoint, node)
         return f"shard {report.shard_id}: {why}" if why else None
+
+    async def launch_check(self, req: LaunchCheckRequest) -> LaunchCheckResponse:
+        """Is the shard's replica still `starting` (wanted by its start)? Asked by its node right before a
+        launch that followed a long fetch; raises `NodeRestricted` for a shard placed on another node."""
+        async with self.engine.connect() as conn:
+            row = (await fleet_repo.known_shards(conn, [req.shard_id])).get(req.shard_id)
+        if row is None:
+            return LaunchCheckResponse(wanted=False, status="unknown")
+        if row.node_id != req.node_id or row.replica_id != req.replica_id:
+            raise NodeRestricted(f"shard {req.shard_id} is placed on node {row.node_id} for replica {row.replica_id}, "
+                                 f"not on {req.node_id} for {req.replica_id}")
+        return LaunchCheckResponse(wanted=row.replica_status == "starting", status=row.replica_status)
 
     async def shard_status(self, req: ShardStatusRequest, node: NodeAddresses) -> None:
         """A shard changed state on its node. A failure takes its replica out of routing at once; so does a

@@ -16,7 +16,10 @@ from llmgw.gateway.errors import APIError, json_error
 
 from llmgw.gateway.fleet_service import FleetService, NodeRestricted
 from llmgw.gateway.jsonbody import BoundedJSON
-from llmgw.schemas.api import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest
+from llmgw.schemas.api import (
+    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, RegisterRequest, RegisterResponse,
+    ShardStatusRequest,
+)
 from llmgw.security.node_address import NodeAddresses
 
 log = logging.getLogger(__name__)
@@ -77,5 +80,10 @@ def create_node_api(fleet: FleetService, require_identity: bool):
         check_identity(request, req.node_id, require_identity)
         await fleet.shard_status(req, node_addresses(request))
         return {"ok": True}
+
+    @app.post("/node/v1/launch-check", response_model=LaunchCheckResponse)
+    async def launch_check(req: LaunchCheckRequest, request: Request) -> LaunchCheckResponse:
+        check_identity(request, req.node_id, require_identity)
+        return await fleet.launch_check(req)
 
     return BoundedJSON(app)

@@ -53,6 +53,20 @@ class ShardStatusRequest(_Strict):
     shard: ShardReport
 
 
+class LaunchCheckRequest(_Strict):
+    """A node about to launch a shard after a long fetch asks whether its replica is still wanted
+    (`activities/node.py`, `start_shard`): the "still wanted?" check made where the launch happens."""
+
+    node_id: str = Field(max_length=253)
+    shard_id: str = Field(max_length=200)
+    replica_id: str = Field(max_length=200)
+
+
+class LaunchCheckResponse(_Strict):
+    wanted: bool
+    status: str  # the replica's status ("unknown" when the control plane has no such shard)
+
+
 class ApplyRequest(_Strict):
     """Admin API: replace the catalog. `dry_run` returns the diff without applying."""
 

@@ -140,10 +140,12 @@ class ReconcilerInput(_Strict):
 class DecideInput(_Strict):
     """`passes`: how many passes the reconciler has run, this one not included (logs and traces).
     `record_placements`: create the replicas the pass places in its own transaction (issue 13; a
-    reconciler run from before calls `record_placements` itself)."""
+    reconciler run from before calls `record_placements` itself). `start_replicas`: and start their start
+    workflows (the ids it started come back in `DecideResult.started`; the reconciler starts the rest)."""
 
     passes: int = 0
     record_placements: bool = False
+    start_replicas: bool = False  # start the placed replicas' start workflows too, once committed (issue 13)
 
 
 class PassAction(_Strict):
@@ -184,6 +186,7 @@ class DecideResult(_Strict):
     ready_timeout_s: float = 900.0
     drain_timeout_s: float = 60.0
     search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
+    started: list[str] = Field(default_factory=list)  # placed replicas whose start workflow `decide` started
 
 
 MAX_PASS_LINES = 50
@@ -360,6 +363,17 @@ class LaunchShardInput(_Strict):
     weights_path: str | None = None
     rendezvous: Rendezvous | None = None  # set for every shard of a multi-node replica
     generation: int = 0  # fencing: refused on a node told to stop this replica at a later generation
+
+
+NOT_WANTED = "NotWanted"  # the failure type of a `start_shard` whose replica stopped being wanted while it fetched
+
+
+class StartShardInput(_Strict):
+    """Fetch, then launch, one shard of a single-shard replica in one node activity (`start_shard`): the
+    cold-start path with no workflow step between the fetch and the launch (issue 13)."""
+
+    launch: LaunchShardInput  # its `weights_path` is what the fetch finds
+    source: str | None
 
 
 class LaunchShardResult(_Strict):

@@ -28,7 +28,8 @@ from llmgw.engines.base import EngineError
 from llmgw.engines.exits import UNKNOWN_EXIT, describe_exit
 from llmgw.engines.registry import Engines
 from llmgw.schemas.api import (
-    HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse, ShardStatusRequest,
+    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, RegisterRequest, RegisterResponse,
+    ShardStatusRequest,
 )
 from llmgw.schemas.inventory import DownloadProgress, ShardReport
 from llmgw.schemas.simulate import SimulatedNode
@@ -166,6 +167,14 @@ class Agent:
                 log.warning("reporting shard %s failed (%s); retrying", report.shard_id, exc)
                 await asyncio.sleep(0.5 * (attempt + 1))
         self.reregister = True
+
+    async def launch_wanted(self, shard_id: str, replica_id: str) -> LaunchCheckResponse:
+        """Ask the control plane whether `replica_id` is still wanted (`starting`) before launching its shard
+        `shard_id`. Raises `ReportRefused` when it refuses to answer this node (not its shard), and the
+        transport's error when it cannot be reached (the activity fails and is retried: nothing launches
+        unasked)."""
+        return LaunchCheckResponse.model_validate(await self._post(
+            "/node/v1/launch-check", LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id)))
 
     async def report_stopped(self, shard_id: str, attempts: int = 5) -> None:
         replica_id, _, rank = shard_id.rpartition("-r")

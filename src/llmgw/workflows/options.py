@@ -29,6 +29,10 @@ FETCH = dict(
     schedule_to_start_timeout=NODE_PICKUP,
     retry_policy=RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=2)),
 )
+# Fetch then launch in one node activity (`start_shard`): a fetch's timeouts. A node whose worker predates
+# it fails the attempt at once ("NotFoundError": not registered) and the start takes the two-step path.
+START_SHARD = dict(FETCH, retry_policy=RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=2),
+                                                   non_retryable_error_types=["NotFoundError"]))
 # A short node activity (open a rendezvous, ask about a shard): the node answers at once or is down.
 NODE_QUICK = dict(
     start_to_close_timeout=timedelta(seconds=30),

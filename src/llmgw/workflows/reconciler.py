@@ -4,8 +4,10 @@ Each pass runs the `decide` activity (snapshot, pure planner, decisions saved fo
 `activities/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
 abandoned on close so they outlive a continue-as-new): each `place` action's replica, already created by
 `decide` in the transaction that decided it (issue 13: one step less between a request and its load;
-runs from before call `record_placements` for them), is started; `stop` and
-`evict` drain then stop one; `lost` and `cleanup` stop every shard of one that cannot serve. A pass that
+runs from before call `record_placements` for them), is started (since `issue13-decide-starts` by
+`decide` itself once it committed, with no workflow task of this one in between; the pass starts only
+those `decide` could not); `stop` and `evict` drain then stop one; `lost` and `cleanup` stop every shard
+of one that cannot serve. A pass that
 stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
 (catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
 settings each pass). After every pass, back-to-back ones included, the run continues as new when Temporal
@@ -46,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
 MAX_PASSES = 100
 DECIDE_PATCH = "decide-in-activity"
 DECIDE_PLACES_PATCH = "issue13-decide-places"  # `decide` creates the replicas it places (no record_placements)
+DECIDE_STARTS_PATCH = "issue13-decide-starts"  # and starts their start workflows (the pass starts the rest)
 
 
 def _abandoned(handle):
@@ -68,6 +71,7 @@ class ReconcilerWorkflow:
         self._last: list[str] = []
         self._decides = False
         self._decide_places = False
+        self._decide_starts = False
         self._search_attributes = False  # the namespace has llmgw's search attributes (from the latest pass)
 
     @workflow.signal
@@ -91,6 +95,13 @@ class ReconcilerWorkflow:
         if not self._decide_places:
             self._decide_places = workflow.patched(f"{DECIDE_PLACES_PATCH}/{pass_no}")
         return self._decide_places
+
+    def _decide_starts_replicas(self, pass_no: int) -> bool:
+        """True from this run's first pass under code whose `decide` starts the replicas it places (issue 13:
+        no workflow task between a placement and its start)."""
+        if not self._decide_starts:
+            self._decide_starts = workflow.patched(f"{DECIDE_STARTS_PATCH}/{pass_no}")
+        return self._decide_starts
 
     @workflow.run
     async def run(self, inp: ReconcilerInput) -> None:
@@ -121,9 +132,10 @@ class ReconcilerWorkflow:
 
     async def _pass(self, pass_no: int) -> DecideResult:
         recorded = self._decide_records_placements(pass_no)
+        starts = recorded and self._decide_starts_replicas(pass_no)
         res: DecideResult = await workflow.execute_activity(
-            "decide", DecideInput(passes=pass_no, record_placements=recorded), result_type=DecideResult,
-            task_queue=CONTROL_QUEUE, **options.DECIDE,
+            "decide", DecideInput(passes=pass_no, record_placements=recorded, start_replicas=starts),
+            result_type=DecideResult, task_queue=CONTROL_QUEUE, **options.DECIDE,
         )
         self._last = res.lines
         self._search_attributes = res.search_attributes
@@ -143,6 +155,8 @@ class ReconcilerWorkflow:
             await self._rollout(a.model)
         elif a.kind == "place":
             assert a.profile_spec is not None
+            if a.replica_id in res.started:
+                return  # `decide` started it
             await self._start_replica(a.replica_id, a.model, a.profile or "default", a.profile_spec, a.shards,
                                       res.ready_timeout_s)
         else:
@@ -151,6 +165,12 @@ class ReconcilerWorkflow:
                 final_status=a.final_status), a.model, a.profile, a.nodes)
 
     async def _start_replica(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float) -> None:
+        try:
+            await self._start_child(replica_id, model, profile, spec, shards, ready_timeout_s)
+        except WorkflowAlreadyStartedError:
+            pass  # `decide` started it, though it could not tell (its RPC failed after the server took it)
+
+    async def _start_child(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float) -> None:
         _abandoned(await workflow.start_child_workflow(
             ReplicaStartWorkflow.run,
             ReplicaStartInput(replica_id=replica_id, model=model, profile=spec, shards=shards,

@@ -23,7 +23,11 @@ shard with the new generation, which each node records on disk and holds against
 The cold-start path is kept short (issue 13): the "still wanted?" checks are local activities (no round
 trip through the Temporal server each), and the node pushes readiness to the control plane itself, so a
 replica is routed the moment its engine answers, before this workflow's `mark_replica(ready)` runs (which
-then finds it Ready). Both versioned: `QUICK_CHECKS`; the push needs no versioning (activity code).
+then finds it Ready). Both versioned: `QUICK_CHECKS`; the push needs no versioning (activity code). A
+single-shard replica (`ONE_NODE_STEP`) is fetched and launched by one node activity, `start_shard`, with no
+workflow step between the two: the node itself asks the control plane "still wanted?" (over the node API)
+after a fetch that took time, so the check before the launch stays; a node whose worker predates it makes
+the start fall back to the two steps.
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
-        AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
+        NOT_WANTED, AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
         FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, MarkReplicaInput,
         MarkReplicaResult, OpenRendezvousInput, Rendezvous, ReplicaShardsInput, ReplicaShardsResult,
         ReplicaStartInput, ReplicaStartResult, ReplicaStopInput, SettleReplicaInput, SettleReplicaResult,
-        ShardPlacement, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
+        ShardPlacement, StartShardInput, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
         WaitShardReadyInput, WaitShardReadyResult,
     )
     from llmgw.workflows import options
@@ -49,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
 FENCED_START = "issue9-fenced-start"
 STOP_FENCES_START = "issue9-stop-fences-start"
 QUICK_CHECKS = "issue13-quick-checks"  # a start's "still wanted?" checks as local activities
+ONE_NODE_STEP = "issue13-one-node-step"  # a single-shard start fetches and launches in one node activity
 START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
 
 
@@ -151,15 +156,73 @@ class ReplicaStartWorkflow:
     def phase(self) -> str:
         return self._phase
 
+    @staticmethod
+    def _launch_input(inp: ReplicaStartInput, s: ShardPlacement, path: str | None, rdv: Rendezvous | None,
+                      generation: int) -> LaunchShardInput:
+        return LaunchShardInput(shard_id=shard_id(inp.replica_id, s.rank), replica_id=inp.replica_id, model=inp.model,
+                                profile=inp.profile, rank=s.rank, gpus=s.gpus, weights_path=path, rendezvous=rdv,
+                                generation=generation)
+
     async def _launch(self, inp: ReplicaStartInput, s: ShardPlacement, path: str | None,
                       rdv: Rendezvous | None, generation: int = 0) -> LaunchShardResult:
         return await workflow.execute_activity(
-            "launch_shard",
-            LaunchShardInput(shard_id=shard_id(inp.replica_id, s.rank), replica_id=inp.replica_id, model=inp.model,
-                             profile=inp.profile, rank=s.rank, gpus=s.gpus, weights_path=path, rendezvous=rdv,
-                             generation=generation),
+            "launch_shard", self._launch_input(inp, s, path, rdv, generation),
             result_type=LaunchShardResult, task_queue=node_queue(s.node_id), **options.LAUNCH,
         )
+
+    async def _start_in_one_step(self, inp: ReplicaStartInput, s: ShardPlacement, generation: int) -> bool:
+        """Fetch and launch a single-shard replica's shard in one node activity. False when its node's worker
+        predates `start_shard` (the caller takes the two-step path); raises `NotWanted` when the node found the
+        replica no longer wanted after its fetch."""
+        self._phase = "fetching weights and launching"
+        try:
+            await workflow.execute_activity(
+                "start_shard", StartShardInput(launch=self._launch_input(inp, s, None, None, generation),
+                                               source=inp.profile.source),
+                result_type=LaunchShardResult, task_queue=node_queue(s.node_id), **options.START_SHARD,
+            )
+        except ActivityError as exc:
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == "NotFoundError":
+                workflow.logger.warning("node %s has no start_shard; fetching and launching in two steps", s.node_id)
+                return False
+            if isinstance(cause, ApplicationError) and cause.type == NOT_WANTED:
+                status = str(cause.details[0]) if cause.details else "not starting"
+                raise NotWanted(status, "launching rank 0") from None
+            raise
+        return True
+
+    async def _fetch_and_launch(self, inp: ReplicaStartInput, rank0: ShardPlacement, workers: list[ShardPlacement],
+                                fenced: bool, quick: bool, gen: int) -> None:
+        """Fetch on every shard's node, open the rendezvous (multi-node), launch the workers, then rank 0,
+        asking "still wanted?" before each launch: a workflow step per node command."""
+        rid = inp.replica_id
+        self._phase = "fetching weights"
+        fetched: list[FetchWeightsResult] = await asyncio.gather(*[
+            workflow.execute_activity(
+                "fetch_weights", FetchWeightsInput(replica_id=rid, source=inp.profile.source, generation=gen),
+                result_type=FetchWeightsResult, task_queue=node_queue(s.node_id), **options.FETCH,
+            )
+            for s in inp.shards
+        ])
+        paths = {s.rank: f.path for s, f in zip(inp.shards, fetched)}
+        rdv: Rendezvous | None = None
+        if workers:
+            self._phase = "opening the rendezvous on rank 0's node"
+            rdv = await workflow.execute_activity(
+                "open_rendezvous",
+                OpenRendezvousInput(replica_id=rid, engine=inp.profile.engine, world_size=len(inp.shards),
+                                    generation=gen),
+                result_type=Rendezvous, task_queue=node_queue(rank0.node_id), **options.NODE_QUICK,
+            )
+            if fenced:
+                gen = await still_wanted(rid, "launching the workers", quick)
+            self._phase = f"launching {len(workers)} worker(s)"
+            await asyncio.gather(*[self._launch(inp, s, paths[s.rank], rdv, gen) for s in workers])
+        if fenced:
+            gen = await still_wanted(rid, "launching rank 0", quick)
+        self._phase = "launching rank 0"
+        await self._launch(inp, rank0, paths[0], rdv, gen)
 
     @workflow.run
     async def run(self, inp: ReplicaStartInput) -> ReplicaStartResult:
@@ -168,36 +231,13 @@ class ReplicaStartWorkflow:
         workers = sorted((s for s in inp.shards if s.rank != 0), key=lambda s: s.rank)
         fenced = workflow.patched(FENCED_START)
         quick = fenced and workflow.patched(QUICK_CHECKS)
+        one_step = quick and not workers and workflow.patched(ONE_NODE_STEP)
         gen = 0
         try:
             if fenced:
                 gen = await still_wanted(rid, "fetching weights", quick)
-            self._phase = "fetching weights"
-            fetched: list[FetchWeightsResult] = await asyncio.gather(*[
-                workflow.execute_activity(
-                    "fetch_weights", FetchWeightsInput(replica_id=rid, source=inp.profile.source, generation=gen),
-                    result_type=FetchWeightsResult, task_queue=node_queue(s.node_id), **options.FETCH,
-                )
-                for s in inp.shards
-            ])
-            paths = {s.rank: f.path for s, f in zip(inp.shards, fetched)}
-            rdv: Rendezvous | None = None
-            if workers:
-                self._phase = "opening the rendezvous on rank 0's node"
-                rdv = await workflow.execute_activity(
-                    "open_rendezvous",
-                    OpenRendezvousInput(replica_id=rid, engine=inp.profile.engine, world_size=len(inp.shards),
-                                        generation=gen),
-                    result_type=Rendezvous, task_queue=node_queue(rank0.node_id), **options.NODE_QUICK,
-                )
-                if fenced:
-                    gen = await still_wanted(rid, "launching the workers", quick)
-                self._phase = f"launching {len(workers)} worker(s)"
-                await asyncio.gather(*[self._launch(inp, s, paths[s.rank], rdv, gen) for s in workers])
-            if fenced:
-                gen = await still_wanted(rid, "launching rank 0", quick)
-            self._phase = "launching rank 0"
-            await self._launch(inp, rank0, paths[0], rdv, gen)
+            if not (one_step and await self._start_in_one_step(inp, rank0, gen)):
+                await self._fetch_and_launch(inp, rank0, workers, fenced, quick, gen)
             self._phase = "waiting for the workers to join rank 0 and for rank 0 to be ready" if workers \
                 else "waiting for readiness"
             waits = [

@@ -103,7 +103,8 @@ async def demand_signal_time(temporal: str, namespace: str, model: str) -> float
 
 async def reconciler_steps(temporal: str, namespace: str, model: str, replica_id: str) -> dict[str, float]:
     """Seconds per step of the reconciler's pass that placed `replica_id`: from the demand signal to the
-    `decide` activity (queued, ran), `record_placements`, and the child start, from its history."""
+    `decide` activity (queued, ran; it starts the start workflow itself), and, for a pass from before
+    that, `record_placements` and the child start, from its history."""
     client = await Client.connect(temporal, namespace=namespace, data_converter=pydantic_data_converter)
     async for wf in client.list_workflows("WorkflowId = 'reconciler'"):
         h = await client.get_workflow_handle("reconciler", run_id=wf.run_id).fetch_history()
@@ -136,7 +137,9 @@ async def reconciler_steps(temporal: str, namespace: str, model: str, replica_id
                 if e.start_child_workflow_execution_initiated_event_attributes.workflow_id == f"replica/{replica_id}/start":
                     t["child initiated"] = at
                     break
-        if signal is not None and "child initiated" in t and "decide completed" in t:
+            elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and "decide completed" in t:
+                break  # the pass's task after `decide`: a start `decide` made itself has no child to initiate
+        if signal is not None and "decide completed" in t:
             out = {"  signal -> decide scheduled": t["decide scheduled"] - signal,
                    "  decide queued": t["decide started"] - t["decide scheduled"],
                    "  decide ran": t["decide completed"] - t["decide started"]}
@@ -144,7 +147,8 @@ async def reconciler_steps(temporal: str, namespace: str, model: str, replica_id
             if "record_placements completed" in t:
                 out["  -> record_placements done"] = t["record_placements completed"] - last
                 last = t["record_placements completed"]
-            out["  -> child initiated"] = t["child initiated"] - last
+            if "child initiated" in t:  # a pass from before `decide` started what it placed
+                out["  -> child initiated"] = t["child initiated"] - last
             return out
     return {}
 

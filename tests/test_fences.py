@@ -67,11 +67,12 @@ def test_fences_never_go_down_and_are_pruned_when_old(tmp_path):
     assert f.prune(keep_s=-1) == 2 and f.get("r") is None
 
 
-async def test_start_shard_asks_before_launching_after_a_long_fetch(tmp_path, monkeypatch):
-    """`start_shard` (fetch, then launch, in one node activity): after a fetch longer than RECHECK_AFTER_S
-    (here: any), the node asks the control plane whether the replica is still wanted, and launches only if
-    so; a retry finds the shard running instead of starting a second one. The whole path, through the
-    control plane: tests/faults/test_start_faults.py."""
+async def test_start_shard_asks_before_fetching_and_after_a_long_fetch(tmp_path, monkeypatch):
+    """`start_shard` (fetch, then launch, in one node activity) asks the control plane whether the replica
+    is still wanted before it fetches, and again after a fetch longer than RECHECK_AFTER_S (here: any), and
+    starts nothing unless it is; the fencing generation comes from the answer. A retry finds the shard
+    running instead of starting a second one. The whole path, through the control plane:
+    tests/faults/test_start_faults.py."""
     import llmgw.activities.node as node_activities
     from llmgw.schemas.api import LaunchCheckResponse
     from llmgw.schemas.payloads import NOT_WANTED, StartShardInput
@@ -80,23 +81,36 @@ async def test_start_shard_asks_before_launching_after_a_long_fetch(tmp_path, mo
     env = ActivityEnvironment()
     acts = NodeActivities(agent(tmp_path))
     asked: list[str] = []
-    answer = {"rep3": "stopped", "rep4": "starting"}
+    answers = {"rep3": ["stopped"], "rep4": ["starting", "starting"], "rep5": ["starting", "evicted"]}
 
     async def launch_wanted(shard_id: str, replica_id: str) -> LaunchCheckResponse:
         asked.append(shard_id)
-        return LaunchCheckResponse(wanted=answer[replica_id] == "starting", status=answer[replica_id])
+        status = answers[replica_id].pop(0) if answers[replica_id] else "starting"
+        return LaunchCheckResponse(wanted=status == "starting", status=status, generation=4)
     acts.agent.launch_wanted = launch_wanted  # type: ignore[method-assign]
 
-    with pytest.raises(ApplicationError) as exc:
-        await env.run(acts.start_shard, StartShardInput(launch=launch("rep3", generation=1), source=None))
-    assert exc.value.type == NOT_WANTED and exc.value.non_retryable and exc.value.details == ("stopped",)
-    assert asked == ["rep3-r0"] and acts.agent.supervisor.get("rep3-r0") is None  # asked, and nothing started
+    def start(replica: str) -> StartShardInput:
+        return StartShardInput(launch=launch(replica, generation=0), source=None)
 
-    first = await env.run(acts.start_shard, StartShardInput(launch=launch("rep4", generation=1), source=None))
-    again = await env.run(acts.start_shard, StartShardInput(launch=launch("rep4", generation=1), source=None))
+    with pytest.raises(ApplicationError) as exc:  # stopped before its fetch
+        await env.run(acts.start_shard, start("rep3"))
+    assert exc.value.type == NOT_WANTED and exc.value.non_retryable
+    assert exc.value.details == ("stopped", "fetching weights")
+    with pytest.raises(ApplicationError) as exc:  # evicted while it fetched
+        await env.run(acts.start_shard, start("rep5"))
+    assert exc.value.type == NOT_WANTED and exc.value.details == ("evicted", "launching")
+    assert asked == ["rep3-r0", "rep5-r0", "rep5-r0"]
+    assert acts.agent.supervisor.get("rep3-r0") is None and acts.agent.supervisor.get("rep5-r0") is None
+
+    first = await env.run(acts.start_shard, start("rep4"))
+    again = await env.run(acts.start_shard, start("rep4"))
     assert first.pid > 0 and again.adopted and again.pid == first.pid
-    assert asked == ["rep3-r0", "rep4-r0"]  # the retry found it running: no fetch, no question
-    await env.run(acts.stop_shard, StopShardInput(shard_id="rep4-r0", replica_id="rep4", generation=2))
-    with pytest.raises(ApplicationError) as exc:  # and the fence still refuses a late retry
-        await env.run(acts.start_shard, StartShardInput(launch=launch("rep4", generation=1), source=None))
+    assert asked[3:] == ["rep4-r0", "rep4-r0"]  # before and after its fetch; the retry found it running
+    # The commands carry the generation of the answer (4), not the input's (0): a fence at 4 lets them by.
+    acts.agent.fences.record("rep6", 4)
+    answers["rep6"] = []
+    assert (await env.run(acts.start_shard, start("rep6"))).pid > 0
+    await env.run(acts.stop_shard, StopShardInput(shard_id="rep4-r0", replica_id="rep4", generation=5))
+    with pytest.raises(ApplicationError) as exc:  # the fence still refuses a late retry
+        await env.run(acts.start_shard, start("rep4"))
     assert exc.value.type == "Fenced"

@@ -194,7 +194,7 @@ def test_a_start_whose_cancellation_never_came_is_not_launched_the_node_asks_aft
             conn.execute("UPDATE replicas SET status = 'stopped', generation = generation + 1 WHERE id = %s",
                          (rep["id"],))
         source.release()
-        refusal = f"did not launch shard {rep['id']}-r0: its replica became stopped"
+        refusal = f"did not start shard {rep['id']}-r0: its replica became stopped before launching"
         wait_until(lambda: refusal in "\n".join(p.log() for p in fleet.cp.procs if p.name.startswith("agent")),
                    timeout_s=60, what="the node's refusal after its fetch", why=fleet.cp.logs)
         assert fleet.launches(rep["id"]) == 0

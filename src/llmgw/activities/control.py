@@ -53,6 +53,7 @@ class ControlActivities:
         self.crash = CrashHook(self.settings.test_crash_after_commit, self.settings.test_crash_marker)
         self.attributes = attributes
         self.metrics = metrics or ControlMetrics()
+        self._catalog_memo = catalog_repo.CatalogMemo()  # the snapshot's catalog, parsed again only when changed
         self.backoff = (backoff_base_s, backoff_max_s)
         self.drain_timeout_s = drain_timeout_s
 
@@ -71,7 +72,7 @@ class ControlActivities:
         pollers = asyncio.ensure_future(read_pollers(self.engine, self.client))
         try:
             async with self.engine.begin() as conn:
-                catalog = await catalog_repo.get_catalog(conn)
+                catalog = await catalog_repo.get_catalog(conn, self._catalog_memo)
                 states = await catalog_repo.model_states(conn)
                 reps = await fleet_repo.active_replicas_with_shards(conn)
                 ages, pollers_error = await pollers

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from llmgw.workers.supervisor import Shard
 
 log = logging.getLogger(__name__)
-RECHECK_AFTER_S = 0.25  # a fetch longer than this (or one that downloaded) is followed by "still wanted?"
+RECHECK_AFTER_S = 0.25  # a fetch longer than this (or one that downloaded) is followed by "still wanted?" again
 
 
 def replica_of(shard_id: str) -> str:
@@ -109,32 +109,39 @@ class NodeActivities:
     async def start_shard(self, inp: StartShardInput) -> LaunchShardResult:
         """Fetch the weights, then launch: the one node step of a single-shard replica's start (issue 13).
 
-        The start asked "still wanted?" just before it sent this. A fetch that downloaded anything, or took
-        longer than `RECHECK_AFTER_S`, is followed by the same question asked here, of the control plane over
-        the node API, so a replica stopped while it fetched is not launched even when the cancellation of
-        this activity has not reached the node yet (heartbeats carry it, throttled); the fence refuses the
-        rest. A retry finds the weights cached and the shard already running (adopted)."""
+        "Still wanted?" is asked here, of the control plane over the node API (no workflow step for it):
+        before the fetch, which also gives the fencing generation the fetch and launch carry, and again
+        after a fetch that downloaded anything or took longer than `RECHECK_AFTER_S`, so a replica stopped
+        while it fetched is not launched even when the cancellation of this activity has not reached the
+        node yet (heartbeats carry it, throttled); the fence refuses the rest. A retry finds the weights
+        cached and the shard already running (adopted)."""
         la, sup = inp.launch, self.agent.supervisor
         existing = sup.get(la.shard_id)
-        if existing is None or sup.poll(existing) is not None:
-            began = time.monotonic()
-            got = await self._fetch(FetchWeightsInput(replica_id=la.replica_id, source=inp.source, generation=la.generation))
-            if got.fetched or time.monotonic() - began > RECHECK_AFTER_S:
-                await self._still_wanted(la)
-            la = la.model_copy(update={"weights_path": got.path})
-        return await self._launch(la)
+        if existing is not None and sup.poll(existing) is None:
+            return await self._launch(la)  # a retry: adopted as it runs
+        la = la.model_copy(update={"generation": await self._still_wanted(la, "fetching weights")})
+        began = time.monotonic()
+        got = await self._fetch(FetchWeightsInput(replica_id=la.replica_id, source=inp.source, generation=la.generation))
+        if got.fetched or time.monotonic() - began > RECHECK_AFTER_S:
+            la = la.model_copy(update={"generation": await self._still_wanted(la, "launching")})
+        return await self._launch(la.model_copy(update={"weights_path": got.path}))
 
-    async def _still_wanted(self, la: LaunchShardInput) -> None:
+    async def _still_wanted(self, la: LaunchShardInput, before: str) -> int:
+        """The replica's fencing generation if the control plane says it is still `starting`; else fail the
+        activity for good with `NotWanted` (its details: the replica's status, and `before`)."""
         try:
             ans = await self.agent.launch_wanted(la.shard_id, la.replica_id)
         except ReportRefused as exc:
             raise ApplicationError(f"node {self.agent.node_id}: the control plane refused to say whether shard "
-                                   f"{la.shard_id} may launch: {exc}", type="ReportRefused", non_retryable=True) from None
+                                   f"{la.shard_id} may start: {exc}", type="ReportRefused", non_retryable=True) from None
+        except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
+            raise ApplicationError(f"node {self.agent.node_id} could not ask the control plane whether shard "
+                                   f"{la.shard_id} may start (retried): {exc}", type="ControlPlaneUnreachable") from None
         if not ans.wanted:
-            log.warning("did not launch shard %s: its replica became %s while its weights were fetched", la.shard_id,
-                        ans.status)
-            raise ApplicationError(f"replica {la.replica_id} became {ans.status} before launching", ans.status,
+            log.warning("did not start shard %s: its replica became %s before %s", la.shard_id, ans.status, before)
+            raise ApplicationError(f"replica {la.replica_id} became {ans.status} before {before}", ans.status, before,
                                    type=NOT_WANTED, non_retryable=True)
+        return ans.generation
 
     async def _launch(self, inp: LaunchShardInput) -> LaunchShardResult:
         sup = self.agent.supervisor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime
 
@@ -20,11 +21,25 @@ from llmgw.schemas.payloads import ModelState
 log = logging.getLogger(__name__)
 
 
-async def get_catalog(conn: AsyncConnection) -> Catalog:
+class CatalogMemo:
+    """The last catalog a reader parsed and the stored specs it came from (issue 13: the route table and the
+    snapshot read the catalog on every change and pass). A read that finds the same specs returns the same
+    `Catalog`, which its holder treats as read-only, instead of validating every model again."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.catalog: Catalog | None = None
+
+
+async def get_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) -> Catalog:
     """The stored catalog, with the upgrade repairs applied to what an older llmgw stored (seeds 003,
     "Let the upgrade repair"). A stored model that no rule can read any more is left out and logged:
-    it could not be placed either way, and the rest of the catalog must keep working."""
+    it could not be placed either way, and the rest of the catalog must keep working. With `memo`, an
+    unchanged catalog is not parsed again."""
     rows = (await conn.execute(select(catalog_models.c.spec).order_by(catalog_models.c.position, catalog_models.c.name))).all()
+    key = json.dumps([r.spec for r in rows], sort_keys=True, separators=(",", ":")) if memo is not None else None
+    if memo is not None and memo.catalog is not None and key == memo.key:
+        return memo.catalog
     models = []
     for i, r in enumerate(rows):
         spec, _, problems = upgrade_model_spec(r.spec, i)
@@ -35,7 +50,10 @@ async def get_catalog(conn: AsyncConnection) -> Catalog:
         except (ValidationError, ValueError) as exc:
             log.error("stored catalog model %r cannot be read and is skipped; apply a corrected catalog: %s",
                       r.spec.get("name") if isinstance(r.spec, dict) else r.spec, exc)
-    return Catalog(models=models)
+    catalog = Catalog(models=models)
+    if memo is not None:
+        memo.key, memo.catalog = key, catalog
+    return catalog
 
 
 def _spec(m: Model) -> dict:

@@ -136,6 +136,15 @@ async def liveness_reads(conn: AsyncConnection, fresh_s: float, window_s: float)
         _observer_seen(DOUBT).label("doubted_at"), _recent_lost(window_s).label("recent_lost")))).one()
 
 
+async def observer_ages_s(conn: AsyncConnection, fresh_s: float) -> tuple[float | None, float | None]:
+    """`observer_age_s` of the node API and of the pollers, in one statement (the route table reads both
+    on every change)."""
+    def age(kind: str):
+        return func.greatest(0.0, func.extract("epoch", func.now() - _observer_since(fresh_s, kind)))
+    row = (await conn.execute(select(age(NODE_API), age(POLLERS)))).one()
+    return (None if row[0] is None else float(row[0]), None if row[1] is None else float(row[1]))
+
+
 async def observer_age_s(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> float | None:
     """Seconds since `observer_since` (None when that witness cannot see now)."""
     since = await observer_since(conn, fresh_s, kind)
@@ -382,15 +391,16 @@ class KnownShard:
     replica_id: str
     node_id: str
     replica_status: str
+    generation: int = 0  # the replica's fencing generation
 
 
 async def known_shards(conn: AsyncConnection, ids: list[str]) -> dict[str, KnownShard]:
     """shard id -> `KnownShard`, for the ids that exist."""
     if not ids:
         return {}
-    q = (select(shards.c.id, shards.c.replica_id, shards.c.node_id, replicas.c.status)
+    q = (select(shards.c.id, shards.c.replica_id, shards.c.node_id, replicas.c.status, replicas.c.generation)
          .join(replicas, replicas.c.id == shards.c.replica_id).where(shards.c.id.in_(ids)))
-    return {r.id: KnownShard(r.id, r.replica_id, r.node_id, r.status) for r in (await conn.execute(q)).all()}
+    return {r.id: KnownShard(r.id, r.replica_id, r.node_id, r.status, r.generation) for r in (await conn.execute(q)).all()}
 
 
 async def replica_exists(conn: AsyncConnection, replica_id: str) -> bool:

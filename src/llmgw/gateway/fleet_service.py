@@ -183,8 +183,9 @@ class FleetService:
         return f"shard {report.shard_id}: {why}" if why else None
 
     async def launch_check(self, req: LaunchCheckRequest) -> LaunchCheckResponse:
-        """Is the shard's replica still `starting` (wanted by its start)? Asked by its node right before a
-        launch that followed a long fetch; raises `NodeRestricted` for a shard placed on another node."""
+        """Is the shard's replica still `starting` (wanted by its start), and its fencing generation? Asked by
+        its node before a fetch and again before a launch that followed a long one; raises `NodeRestricted`
+        for a shard placed on another node."""
         async with self.engine.connect() as conn:
             row = (await fleet_repo.known_shards(conn, [req.shard_id])).get(req.shard_id)
         if row is None:
@@ -192,7 +193,8 @@ class FleetService:
         if row.node_id != req.node_id or row.replica_id != req.replica_id:
             raise NodeRestricted(f"shard {req.shard_id} is placed on node {row.node_id} for replica {row.replica_id}, "
                                  f"not on {req.node_id} for {req.replica_id}")
-        return LaunchCheckResponse(wanted=row.replica_status == "starting", status=row.replica_status)
+        return LaunchCheckResponse(wanted=row.replica_status == "starting", status=row.replica_status,
+                                   generation=row.generation)
 
     async def shard_status(self, req: ShardStatusRequest, node: NodeAddresses) -> None:
         """A shard changed state on its node. A failure takes its replica out of routing at once; so does a

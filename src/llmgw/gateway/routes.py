@@ -67,6 +67,7 @@ class RouteTable:
         self.names: dict[str, str] = {}  # name or alias -> canonical name
         self._endpoints: dict[str, Endpoint] = {}
         self.changed = asyncio.Condition()
+        self._catalog_memo = catalog_repo.CatalogMemo()  # an unchanged catalog is not parsed again per refresh
         self.on_refresh: list[Callable[[Catalog], None]] = []
 
     def resolve(self, name: str) -> ModelRoute | None:
@@ -99,10 +100,9 @@ class RouteTable:
     async def refresh(self) -> None:
         """Reload catalog and Ready replicas; keep each endpoint's counters and breaker."""
         async with self.engine.connect() as conn:
-            catalog = await catalog_repo.get_catalog(conn)
+            catalog = await catalog_repo.get_catalog(conn, self._catalog_memo)
             rows = await fleet_repo.routable_replicas(conn)
-            observer_age = await fleet_repo.observer_age_s(conn, self.unreachable_after_s)
-            pollers_age = await fleet_repo.observer_age_s(conn, self.unreachable_after_s, fleet_repo.POLLERS)
+            observer_age, pollers_age = await fleet_repo.observer_ages_s(conn, self.unreachable_after_s)
         models: dict[str, ModelRoute] = {m.name: ModelRoute(m) for m in catalog.models}
         names: dict[str, str] = {}
         for m in catalog.models:

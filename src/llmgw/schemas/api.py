@@ -54,7 +54,7 @@ class ShardStatusRequest(_Strict):
 
 
 class LaunchCheckRequest(_Strict):
-    """A node about to launch a shard after a long fetch asks whether its replica is still wanted
+    """A node about to fetch for, or launch, a shard asks whether its replica is still wanted
     (`activities/node.py`, `start_shard`): the "still wanted?" check made where the launch happens."""
 
     node_id: str = Field(max_length=253)
@@ -65,6 +65,7 @@ class LaunchCheckRequest(_Strict):
 class LaunchCheckResponse(_Strict):
     wanted: bool
     status: str  # the replica's status ("unknown" when the control plane has no such shard)
+    generation: int = 0  # its fencing generation, which the node's commands for it carry
 
 
 class ApplyRequest(_Strict):

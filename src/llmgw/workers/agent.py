@@ -168,13 +168,23 @@ class Agent:
                 await asyncio.sleep(0.5 * (attempt + 1))
         self.reregister = True
 
-    async def launch_wanted(self, shard_id: str, replica_id: str) -> LaunchCheckResponse:
-        """Ask the control plane whether `replica_id` is still wanted (`starting`) before launching its shard
-        `shard_id`. Raises `ReportRefused` when it refuses to answer this node (not its shard), and the
-        transport's error when it cannot be reached (the activity fails and is retried: nothing launches
-        unasked)."""
-        return LaunchCheckResponse.model_validate(await self._post(
-            "/node/v1/launch-check", LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id)))
+    async def launch_wanted(self, shard_id: str, replica_id: str, attempts: int = 3) -> LaunchCheckResponse:
+        """Ask the control plane whether `replica_id` is still wanted (`starting`) before fetching for or
+        launching its shard `shard_id`. Raises `ReportRefused` when it refuses to answer this node (not its
+        shard), and, after `attempts`, the transport's error when it cannot be reached (the activity fails
+        and is retried: nothing starts unasked)."""
+        req = LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id)
+        for attempt in range(attempts):
+            try:
+                return LaunchCheckResponse.model_validate(await self._post("/node/v1/launch-check", req))
+            except ReportRefused:
+                raise
+            except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("asking whether shard %s may start failed (%s); retrying", shard_id, exc)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     async def report_stopped(self, shard_id: str, attempts: int = 5) -> None:
         replica_id, _, rank = shard_id.rpartition("-r")

@@ -25,9 +25,9 @@ trip through the Temporal server each), and the node pushes readiness to the con
 replica is routed the moment its engine answers, before this workflow's `mark_replica(ready)` runs (which
 then finds it Ready). Both versioned: `QUICK_CHECKS`; the push needs no versioning (activity code). A
 single-shard replica (`ONE_NODE_STEP`) is fetched and launched by one node activity, `start_shard`, with no
-workflow step between the two: the node itself asks the control plane "still wanted?" (over the node API)
-after a fetch that took time, so the check before the launch stays; a node whose worker predates it makes
-the start fall back to the two steps.
+workflow step before, between or after the two: the node itself asks the control plane "still wanted?"
+(over the node API) before fetching and again after a fetch that took time, so both checks stay where
+the fetch and the launch happen; a node whose worker predates it makes the start fall back to the steps.
 """
 
 from __future__ import annotations
@@ -170,14 +170,15 @@ class ReplicaStartWorkflow:
             result_type=LaunchShardResult, task_queue=node_queue(s.node_id), **options.LAUNCH,
         )
 
-    async def _start_in_one_step(self, inp: ReplicaStartInput, s: ShardPlacement, generation: int) -> bool:
-        """Fetch and launch a single-shard replica's shard in one node activity. False when its node's worker
-        predates `start_shard` (the caller takes the two-step path); raises `NotWanted` when the node found the
-        replica no longer wanted after its fetch."""
+    async def _start_in_one_step(self, inp: ReplicaStartInput, s: ShardPlacement) -> bool:
+        """Fetch and launch a single-shard replica's shard in one node activity, which asks the control plane
+        "still wanted?" itself, before its fetch and after a long one (and takes the fencing generation from
+        the answer). False when its node's worker predates `start_shard` (the caller takes the two-step
+        path); raises `NotWanted` when the node found the replica no longer wanted."""
         self._phase = "fetching weights and launching"
         try:
             await workflow.execute_activity(
-                "start_shard", StartShardInput(launch=self._launch_input(inp, s, None, None, generation),
+                "start_shard", StartShardInput(launch=self._launch_input(inp, s, None, None, 0),
                                                source=inp.profile.source),
                 result_type=LaunchShardResult, task_queue=node_queue(s.node_id), **options.START_SHARD,
             )
@@ -187,8 +188,9 @@ class ReplicaStartWorkflow:
                 workflow.logger.warning("node %s has no start_shard; fetching and launching in two steps", s.node_id)
                 return False
             if isinstance(cause, ApplicationError) and cause.type == NOT_WANTED:
-                status = str(cause.details[0]) if cause.details else "not starting"
-                raise NotWanted(status, "launching rank 0") from None
+                details = [str(d) for d in cause.details]
+                raise NotWanted(details[0] if details else "not starting",
+                                details[1] if len(details) > 1 else "launching") from None
             raise
         return True
 
@@ -234,9 +236,10 @@ class ReplicaStartWorkflow:
         one_step = quick and not workers and workflow.patched(ONE_NODE_STEP)
         gen = 0
         try:
-            if fenced:
-                gen = await still_wanted(rid, "fetching weights", quick)
-            if not (one_step and await self._start_in_one_step(inp, rank0, gen)):
+            # One node step asks "still wanted?" on the node itself; the steps ask here before each.
+            if not (one_step and await self._start_in_one_step(inp, rank0)):
+                if fenced:
+                    gen = await still_wanted(rid, "fetching weights", quick)
                 await self._fetch_and_launch(inp, rank0, workers, fenced, quick, gen)
             self._phase = "waiting for the workers to join rank 0 and for rank 0 to be ready" if workers \
                 else "waiting for readiness"

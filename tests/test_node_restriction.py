@@ -228,3 +228,29 @@ def test_a_replica_is_routed_only_at_the_endpoint_its_node_reported(database_url
     before, after = asyncio.run(go())
     assert [(r.replica_id, r.endpoint, r.api_key) for r in before] == [("rep-1", "http://127.0.0.1:9001", "k" * 43)]
     assert after == []
+
+
+# ---- "still wanted?" before a launch (issue 13: start_shard asks the control plane itself) ----------
+
+def test_launch_check_answers_a_node_about_its_own_shards_only(server):
+    """`POST /node/v1/launch-check`: a node asks whether its shard's replica is still `starting` before it
+    fetches for or launches it. It hears the truth about its own shards (here an adopted, Ready replica:
+    not wanted, with its fencing generation), "unknown" for a shard nobody placed, 403 for another node's
+    shard or another node's name, and 422 for ids longer than any llmgw makes."""
+    with node_client(server, "lc-a") as a:
+        assert register(a, "lc-a", shard("rep-lc"))["adopted"] == ["rep-lc-r0"]
+        r = a.post("/node/v1/launch-check", json={"node_id": "lc-a", "shard_id": "rep-lc-r0", "replica_id": "rep-lc"})
+        assert r.status_code == 200 and r.json()["wanted"] is False and r.json()["status"] == "ready", r.text
+        assert isinstance(r.json()["generation"], int)
+        r = a.post("/node/v1/launch-check", json={"node_id": "lc-a", "shard_id": "nobody-r0", "replica_id": "nobody"})
+        assert r.json() == {"wanted": False, "status": "unknown", "generation": 0}
+        r = a.post("/node/v1/launch-check", json={"node_id": "lc-b", "shard_id": "rep-lc-r0", "replica_id": "rep-lc"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "node_identity"
+        r = a.post("/node/v1/launch-check", json={"node_id": "lc-a", "shard_id": "x" * 5000, "replica_id": "x"})
+        assert r.status_code == 422
+    with node_client(server, "lc-b") as b:
+        r = b.post("/node/v1/launch-check", json={"node_id": "lc-b", "shard_id": "rep-lc-r0", "replica_id": "rep-lc"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "node_restriction"
+        assert "rep-lc-r0 is placed on node lc-a" in r.json()["error"]["message"]
+        r = b.post("/node/v1/launch-check", json={"node_id": "lc-b", "shard_id": "rep-lc-r0", "replica_id": "other"})
+        assert r.status_code == 403

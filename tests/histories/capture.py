@@ -7,7 +7,9 @@ histories you want to keep, before changing workflow code:
 
 Folders: `v1` was captured from code that planned inside the reconciler workflow; `v2` from code with the
 `decide` activity and several placements per pass; `v3` from code whose `decide` creates the replicas it
-places and whose starts check "still wanted?" as local activities (issue 13).
+places and whose starts check "still wanted?" as local activities (issue 13); `v4` from code whose `decide`
+also starts the start workflows it places and whose single-shard starts fetch and launch in one node
+activity, `start_shard` (issue 13).
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history

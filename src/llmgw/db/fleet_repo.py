@@ -136,13 +136,10 @@ async def liveness_reads(conn: AsyncConnection, fresh_s: float, window_s: float)
         _observer_seen(DOUBT).label("doubted_at"), _recent_lost(window_s).label("recent_lost")))).one()
 
 
-async def observer_ages_s(conn: AsyncConnection, fresh_s: float) -> tuple[float | None, float | None]:
-    """`observer_age_s` of the node API and of the pollers, in one statement (the route table reads both
-    on every change)."""
-    def age(kind: str):
-        return func.greatest(0.0, func.extract("epoch", func.now() - _observer_since(fresh_s, kind)))
-    row = (await conn.execute(select(age(NODE_API), age(POLLERS)))).one()
-    return (None if row[0] is None else float(row[0]), None if row[1] is None else float(row[1]))
+def _observer_age(fresh_s: float, kind: str):
+    """Seconds since `observer_since` as SQL (NULL when that witness cannot see now; GREATEST would
+    turn that NULL into 0, so the caller clamps)."""
+    return func.extract("epoch", func.now() - _observer_since(fresh_s, kind))
 
 
 async def observer_age_s(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> float | None:
@@ -416,25 +413,35 @@ class RouteRow:
     node_age_s: float  # since the rank-0 node's last heartbeat
     poll_age_s: float | None = None  # since its worker was last seen polling (None: never)
     api_key: str | None = None  # the engine's key (rank 0's), which the gateway sends
+    observer_age_s: float | None = None  # `observer_age_s` of the node API (the same on every row; None: blind)
+    pollers_age_s: float | None = None  # and of the pollers
 
 
-async def routable_replicas(conn: AsyncConnection) -> list[RouteRow]:
-    """Ready replicas with the ages of their rank-0 node's two witnesses (the gateway drops silent nodes)
-    and the engine key rank 0's node reported. Only where the replica's endpoint is the one rank 0's node
-    reported over the node API, which checked it is at that node's own address (issue 11): an endpoint
-    recorded from anywhere else (a start workflow's result) is not routed, and never gets the engine key."""
+async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list[RouteRow]:
+    """Ready replicas with the ages of their rank-0 node's two witnesses (the gateway drops silent nodes),
+    the engine key rank 0's node reported, and, on every row, the observers' ages (`observer_age_s` with
+    `fresh_s`, of the node API and of the pollers: one statement for all a route refresh reads but the
+    catalog). Only where the replica's endpoint is the one rank 0's node reported over the node API, which
+    checked it is at that node's own address (issue 11): an endpoint recorded from anywhere else (a start
+    workflow's result) is not routed, and never gets the engine key."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
     q = (
         select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
-               poll_age.label("poll_age"), shards.c.api_key)
+               poll_age.label("poll_age"), shards.c.api_key, _observer_age(fresh_s, NODE_API).label("observer_age"),
+               _observer_age(fresh_s, POLLERS).label("pollers_age"))
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
         .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None),
                     replicas.c.endpoint == shards.c.endpoint))
     )
-    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), None if r.poll_age is None else float(r.poll_age),
-                     r.api_key) for r in (await conn.execute(q)).all()]
+    def f(x) -> float | None:
+        return None if x is None else float(x)
+
+    def since(x) -> float | None:
+        return None if x is None else max(0.0, float(x))
+    return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), f(r.poll_age), r.api_key,
+                     since(r.observer_age), since(r.pollers_age)) for r in (await conn.execute(q)).all()]
 
 
 async def db_now(conn: AsyncConnection) -> datetime:

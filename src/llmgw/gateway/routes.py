@@ -101,8 +101,9 @@ class RouteTable:
         """Reload catalog and Ready replicas; keep each endpoint's counters and breaker."""
         async with self.engine.connect() as conn:
             catalog = await catalog_repo.get_catalog(conn, self._catalog_memo)
-            rows = await fleet_repo.routable_replicas(conn)
-            observer_age, pollers_age = await fleet_repo.observer_ages_s(conn, self.unreachable_after_s)
+            rows = await fleet_repo.routable_replicas(conn, self.unreachable_after_s)
+        # The observers' ages come on every row (with no row there is nothing to judge by them).
+        observer_age, pollers_age = (rows[0].observer_age_s, rows[0].pollers_age_s) if rows else (None, None)
         models: dict[str, ModelRoute] = {m.name: ModelRoute(m) for m in catalog.models}
         names: dict[str, str] = {}
         for m in catalog.models:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, case, delete, func, select, update
+from sqlalchemy import DateTime, String, and_, case, column, delete, func, select, update, values
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -78,9 +78,12 @@ async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
 async def set_polled(conn: AsyncConnection, polled: dict[str, datetime]) -> None:
     """Record when each node's worker was last seen polling; never moves a time backwards (Temporal forgets
     its pollers when it restarts, and a node not seen since keeps the time it was last seen)."""
-    for node_id, at in polled.items():
-        await conn.execute(update(nodes).where(and_(
-            nodes.c.id == node_id, (nodes.c.polled_at.is_(None)) | (nodes.c.polled_at < at))).values(polled_at=at))
+    if not polled:
+        return
+    # One statement for every node (a pass reads the pollers of the whole fleet): UPDATE ... FROM (VALUES ...).
+    seen = values(column("id", String), column("at", DateTime(timezone=True)), name="seen").data(list(polled.items()))
+    await conn.execute(update(nodes).where(and_(
+        nodes.c.id == seen.c.id, (nodes.c.polled_at.is_(None)) | (nodes.c.polled_at < seen.c.at))).values(polled_at=seen.c.at))
 
 
 # ---- the observer: when the node API could receive heartbeats ----------------------------------

@@ -46,12 +46,12 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         """Nodes and their liveness as the planner judges it (both witnesses, the blind observer)."""
         rows = await fleet_repo.list_nodes(conn)
         reps = await fleet_repo.active_replicas_with_shards(conn)
+        seen = await fleet_repo.liveness_reads(conn, unreachable_after_s, facts.lost_teardown_window_s)
         snap = Snapshot(
             now=await fleet_repo.db_now(conn), unreachable_after_s=unreachable_after_s, lost_after_s=lost_after_s,
             liveness=facts.model_copy(update={
-                "observer_since": await fleet_repo.observer_since(conn, unreachable_after_s),
-                "pollers_since": await fleet_repo.observer_since(conn, unreachable_after_s, fleet_repo.POLLERS),
-                "doubted_at": await fleet_repo.observer_seen(conn, fleet_repo.DOUBT)}),
+                "observer_since": seen.node_api_since, "pollers_since": seen.pollers_since,
+                "doubted_at": seen.doubted_at}),
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at) for n in rows],
             replicas=[ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
                                   shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"]) for s in shards])

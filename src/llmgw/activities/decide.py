@@ -43,6 +43,7 @@ from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id
 
 log = logging.getLogger(__name__)
 ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout")
+START_CONCURRENCY = 16  # start RPCs in flight at once when a pass placed many replicas
 
 Hook = Callable[[Snapshot, Plan], Plan]
 
@@ -89,29 +90,32 @@ class DecideActivities:
         retry, which returns the stored result, starts them again: a start already there, running or
         closed, is never started twice). The ids started or found started; one that could not be started
         is left to the reconciler, which starts it as its child."""
-        started: list[str] = []
-        for a in result.actions:
-            if a.kind != "place" or a.profile_spec is None:
-                continue
-            try:
-                await self.client.start_workflow(
-                    "ReplicaStartWorkflow",
-                    ReplicaStartInput(replica_id=a.replica_id, model=a.model, profile=a.profile_spec, shards=a.shards,
-                                      ready_timeout_s=result.ready_timeout_s),
-                    id=replica_start_id(a.replica_id), task_queue=CONTROL_QUEUE,
-                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                    memo=attributes.memo(a.model, a.profile or "default"),
-                    search_attributes=attributes.lifecycle("start", a.model, a.replica_id, [x.node_id for x in a.shards])
-                    if result.search_attributes else None,
-                    request_eager_start=True,
-                )
-            except WorkflowAlreadyStartedError:
-                pass  # started by an earlier attempt of this pass
-            except RPCError as exc:
-                log.warning("could not start replica %s's start workflow (%s); the reconciler will", a.replica_id, exc)
-                continue
-            started.append(a.replica_id)
-        return started
+        sem = asyncio.Semaphore(START_CONCURRENCY)
+
+        async def start(a: PassAction) -> str | None:
+            async with sem:
+                try:
+                    await self.client.start_workflow(
+                        "ReplicaStartWorkflow",
+                        ReplicaStartInput(replica_id=a.replica_id, model=a.model, profile=a.profile_spec, shards=a.shards,
+                                          ready_timeout_s=result.ready_timeout_s),
+                        id=replica_start_id(a.replica_id), task_queue=CONTROL_QUEUE,
+                        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                        memo=attributes.memo(a.model, a.profile or "default"),
+                        search_attributes=attributes.lifecycle("start", a.model, a.replica_id,
+                                                               [x.node_id for x in a.shards])
+                        if result.search_attributes else None,
+                        request_eager_start=True,
+                    )
+                except WorkflowAlreadyStartedError:
+                    pass  # started by an earlier attempt of this pass
+                except RPCError as exc:
+                    log.warning("could not start replica %s's start workflow (%s); the reconciler will", a.replica_id, exc)
+                    return None
+                return a.replica_id
+
+        places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
+        return [rid for rid in await asyncio.gather(*[start(a) for a in places]) if rid is not None]
 
     async def _decide(self, inp: DecideInput) -> DecideResult:
         """One pass. With `inp.record_placements`, the replicas it places are created in the transaction

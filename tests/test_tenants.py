@@ -383,7 +383,14 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
     refused(admin(cp, "POST", "/admin/v1/tenants/Abuse", {"limits": {"rpm": 5}}), 400, "name")
     refused(admin(cp, "POST", "/admin/v1/tenants/nobody", {"limits": {"rpm": 5}}), 404, "name")
     refused(admin(cp, "POST", "/admin/v1/tenants/abuse", {"rpm": 5}), 400, None)  # limits are under `limits`
-    # keys
+    # keys: a name is free text, but plain: no terminal escapes, line breaks, bidi overrides or zero-width
+    # characters (`ctl keys list` prints it), no spaces around it, NFC, at most 200 characters
+    for name, says in (("\x1b[2J\x1b[31mroot", "U+001B"), ("alice\nbob", "U+000A"), ("\u202eecila", "U+202E"),
+                       ("al\u200bice", "U+200B"), (" alice ", "write 'alice'"), ("Cafe\u0301", "write 'Café'"),
+                       ("x" * 201, "200"), (7, None)):
+        err = refused(admin(cp, "POST", "/admin/v1/keys", {"name": name}), 400, "name")
+        assert says is None or says in err["message"], err
+    assert admin(cp, "POST", "/admin/v1/keys", {"name": "Café team (Zoë), on-call"}).status_code == 200
     refused(admin(cp, "POST", "/admin/v1/keys", {"name": "k", "tenant": "Abuse"}), 400, "tenant")
     err = refused(admin(cp, "POST", "/admin/v1/keys", {"name": "k", "tenant": "nobody"}), 400, "tenant")
     assert err["code"] == "tenant_not_found"

@@ -53,6 +53,30 @@ def tenant_name_problem(name: object) -> str | None:
     return f"{rule} (got {name[:80]!r})"
 
 
+MAX_KEY_NAME_LEN = 200
+
+
+def key_name_problem(name: object) -> str | None:
+    """Why `name` cannot name an API key, or None. A key's name is free text saying whose it is, printed by
+    `ctl keys list` and `ctl usage --by key`: no control or format characters (line breaks, terminal
+    escapes, bidirectional overrides, zero-width characters) that would rewrite what an operator's terminal
+    shows, no spaces around it, at most 200 characters, written in NFC (a name that normalises to another is
+    refused with that other)."""
+    if not isinstance(name, str):
+        return "a key name is a string"
+    if len(name) > MAX_KEY_NAME_LEN:
+        return f"a key name is at most {MAX_KEY_NAME_LEN} characters (got {len(name)})"
+    bad = next((c for c in name if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if bad is not None:
+        return (f"a key name is plain text: it may not hold the control or format character U+{ord(bad):04X} "
+                f"(got {name[:80]!r})")
+    if name != name.strip():
+        return f"a key name has no spaces around it: write {name.strip()!r}"
+    if unicodedata.normalize("NFC", name) != name:
+        return f"{name[:80]!r} is not written in NFC: write {unicodedata.normalize('NFC', name)!r}"
+    return None
+
+
 def pattern_problem(pattern: object) -> str | None:
     """Why `pattern` is not a model pattern, or None. Patterns are `fnmatch` globs over model names:
     `*`, `?` and sets `[abc]`, `[!abc]`, `[a-z]`; sets are closed, not nested and not empty."""

@@ -41,7 +41,10 @@ def test_ctl_apply_shows_repairs_and_diff_and_the_repairs_reach_placement(contro
     # A model without scaling is off: accepted, and said so with what to write (only of that one).
     assert ("  note: parked has no `scaling`, so it is off and does not run: write `scaling: {max: 1}` to load "
             "it on demand, or `{min: 1, max: 1}` to keep one replica running") in out.stdout
-    assert out.stdout.count("  note: ") == 1
+    assert out.stdout.count("so it is off") == 1
+    # This control plane runs no mirror: its `mirror:` source is said to be unchecked, not silently passed.
+    assert "  note: could not ask the mirror at http://127.0.0.1:" in out.stdout
+    assert out.stdout.count("  note: ") == 2
     stored = httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]
     assert stored[0]["profiles"][0] == {"engine": "llamacpp", "source": "mirror:m.gguf", "gpus_per_node": 2}
     assert stored[1]["profiles"][0]["source"] == "Qwen/Qwen2.5-0.5B-Instruct"

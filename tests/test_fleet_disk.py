@@ -5,6 +5,7 @@ names the reason for every node turned down."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from llmgw.weights.naming import cache_name_for
 from tests.fleet import sim_spec
@@ -50,3 +51,36 @@ def test_a_node_without_disk_room_is_refused_unless_it_holds_the_weights(control
     out = cp.ctl("explain", "held")
     assert "keep held: 1 of 1 wanted (min 1)" in out.stdout and "placed: place held/default on node-b" in out.stdout
     assert not [r for r in cp.replicas() if r["model"] == "nowhere"]
+
+
+def test_apply_says_which_mirror_sources_the_mirror_does_not_have(control_plane):
+    """A `mirror:` source the mirror neither holds nor is mirroring is said at apply (a note: it may be
+    published later), naming the models and the command that publishes it, instead of being found only
+    when a start fails; a file it holds and a version with files under it are not mentioned. With the
+    mirror unreachable, apply says it could not ask."""
+    cp = control_plane.start(mirror=True, worker=False)
+    (cp.mirror_dir / "org" / "v1").mkdir(parents=True, exist_ok=True)
+    (cp.mirror_dir / "org" / "v1" / "model.safetensors").write_bytes(b"v")
+    (cp.mirror_dir / "here.bin").write_bytes(b"h")
+    catalog = {"models": [
+        {"name": f"m{i}", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "source": src}]}
+        for i, src in enumerate(["mirror:here.bin", "mirror:org/v1/", "mirror:gone.bin", "mirror:org/v2/"])]}
+    catalog["models"].append({"name": "m9", "scaling": {"max": 1},
+                              "profiles": [{"engine": "sim", "source": "mirror:gone.bin"}]})
+    r = cp.apply(catalog)
+    assert r.status_code == 200, r.text
+    notes = [w for w in r.json()["warnings"] if "the mirror has no" in w]
+    assert notes == [
+        "m2, m9: the mirror has no 'gone.bin' (nor is it being mirrored), so a start fails until it is published: "
+        "`llmgw mirror add <url> --name gone.bin`",
+        "m3: the mirror has no 'org/v2/' (nor is it being mirrored), so a start fails until it is published: "
+        "`llmgw mirror add <url> --name org/v2/`"], r.json()["warnings"]
+    path = cp.state / "catalog.yaml"
+    path.write_text(yaml.safe_dump(catalog))
+    out = cp.ctl("apply", "-f", str(path), "--yes")  # as an operator sees them: notes
+    assert out.returncode == 0 and "  note: m2, m9: the mirror has no 'gone.bin'" in out.stdout, out
+    mirror = next(p for p in cp.procs if p.name == "mirror")
+    mirror.proc.terminate()
+    mirror.proc.wait(10)
+    r = cp.apply(catalog)
+    assert r.status_code == 200 and any("could not ask the mirror" in w for w in r.json()["warnings"]), r.json()

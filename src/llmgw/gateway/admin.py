@@ -15,6 +15,7 @@ from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.catalog.rules import apply_warnings
 from llmgw.gateway.errors import APIError, http_exception_error, json_error
 from llmgw.gateway.jsonbody import BoundedJSON
+from llmgw.gateway.mirror_check import mirror_warnings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.gateway.status_service import StatusService
 from llmgw.gateway.tenant_service import TenantService
@@ -98,7 +99,8 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             else:
                 diff = await catalog_repo.apply_catalog(conn, loaded.catalog)
         diff.notes = loaded.notes
-        diff.warnings = apply_warnings(loaded.catalog)
+        diff.warnings = apply_warnings(loaded.catalog) + await mirror_warnings(
+            loaded.catalog, temporal.settings.resolved_mirror_url)
         if not req.dry_run:
             await temporal.wake("catalog applied")
         return diff

@@ -658,6 +658,30 @@ async def test_a_whole_answer_has_its_length_and_an_http_1_0_client_can_read_it(
             assert "Transfer-Encoding" not in r.headers
 
 
+async def test_a_stream_to_an_http_1_0_client_is_not_chunked_and_ends_with_the_connection(gw):
+    """A streamed answer has no length to send ahead; to an HTTP/1.0 client (which cannot read chunked
+    bodies) it goes without `transfer-encoding`, with `connection: close`, and ends where the connection
+    does: the client reads the events as they are, through `[DONE]`."""
+    body = json.dumps({**chat("echo", "one-oh stream"), "stream": True}).encode()
+    host, port = gw.gateway.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)  # returns only once the server has closed
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    assert lines[0].startswith(b"http/1.1 200") and b"content-type: text/event-stream" in lines[1:], head
+    assert not [h for h in lines if h.startswith((b"transfer-encoding", b"content-length"))], head
+    assert b"connection: close" in lines, head
+    events = [e for e in payload.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and all(e.startswith(b"data: ") for e in events), payload[:300]
+    text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events[:-1]
+                   if json.loads(e[6:])["choices"])
+    assert "one-oh stream" in text, text
+
+
 async def test_an_engine_header_with_a_control_character_is_a_502_and_never_relayed(gw):
     """What the gateway relays from an engine's head (its content-type) is checked on the way in and again
     when the response head is written (response_head.HeadCycle): a control character is a 502 in the

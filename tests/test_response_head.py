@@ -149,3 +149,31 @@ def test_a_real_listener_offers_the_extension_and_writes_the_lines():
         assert resp.headers["x-ratelimit-remaining-tokens"] == "41"
         assert resp.headers["content-type"] == "text/plain"
     assert all(EXTENSION in ext for ext in seen) and len(seen) == 2
+
+
+def test_a_stream_to_an_http_1_0_client_ends_with_the_connection_not_chunked():
+    """A body of unknown length (a stream) to an HTTP/1.0 request: no `transfer-encoding: chunked`, which
+    such a client cannot read, but `connection: close`, the events as they are, and the connection closed
+    at the end of the body. Over HTTP/1.1 the same messages are chunked exactly as uvicorn chunks them."""
+    events = [b"data: {\"a\": 1}\n\n", b"", b"data: [DONE]\n\n"]
+
+    async def run(cls, version: str):
+        c = _cycle(cls)
+        c.scope["http_version"] = version
+        closed: list[bool] = []
+        c.transport.close = lambda: closed.append(True)
+        c.on_response = lambda: closed.append(False)
+        await c.send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i, e in enumerate(events):
+            await c.send({"type": "http.response.body", "body": e, "more_body": i < len(events) - 1})
+        with pytest.raises(RuntimeError, match="after response already completed"):
+            await c.send({"type": "http.response.body", "body": b"late"})
+        return b"".join(c.transport.out), closed, c.response_complete, c.keep_alive
+
+    raw, closed, complete, keep_alive = asyncio.run(run(HeadCycle, "1.0"))
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head and head.endswith(b"\r\nconnection: close"), head
+    assert body == b"".join(events) and complete and not keep_alive
+    assert closed == [True, False]  # the transport closed (the end of the body), then the cycle finished
+    assert asyncio.run(run(HeadCycle, "1.1"))[0] == asyncio.run(run(RequestResponseCycle, "1.1"))[0]
+    assert b"transfer-encoding: chunked" in asyncio.run(run(HeadCycle, "1.1"))[0]

@@ -15,7 +15,8 @@ writes the same bytes and keeps the same state with fewer steps:
   headers. A server that offers this says so in `scope["extensions"]["llmgw.head"]`; an app must send a
   plain `headers` list to any other (`head_lines` turns the block back into one).
 
-Everything else (the body, flow control, access logging when it is on) is uvicorn's. tests/test_response_head.py
+Everything else (the body, flow control, access logging when it is on) is uvicorn's, but for a body of
+unknown length to an HTTP/1.0 client, which ends with the connection instead of being chunked. tests/test_response_head.py
 sends the same messages through this cycle and through uvicorn's and compares the bytes and the state.
 """
 
@@ -76,12 +77,38 @@ class HeadCycle(RequestResponseCycle):
     """uvicorn's request-response cycle with the start of the response written as the module says.
 
     `send` is a plain function that returns the awaitable to await: uvicorn's own for every message but
-    the start, so a streamed answer's events cost no extra coroutine each."""
+    the start, so a streamed answer's events cost no extra coroutine each.
+
+    An answer of unknown length (a stream) to an HTTP/1.0 request is not chunked, which such a client
+    cannot read (RFC 9112 7.1: a server must not send chunked to one): its body ends where the connection
+    does (`_until_close`), as HTTP/1.0 delimits bodies."""
+
+    _until_close = False  # this answer's body is delimited by closing the connection (HTTP/1.0, no length)
 
     def send(self, message):  # type: ignore[override]
+        if self._until_close:
+            return self._body_until_close(message)
         if self.response_started or self.access_log or message["type"] != "http.response.start":
             return _send(self, message)
         return self._start(message)
+
+    async def _body_until_close(self, message) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        if self.response_complete:
+            raise RuntimeError(f"Unexpected ASGI message '{message['type']}' sent, after response already completed.")
+        if message["type"] != "http.response.body":
+            raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{message['type']}'.")
+        body = message.get("body", b"")
+        if body:
+            self.transport.write(body)
+        if not message.get("more_body", False):
+            self.response_complete = True
+            self.message_event.set()
+            self.transport.close()  # the end of the body
+            self.on_response()
 
     async def _start(self, message) -> None:
         if self.flow.write_paused and not self.disconnected:
@@ -118,9 +145,15 @@ class HeadCycle(RequestResponseCycle):
         safe = message.get(EXTENSION)
         if safe:
             content.append(safe)
+        unknown_length = self.chunked_encoding is None and self.scope["method"] != "HEAD" and status_code not in (204, 304)
+        if unknown_length and self.scope.get("http_version") == "1.0":  # ends with the connection, not chunked
+            self.chunked_encoding = False
+            self.keep_alive = False
+            self._until_close = True
+            unknown_length = False
         if not self.keep_alive and not has_connection_close:
             content.append(_CLOSE)
-        if self.chunked_encoding is None and self.scope["method"] != "HEAD" and status_code not in (204, 304):
+        if unknown_length:
             self.chunked_encoding = True  # neither content-length nor transfer-encoding given
             content.append(_CHUNKED)
         content.append(b"\r\n")

@@ -114,3 +114,15 @@ async def test_start_shard_asks_before_fetching_and_after_a_long_fetch(tmp_path,
     with pytest.raises(ApplicationError) as exc:  # the fence still refuses a late retry
         await env.run(acts.start_shard, start("rep4"))
     assert exc.value.type == "Fenced"
+
+    # The node API does not answer: nothing is fetched or launched, and the start is told to take its steps.
+    import aiohttp
+
+    from llmgw.schemas.payloads import UNREACHABLE
+
+    async def unreachable(shard_id: str, replica_id: str) -> LaunchCheckResponse:
+        raise aiohttp.ClientConnectionError("connection refused")
+    acts.agent.launch_wanted = unreachable  # type: ignore[method-assign]
+    with pytest.raises(ApplicationError) as exc:
+        await env.run(acts.start_shard, start("rep7"))
+    assert exc.value.type == UNREACHABLE and exc.value.non_retryable and acts.agent.supervisor.get("rep7-r0") is None

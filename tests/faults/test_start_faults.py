@@ -208,6 +208,37 @@ def test_a_start_whose_cancellation_never_came_is_not_launched_the_node_asks_aft
     fleet.steady(["steady"])
 
 
+def test_node_api_down_when_a_start_asks_the_start_takes_its_steps_and_launches_once(fleet, source):
+    """`llmgw server` (the gateway and its node-API child) is stopped while a replica downloads its weights,
+    so when the download completes its node cannot ask the control plane "still wanted?" over the node API.
+    The start does not fail for it: it takes its steps instead (asked through the control worker, then
+    fetch, then launch, as before issue 13), the replica becomes Ready with one launch, and serves once the
+    server is back. The replica already serving is never touched."""
+    source.hold()
+    before = fleet.serving()["steady"]
+    mu = sim_model("mu", source=source.url("mu.bin"))
+    assert fleet.cp.apply({"models": [STEADY, mu]}).status_code == 200
+    rep = only_replica(fleet, "mu", "starting")
+    assert source.served_head.wait(60), "the download never started"
+    server = fleet.proc("server")
+    server.stop()
+    try:
+        source.release()
+        agents = lambda: "\n".join(p.log() for p in fleet.cp.procs if p.name.startswith("agent"))  # noqa: E731
+        wait_until(lambda: f"could not ask the control plane whether shard {rep['id']}-r0 may start" in agents(),
+                   timeout_s=60, what="the node failing to ask", why=fleet.cp.logs)
+        wait_until(lambda: fleet.launches(rep["id"]) == 1, timeout_s=60, what="mu launched by the steps",
+                   why=fleet.cp.logs)
+    finally:
+        fleet.cp.spawn("server", "server")
+    wait_until(lambda: start_status(fleet, rep["id"]) == WorkflowExecutionStatus.COMPLETED, timeout_s=120,
+               what="mu's start completed", why=fleet.cp.logs)
+    serving = fleet.steady(["steady", "mu"], timeout_s=120)
+    assert serving["mu"][0] == rep["id"] and fleet.launches(rep["id"]) == 1
+    assert serving["steady"] == before  # the same replica, node and engine pid
+    assert [r["status"] for r in fleet.replicas("mu")] == ["ready"]  # never failed, never placed again
+
+
 def test_temporal_stopped_mid_download_resumes_and_launches_once(fleet, source):
     """Temporal is stopped while a replica downloads its weights, then started again. Serving never needed
     it (zero failed requests); the download carries on where it was, and the replica is launched once."""

@@ -27,7 +27,7 @@ from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, ShardSpec, new_api_key, reserve_port
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
-    NOT_WANTED, FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput,
+    NOT_WANTED, UNREACHABLE, FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput,
     NodeReclaimResult, OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StartShardInput,
     StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult, WaitShardReadyInput, WaitShardReadyResult,
 )
@@ -128,15 +128,21 @@ class NodeActivities:
 
     async def _still_wanted(self, la: LaunchShardInput, before: str) -> int:
         """The replica's fencing generation if the control plane says it is still `starting`; else fail the
-        activity for good with `NotWanted` (its details: the replica's status, and `before`)."""
+        activity for good with `NotWanted` (its details: the replica's status, and `before`), or with
+        `ControlPlaneUnreachable` when the node API does not answer (the start then takes its steps)."""
         try:
             ans = await self.agent.launch_wanted(la.shard_id, la.replica_id)
         except ReportRefused as exc:
             raise ApplicationError(f"node {self.agent.node_id}: the control plane refused to say whether shard "
                                    f"{la.shard_id} may start: {exc}", type="ReportRefused", non_retryable=True) from None
         except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
+            # The node API is away (its process stopped, frozen, cut off): the start takes its steps instead,
+            # which ask through the control worker and need no node API to launch (as before issue 13).
+            log.warning("could not ask the control plane whether shard %s may start (%s); the start takes its steps",
+                        la.shard_id, exc or type(exc).__name__)
             raise ApplicationError(f"node {self.agent.node_id} could not ask the control plane whether shard "
-                                   f"{la.shard_id} may start (retried): {exc}", type="ControlPlaneUnreachable") from None
+                                   f"{la.shard_id} may start: {exc or type(exc).__name__}", type=UNREACHABLE,
+                                   non_retryable=True) from None
         if not ans.wanted:
             log.warning("did not start shard %s: its replica became %s before %s", la.shard_id, ans.status, before)
             raise ApplicationError(f"replica {la.replica_id} became {ans.status} before {before}", ans.status, before,

@@ -366,6 +366,7 @@ class LaunchShardInput(_Strict):
 
 
 NOT_WANTED = "NotWanted"  # the failure type of a `start_shard` whose replica stopped being wanted while it fetched
+UNREACHABLE = "ControlPlaneUnreachable"  # ... of one whose node could not ask (the start takes its steps)
 
 
 class StartShardInput(_Strict):

@@ -90,12 +90,15 @@ class Agent:
         ctx.load_cert_chain(str(s.node_cert), str(s.node_key))
         return ctx
 
-    async def _post(self, path: str, body) -> dict:
-        """POST one body (or what `body()` builds, at send time) to the node API; one request at a time."""
+    async def _post(self, path: str, body, timeout_s: float | None = None) -> dict:
+        """POST one body (or what `body()` builds, at send time) to the node API; one request at a time.
+        `timeout_s`: this request's own limit (else the session's 10 s)."""
         assert self.http is not None
         async with self._post_lock:
             data = (body() if callable(body) else body).model_dump_json()
-            async with self.http.post(self.api + path, data=data, headers={"Content-Type": "application/json"}) as r:
+            extra = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+            async with self.http.post(self.api + path, data=data, headers={"Content-Type": "application/json"},
+                                      **extra) as r:
                 if r.status >= 400:
                     text = (await r.text())[:300]
                     if 400 <= r.status < 500 and r.status not in (408, 429):
@@ -168,15 +171,16 @@ class Agent:
                 await asyncio.sleep(0.5 * (attempt + 1))
         self.reregister = True
 
-    async def launch_wanted(self, shard_id: str, replica_id: str, attempts: int = 3) -> LaunchCheckResponse:
+    async def launch_wanted(self, shard_id: str, replica_id: str, attempts: int = 2,
+                            timeout_s: float = 3.0) -> LaunchCheckResponse:
         """Ask the control plane whether `replica_id` is still wanted (`starting`) before fetching for or
         launching its shard `shard_id`. Raises `ReportRefused` when it refuses to answer this node (not its
-        shard), and, after `attempts`, the transport's error when it cannot be reached (the activity fails
-        and is retried: nothing starts unasked)."""
+        shard), and, after `attempts` of `timeout_s` each, the transport's error when it cannot be reached
+        (nothing starts unasked: the start takes its steps, which ask through the control worker)."""
         req = LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id)
         for attempt in range(attempts):
             try:
-                return LaunchCheckResponse.model_validate(await self._post("/node/v1/launch-check", req))
+                return LaunchCheckResponse.model_validate(await self._post("/node/v1/launch-check", req, timeout_s))
             except ReportRefused:
                 raise
             except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:

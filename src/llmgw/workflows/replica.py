@@ -39,7 +39,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
-        NOT_WANTED, AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
+        NOT_WANTED, UNREACHABLE, AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
         FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, MarkReplicaInput,
         MarkReplicaResult, OpenRendezvousInput, Rendezvous, ReplicaShardsInput, ReplicaShardsResult,
         ReplicaStartInput, ReplicaStartResult, ReplicaStopInput, SettleReplicaInput, SettleReplicaResult,
@@ -173,8 +173,9 @@ class ReplicaStartWorkflow:
     async def _start_in_one_step(self, inp: ReplicaStartInput, s: ShardPlacement) -> bool:
         """Fetch and launch a single-shard replica's shard in one node activity, which asks the control plane
         "still wanted?" itself, before its fetch and after a long one (and takes the fencing generation from
-        the answer). False when its node's worker predates `start_shard` (the caller takes the two-step
-        path); raises `NotWanted` when the node found the replica no longer wanted."""
+        the answer). False when its node's worker predates `start_shard` or could not reach the node API to
+        ask (the caller takes the steps, which ask through the control worker); raises `NotWanted` when the
+        node found the replica no longer wanted."""
         self._phase = "fetching weights and launching"
         try:
             await workflow.execute_activity(
@@ -184,8 +185,10 @@ class ReplicaStartWorkflow:
             )
         except ActivityError as exc:
             cause = exc.cause
-            if isinstance(cause, ApplicationError) and cause.type == "NotFoundError":
-                workflow.logger.warning("node %s has no start_shard; fetching and launching in two steps", s.node_id)
+            if isinstance(cause, ApplicationError) and cause.type in ("NotFoundError", UNREACHABLE):
+                workflow.logger.warning("node %s %s; fetching and launching in steps", s.node_id,
+                                        "has no start_shard" if cause.type == "NotFoundError" else
+                                        "could not reach the node API to ask whether the replica is wanted")
                 return False
             if isinstance(cause, ApplicationError) and cause.type == NOT_WANTED:
                 details = [str(d) for d in cause.details]

@@ -27,7 +27,8 @@ then finds it Ready). Both versioned: `QUICK_CHECKS`; the push needs no versioni
 single-shard replica (`ONE_NODE_STEP`) is fetched and launched by one node activity, `start_shard`, with no
 workflow step before, between or after the two: the node itself asks the control plane "still wanted?"
 (over the node API) before fetching and again after a fetch that took time, so both checks stay where
-the fetch and the launch happen; a node whose worker predates it makes the start fall back to the steps.
+the fetch and the launch happen; a node whose worker predates it, or that cannot reach the node API to
+ask, makes the start fall back to the steps (which ask through the control worker).
 """
 
 from __future__ import annotations

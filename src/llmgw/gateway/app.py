@@ -71,7 +71,7 @@ class Gateway:
         self.routes.on_refresh.append(self.gates.sync)
         self.routes.on_refresh.append(self.quotas.catalog_changed)
         self.feed = ChangeFeed(settings.require_database_url(), settings.route_refresh_s)
-        self.feed.subscribe("routes", TABLES, self.routes.refresh)
+        self.feed.subscribe("routes", TABLES, self.routes.refresh, partial=True)
         self.feed.subscribe("keys", {"api_keys", "tenants"}, self.keys.refresh)
         self.temporal = LazyClient(settings)
         self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s, queued=self._queued)

@@ -68,6 +68,7 @@ class RouteTable:
         self._endpoints: dict[str, Endpoint] = {}
         self.changed = asyncio.Condition()
         self._catalog_memo = catalog_repo.CatalogMemo()  # an unchanged catalog is not parsed again per refresh
+        self._loaded = False  # a refresh has read the catalog
         self.on_refresh: list[Callable[[Catalog], None]] = []
 
     def resolve(self, name: str) -> ModelRoute | None:
@@ -97,10 +98,13 @@ class RouteTable:
             log.warning("not routing to %s: %s", key, exc)
             return None
 
-    async def refresh(self) -> None:
-        """Reload catalog and Ready replicas; keep each endpoint's counters and breaker."""
+    async def refresh(self, changed: set[str] | None = None) -> None:
+        """Reload catalog and Ready replicas; keep each endpoint's counters and breaker. `changed`: the tables
+        that changed since the last refresh (gateway/feed.py; None: unknown), so a change of replicas only
+        does not read the catalog again."""
+        reuse = changed is not None and "catalog_models" not in changed and self._loaded
         async with self.engine.connect() as conn:
-            catalog = await catalog_repo.get_catalog(conn, self._catalog_memo)
+            catalog = self.catalog if reuse else await catalog_repo.get_catalog(conn, self._catalog_memo)
             rows = await fleet_repo.routable_replicas(conn, self.unreachable_after_s)
         # The observers' ages come on every row (with no row there is nothing to judge by them).
         observer_age, pollers_age = (rows[0].observer_age_s, rows[0].pollers_age_s) if rows else (None, None)
@@ -132,6 +136,7 @@ class RouteTable:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)
         self.catalog, self.models, self.names, self._endpoints = catalog, models, names, seen
+        self._loaded = True
         self.unreachable = {m: sorted(set(ns)) for m, ns in unreachable.items()}
         for hook in self.on_refresh:
             hook(catalog)

@@ -48,7 +48,8 @@ async def test_one_statement_reads_say_what_the_separate_reads_said(database_url
             await fleet_repo.mark_replica(conn, "up", "ready", endpoint="http://127.0.0.1:9")
             [row] = await fleet_repo.routable_replicas(conn, 15.0)
             assert row.replica_id == "up" and row.observer_age_s is not None and 0.0 <= row.observer_age_s < 5
-            assert row.pollers_age_s == await fleet_repo.observer_age_s(conn, 15.0, fleet_repo.POLLERS)
+            pollers_since = await fleet_repo.observer_since(conn, 15.0, fleet_repo.POLLERS)
+            assert row.pollers_age_s == (await fleet_repo.db_now(conn) - pollers_since).total_seconds()
             # Nothing ticked within the window (now() is the same in one transaction, so a negative one): None.
             [stale] = await fleet_repo.routable_replicas(conn, -1.0)
             assert stale.observer_age_s is None and stale.pollers_age_s is None

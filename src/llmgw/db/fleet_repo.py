@@ -133,7 +133,8 @@ async def observer_seen(conn: AsyncConnection, observer_id: str) -> datetime | N
 
 async def liveness_reads(conn: AsyncConnection, fresh_s: float, window_s: float):
     """In one statement (issue 13: a pass is on the path from a request to its load): `observer_since` of
-    the node API and of the pollers, `observer_seen` of the doubt, and `recent_lost` over `window_s`."""
+    the node API and of the pollers, `observer_seen` of the doubt, and `recent_lost`: replicas that ended
+    `lost` within the last `window_s` (the teardown rate limit counts them)."""
     return (await conn.execute(select(
         _observer_since(fresh_s, NODE_API).label("node_api_since"), _observer_since(fresh_s, POLLERS).label("pollers_since"),
         _observer_seen(DOUBT).label("doubted_at"), _recent_lost(window_s).label("recent_lost")))).one()
@@ -143,19 +144,6 @@ def _observer_age(fresh_s: float, kind: str):
     """Seconds since `observer_since` as SQL (NULL when that witness cannot see now; GREATEST would
     turn that NULL into 0, so the caller clamps)."""
     return func.extract("epoch", func.now() - _observer_since(fresh_s, kind))
-
-
-async def observer_age_s(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> float | None:
-    """Seconds since `observer_since` (None when that witness cannot see now)."""
-    since = await observer_since(conn, fresh_s, kind)
-    if since is None:
-        return None
-    return max(0.0, (await db_now(conn) - since).total_seconds())
-
-
-async def recent_lost(conn: AsyncConnection, window_s: float) -> int:
-    """Replicas that ended `lost` within the last `window_s` (the teardown rate limit counts them)."""
-    return (await conn.execute(select(_recent_lost(window_s)))).scalar_one()
 
 
 # ---- replicas and shards ------------------------------------------------------------------------

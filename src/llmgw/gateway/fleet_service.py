@@ -55,9 +55,9 @@ class NodeRestricted(Exception):
     """A node reported on something that is not its own; `str()` says what (the node API answers 403)."""
 
 
-def not_its_own(node_id: str, report: ShardReport, known: fleet_repo.KnownShard | None) -> str | None:
-    """Why `node_id` may not report `report` about shard row `known` (None when it may, or when the shard is
-    unknown: that is for adoption to decide)."""
+def not_its_own(node_id: str, report: ShardReport | LaunchCheckRequest, known: fleet_repo.KnownShard | None) -> str | None:
+    """Why `node_id` may not report (or ask about) `report`'s shard, given its row `known` (None when it may,
+    or when the shard is unknown: that is for adoption to decide)."""
     if known is None:
         return None
     if known.node_id != node_id:
@@ -190,9 +190,9 @@ class FleetService:
             row = (await fleet_repo.known_shards(conn, [req.shard_id])).get(req.shard_id)
         if row is None:
             return LaunchCheckResponse(wanted=False, status="unknown")
-        if row.node_id != req.node_id or row.replica_id != req.replica_id:
-            raise NodeRestricted(f"shard {req.shard_id} is placed on node {row.node_id} for replica {row.replica_id}, "
-                                 f"not on {req.node_id} for {req.replica_id}")
+        why = not_its_own(req.node_id, req, row)
+        if why is not None:
+            raise NodeRestricted(why)
         return LaunchCheckResponse(wanted=row.replica_status == "starting", status=row.replica_status,
                                    generation=row.generation)
 

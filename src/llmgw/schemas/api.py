@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
-from llmgw.schemas.tenants import MAX_KEY_NAME_LEN, Limits, key_name_problem, tenant_name_problem
+from llmgw.schemas.tenants import KeyName, Limits, TenantName
 
 
 class _Strict(BaseModel):
@@ -230,25 +230,9 @@ class KeyCreateRequest(_Strict):
     belongs to (issue 15; None: none, and unlimited unless `limits`); `limits` the key's own, on top of
     its tenant's."""
 
-    name: str = Field("", max_length=MAX_KEY_NAME_LEN)
-    tenant: str | None = Field(None, max_length=200)
+    name: KeyName = ""
+    tenant: TenantName | None = None
     limits: Limits = Field(default_factory=Limits)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        why = key_name_problem(v)
-        if why:
-            raise ValueError(why)
-        return v
-
-    @field_validator("tenant")
-    @classmethod
-    def _tenant(cls, v: str | None) -> str | None:
-        why = tenant_name_problem(v) if v is not None else None
-        if why:
-            raise ValueError(why)
-        return v
 
 
 class KeyView(_Strict):

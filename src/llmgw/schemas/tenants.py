@@ -23,7 +23,7 @@ import unicodedata
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_TENANTS = 10_000  # the gateway holds them all in memory and labels metrics with their names
@@ -75,6 +75,20 @@ def key_name_problem(name: object) -> str | None:
     if unicodedata.normalize("NFC", name) != name:
         return f"{name[:80]!r} is not written in NFC: write {unicodedata.normalize('NFC', name)!r}"
     return None
+
+
+def _refusing(problem):
+    """A validator that refuses what `problem` finds fault with, in its words (the API names the field)."""
+    def check(value):
+        why = problem(value)
+        if why:
+            raise ValueError(why)
+        return value
+    return AfterValidator(check)
+
+
+TenantName = Annotated[str, Field(max_length=200), _refusing(tenant_name_problem)]
+KeyName = Annotated[str, Field(max_length=MAX_KEY_NAME_LEN), _refusing(key_name_problem)]
 
 
 def pattern_problem(pattern: object) -> str | None:
@@ -152,16 +166,8 @@ class TenantCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(max_length=200)
+    name: TenantName
     limits: Limits = Field(default_factory=Limits)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        why = tenant_name_problem(v)
-        if why:
-            raise ValueError(why)
-        return v
 
 
 class LimitsChange(BaseModel):

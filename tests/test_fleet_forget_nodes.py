@@ -70,6 +70,8 @@ def test_lost_nodes_are_forgotten_and_ctl_nodes_remove_forgets_one_now(control_p
     assert "node-a" not in node_ids(cp)
     [new] = cp.wait_replicas("m", exclude={rep["id"]}, timeout_s=30)
     assert new["node_id"] == "node-b"
-    old = next(r for r in cp.replicas() if r["id"] == rep["id"])
+    # The replacement's start and the lost replica's stop run side by side: either may land first.
+    old = wait_until(lambda: next((r for r in cp.replicas() if r["id"] == rep["id"] and r["status"] == "lost"), None),
+                     timeout_s=15, what="the replica on node-a marked lost")
     assert old["status"] == "lost" and "node node-a is lost" in old["ended_reason"]
     assert "node-a" not in cp.ctl("nodes").stdout

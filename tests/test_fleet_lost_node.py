@@ -77,7 +77,9 @@ def test_a_lost_nodes_replicas_move_while_an_unaffected_model_keeps_serving(cont
         [new] = cp.wait_replicas("moving", exclude={moving["id"]}, timeout_s=LOST_S + 30)
         assert time.monotonic() - killed_at >= LOST_S
         assert new["node_id"] == "node-b"
-        old = next(r for r in cp.replicas() if r["id"] == moving["id"])
+        # The replacement's start and the lost replica's stop run side by side: either may land first.
+        old = wait_until(lambda: next((r for r in cp.replicas() if r["id"] == moving["id"] and r["status"] == "lost"), None),
+                         timeout_s=15, what="the replica on node-a marked lost")
         assert old["status"] == "lost" and "node node-a is lost" in old["ended_reason"]
         wait_until(lambda: chat(cp, "moving") == 200, timeout_s=15, what="moving serving again")
         placed = next(r for r in cp.explain("moving")["replicas"] if r["id"] == new["id"])["reason"]

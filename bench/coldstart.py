@@ -8,7 +8,10 @@ database (demand, placement and ready times), the replica's start workflow histo
 readiness) and the client (first token). Interleaved with the requests, the sim engine is started on its
 own N times (spawn -> /health 200), which is what no orchestration can remove.
 
-    .venv/bin/python bench/coldstart.py [--runs 15]
+    .venv/bin/python bench/coldstart.py [--runs 15] [--dynamic-config KEY=VALUE ...]
+
+`--dynamic-config` passes a Temporal server setting to this run's dev server (for example
+`system.enableActivityEagerExecution=true`), to compare it against a run with the defaults.
 
 Orchestration overhead = total - the engine's own start. Prints a table of p50/p90 per phase.
 """
@@ -198,10 +201,16 @@ async def workflow_times(temporal: str, namespace: str, replica_id: str) -> tupl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--dynamic-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Temporal server setting for this run (repeatable), to compare one against the default")
     args = ap.parse_args()
+    if any("=" not in kv for kv in args.dynamic_config):
+        ap.error("--dynamic-config takes KEY=VALUE, e.g. system.enableActivityEagerExecution=true")
+    dyn = dict(kv.split("=", 1) for kv in args.dynamic_config)
     root = Path(tempfile.mkdtemp(prefix="llmgw-bench-cold-"))
     pg = EmbeddedPostgres(root / "pg", free_port(), root / "pg.log", database="bench", durable=False)
-    temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log", namespaces=["bench"])
+    temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log", namespaces=["bench"],
+                                  dynamic_config=dyn)
     cp = None
     try:
         pg.start()
@@ -256,7 +265,7 @@ def main() -> None:
         for k in max(details, key=len):
             xs = [d[k] for d in details if k in d]
             print(f"{k:<32}{pct(xs, 0.5) * 1000:>10.1f}{pct(xs, 0.9) * 1000:>10.1f}")
-        print(f"\n{datetime.now():%Y-%m-%d %H:%M}, {args.runs} runs, load average "
+        print(f"\n{datetime.now():%Y-%m-%d %H:%M}, {args.runs} runs, server settings {dyn or 'default'}, load average "
               f"{open('/proc/loadavg').read().split()[0]}")
     finally:
         if cp is not None:

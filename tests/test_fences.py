@@ -14,6 +14,15 @@ from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import FetchWeightsInput, LaunchShardInput, StopShardInput
 from llmgw.workers.agent import Agent
 from llmgw.workers.fences import FENCE_ALL, Fences
+from tests.helpers import sweep_engines
+
+
+@pytest.fixture(autouse=True)
+def no_engine_left(tmp_path):
+    """Every engine a test here launched is killed when it ends, passed or failed (they run in sessions of
+    their own, so nothing else would: one outlived a CI run)."""
+    yield
+    sweep_engines(tmp_path)
 
 
 def agent(tmp_path) -> Agent:
@@ -110,6 +119,7 @@ async def test_start_shard_asks_before_fetching_and_after_a_long_fetch(tmp_path,
     acts.agent.fences.record("rep6", 4)
     answers["rep6"] = []
     assert (await env.run(acts.start_shard, start("rep6"))).pid > 0
+    await env.run(acts.stop_shard, StopShardInput(shard_id="rep6-r0", replica_id="rep6", generation=5))
     await env.run(acts.stop_shard, StopShardInput(shard_id="rep4-r0", replica_id="rep4", generation=5))
     with pytest.raises(ApplicationError) as exc:  # the fence still refuses a late retry
         await env.run(acts.start_shard, start("rep4"))

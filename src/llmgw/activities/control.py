@@ -76,7 +76,9 @@ class ControlActivities:
                 states = await catalog_repo.model_states(conn)
                 reps = await fleet_repo.active_replicas_with_shards(conn)
                 ages, pollers_error = await pollers
-                now = await fleet_repo.db_now(conn)  # after the pollers were read: their ages end here
+                # The transaction's start (`now()`), a few ms before the pollers answered: their ages are
+                # counted back from it, so a kept `polled_at` is that much older (ms, against thresholds of seconds).
+                now = await fleet_repo.db_now(conn)
                 facts = await record_and_read_liveness(conn, now, ages, pollers_error, self.settings)
                 nodes = await fleet_repo.list_nodes(conn)  # with the `polled_at` just kept
         finally:

@@ -9,6 +9,7 @@ import ssl
 import time
 
 import httpx
+import psutil
 import psycopg
 import pytest
 
@@ -44,10 +45,47 @@ def test_agents_that_stop_their_engines_on_exit_take_their_replicas_out_at_once(
                what="both replicas ended once the agents reported their stops", why=cp.logs)
     assert time.monotonic() - stopped < 15  # LLMGW_NODE_UNREACHABLE_AFTER_S: not judged by silence
     failure = next(r for r in cp.replicas() if r["id"] == one["id"])["failure"]
-    assert "stopped shard" in failure and "its agent stopped its engines" in failure, failure
+    assert "left: its agent stopped its engines" in failure, failure
     listed = cp.ctl("replicas").stdout
     assert not any(line.startswith(rid[:8]) and " ready " in line for rid in (big["id"], one["id"])
                    for line in listed.splitlines()), listed
+
+
+def test_an_agent_that_leaves_makes_its_node_unreachable_at_once_and_its_replicas_lost_by_its_exit(control_plane):
+    """The rank-1 node of a TP8 replica has its agent stopped (SIGTERM, --stop-engines-on-exit). It says
+    goodbye before it stops its engines: the replica ends `lost` for that node's exit (not `failed` by
+    rank 0, which loses its partner), the node is Unreachable within seconds (its pollers alone would look
+    fresh for a minute), the replacement goes to the two other nodes and never to the one that left, and
+    the node is ready again once its agent registers again."""
+    cp = control_plane.start()
+    for n in ("node-a", "node-b", "node-c"):
+        cp.agent(n, simulate=sim_spec(gpus=4, fabric="ib-a"))
+    cp.wait_nodes("node-a", "node-b", "node-c")
+    assert cp.apply(TP8).status_code == 200
+    [big] = cp.wait_replicas("big", timeout_s=90)
+    rank0 = next(s["node_id"] for s in big["shards"] if s["rank"] == 0)
+    leaving = next(s["node_id"] for s in big["shards"] if s["rank"] == 1)
+    pid0 = cp.shard_pid(rank0, f"{big['id']}-r0")
+    stopped = time.monotonic()
+    assert next(p for p in cp.procs if p.name == f"agent-{leaving}").stop() == 0
+
+    def node(node_id: str) -> dict:
+        return next(n for n in httpx.get(cp.admin + "/admin/v1/nodes", timeout=10).json() if n["id"] == node_id)
+    ended = wait_until(lambda: next((r for r in cp.replicas() if r["id"] == big["id"]
+                                     and r["status"] in ("lost", "failed")), None), timeout_s=10,
+                       what="the TP8 replica ended", why=cp.logs)
+    assert ended["status"] == "lost" and f"node {leaving} left" in ended["failure"], ended
+    wait_until(lambda: node(leaving)["status"] == "unreachable", timeout_s=5, what=f"{leaving} unreachable")
+    assert time.monotonic() - stopped < 10  # LLMGW_NODE_UNREACHABLE_AFTER_S is 15: not judged by silence
+    assert "its agent left" in cp.ctl("nodes").stdout
+    [new] = cp.wait_replicas("big", exclude={big["id"]}, timeout_s=60)
+    assert {s["node_id"] for s in new["shards"]} == {"node-a", "node-b", "node-c"} - {leaving}
+    wait_until(lambda: not psutil.pid_exists(pid0) or psutil.Process(pid0).status() == psutil.STATUS_ZOMBIE,
+               timeout_s=15, what="the old rank 0 stopped")
+
+    cp.agent(leaving, name=f"agent-{leaving}-again", simulate=sim_spec(gpus=4, fabric="ib-a"))
+    wait_until(lambda: node(leaving)["status"] == "ready", timeout_s=30, what=f"{leaving} ready again once registered")
+    assert "its agent left" not in cp.ctl("nodes").stdout
 
 
 def node_client(cp, node_id: str) -> httpx.Client:

@@ -154,3 +154,22 @@ def test_only_nodes_judged_lost_by_both_witnesses_are_forgotten():
     assert forgettable(heard, LOST) == []
     blind = fleet_snapshot(["a", "b"], [], [replica("r1", "m", [("a", [0])])])  # the observer is doubted
     assert forgettable(blind, LOST) == []
+
+
+def test_a_node_whose_agent_left_is_unreachable_at_once_and_nothing_is_placed_there():
+    """Its witnesses still look fresh (the pollers' grace alone is a minute), but its agent said goodbye:
+    Unreachable, nothing placed on it, and why in words. Lost still takes both witnesses' silence."""
+    left = fleet_snapshot([], ["a", "b"])
+    left.nodes[0] = left.nodes[0].model_copy(update={"left_at": NOW - timedelta(seconds=3)})
+    plan = plan_pass(left)
+    assert plan.node_status == {"a": "unreachable", "b": "ready"}
+    [placed] = plan.of_kind("place")
+    assert {s.node_id for s in placed.shards} == {"b"}
+    from llmgw.placement.liveness import fleet_liveness
+    assert fleet_liveness(left).nodes["a"].describe().startswith("its agent left 3s ago")
+    # Registered again (left_at cleared): ready as before.
+    assert plan_pass(fleet_snapshot([], ["a", "b"])).node_status == {"a": "ready", "b": "ready"}
+    # Silent as well, for longer than lost_after_s: lost, as any silent node.
+    gone = fleet_snapshot(["a"], ["b"])
+    gone.nodes[0] = gone.nodes[0].model_copy(update={"left_at": NOW - timedelta(seconds=1000)})
+    assert plan_pass(gone).node_status == {"a": "lost", "b": "ready"}

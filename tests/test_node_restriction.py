@@ -254,3 +254,36 @@ def test_launch_check_answers_a_node_about_its_own_shards_only(server):
         assert "rep-lc-r0 is placed on node lc-a" in r.json()["error"]["message"]
         r = b.post("/node/v1/launch-check", json={"node_id": "lc-b", "shard_id": "rep-lc-r0", "replica_id": "other"})
         assert r.status_code == 403
+
+
+# ---- a node's goodbye (its agent stops its engines on exit) ----------------------------------------
+
+def test_a_node_may_say_goodbye_only_for_itself_and_only_for_its_current_boot(server):
+    """`POST /node/v1/leave`: a node cannot make another node leave (403 for another node's name), a
+    goodbye from a boot that is not the registered one changes nothing (a late one from before a restart),
+    oversized or unknown fields are 422, and the node's own goodbye loses its replicas and marks it left
+    until it registers again."""
+    with node_client(server, "lv-a") as a, node_client(server, "lv-b") as b:
+        assert register(a, "lv-a", shard("rep-lv"))["adopted"] == ["rep-lv-r0"]
+        register(b, "lv-b")
+        r = b.post("/node/v1/leave", json={"node_id": "lv-a", "boot_id": "b1"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "node_identity"
+        for body in ({"node_id": "lv-a", "boot_id": "x" * 5000}, {"node_id": "lv-a"},
+                     {"node_id": "lv-a", "boot_id": "b1", "shards": ["rep-lv-r0"]}):
+            assert a.post("/node/v1/leave", json=body).status_code == 422, body
+        r = a.post("/node/v1/leave", json={"node_id": "lv-a", "boot_id": "an-old-boot"})
+        assert r.status_code == 200 and r.json() == {"known": False, "lost": []}
+
+        def rep() -> dict:
+            return next(x for x in httpx.get(server.admin + "/admin/v1/replicas?all=true", timeout=10).json()
+                        if x["id"] == "rep-lv")
+
+        def node(node_id: str) -> dict:
+            return next(n for n in httpx.get(server.admin + "/admin/v1/nodes", timeout=10).json() if n["id"] == node_id)
+        assert rep()["status"] == "ready" and node("lv-a")["status"] == "ready"
+        r = a.post("/node/v1/leave", json={"node_id": "lv-a", "boot_id": "b1"})
+        assert r.status_code == 200 and r.json() == {"known": True, "lost": ["rep-lv"]}, r.text
+        assert rep()["status"] == "lost" and "node lv-a left" in rep()["failure"]
+        assert node("lv-a")["status"] == "unreachable" and node("lv-b")["status"] == "ready"
+        register(a, "lv-a")
+        assert node("lv-a")["status"] == "ready"

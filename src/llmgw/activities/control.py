@@ -88,7 +88,7 @@ class ControlActivities:
             liveness=facts, start_budget_s=self.settings.start_budget_s,
             models=catalog.models, model_states=states,
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
-                            inventory=n.inventory) for n in nodes],
+                            inventory=n.inventory, left_at=n.left_at) for n in nodes],
             replicas=[
                 ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
                             created_at=r["created_at"], updated_at=r["updated_at"], settled=r["settled_at"] is not None,

@@ -38,9 +38,24 @@ async def upsert_node(conn: AsyncConnection, node_id: str, boot_id: str, invento
     stmt = insert(nodes).values(id=node_id, boot_id=boot_id, inventory=inv)
     await conn.execute(stmt.on_conflict_do_update(
         index_elements=[nodes.c.id],
-        set_={"boot_id": boot_id, "inventory": inv, "registered_at": func.now(), "last_heartbeat": func.now()},
+        set_={"boot_id": boot_id, "inventory": inv, "registered_at": func.now(), "last_heartbeat": func.now(),
+              "left_at": None},
     ))
     return prev.boot_id if prev else None
+
+
+async def leave_node(conn: AsyncConnection, node_id: str, boot_id: str) -> list[str] | None:
+    """The node's agent is leaving (it stops its engines as it exits): keep when (`left_at`, cleared by its
+    next registration) and return the replicas with a shard on it that have not ended, for the caller to
+    mark lost. None when this boot is not the node's registered one (a late goodbye from an old boot
+    changes nothing)."""
+    res = await conn.execute(update(nodes).where(and_(nodes.c.id == node_id, nodes.c.boot_id == boot_id))
+                             .values(left_at=func.now()).returning(nodes.c.id))
+    if res.first() is None:
+        return None
+    q = (select(replicas.c.id).distinct().join(shards, shards.c.replica_id == replicas.c.id)
+         .where(and_(shards.c.node_id == node_id, replicas.c.status.not_in(ENDED_STATUSES))).order_by(replicas.c.id))
+    return list((await conn.execute(q)).scalars())
 
 
 async def heartbeat(conn: AsyncConnection, node_id: str, boot_id: str, inventory: Inventory | None = None) -> bool:
@@ -65,6 +80,7 @@ class NodeRow:
     polled_at: datetime | None = None  # its worker last seen polling node/<id> (the second witness)
     poll_age_s: float | None = None
     registered_at: datetime | None = None  # its latest registration (the node worker's start)
+    left_at: datetime | None = None  # its agent said it was leaving, since its latest registration
 
 
 async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
@@ -72,7 +88,8 @@ async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
     rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
     return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age),
-                    r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at) for r in rows]
+                    r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at)
+            for r in rows]
 
 
 async def set_polled(conn: AsyncConnection, polled: dict[str, datetime]) -> None:

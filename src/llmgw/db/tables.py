@@ -37,6 +37,7 @@ nodes = Table(
     Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_heartbeat", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("polled_at", DateTime(timezone=True)),  # its worker last seen polling node/<id> (0005)
+    Column("left_at", DateTime(timezone=True)),  # its agent said it was leaving; cleared on registering (0007)
 )
 
 # One row per node-API process, ticked while it runs: when the control plane could receive heartbeats (0005).

@@ -53,7 +53,8 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             liveness=facts.model_copy(update={
                 "observer_since": seen.node_api_since, "pollers_since": seen.pollers_since,
                 "doubted_at": seen.doubted_at}),
-            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at) for n in rows],
+            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
+                            left_at=n.left_at) for n in rows],
             replicas=[ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
                                   shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"]) for s in shards])
                       for r, shards in reps])

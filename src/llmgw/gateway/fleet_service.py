@@ -40,8 +40,8 @@ from llmgw.db import catalog_repo, fleet_repo
 from llmgw.db.tables import ENDED_STATUSES
 from llmgw.engines.exits import describe_exit
 from llmgw.schemas.api import (
-    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, RegisterRequest, RegisterResponse,
-    ShardStatusRequest,
+    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
+    RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.inventory import ShardReport
@@ -175,6 +175,25 @@ class FleetService:
             log.warning("node %s no longer runs replicas %s; marked failed", req.node_id, ", ".join(gone))
             await self.temporal.wake(f"node {req.node_id} no longer runs {', '.join(gone)}")
         return HeartbeatResponse(ok=known, reregister=not known)
+
+    async def leave(self, req: LeaveRequest) -> LeaveResponse:
+        """The node's agent is leaving and stops its engines on the way out: the node is Unreachable from
+        now until it registers again (nothing is placed on it), and every replica with a shard on it that
+        has not ended is lost, for this cause, before a peer rank elsewhere can fail it for another."""
+        lost: list[str] = []
+        async with self.engine.begin() as conn:
+            replica_ids = await fleet_repo.leave_node(conn, req.node_id, req.boot_id)
+            for replica_id in replica_ids or []:
+                applied, _ = await fleet_repo.mark_replica(
+                    conn, replica_id, "lost", failure=f"node {req.node_id} left: its agent stopped its engines as it exited")
+                if applied:
+                    lost.append(replica_id)
+        if replica_ids is None:
+            return LeaveResponse(known=False)
+        log.warning("node %s left (its agent is stopping its engines)%s", req.node_id,
+                    f"; replicas {', '.join(lost)} marked lost" if lost else "")
+        await self.temporal.wake(f"node {req.node_id} left")
+        return LeaveResponse(known=True, lost=lost)
 
     async def _endpoint_refusal(self, report: ShardReport, node: NodeAddresses) -> str | None:
         if not report.endpoint:

@@ -1,4 +1,5 @@
-"""The node API (:8443): node workers register, heartbeat and report shard transitions here.
+"""The node API (:8443): node workers register, heartbeat, report shard transitions, ask "still wanted?"
+before a launch, and say when they leave, here.
 
 With mutual TLS (the default in `llmgw dev` and whenever certificates are configured) the TLS handshake
 proves the client holds a certificate from llmgw's CA, and every request's `node_id` must equal that
@@ -17,8 +18,8 @@ from llmgw.gateway.errors import APIError, json_error
 from llmgw.gateway.fleet_service import FleetService, NodeRestricted
 from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.schemas.api import (
-    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, RegisterRequest, RegisterResponse,
-    ShardStatusRequest,
+    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
+    RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
 from llmgw.security.node_address import NodeAddresses
 
@@ -85,5 +86,10 @@ def create_node_api(fleet: FleetService, require_identity: bool):
     async def launch_check(req: LaunchCheckRequest, request: Request) -> LaunchCheckResponse:
         check_identity(request, req.node_id, require_identity)
         return await fleet.launch_check(req)
+
+    @app.post("/node/v1/leave", response_model=LeaveResponse)
+    async def leave(req: LeaveRequest, request: Request) -> LeaveResponse:
+        check_identity(request, req.node_id, require_identity)
+        return await fleet.leave(req)
 
     return BoundedJSON(app)

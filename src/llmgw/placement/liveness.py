@@ -20,6 +20,9 @@ The rules, and where they come from:
   last must not be lost for being last. Nodes that count: every node that answers, every silent one that holds a replica, and
   every empty silent one that went silent no more than `lost_after_s` before the longest-silent node that
   holds one (an empty node gone for days says nothing about today's silence).
+- **A goodbye is believed.** A node whose agent said it was leaving (`left_at`, the agent stopping its
+  engines on exit) is Unreachable at once rather than after the witnesses' silence (the pollers' grace
+  alone is a minute): nothing is placed on it until it registers again. Lost still needs the silence.
 - **Teardown is rate-limited**: at most `lost_teardown_limit` replicas of lost nodes per
   `lost_teardown_window_s`; the rest wait for a later pass, and say so.
 
@@ -49,6 +52,7 @@ class NodeLiveness:
     heartbeat_silent_s: float | None = None
     poller_silent_s: float | None = None
     held: str | None = None
+    left_s: float | None = None  # seconds since its agent said it was leaving (None: it did not)
 
     def describe(self) -> str:
         def one(name: str, s: float | None, blind: str) -> str:
@@ -59,6 +63,8 @@ class NodeLiveness:
             return f"{name} silent {s:.0f}s" if s > 0 else f"{name} fresh"
         text = ", ".join([one("heartbeats", self.heartbeat_silent_s, "not observable"),
                           one("pollers", self.poller_silent_s, "not readable")])
+        if self.left_s is not None:
+            text = f"its agent left {self.left_s:.0f}s ago (stopping its engines); " + text
         return text + (f"; {self.held}" if self.held else "")
 
 
@@ -120,9 +126,15 @@ def fleet_liveness(snapshot: Snapshot) -> FleetLiveness:
         out.notes.append(f"the pollers on node queues could not be read ({facts.pollers_error}): "
                          "no node is judged silent without them")
     for n in snapshot.nodes:
-        out.nodes[n.id] = witness_status(_age(now, n.last_heartbeat), _age(now, n.polled_at), observer_age,
-                                         pollers_age, snapshot.unreachable_after_s,
-                                         snapshot.lost_after_s, facts.poller_grace_s)
+        seen = out.nodes[n.id] = witness_status(_age(now, n.last_heartbeat), _age(now, n.polled_at), observer_age,
+                                                pollers_age, snapshot.unreachable_after_s,
+                                                snapshot.lost_after_s, facts.poller_grace_s)
+        if n.left_at is not None:
+            # Its agent said goodbye (and stopped its engines): nothing goes there until it registers again.
+            # Lost still takes both witnesses' silence, as for any node.
+            seen.left_s = _age(now, n.left_at)
+            if seen.status == "ready":
+                seen.status = "unreachable"
     holding = {s.node_id for r in snapshot.replicas if r.status in HOLDING for s in r.shards}
     out.blind = blind_observer(out.nodes, holding, snapshot.lost_after_s, facts)
     if out.blind:

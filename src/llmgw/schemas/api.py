@@ -62,6 +62,20 @@ class LaunchCheckRequest(_Strict):
     replica_id: str = Field(max_length=200)
 
 
+class LeaveRequest(_Strict):
+    """A node's agent is leaving and stops its engines as it goes (`--stop-engines-on-exit`): sent before
+    it stops them, so their replicas end as lost (not as failed by a peer rank that lost its partner) and
+    nothing more is placed on the node until it registers again."""
+
+    node_id: str = Field(max_length=253)
+    boot_id: str = Field(max_length=200)
+
+
+class LeaveResponse(_Strict):
+    known: bool  # this boot is the node's registered one (else nothing changed)
+    lost: list[str] = Field(default_factory=list)  # the replicas marked lost
+
+
 class LaunchCheckResponse(_Strict):
     wanted: bool
     status: str  # the replica's status ("unknown" when the control plane has no such shard)

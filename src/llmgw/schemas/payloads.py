@@ -47,6 +47,7 @@ class NodeSnap(_Strict):
     last_heartbeat: datetime | None = None
     polled_at: datetime | None = None  # its worker last seen beginning a poll on node/<id> (Temporal)
     inventory: Inventory = Field(default_factory=Inventory)
+    left_at: datetime | None = None  # its agent said it was leaving (since it last registered): unreachable
 
 
 class ShardPlacement(_Strict):

@@ -4,8 +4,9 @@ It discovers the hardware, registers with the control plane over the node API (i
 it runs, none included), heartbeats, and polls its own Temporal task queue `node/<node_id>` for node
 activities (fetch, launch, readiness, drain, stop). It supervises engine processes and reports every
 transition, with the tail of the engine's output on failure. Engines keep running when the worker
-exits (a restarted worker adopts them) unless it was started with `stop_engines_on_exit`; then it reports
-each stop before it exits, so their replicas leave routing at once.
+exits (a restarted worker adopts them) unless it was started with `stop_engines_on_exit`; then it says it
+is leaving (`/node/v1/leave`: its replicas lost, the node Unreachable until it registers again) and
+reports each stop before it exits, so their replicas leave routing at once.
 
 Requests to the node API go one at a time, each built when it is sent: a heartbeat lists the shards running
 when it was built, and the control plane receives it before any later report, so a shard missing from a
@@ -28,8 +29,8 @@ from llmgw.engines.base import EngineError
 from llmgw.engines.exits import UNKNOWN_EXIT, describe_exit
 from llmgw.engines.registry import Engines
 from llmgw.schemas.api import (
-    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, RegisterRequest, RegisterResponse,
-    ShardStatusRequest,
+    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
+    RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
 from llmgw.schemas.inventory import DownloadProgress, ShardReport
 from llmgw.schemas.simulate import SimulatedNode
@@ -188,6 +189,23 @@ class Agent:
                 await asyncio.sleep(0.2 * (attempt + 1))
         return LaunchCheckResponse.model_validate(await self._post("/node/v1/launch-check", req, timeout_s))
 
+    async def leave(self, attempts: int = 2, timeout_s: float = 3.0) -> None:
+        """Tell the control plane this node is leaving (`POST /node/v1/leave`); logged, never raised."""
+        req = LeaveRequest(node_id=self.node_id, boot_id=self.boot_id)
+        for attempt in range(attempts):
+            try:
+                resp = LeaveResponse.model_validate(await self._post("/node/v1/leave", req, timeout_s))
+                log.info("told the control plane this node is leaving%s", f"; replicas {', '.join(resp.lost)} lost"
+                         if resp.lost else "" if resp.known else " (it did not know this boot)")
+                return
+            except ReportRefused as exc:
+                log.error("the control plane refused this node's goodbye: %s", exc)
+                return
+            except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
+                log.warning("saying goodbye to the control plane failed (%s)%s", exc,
+                            "; retrying" if attempt + 1 < attempts else "")
+                await asyncio.sleep(0.2)
+
     async def report_stopped(self, shard_id: str, attempts: int = 5) -> None:
         replica_id, _, rank = shard_id.rpartition("-r")
         try:
@@ -241,10 +259,14 @@ class Agent:
                 delay = min(delay * 2, self.settings.reconnect_max_s)
 
     async def _stop_engines(self) -> None:
-        """Stop every engine and report each stop before exiting: its replica leaves routing now, rather
-        than when the node is judged silent (issue 9). Reports are tried twice, briefly; a control plane
-        that does not answer learns it from the next registration instead."""
+        """Say the node is leaving, then stop every engine and report each stop before exiting: its replicas
+        leave routing now, rather than when the node is judged silent (issue 9), they end as lost by this
+        node's exit (a peer rank on another node, losing its partner, would otherwise fail them first with
+        its own exit), and nothing more is placed here until the node registers again. Each request is
+        tried twice, briefly; a control plane that does not answer learns it from the next registration."""
         ids = list(self.supervisor.shards)
+        if self.http is not None:
+            await self.leave()
         log.info("stopping %d engine(s)", len(ids))
         await self.supervisor.stop_all()
         if self.http is not None:

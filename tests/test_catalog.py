@@ -105,7 +105,8 @@ def test_scaling_semantics():
     assert scaling({"min": 0, "max": 0}).off
     assert scaling(None).off  # no stanza: off, never on demand
     assert scaling({"min": 0, "max": 1, "idle_timeout": "5m"}).idle_timeout == 300
-    assert "max (0) is below min (1)" in refused(one({"engine": "sim"}, scaling={"min": 1, "max": 0}))
+    said = refused(one({"engine": "sim"}, scaling={"min": 1, "max": 0}))
+    assert "max (0) is below min (1)" in said and "min: 0, max: 0 to switch the model off" in said
     assert "scaling.idle_timeout" in refused(one({"engine": "sim"}, scaling={"max": 1, "idle_timeout": "soon"}))
 
 

@@ -54,7 +54,10 @@ def source(engine: str) -> dict:
     ("vllm", ["--compilation-config.inductor_passes", "x"], "dotted JSON arguments are not accepted"),
     ("vllm", ["--served_model_name", "x"], "--served-model-name is set by the node worker"),
     ("vllm", ["--", "--trust-remote-code"], "a bare `--`"),
-    ("llamacpp", ["-c", "4096"], "write the long form"),
+    ("llamacpp", ["-c", "4096"], "write the long form (--ctx-size)"),
+    ("llamacpp", ["-np", "4"], "write the long form (--parallel)"),
+    ("vllm", ["-q", "awq"], "write the long form (--quantization)"),
+    ("sglang", ["-x", "1"], "write the long form (--name)"),
     ("llamacpp", ["--ctx-size=4096"], "does not read --flag=value"),
     ("sglang", ["--enable-custom-logit-processor"], "clients could send code"),
 ])

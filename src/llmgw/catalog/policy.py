@@ -225,6 +225,16 @@ def rules_for(engine: str) -> EngineRules:
         raise PolicyError(f"unknown engine {engine!r} (known: {', '.join(sorted(RULES))})") from None
 
 
+# Short flags people copy from engines' READMEs, and the long form the advice names (llama.cpp's `arg.cpp`,
+# vLLM's and SGLang's argument parsers); any other short flag gets the general advice.
+SHORT_FLAGS: dict[str, dict[str, str]] = {
+    "llamacpp": {"-c": "--ctx-size", "-np": "--parallel", "-t": "--threads", "-tb": "--threads-batch",
+                 "-b": "--batch-size", "-ub": "--ubatch-size", "-fa": "--flash-attn", "-n": "--n-predict",
+                 "-ctk": "--cache-type-k", "-ctv": "--cache-type-v", "-s": "--seed"},
+    "vllm": {"-q": "--quantization"},
+}
+
+
 def read_flag(arg: str, rules: EngineRules) -> str | None:
     """The flag `arg` is to `rules.engine`'s parser, normalised as that parser normalises it; None for a
     value. Raises `PolicyError` for a form the policy does not accept (short flags, `--`, `=` where the
@@ -234,7 +244,9 @@ def read_flag(arg: str, rules: EngineRules) -> str | None:
     if arg == "--":
         raise PolicyError("args: a bare `--` ends the engine's options; remove it")
     if not arg.startswith("--"):
-        raise PolicyError(f"args: short flags such as {arg!r} are not accepted; write the long form (--name)")
+        long = SHORT_FLAGS.get(rules.engine, {}).get(arg)
+        raise PolicyError(f"args: short flags such as {arg!r} are not accepted; write the long form "
+                          + (f"({long})" if long else "(--name)"))
     name = arg
     if "=" in arg:
         if not rules.split_equals:

@@ -81,7 +81,8 @@ class Scaling(_Strict):
     @model_validator(mode="after")
     def _bounds(self) -> "Scaling":
         if self.max < self.min:
-            raise ValueError(f"max ({self.max}) is below min ({self.min}); write max >= min, or max: 0 to switch the model off")
+            raise ValueError(f"max ({self.max}) is below min ({self.min}); write max >= min, or min: 0, max: 0 to "
+                             "switch the model off")
         return self
 
     @property

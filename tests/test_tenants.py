@@ -368,7 +368,7 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
     for name in ("Team-A", "ｔｅａｍ", " team", "team\n", "", "-x", "a" * 64, "a/b", "tеam", "x" * 5000, 7, None):
         err = refused(admin(cp, "POST", "/admin/v1/tenants", {"name": name}), 400, "name")
         if name == "Team-A":
-            assert "write 'team-a'" in err["message"]
+            assert "write 'team-a'" in err["message"] and "Value error" not in err["message"], err
     for limits, field in BAD_LIMITS:
         refused(admin(cp, "POST", "/admin/v1/tenants", {"name": "abuse", "limits": limits}), 400, field)
     r = httpx.post(cp.admin + "/admin/v1/tenants", content=b'{"name": "abuse", "limits": {"rpm": 1' + b"0" * 30 + b"}}",

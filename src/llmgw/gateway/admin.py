@@ -80,7 +80,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         fields = [".".join(str(p) for p in e["loc"][1:]) for e in exc.errors()]
-        problems = [f"{f}: {e['msg']}" for f, e in zip(fields, exc.errors())]
+        problems = [f"{f}: {e['msg'].removeprefix('Value error, ')}" for f, e in zip(fields, exc.errors())]
         return JSONResponse(status_code=400, content={"error": {"message": "; ".join(problems),
                                                                 "type": "invalid_request_error",
                                                                 "param": fields[0] if fields else None,

@@ -41,16 +41,24 @@ def set_(key_id: str, rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens
     typer.echo(f"key {k['id']}: {limits_text(k['limits'])}")
 
 
+def own_limits_text(k: dict) -> str:
+    """A key's own limits; with none, what binds it: its tenant's (`ctl tenants list`) or nothing."""
+    own = k.get("limits") or {}
+    if any(v is not None for v in own.values()):
+        return limits_text(own)
+    return f"none (tenant {k['tenant']}'s apply)" if k.get("tenant") else "unlimited"
+
+
 def _keys_table(keys: list[dict], now: datetime, wide: bool):
     cols = ["ID", "PREFIX", "NAME", "TENANT", "STATUS", "AGE"]
     if wide:
-        cols += ["LIMITS", "CREATED", "REVOKED"]
+        cols += ["OWN LIMITS", "CREATED", "REVOKED"]
     rows = []
     for k in keys:
         state = f"revoked {age(k['revoked_at'], now)} ago" if k["revoked_at"] else "active"
         row = [k["id"], k["prefix"] + "...", k["name"] or "-", k.get("tenant") or "-", state, age(k["created_at"], now)]
         if wide:
-            row += [limits_text(k.get("limits") or {}), k["created_at"], k["revoked_at"] or "-"]
+            row += [own_limits_text(k), k["created_at"], k["revoked_at"] or "-"]
         rows.append(row)
     return table(cols, rows)
 

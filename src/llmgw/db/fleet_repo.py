@@ -53,9 +53,7 @@ async def leave_node(conn: AsyncConnection, node_id: str, boot_id: str) -> list[
                              .values(left_at=func.now()).returning(nodes.c.id))
     if res.first() is None:
         return None
-    q = (select(replicas.c.id).distinct().join(shards, shards.c.replica_id == replicas.c.id)
-         .where(and_(shards.c.node_id == node_id, replicas.c.status.not_in(ENDED_STATUSES))).order_by(replicas.c.id))
-    return list((await conn.execute(q)).scalars())
+    return sorted({row["replica_id"] for row in await shards_on_node(conn, node_id)})
 
 
 async def heartbeat(conn: AsyncConnection, node_id: str, boot_id: str, inventory: Inventory | None = None) -> bool:

@@ -87,3 +87,34 @@ def test_plan_pass_places_on_load_and_drains_the_newest_when_it_falls():
                      states=[load(in_flight=1)])
     [stop] = plan_pass(quiet).of_kind("stop")
     assert stop.replica_id == "new" and stop.drain
+
+
+def test_an_on_demand_model_whose_start_failed_waits_for_a_request_since_the_failure():
+    od = m(min=0, max=1)
+    asked = NOW - timedelta(seconds=30)
+    failed = NOW - timedelta(seconds=20)
+    # Asked for 30 s ago, and its start failed 20 s later: that demand is spent, well within idle_timeout.
+    spent = ModelState(name="m", demand_at=asked, failed_at=failed, failures=1)
+    w = wanted(od, spent, NOW, placed=0)
+    assert w.count == 0 and "its last start failed 20s ago and nothing has asked for it since" in w.reason
+    # A request since the failure (or one waiting now) asks again; so does a use since.
+    assert wanted(od, spent.model_copy(update={"demand_at": NOW - timedelta(seconds=5)}), NOW, placed=0).count == 1
+    assert wanted(od, spent.model_copy(update={"queued": 1}), NOW, placed=0).count == 1
+    assert wanted(od, spent.model_copy(update={"last_used_at": NOW - timedelta(seconds=1)}), NOW, placed=0).count == 1
+    # Without a recorded failure (a start reached Ready, or `ctl retry`), the demand counts for idle_timeout.
+    assert wanted(od, spent.model_copy(update={"failed_at": None}), NOW, placed=0).count == 1
+    # A model with min > 0 is kept at min whatever failed (its backoff paces the retries).
+    assert wanted(m(min=1, max=1), spent, NOW, placed=0).count == 1
+
+
+def test_the_plan_does_not_place_a_failed_on_demand_model_nobody_asked_for_since():
+    nodes = [node("n1", gpus=0, memory_gb=64)]
+    od = m(min=0, max=1)
+    spent = ModelState(name="m", demand_at=NOW - timedelta(seconds=30), failed_at=NOW - timedelta(seconds=20),
+                       failures=1, backoff_until=NOW - timedelta(seconds=1))
+    plan = plan_pass(snapshot([od], nodes, [], states=[spent]))
+    assert not plan.of_kind("place")
+    [keep] = [d for d in plan.decisions if d.model == "m"]
+    assert "nothing has asked for it since" in keep.reason, keep
+    again = spent.model_copy(update={"demand_at": NOW - timedelta(seconds=2)})
+    assert len(plan_pass(snapshot([od], nodes, [], states=[again])).of_kind("place")) == 1

@@ -107,3 +107,14 @@ def test_age_reads_like_kubectl():
     assert [age(NOW - timedelta(seconds=s), NOW) for s in (5, 119, 600, 3 * 3600 + 120, 30 * 3600, 9 * 86400)] == \
         ["5s", "119s", "10m", "3h2m", "30h", "9d"]
     assert age(None, NOW) == "-" and age((NOW - timedelta(seconds=3)).isoformat(), NOW) == "3s"
+
+
+def test_a_failing_on_demand_model_nobody_asked_for_since_waits_for_a_request():
+    failed = NOW - timedelta(seconds=20)
+    facts = ModelFacts(failures=1, backoff_until=NOW + timedelta(seconds=7), last_failure=SIGILL,
+                       failed_at=failed, demand_at=failed - timedelta(seconds=10))
+    c = model_condition(model(0, 1), facts, NOW)
+    assert c.status == ModelStatus.FAILING and c.on_request and c.retry_in_s == 7
+    asked = facts.model_copy(update={"demand_at": NOW - timedelta(seconds=1)})
+    assert not model_condition(model(0, 1), asked, NOW).on_request
+    assert not model_condition(model(1, 1), facts, NOW).on_request  # min 1: the backoff alone paces it

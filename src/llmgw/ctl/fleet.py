@@ -30,11 +30,18 @@ def register(app: typer.Typer) -> None:
 
 # ---- models ------------------------------------------------------------------------------------
 
+def next_start(v: dict) -> str:
+    """When a failing model (or its latest failed replica, `v`) starts again."""
+    left = v.get("retry_in_s")
+    if v.get("on_request"):  # on demand, and nothing has asked for it since it failed
+        return f"next start when a request asks, not before {seconds(left)}" if left else \
+            "next start when a request asks for it"
+    return f"next start in {seconds(left)}" if left else "next start due now"
+
+
 def _model_message(m: dict) -> str:
     if m["status"] == "failing":
-        left = m.get("retry_in_s")
-        when = f"next start in {seconds(left)}" if left else "next start due now"
-        return f"{m['reason']}; {when}"
+        return f"{m['reason']}; {next_start(m)}"
     return m.get("reason") or ""
 
 
@@ -85,7 +92,7 @@ def _replica_message(r: dict) -> str:
     if r["status"] == "failed":
         msg = r.get("cause") or "failed"
         if r.get("retry_in_s") is not None:
-            msg += f"; next start in {seconds(r['retry_in_s'])}" if r["retry_in_s"] else "; next start due now"
+            msg += f"; {next_start(r)}"
         return msg
     if r["status"] in ENDED:
         why = r.get("cause") or r.get("ended_reason") or r.get("failure") or ""

@@ -152,19 +152,23 @@ async def record_use(conn: AsyncConnection, name: str, at: datetime | None = Non
 
 
 async def record_failure(conn: AsyncConnection, name: str, backoff_until: datetime) -> int:
-    """Count a failed replica start against the model and hold placements until `backoff_until`."""
-    stmt = insert(model_state).values(name=name, failures=1, backoff_until=backoff_until)
+    """Count a failed replica start against the model and hold placements until `backoff_until`; the time
+    it was counted (`failed_at`) tells the planner whether an on-demand model was asked for since."""
+    stmt = insert(model_state).values(name=name, failures=1, backoff_until=backoff_until, failed_at=func.now())
     row = (await conn.execute(
         stmt.on_conflict_do_update(
             index_elements=[model_state.c.name],
-            set_={"failures": model_state.c.failures + 1, "backoff_until": backoff_until},
+            set_={"failures": model_state.c.failures + 1, "backoff_until": backoff_until, "failed_at": func.now()},
         ).returning(model_state.c.failures)
     )).one()
     return row.failures
 
 
 async def reset_failures(conn: AsyncConnection, name: str) -> None:
-    await conn.execute(update(model_state).where(model_state.c.name == name).values(failures=0, backoff_until=None))
+    """A start reached Ready, or `ctl retry`: no failed starts, no backoff, and the demand before the last
+    failure counts again."""
+    await conn.execute(update(model_state).where(model_state.c.name == name)
+                       .values(failures=0, backoff_until=None, failed_at=None))
 
 
 async def save_decisions(conn: AsyncConnection, decisions: dict[str, list[str]]) -> None:

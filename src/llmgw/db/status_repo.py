@@ -24,12 +24,14 @@ async def model_facts(conn: AsyncConnection, names: list[str] | None = None) -> 
     def of(name: str) -> ModelFacts:
         return facts.setdefault(name, ModelFacts())
 
-    q = select(model_state.c.name, model_state.c.failures, model_state.c.backoff_until, model_state.c.decisions)
+    q = select(model_state.c.name, model_state.c.failures, model_state.c.backoff_until, model_state.c.decisions,
+               model_state.c.failed_at, model_state.c.demand_at, model_state.c.last_used_at)
     if names is not None:
         q = q.where(model_state.c.name.in_(names))
     for r in (await conn.execute(q)).all():
         f = of(r.name)
         f.failures, f.backoff_until = r.failures, r.backoff_until
+        f.failed_at, f.demand_at, f.last_used_at = r.failed_at, r.demand_at, r.last_used_at
         f.refused = refusal(r.decisions or [], r.name)
 
     q = (select(replicas.c.model, replicas.c.status, func.count().label("n"))

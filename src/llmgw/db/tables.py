@@ -25,6 +25,7 @@ model_state = Table(
     Column("backoff_until", DateTime(timezone=True)),
     Column("demand_at", DateTime(timezone=True)),
     Column("last_used_at", DateTime(timezone=True)),
+    Column("failed_at", DateTime(timezone=True)),  # when its latest failed start was counted (0008_model_failed_at)
     Column("decisions", JSONB),  # the latest reconcile pass's reasons for this model (ctl explain)
     Column("decided_at", DateTime(timezone=True)),  # when that pass ran (0003_fleet)
 )

@@ -49,11 +49,12 @@ def model_object(m: Model, cond: ModelCondition | None = None) -> dict:
     """A model as /v1/models lists it; `owned_by: llmgw-sim` when every profile is simulated (seeds 003).
     `llmgw` (an extension OpenAI clients ignore) carries its status for the chat page and for clients that
     want to know before asking: `status` (ready, loading, on demand, failing, ...), `reason`, and while
-    failing `restarts` and `retry_in_s` (placement/model_status.py)."""
+    failing `restarts`, `retry_in_s` and `on_request` (its next start waits for a request;
+    placement/model_status.py)."""
     out: dict = {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
     if cond is not None:
         out["llmgw"] = {"status": cond.status.value, "reason": cond.reason, "restarts": cond.restarts,
-                        "retry_in_s": cond.retry_in_s}
+                        "retry_in_s": cond.retry_in_s, "on_request": cond.on_request}
     return out
 
 

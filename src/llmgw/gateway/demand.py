@@ -105,14 +105,21 @@ class Demand:
     def ask(self, route: ModelRoute) -> None:
         """Record demand for an on-demand model with no Ready replica and wake the reconciler, in the
         background (a request served by a fallback meanwhile does not wait for it)."""
-        model = route.model
+        if self._claim(route.model):
+            self._record_soon(route.model.name)
+
+    def _claim(self, model) -> bool:
+        """True, once per DEMAND_EVERY_S per on-demand model on this gateway: the caller records demand."""
         if not model.profiles or not model.effective_scaling.on_demand:
-            return
+            return False
         now = asyncio.get_running_loop().time()
         if now - self._asked.get(model.name, -math.inf) < DEMAND_EVERY_S:
-            return
+            return False
         self._asked[model.name] = now
-        task = asyncio.create_task(self._record(model.name))
+        return True
+
+    def _record_soon(self, name: str) -> None:
+        task = asyncio.create_task(self._record(name))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -174,7 +181,13 @@ class Demand:
                     break
                 # A request waiting for the load is demand: kept fresh, or a model whose idle_timeout is shorter
                 # than its placement takes (a node registering late) would be let go while it is being waited for.
-                self.ask(self.routes.resolve(name) or route)
+                # Not once the start it waited for has failed: that demand is spent (placement/scale.py), and
+                # renewing it would have the model retried after its backoff for a request that gave up.
+                if self._claim((self.routes.resolve(name) or route).model):  # one held request per round reads
+                    cond = await self.condition(name, fresh=True)
+                    if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
+                        raise self._failing(name, cond)
+                    self._record_soon(name)
                 if holding is not None:
                     await holding(loop.time() - started)
         finally:

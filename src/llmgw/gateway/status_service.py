@@ -66,7 +66,7 @@ class StatusService:
                 name=m.name, aliases=m.aliases, fallbacks=m.fallbacks, engines=sorted({p.engine for p in m.profiles}),
                 min=sc.min, max=sc.max, mode=mode, priority=m.priority, role=m.role, simulated=m.simulated,
                 replicas=dict(sorted(f.replicas.items())), status=c.status.value, reason=c.reason, ready=c.ready,
-                restarts=c.restarts, retry_in_s=c.retry_in_s, last_failure=c.last_failure,
+                restarts=c.restarts, retry_in_s=c.retry_in_s, on_request=c.on_request, last_failure=c.last_failure,
                 created_at=created.get(m.name)))
         return out
 
@@ -102,18 +102,24 @@ class StatusService:
                     rows += await fleet_repo.list_replicas(conn, ids=failing)
                     rows.sort(key=lambda r: r["created_at"], reverse=True)
         links = await self._links_by_attribute()
-        return [self.view(r, conds.get(r["model"]), links) for r in rows]
+        latest = {name: f.last_failed_replica for name, f in facts.items()}
+        return [self.view(r, conds.get(r["model"]), links, latest.get(r["model"])) for r in rows]
 
-    def view(self, r, cond: ModelCondition | None = None, links_by_attribute: bool = False) -> ReplicaView:
+    def view(self, r, cond: ModelCondition | None = None, links_by_attribute: bool = False,
+             latest_failed: str | None = None) -> ReplicaView:
+        """One replica's row. Only its model's latest failed replica carries the model's restarts and the
+        time to its next start: an older failed one has been retried already."""
         shards = [ShardView(**{k: s.get(k) for k in ShardView.model_fields if k in s}) for s in r.get("shards", [])]
         cause = failure_cause(r["failure"], [(s.rank, s.node_id, s.exit_reason or "") for s in shards]) \
             if r["status"] in ("failed", "lost") else None
-        failing = cond is not None and cond.status == ModelStatus.FAILING and r["status"] == "failed"
+        failing = (cond is not None and cond.status == ModelStatus.FAILING and r["status"] == "failed"
+                   and r["id"] == latest_failed)
         return ReplicaView(
             id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
             endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
             shards=shards, reason=r.get("reason"), ended_reason=r.get("ended_reason"), cause=cause,
             restarts=cond.restarts if failing and cond else 0, retry_in_s=cond.retry_in_s if failing and cond else None,
+            on_request=bool(failing and cond and cond.on_request),
             temporal_url=self.temporal_link(r["id"], links_by_attribute), profile_hash=r.get("profile_hash"))
 
     def temporal_link(self, replica_id: str, by_attribute: bool) -> str | None:

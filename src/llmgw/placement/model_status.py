@@ -10,7 +10,8 @@ The statuses, in the order they are decided:
 - `off`: `scaling.max` is 0;
 - `failing`: its last start(s) failed and nothing serves: like Kubernetes' CrashLoopBackOff, with the
   count of consecutive failed starts (`restarts`), the last failure's cause, and the backoff remaining
-  before the reconciler tries again (`retry_in_s`; `llmgw ctl retry MODEL` clears it);
+  before the reconciler tries again (`retry_in_s`; `llmgw ctl retry MODEL` clears it). An on-demand model
+  nothing has asked for since it failed is not tried again until a request asks (`on_request`);
 - `unplaceable`: the latest reconcile pass found no node that can take it (`ctl explain` says why);
 - `stopping`: only draining replicas are left;
 - `on demand`: `min 0`, nothing running: a request starts it;
@@ -25,6 +26,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from llmgw.placement.scale import waits_for_request
 from llmgw.schemas.catalog import Model
 
 
@@ -53,12 +55,16 @@ class ModelFacts(BaseModel):
     last_failure_at: datetime | None = None
     last_failed_replica: str | None = None
     refused: str | None = None
+    failed_at: datetime | None = None  # when its latest failed start was counted
+    demand_at: datetime | None = None  # the latest request for it while none was Ready
+    last_used_at: datetime | None = None
 
 
 class ModelCondition(BaseModel):
     """`status` with its `reason` (one line, empty when there is nothing to add), `restarts` (consecutive
     failed starts) and, while failing, `retry_in_s`: seconds until the reconciler may start it again
-    (0 when the backoff has passed and a start is due)."""
+    (0 when the backoff has passed and a start is due). `on_request`: a failing on-demand model that nothing
+    has asked for since it failed; its next start waits for a request (and for `retry_in_s`)."""
 
     status: ModelStatus
     reason: str = ""
@@ -67,6 +73,7 @@ class ModelCondition(BaseModel):
     restarts: int = 0
     retry_in_s: int | None = None
     last_failure: str | None = None
+    on_request: bool = False
 
 
 def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCondition:
@@ -90,7 +97,9 @@ def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCond
         if facts.backoff_until is not None:
             left = max(0, math.ceil((facts.backoff_until - now).total_seconds()))
         cause = facts.last_failure or "its last start failed"
-        return ModelCondition(status=ModelStatus.FAILING, reason=cause, retry_in_s=left, **base)
+        on_request = sc.min == 0 and waits_for_request(facts.failed_at, facts.demand_at, facts.last_used_at)
+        return ModelCondition(status=ModelStatus.FAILING, reason=cause, retry_in_s=left, on_request=on_request,
+                              **base)
     if facts.refused:
         return ModelCondition(status=ModelStatus.UNPLACEABLE, reason=facts.refused, **base)
     if facts.replicas.get("draining", 0):

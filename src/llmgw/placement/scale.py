@@ -5,7 +5,9 @@ summed over the live gateways (`ModelState`: in flight + queued now, and the pea
 scale_down_delay window):
 
 - **floor**: `min`; an on-demand model (`min 0`) has a floor of 1 while it is asked for or was used within
-  `idle_timeout`, else 0 (seeds 003, "Load a model when someone asks for it");
+  `idle_timeout`, else 0 (seeds 003, "Load a model when someone asks for it"). Once its last start has
+  failed, only a request since that failure counts (`waits_for_request`): the demand that led to the
+  failed start is spent, and a broken model nobody is waiting for is not retried backoff after backoff;
 - **up**: `ceil(load / target)`: one more replica as soon as the load now exceeds what the replicas
   placed (Ready or starting) carry at `target` each. Starting replicas count as capacity, so a burst
   during a cold start does not place a replica per request;
@@ -39,12 +41,23 @@ class Want:
     holding_down: bool = False
 
 
+def waits_for_request(failed_at: datetime | None, demand_at: datetime | None, used_at: datetime | None) -> bool:
+    """An on-demand model whose latest failed start (`failed_at`) is newer than every request for it
+    (`demand_at`) and every use (`used_at`): nothing asked for it since it failed, so it waits for a request."""
+    if failed_at is None:
+        return False
+    return all(t is None or t <= failed_at for t in (demand_at, used_at))
+
+
 def _floor(model: Model, st: ModelState, now: datetime) -> tuple[int, str]:
     sc = model.effective_scaling
     if sc.min > 0:
         return sc.min, f"min {sc.min}"
     if st.load > 0:
         return 1, f"on demand, {st.load} request(s) in flight or waiting"
+    if st.failed_at is not None and waits_for_request(st.failed_at, st.demand_at, st.last_used_at):
+        ago = (now - st.failed_at).total_seconds()
+        return 0, f"on demand, its last start failed {ago:.0f}s ago and nothing has asked for it since"
     last = max([t for t in (st.demand_at, st.last_used_at) if t is not None], default=None)
     if last is None:
         return 0, "on demand, not asked for"

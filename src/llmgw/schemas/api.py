@@ -141,6 +141,7 @@ class ReplicaView(_Strict):
     cause: str | None = None
     restarts: int = 0
     retry_in_s: int | None = None
+    on_request: bool = False  # its model is failing, on demand, and its next start waits for a request
     temporal_url: str | None = None
 
 
@@ -165,6 +166,7 @@ class ModelView(_Strict):
     ready: int = 0
     restarts: int = 0
     retry_in_s: int | None = None
+    on_request: bool = False  # failing, on demand, nothing asked for it since: its next start waits for a request
     last_failure: str | None = None
     created_at: datetime | None = None
 

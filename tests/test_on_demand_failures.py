@@ -1,0 +1,88 @@
+"""An on-demand model whose start fails is not retried for nobody (issue 13's walkthrough), through the real
+control plane, agent, gateway, Temporal and CLI, with a stand-in llama-server that dies at start (SIGILL).
+
+One request asks for it; the start fails; the request is answered 503 `model_failing`. With a backoff of
+a few seconds, the old rule kept the model wanted for its whole `idle_timeout` (the request's demand) and
+started it again after every backoff. Now the demand that led to the failed start is spent: no second
+start comes however many passes run, `ctl models` says the next start waits for a request, and the
+next request does start it again.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import httpx
+import pytest
+
+from tests.helpers import ControlPlane, wait_until
+from tests.test_operator_view import model_view, row, sigill_server
+
+pytestmark = pytest.mark.integration
+
+
+def chat(cp: ControlPlane) -> httpx.Response:
+    return httpx.post(cp.gateway + "/v1/chat/completions", timeout=60,
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def starts(cp: ControlPlane) -> list[dict]:
+    return [r for r in cp.replicas() if r["model"] == "m"]
+
+
+def test_a_failed_on_demand_model_is_started_again_only_when_a_request_asks(control_plane, tmp_path):
+    cp = control_plane
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"GGUF")
+    # The first backoff is 2-6 s: long enough that the held request sees it (and is answered at once), short
+    # enough that passes after it run out within the test.
+    cp.env.update(LLMGW_START_BACKOFF_BASE_S="4")
+    cp.start()
+    cp.agent("n1", LLMGW_LLAMA_SERVER=sigill_server(tmp_path))
+    cp.wait_nodes("n1")
+    assert cp.apply({"models": [{"name": "m", "scaling": {"min": 0, "max": 1, "idle_timeout": 600},
+                                 "profiles": [{"engine": "llamacpp", "source": str(weights)}]}]}).status_code == 200
+
+    r = chat(cp)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_failing", r.text
+    assert "SIGILL" in r.json()["error"]["message"], r.text
+    [first] = starts(cp)
+    assert first["status"] == "failed"
+
+    # Passes decide after the backoff has run out, and none starts it: the request's demand is spent.
+    def waited_out():
+        m = model_view(cp, "m")
+        ex = cp.explain("m")
+        past = m["retry_in_s"] == 0 and ex["decided_at"] is not None
+        return ex if past and m["on_request"] else None
+
+    wait_until(waited_out, timeout_s=30, what="the backoff over and m waiting for a request", why=cp.logs)
+    seen = datetime.fromisoformat(cp.explain("m")["decided_at"])
+    wait_until(lambda: datetime.fromisoformat(cp.explain("m")["decided_at"]) > seen, timeout_s=20,
+               what="another reconcile pass")
+    wait_until(lambda: datetime.fromisoformat(cp.explain("m")["decided_at"]) > seen, timeout_s=20,
+               what="another reconcile pass")
+    ex = cp.explain("m")
+    assert any("nothing has asked for it since" in line for line in ex["decisions"]), ex
+    assert len(starts(cp)) == 1, starts(cp)
+
+    # What the operator and the chat page are told.
+    line = row(cp.ctl("models").stdout, "m")
+    assert " failing " in line and "next start when a request asks for it" in line, line
+    out = cp.ctl("replicas")
+    assert "next start when a request asks for it" in out.stdout, out.stdout
+    listed = httpx.get(cp.gateway + "/v1/models", timeout=10).json()["data"]
+    [entry] = [x for x in listed if x["id"] == "m"]
+    assert entry["llmgw"]["status"] == "failing" and entry["llmgw"]["on_request"] is True, entry
+
+    # A request asks again: a second start, which fails the same way.
+    r = chat(cp)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_failing", r.text
+    wait_until(lambda: len([s for s in starts(cp) if s["status"] == "failed"]) == 2, timeout_s=30,
+               what="a second failed start", why=cp.logs)
+
+    # Only the latest failed replica carries the next start; the first one has been retried already.
+    out = cp.ctl("replicas", "--all")
+    rows = [ln for ln in out.stdout.splitlines()[1:] if ln.split() and ln.split()[1] == "m"]
+    assert len(rows) == 2 and sum("next start" in ln for ln in rows) == 1, out.stdout
+    assert "next start" not in next(ln for ln in rows if ln.startswith(first["id"][:8])), out.stdout

@@ -264,7 +264,15 @@ async def test_bad_requests_get_400_naming_the_field(gw):
 
 async def test_unknown_model_route_and_method_in_the_envelope(gw):
     status, _, out = await post(gw, "/v1/chat/completions", chat("no-such-model"))
-    assert status == 404 and assert_envelope(out, status)["code"] == "model_not_found"
+    err = assert_envelope(out, status)
+    assert status == 404 and err["code"] == "model_not_found" and "GET /v1/models lists" in err["message"]
+    assert "Did you mean" not in err["message"]
+    # Another case, an underscore for a dash, or a typo: the 404 names the model meant.
+    for asked, meant in (("ECHO", "echo"), ("Org/Echo_2", "org/echo-2"), ("echo-alais", "echo-alias")):
+        status, _, out = await post(gw, "/v1/chat/completions", chat(asked))
+        assert status == 404 and f"Did you mean `{meant}`?" in assert_envelope(out, status)["message"], (asked, out)
+    status, _, out = await post(gw, "/v1/chat/completions", chat("e" * 256))
+    assert status == 404 and "Did you mean" not in assert_envelope(out, status)["message"]
     async with aiohttp.ClientSession() as s:
         async with s.get(gw.gateway + "/v1/chat/completions") as r:
             assert r.status == 405 and r.headers["Allow"] == "POST"
@@ -274,6 +282,8 @@ async def test_unknown_model_route_and_method_in_the_envelope(gw):
             assert_envelope(await r.json(), r.status)
         async with s.get(gw.gateway + "/v1/models/no/such/model") as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        async with s.get(gw.gateway + "/v1/models/Echo") as r:
+            assert r.status == 404 and "Did you mean `echo`?" in (await r.json())["error"]["message"]
 
 
 async def test_engine_failures_become_envelopes_with_the_right_status(gw):

@@ -342,6 +342,13 @@ async def test_a_key_may_use_only_the_models_its_tenant_allows(plane):
     assert "tenant `narrow`" in err["message"] and "sim-al*" in err["message"]
     r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("nope"), headers=auth(key), timeout=10)
     assert r.status_code == 404  # an unknown model is still unknown
+    # A misspelt name gets the model meant, but only one the key may use: never a model it may not.
+    r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sim-alais"), headers=auth(key), timeout=10)
+    assert r.status_code == 404 and "Did you mean `sim-alias`?" in r.json()["error"]["message"], r.text
+    r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sim-bb"), headers=auth(key), timeout=10)
+    assert r.status_code == 404 and "Did you mean" not in r.json()["error"]["message"], r.text  # sim-b: not its
+    r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sim-bb"), headers=auth(cp.plain_key), timeout=10)
+    assert "Did you mean `sim-b`?" in r.json()["error"]["message"], r.text
     listed = httpx.get(cp.gateway + "/v1/models", headers=auth(key), timeout=10).json()["data"]
     assert [m["id"] for m in listed] == ["sim"]
     assert httpx.get(cp.gateway + "/v1/models/sim-b", headers=auth(key), timeout=10).status_code == 403

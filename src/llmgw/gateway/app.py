@@ -162,9 +162,10 @@ def create_gateway_app(gw: Gateway):
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         route = gw.routes.resolve(model_id)
-        if route is None:
-            raise errors.model_not_found(model_id)
         account = request.scope.get(ACCOUNT)
+        if route is None:
+            usable = (lambda m: account.refusing(m) is None) if account is not None else None
+            raise errors.model_not_found(model_id, gw.routes.similar(model_id, usable))
         refusing = account.refusing(route.model) if account is not None else None
         if refusing is not None:
             raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])

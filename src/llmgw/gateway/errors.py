@@ -40,9 +40,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
-                    code="model_not_found", param="model")
+def model_not_found(name: str, similar: str | None = None) -> APIError:
+    """OpenAI's 404 for an unknown model, with the name the caller most likely meant (one it may use) and
+    where to find the rest."""
+    hint = f" Did you mean `{similar}`?" if similar else ""
+    return APIError(404, f"The model `{name}` does not exist or you do not have access to it.{hint} "
+                    "GET /v1/models lists the models you can use.", code="model_not_found", param="model")
 
 
 def loading(name: str, retry_after_s: int, detail: str | None = None) -> APIError:

@@ -175,7 +175,8 @@ class Proxy:
             req = parse_request(path, req_body)
             route = self.routes.resolve(req["model"])
             if route is None:
-                raise errors.model_not_found(req["model"])
+                usable = (lambda m: account.refusing(m) is None) if account is not None else None
+                raise errors.model_not_found(req["model"], self.routes.similar(req["model"], usable))
             label = route.model.name
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body)
@@ -456,7 +457,7 @@ class Proxy:
         Returns (status, decoded JSON or None). Raises `APIError` when it cannot be served."""
         route = self.routes.resolve(model)
         if route is None:
-            raise errors.model_not_found(model)
+            raise errors.model_not_found(model, self.routes.similar(model))
 
         async def consume(resp: Response) -> tuple[int, Any]:
             data = await self._read_whole(resp, stream=False, limit=MAX_HELD)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,6 +29,7 @@ from llmgw.schemas.catalog import Catalog, Model
 
 log = logging.getLogger(__name__)
 TABLES = {"replicas", "catalog_models", "nodes"}  # what the route table is read from
+SIMILAR_MAX = 256  # the longest unknown name a 404 looks for a similar one to (a model name's limit)
 
 
 @dataclass
@@ -74,6 +76,20 @@ class RouteTable:
     def resolve(self, name: str) -> ModelRoute | None:
         canonical = self.names.get(name)
         return self.models.get(canonical) if canonical else None
+
+    def similar(self, name: str, usable: Callable[[Model], bool] | None = None) -> str | None:
+        """The model name or alias a caller who asked for the unknown `name` most likely meant, among those
+        `usable` lets it use: the same name in another case or spacing, else the closest spelling. Only for
+        the 404 path (a linear scan of the catalog's names); a name longer than any a catalog holds gets none."""
+        if len(name) > SIMILAR_MAX:
+            return None
+        folded = {n.casefold().replace("_", "-"): n for n, canonical in self.names.items()
+                  if usable is None or (canonical in self.models and usable(self.models[canonical].model))}
+        asked = name.strip().casefold().replace("_", "-")
+        if asked in folded:
+            return folded[asked]
+        close = difflib.get_close_matches(asked, list(folded), n=1, cutoff=0.75)
+        return folded[close[0]] if close else None
 
     def fallbacks(self, route: ModelRoute) -> list[ModelRoute]:
         """The routes of `route`'s fallbacks, in catalog order (resolved at catalog load, seeds 003)."""

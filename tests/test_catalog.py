@@ -122,6 +122,22 @@ def test_every_problem_is_reported_at_once_naming_its_field():
     assert "models[0] (m).scalling: unknown field" in refused({"models": [{"name": "m", "scalling": {}, "profiles": [{"engine": "sim"}]}]})
 
 
+def test_a_misspelt_field_or_engine_gets_the_spelling_meant_and_an_unnamed_profile_is_default():
+    msg = refused({"models": [{"name": "m", "scalling": {}, "profiles": [{"engine": "sim"}]}]})
+    assert "models[0] (m).scalling: unknown field; did you mean 'scaling'?" in msg, msg
+    msg = refused({"models": [{"name": "m", "scaling": {"max": 1, "mni": 0}, "profiles": [{"engine": "sim"}]}]})
+    assert "models[0] (m).scaling.mni: unknown field; did you mean 'min'?" in msg, msg  # Scaling's own fields
+    msg = refused({"models": [{"name": "m", "profiles": [{"engine": "sim", "gpu_memroy_gb": 4}]}]})
+    assert "models[0] (m).profiles[0] (default).gpu_memroy_gb: unknown field; did you mean 'gpu_memory_gb'?" in msg
+    msg = refused({"models": [{"name": "m", "profiles": [{"engine": "sim", "zzzz": 1}]}]})
+    assert "zzzz: unknown field; check its spelling against docs/catalog.md" in msg, msg
+    for written, meant in (("vlm", "vllm"), ("LlamaCpp", "llamacpp"), ("sglang2", "sglang")):
+        msg = refused({"models": [{"name": "m", "profiles": [{"name": "gpu", "engine": written}]}]})
+        assert f"models[0] (m).profiles[0] (gpu).engine: Input should be" in msg and f"did you mean {meant!r}?" in msg, msg
+    msg = refused({"models": [{"name": "m", "profiles": [{"engine": "tensorrt"}]}]})
+    assert "profiles[0] (default).engine: Input should be" in msg and "did you mean" not in msg, msg
+
+
 def test_rendezvous_flags_are_the_node_workers():
     assert "--rendezvous is set by the node worker" in refused(one({"engine": "sim", "args": ["--rendezvous", "h:1"]}))
 

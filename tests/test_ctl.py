@@ -135,6 +135,15 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     out = cp.ctl("retry", "s-alias")
     assert out.returncode == 0 and out.stdout.startswith("s: no failed starts to clear"), out.stdout
 
+    # A file with no models would remove every model: said before asking; answered no, nothing changes.
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("models: []\n")
+    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "apply", "-f", str(empty)], env=cp.env, input="n\n",
+                         capture_output=True, text=True, timeout=30)
+    assert "removes all 2 model(s) of the live catalog (od, s)" in out.stdout and "  - s\n" in out.stdout, out.stdout
+    assert out.returncode != 0 and "not applied" in out.stdout + out.stderr, (out.stdout, out.stderr)
+    assert len(json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"]) == 2
+
 
 @pytest.mark.parametrize("args, says", [
     (["tenants", "create", "t1", "--tokens-per-day", "20X"],

@@ -6,17 +6,19 @@ to write instead. A catalog that fails any rule is refused whole: nothing is app
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.catalog.rules import check_arithmetic, check_source
 from llmgw.catalog.upgrade import upgrade_document
-from llmgw.schemas.catalog import Catalog
+from llmgw.schemas.catalog import Catalog, Profile
 
 
 class CatalogError(ValueError):
@@ -28,19 +30,77 @@ class CatalogError(ValueError):
 
 
 def _loc(loc: tuple[Any, ...], raw: Any) -> str:
+    """`models[1] (big).profiles[0] (default).nodes`: the path with each list item's name, as the rules
+    across the catalog write it (an unnamed profile is `default`)."""
     out = ""
     node = raw
+    parent = None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-            name = node[part].get("name") if isinstance(node, list) and part < len(node) and isinstance(node[part], dict) else None
+            item = node[part] if isinstance(node, list) and part < len(node) else None
+            name = item.get("name") if isinstance(item, dict) else None
+            if name is None and parent == "profiles" and isinstance(item, dict):
+                name = Profile.model_fields["name"].default
             if name:
                 out += f" ({name})"
-            node = node[part] if isinstance(node, list) and part < len(node) else None
+            node = item
         else:
             out += ("." if out else "") + str(part)
             node = node.get(part) if isinstance(node, dict) else None
+            parent = part
     return out
+
+
+def _schema_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The catalog schema class that holds the field at `loc` (its last part), or None."""
+    cls: type[BaseModel] = Catalog
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field_info = cls.model_fields.get(str(part))
+        if field_info is None:
+            return None
+        inner = _model_in(field_info.annotation)
+        if inner is None:
+            return None
+        cls = inner
+    return cls
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside `annotation` (`list[Profile]`, `Scaling | None`, ...), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _did_you_mean(word: Any, choices: list[str]) -> str:
+    """`; did you mean 'vllm'?` for the closest of `choices` to `word` (another case, a typo), else ''."""
+    if not isinstance(word, str) or not choices:
+        return ""
+    folded = {c.casefold(): c for c in choices}
+    close = difflib.get_close_matches(word.strip().casefold(), list(folded), n=1, cutoff=0.6)
+    return f"; did you mean {folded[close[0]]!r}?" if close else ""
+
+
+def _shape_problem(err: dict, raw: Any) -> str:
+    """One pydantic error as a problem line: the field as written, what is wrong, and what to write."""
+    loc = tuple(err["loc"])
+    where = _loc(loc, raw) or "catalog"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        cls = _schema_at(loc)
+        fields = sorted(cls.model_fields) if cls is not None else []
+        msg = "unknown field" + (_did_you_mean(loc[-1] if loc else None, fields)
+                                 or "; check its spelling against docs/catalog.md")
+    elif err["type"] == "literal_error":
+        msg += _did_you_mean(err.get("input"), re.findall(r"'([^']*)'", str((err.get("ctx") or {}).get("expected", ""))))
+    return f"{where}: {msg}"
 
 
 @dataclass
@@ -67,12 +127,7 @@ def read_catalog(raw: Any) -> LoadedCatalog:
     try:
         catalog = Catalog.model_validate(raw)
     except ValidationError as exc:
-        for err in exc.errors():
-            where = _loc(tuple(err["loc"]), raw) or "catalog"
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown field; check its spelling against docs/catalog.md"
-            problems.append(f"{where}: {msg}")
+        problems += [_shape_problem(err, raw) for err in exc.errors()]
         raise CatalogError(problems) from None
     try:
         check_catalog(catalog)

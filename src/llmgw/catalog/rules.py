@@ -67,10 +67,16 @@ def check_source(p: Profile, where: str) -> list[str]:
     return []
 
 
-def apply_warnings(catalog) -> list[str]:
-    """What a catalog says that its writer may not mean, told at apply and refused nowhere: a model with
-    profiles and no scaling, or `max: 0`, is off (`Model.effective_scaling`) and never runs."""
+def apply_warnings(catalog, removed: list[str] | None = None) -> list[str]:
+    """What a catalog says that its writer may not mean, told at apply and refused nowhere: a file with no
+    models removes every model the catalog has (`removed`); a model with profiles and no scaling, or
+    `max: 0`, is off (`Model.effective_scaling`) and never runs."""
     out = []
+    if not catalog.models and removed:
+        listed = ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+        out.append(f"this catalog has no models: applying it removes all {len(removed)} model(s) of the live "
+                   f"catalog ({listed}) and stops every replica they run; to switch a model off instead, keep it "
+                   "with `scaling: {min: 0, max: 0}`")
     for m in catalog.models:
         if m.profiles and m.effective_scaling.off:
             said = "has no `scaling`" if m.scaling is None else "has scaling max 0"

@@ -100,7 +100,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             else:
                 diff = await catalog_repo.apply_catalog(conn, loaded.catalog)
         diff.notes = loaded.notes
-        diff.warnings = apply_warnings(loaded.catalog) + await mirror_warnings(
+        diff.warnings = apply_warnings(loaded.catalog, diff.removed) + await mirror_warnings(
             loaded.catalog, temporal.settings.resolved_mirror_url)
         if not req.dry_run:
             await temporal.wake("catalog applied")

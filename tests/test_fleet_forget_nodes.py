@@ -51,7 +51,7 @@ def test_lost_nodes_are_forgotten_and_ctl_nodes_remove_forgets_one_now(control_p
     out = cp.ctl("nodes", "remove", "node-a", "--yes")
     assert out.returncode == 1, out
     assert f"live replica {rep['id'][:8]} of m (ready)" in out.stdout
-    assert "still has 1 live replica(s)" in out.stderr and "--force" in out.stderr
+    assert "still holds shards of 1 replica(s)" in out.stderr and "--force" in out.stderr
     assert "node-a" in node_ids(cp)
     out = cp.ctl("nodes", "remove", "no-such-node", "--yes")
     assert out.returncode == 1 and "no node named 'no-such-node'" in out.stderr

@@ -110,8 +110,9 @@ def _replicas_table(reps: list[dict], now: datetime, wide: bool):
         cols.append("TEMPORAL")
     rows = []
     for r in reps:
-        # profile@hash: what its node reports it runs; a rolling replacement retires the ones the catalog changed
-        profile = f"{r['profile']}@{(r.get('profile_hash') or '?')[:8]}"
+        # profile@hash: what its node reports it runs; a rolling replacement retires the ones the catalog changed.
+        # Before its node has reported (fetching, or failed before launch): the profile's name alone.
+        profile = f"{r['profile']}@{r['profile_hash'][:8]}" if r.get("profile_hash") else r["profile"]
         row = [r["id"][:8], r["model"], profile, r["status"], r.get("restarts", 0), _shards(r),
                age(r["created_at"], now), _replica_message(r)]
         if wide:
@@ -129,7 +130,7 @@ def replicas(
 
     A failing model's latest failed replica is listed too, with RESTARTS, its decoded cause ("killed by
     SIGILL (illegal instruction): ...") and the backoff left. PROFILE is `name@hash` of the profile its node
-    reports it runs. `-o wide` adds the endpoint and the Temporal UI link listing the replica's workflows.
+    reports it runs (the name alone until its node has launched it). `-o wide` adds the endpoint and the Temporal UI link listing the replica's workflows.
     """
     admin = Admin()
     show(lambda: (admin.get("/admin/v1/replicas", all=str(all).lower()), admin.now), _replicas_table, output,
@@ -183,7 +184,9 @@ def nodes(ctx: typer.Context, output: Output = output_option(), watch: bool = wa
     """Nodes: status, both liveness witnesses (heartbeats, pollers) and inventory (GPUs, CPUs, memory, disk,
     engines); `nodes remove NODE` forgets one.
 
-    `-o wide` adds InfiniBand fabrics and discovery notes.
+    LAST SEEN is its last heartbeat; POLLED is when its worker last began a poll on its task queue. A poll
+    is held open up to LLMGW_POLLER_GRACE_S (60 s), so MESSAGE says `pollers fresh` until POLLED is older
+    than that. `-o wide` adds InfiniBand fabrics and discovery notes.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -203,11 +206,15 @@ def nodes_remove(
     plan = admin.post(f"/admin/v1/nodes/{node_id}/remove", {"force": force, "dry_run": True})
     typer.echo(f"  {plan['node_id']}  {plan['status']}")
     for r in plan["live_replicas"]:
-        typer.echo(f"    live replica {r['id'][:8]} of {r['model']} ({r['status']})")
+        if r["status"] in ENDED:  # ended, but a shard of it may still run there: not settled yet
+            typer.echo(f"    replica {r['id'][:8]} of {r['model']} ({r['status']}; not every shard of it is known "
+                       "to have stopped yet)")
+        else:
+            typer.echo(f"    live replica {r['id'][:8]} of {r['model']} ({r['status']})")
     if plan["note"]:
         typer.echo(f"  note: {plan['note']}")
     if plan["live_replicas"] and not force:
-        fail(f"not removed: node {node_id} still has {len(plan['live_replicas'])} live replica(s); stop them "
+        fail(f"not removed: node {node_id} still holds shards of {len(plan['live_replicas'])} replica(s); stop them "
              "first (remove their models, or wait until the node is lost and they move), or pass --force to "
              "mark them lost and rebuild them elsewhere now")
     if not yes and not typer.confirm("remove?"):

@@ -263,9 +263,10 @@ class DevStack:
         urls = self.urls()
         (self.run_dir / "urls.json").write_text(json.dumps(urls))
         self.echo("llmgw dev is up:")
-        for k, v in urls.items():
-            self.echo(f"  {k:12s} {v:38s} {WHAT.get(k, '')}".rstrip())
-        self.echo(f"  {'logs':12s} {str(self.log_dir):38s} {WHAT['logs']}")
+        shown = {**urls, "logs": str(self.log_dir)}
+        width = max(38, *(len(v) for v in shown.values()))  # the database URL is the longest: every line aligns
+        for k, v in shown.items():
+            self.echo(f"  {k:12s} {v:{width}s} {WHAT.get(k, '')}".rstrip())
         self.echo("Models load in the background: `llmgw ctl replicas` shows them. Ctrl-C stops everything.")
 
     def wait(self) -> int:

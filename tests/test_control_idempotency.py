@@ -68,6 +68,30 @@ async def test_retried_state_changes_answer_the_same_and_act_once(database_url):
         await engine.dispose()
 
 
+async def test_settling_a_failed_replica_counts_its_failure_in_the_same_transaction_once(database_url):
+    """SETTLE_COUNTS: the settle that settles a failed replica also sets the backoff, so no reconcile pass
+    can see the replica settled with no backoff yet (a CI run saw a start placed 0.25 s after a failure,
+    between the two activities). Retried after its commit, it counts nothing twice; a second settle (another
+    workflow, too late) counts nothing."""
+    engine = async_engine(database_url)
+    acts = ControlActivities(engine, 15, 300)
+    try:
+        place = RecordPlacementInput(replica_id="rc", model="mc", profile="default", shards=[ShardPlacement(node_id="n1")])
+        await attempt("1", 1, run="run-c").run(acts.record_placement, place)
+        failed = MarkReplicaInput(replica_id="rc", status="failed", failure="engine died")
+        await attempt("2", 1, run="run-c").run(acts.mark_replica, failed)
+        settle = SettleReplicaInput(replica_id="rc", reason="failed to start", count_failure=True)
+        for n in (1, 2):
+            res = await attempt("3", n, run="run-c").run(acts.settle_replica, settle)
+            assert res.applied and res.status == "failed"
+        assert not (await attempt("3", 1, run="run-other").run(acts.settle_replica, settle)).applied
+        async with engine.connect() as conn:
+            [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "mc"]
+        assert state.failures == 1 and state.backoff_until is not None and state.failed_at is not None
+    finally:
+        await engine.dispose()
+
+
 async def test_a_first_attempt_on_a_used_key_acts_once(database_url):
     """A first attempt does not look for a stored result (one query less on every pass and state change,
     issue 13). If its key was used after all (an operator's `temporal activity reset` restarts the count on

@@ -9,7 +9,8 @@ Folders: `v1` was captured from code that planned inside the reconciler workflow
 `decide` activity and several placements per pass; `v3` from code whose `decide` creates the replicas it
 places and whose starts check "still wanted?" as local activities (issue 13); `v4` from code whose `decide`
 also starts the start workflows it places and whose single-shard starts fetch and launch in one node
-activity, `start_shard` (issue 13).
+activity, `start_shard` (issue 13); `v5` from code whose settle of a failed replica counts its failure in
+the same activity (patch `settle-counts-failure`).
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history

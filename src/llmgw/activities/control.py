@@ -151,6 +151,8 @@ class ControlActivities:
             applied, status, model = await fleet_repo.settle_replica(conn, inp.replica_id, inp.reason or None)
             if applied and status == "failed":
                 times.append(await status_repo.replica_times(conn, inp.replica_id))
+                if inp.count_failure and model:
+                    await self._count_failure(conn, model)
             return SettleReplicaResult(applied=applied, status=status or "unknown", model=model or "")
         result = await once(self.engine, "settle_replica", SettleReplicaResult, body, self.crash)
         if times and times[0] is not None and times[0].time_to_ready_s is None:  # it never served: a failed start
@@ -159,14 +161,17 @@ class ControlActivities:
 
     @activity.defn(name="record_replica_failure")
     async def record_replica_failure(self, model: str) -> None:
-        """Count a failed start against `model` and set its jittered exponential backoff (seeds 003)."""
-        async def body(conn) -> None:
-            states = {s.name: s for s in await catalog_repo.model_states(conn)}
-            failures = (states[model].failures if model in states else 0) + 1
-            now = await fleet_repo.db_now(conn)
-            until = now + backoff_delay(failures, random.random(), *self.backoff)
-            await catalog_repo.record_failure(conn, model, until)
-        await once(self.engine, "record_replica_failure", None, body, self.crash)
+        """Count a failed start against `model` and set its jittered exponential backoff (seeds 003). What
+        workflows without `settle_replica(count_failure)` call after settling (patch SETTLE_COUNTS)."""
+        await once(self.engine, "record_replica_failure", None, lambda conn: self._count_failure(conn, model),
+                   self.crash)
+
+    async def _count_failure(self, conn, model: str) -> None:
+        states = {s.name: s for s in await catalog_repo.model_states(conn)}
+        failures = (states[model].failures if model in states else 0) + 1
+        now = await fleet_repo.db_now(conn)
+        until = now + backoff_delay(failures, random.random(), *self.backoff)
+        await catalog_repo.record_failure(conn, model, until)
 
     @activity.defn(name="reset_model_failures")
     async def reset_model_failures(self, model: str) -> None:

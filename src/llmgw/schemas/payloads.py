@@ -265,10 +265,13 @@ class MarkReplicaResult(_Strict):
 
 
 class SettleReplicaInput(_Strict):
-    """Record that every shard of an ended replica was asked to stop; `reason` says why it ended."""
+    """Record that every shard of an ended replica was asked to stop; `reason` says why it ended. With
+    `count_failure`, the settle that settles a failed replica also counts its failure (and sets the backoff)
+    in the same transaction, so no reconcile pass sees it settled and its failure not yet counted."""
 
     replica_id: str
     reason: str = ""
+    count_failure: bool = False
 
 
 class SettleReplicaResult(_Strict):

@@ -55,6 +55,7 @@ FENCED_START = "issue9-fenced-start"
 STOP_FENCES_START = "issue9-stop-fences-start"
 QUICK_CHECKS = "issue13-quick-checks"  # a start's "still wanted?" checks as local activities
 ONE_NODE_STEP = "issue13-one-node-step"  # a single-shard start fetches and launches in one node activity
+SETTLE_COUNTS = "settle-counts-failure"  # settling a failed replica counts its failure in the same transaction
 START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
 
 
@@ -92,12 +93,15 @@ async def mark(replica_id: str, status: str, endpoint: str | None = None, failur
 
 async def settle(replica_id: str, reason: str) -> SettleReplicaResult:
     """Mark the ended replica settled; when this call is the one that settles a failed replica, count the
-    failure against its model (backoff kept on the model, seeds 003)."""
+    failure against its model (backoff kept on the model, seeds 003). In one transaction (SETTLE_COUNTS):
+    as two activities, a reconcile pass between them found the replica settled and no backoff yet, and
+    started the model again at once."""
+    counts = workflow.patched(SETTLE_COUNTS)
     res: SettleReplicaResult = await workflow.execute_activity(
-        "settle_replica", SettleReplicaInput(replica_id=replica_id, reason=reason[-2000:]),
+        "settle_replica", SettleReplicaInput(replica_id=replica_id, reason=reason[-2000:], count_failure=counts),
         result_type=SettleReplicaResult, task_queue=CONTROL_QUEUE, **options.CONTROL,
     )
-    if res.applied and res.status == "failed" and res.model:
+    if not counts and res.applied and res.status == "failed" and res.model:
         await workflow.execute_activity("record_replica_failure", res.model, task_queue=CONTROL_QUEUE, **options.CONTROL)
     return res
 

@@ -105,6 +105,10 @@ def test_an_on_demand_model_whose_start_failed_waits_for_a_request_since_the_fai
     assert wanted(od, spent.model_copy(update={"failed_at": None}), NOW, placed=0).count == 1
     # A model with min > 0 is kept at min whatever failed (its backoff paces the retries).
     assert wanted(m(min=1, max=1), spent, NOW, placed=0).count == 1
+    # A Ready replica beside one that failed (a scale-up that did not load) keeps its idle_timeout.
+    used = ModelState(name="m", last_used_at=NOW - timedelta(seconds=60), failed_at=NOW - timedelta(seconds=10),
+                      failures=1)
+    assert wanted(m(min=0, max=2), used, NOW, placed=1, newest_age_s=300).count == 1
 
 
 def test_the_plan_does_not_place_a_failed_on_demand_model_nobody_asked_for_since():

@@ -31,7 +31,7 @@ from llmgw.weights.explorer import ExploreError, Explorer
 from llmgw.weights.manifest import record_sha256
 from llmgw.weights.naming import not_a_gguf
 from llmgw.weights.staging import (
-    PublishError, discard, open_staging, publish, published_version, staged_record, staging_dir,
+    PublishError, discard, open_staging, publish, published_as, published_version, staged_record, staging_dir,
 )
 from llmgw.weights.urls import AddressPolicy
 
@@ -93,9 +93,8 @@ class MirrorActivities:
                 got = await download(f.url, dest, stage, expect_size=f.size, expect_sha=f.sha256,
                                      progress=beat.update, limits=self.limits, policy=self.policy,
                                      resume_hint=hint, on_partial=beat.set_partial)
-                # A single file is published under the version's name (`--name x.gguf`); a layout's keep theirs.
-                wrong = await asyncio.to_thread(not_a_gguf, f.name if f.name.lower().endswith(".gguf") else inp.name,
-                                                dest)
+                # Judged by the name it is published under: a single file's is the version's (`--name x.gguf`).
+                wrong = await asyncio.to_thread(lambda: not_a_gguf(published_as(stage, f.name), dest))
                 if wrong is not None:
                     await asyncio.to_thread(dest.unlink, True)
                     raise FetchError(wrong, retryable=False)

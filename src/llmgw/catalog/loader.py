@@ -99,7 +99,8 @@ def _shape_problem(err: dict, raw: Any) -> str:
         msg = "unknown field" + (_did_you_mean(loc[-1] if loc else None, fields)
                                  or "; check its spelling against docs/catalog.md")
     elif err["type"] == "literal_error":
-        msg += _did_you_mean(err.get("input"), re.findall(r"'([^']*)'", str((err.get("ctx") or {}).get("expected", ""))))
+        expected = str((err.get("ctx") or {}).get("expected", ""))  # "'vllm', 'sglang', 'llamacpp' or 'sim'"
+        msg += _did_you_mean(err.get("input"), re.findall(r"'([^']*)'", expected))
     return f"{where}: {msg}"
 
 

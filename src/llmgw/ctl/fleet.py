@@ -312,5 +312,7 @@ def retry(model: str = typer.Argument(..., metavar="MODEL", help="A model or ali
     if not out["failures"] and not out["backoff_left_s"]:
         typer.echo(f"{out['model']}: no failed starts to clear; the reconciler was asked to look at it again")
         return
+    when = ("the reconciler starts it now if it was asked for within its idle_timeout, else at the next request "
+            "(on demand)") if out.get("on_demand") else "the reconciler starts it now"
     typer.echo(f"{out['model']}: cleared {out['failures']} failed start(s) and {seconds(out['backoff_left_s'])} of "
-               "backoff; the reconciler starts it now (`llmgw ctl models -w` follows it)")
+               f"backoff; {when} (`llmgw ctl models -w` follows it)")

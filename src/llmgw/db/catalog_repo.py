@@ -135,10 +135,20 @@ async def model_states(conn: AsyncConnection) -> list[ModelState]:
     return out
 
 
-async def record_demand(conn: AsyncConnection, name: str) -> None:
-    """A request asked for `name` while no replica was Ready (load on demand)."""
+async def record_demand(conn: AsyncConnection, name: str, renewal: bool = False) -> None:
+    """A request asked for `name` while no replica was Ready (load on demand). Not counted while the model
+    backs off after a failed start: that request is answered at once (503 model_failing, Retry-After the
+    backoff left), and a client that retries then asks again; one that gives up does not start a broken model.
+    A `renewal` (a request held since before, keeping its demand fresh) is recorded only if no start has
+    failed since the demand recorded last: that failure spent it (placement/scale.py), whatever the request
+    read before. The database decides both, so a failure counted a moment ago is never missed."""
+    st = model_state.c
+    counts = st.backoff_until.is_(None) | (st.backoff_until <= func.now())
+    if renewal:
+        counts = counts & (st.failed_at.is_(None) | st.demand_at.is_(None) | (st.failed_at < st.demand_at))
     stmt = insert(model_state).values(name=name, demand_at=func.now())
-    await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name], set_={"demand_at": func.now()}))
+    await conn.execute(stmt.on_conflict_do_update(index_elements=[st.name], set_={"demand_at": func.now()},
+                                                  where=counts))
 
 
 async def record_use(conn: AsyncConnection, name: str, at: datetime | None = None) -> None:

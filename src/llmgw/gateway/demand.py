@@ -118,15 +118,15 @@ class Demand:
         self._asked[model.name] = now
         return True
 
-    def _record_soon(self, name: str) -> None:
-        task = asyncio.create_task(self._record(name))
+    def _record_soon(self, name: str, renewal: bool = False) -> None:
+        task = asyncio.create_task(self._record(name, renewal))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _record(self, name: str) -> None:
+    async def _record(self, name: str, renewal: bool = False) -> None:
         try:
             async with self.engine.begin() as conn:
-                await catalog_repo.record_demand(conn, name)
+                await catalog_repo.record_demand(conn, name, renewal)
         except Exception:  # noqa: BLE001 - the next request asks again; log and go on to the wake-up
             log.exception("recording demand for %s failed", name)
             self._asked.pop(name, None)
@@ -152,7 +152,7 @@ class Demand:
         if self.waiting.get(name, 0) >= sc.load_queue:
             raise errors.loading(name, retry_after_s=LOADING_RETRY_AFTER_S,
                                  detail=f"{sc.load_queue} requests are already waiting for it on this gateway")
-        self.ask(route)
+        self.ask(route)  # during a backoff the database does not count it (catalog_repo.record_demand)
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + min(sc.load_wait, self.load_wait_cap_s)
@@ -182,12 +182,10 @@ class Demand:
                 # A request waiting for the load is demand: kept fresh, or a model whose idle_timeout is shorter
                 # than its placement takes (a node registering late) would be let go while it is being waited for.
                 # Not once the start it waited for has failed: that demand is spent (placement/scale.py), and
-                # renewing it would have the model retried after its backoff for a request that gave up.
-                if self._claim((self.routes.resolve(name) or route).model):  # one held request per round reads
-                    cond = await self.condition(name, fresh=True)
-                    if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
-                        raise self._failing(name, cond)
-                    self._record_soon(name)
+                # renewing it would have the model retried after its backoff for a request that gave up. The
+                # database decides (a renewal is conditional), so a failure counted meanwhile is never missed.
+                if self._claim((self.routes.resolve(name) or route).model):
+                    self._record_soon(name, renewal=True)
                 if holding is not None:
                     await holding(loop.time() - started)
         finally:

@@ -83,7 +83,8 @@ class StatusService:
         left = max(0, int((f.backoff_until - now).total_seconds())) if f.backoff_until else 0
         if self.temporal is not None:
             await self.temporal.wake(f"retry {model.name}")
-        return RetryResult(model=model.name, failures=f.failures, backoff_left_s=left)
+        return RetryResult(model=model.name, failures=f.failures, backoff_left_s=left,
+                           on_demand=model.effective_scaling.on_demand)
 
     # ---- replicas ------------------------------------------------------------------------------
     async def replicas(self, include_ended: bool = False, model: str | None = None, limit: int = 200) -> list[ReplicaView]:

@@ -6,8 +6,9 @@ scale_down_delay window):
 
 - **floor**: `min`; an on-demand model (`min 0`) has a floor of 1 while it is asked for or was used within
   `idle_timeout`, else 0 (seeds 003, "Load a model when someone asks for it"). Once its last start has
-  failed, only a request since that failure counts (`waits_for_request`): the demand that led to the
-  failed start is spent, and a broken model nobody is waiting for is not retried backoff after backoff;
+  failed and nothing of it is placed, only a request since that failure counts (`waits_for_request`): the
+  demand that led to the failed start is spent, and a broken model nobody is waiting for is not retried
+  backoff after backoff;
 - **up**: `ceil(load / target)`: one more replica as soon as the load now exceeds what the replicas
   placed (Ready or starting) carry at `target` each. Starting replicas count as capacity, so a burst
   during a cold start does not place a replica per request;
@@ -49,14 +50,16 @@ def waits_for_request(failed_at: datetime | None, demand_at: datetime | None, us
     return all(t is None or t <= failed_at for t in (demand_at, used_at))
 
 
-def _floor(model: Model, st: ModelState, now: datetime) -> tuple[int, str]:
+def _floor(model: Model, st: ModelState, now: datetime, placed: int) -> tuple[int, str]:
     sc = model.effective_scaling
     if sc.min > 0:
         return sc.min, f"min {sc.min}"
     if st.load > 0:
         return 1, f"on demand, {st.load} request(s) in flight or waiting"
-    if st.failed_at is not None and waits_for_request(st.failed_at, st.demand_at, st.last_used_at):
-        ago = (now - st.failed_at).total_seconds()
+    # Only with nothing placed: a Ready replica beside one that failed (a scale-up, a surge) keeps its
+    # idle_timeout, because demand is recorded only while none is Ready.
+    if placed == 0 and waits_for_request(st.failed_at, st.demand_at, st.last_used_at):
+        ago = (now - st.failed_at).total_seconds() if st.failed_at else 0.0
         return 0, f"on demand, its last start failed {ago:.0f}s ago and nothing has asked for it since"
     last = max([t for t in (st.demand_at, st.last_used_at) if t is not None], default=None)
     if last is None:
@@ -75,7 +78,7 @@ def wanted(model: Model, state: ModelState | None, now: datetime, placed: int,
     if sc.off:
         return Want(0, "scaling is off (max 0)" if model.scaling else "no scaling stanza: off")
     st = state or ModelState(name=model.name)
-    floor, why = _floor(model, st, now)
+    floor, why = _floor(model, st, now, placed)
     target = model.target_in_flight
     if st.load == 0 and (st.peak == 0 or floor == 0):
         # An on-demand model idle past idle_timeout goes to zero whatever the peak window remembers.

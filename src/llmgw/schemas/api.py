@@ -172,11 +172,13 @@ class ModelView(_Strict):
 
 
 class RetryResult(_Strict):
-    """`ctl retry MODEL`: the failed starts and backoff that were cleared."""
+    """`ctl retry MODEL`: the failed starts and backoff that were cleared. `on_demand`: the model has
+    `min: 0`, so it starts now only if it was asked for within its idle_timeout, else at the next request."""
 
     model: str
     failures: int = 0
     backoff_left_s: int = 0
+    on_demand: bool = False
 
 
 class LogsView(_Strict):

@@ -177,6 +177,13 @@ def _check_staged(stage: Path, inp: PublishInput) -> None:
                            "missing")
 
 
+def published_as(stage: Path, file_name: str) -> str:
+    """The name a staged file is published under: the version's own name for a single file, else its own
+    (read from the staging directory's target record)."""
+    rec = json.loads((stage / TARGET).read_text())
+    return rec["name"] if rec.get("kind") == "file" else file_name
+
+
 def staged_record(stage: Path, name: str) -> str | None:
     """The sha256 recorded for a staged file (a fetch that completed before its activity's result was
     lost), when the file still matches the record."""

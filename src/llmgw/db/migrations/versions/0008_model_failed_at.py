@@ -19,6 +19,8 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("model_state", sa.Column("failed_at", sa.DateTime(timezone=True)))
+    # A model failing at upgrade time: its failure counts from now, so it too waits for a request.
+    op.execute("UPDATE model_state SET failed_at = now() WHERE failures > 0")
 
 
 def downgrade() -> None:

@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import func, or_, select
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from llmgw.db.tables import usage, usage_periods
+from llmgw.db.tables import usage
 
 RowKey = tuple[str, str, str]  # (tenant or '', key id, model)
 
@@ -44,30 +43,40 @@ def _ts(epoch: float) -> datetime:
 
 async def db_now(conn: AsyncConnection) -> float:
     """The database clock (the transaction's start), in epoch seconds."""
-    return float((await conn.execute(select(func.extract("epoch", func.now())))).scalar_one())
+    return (await conn.exec_driver_sql("SELECT extract(epoch FROM now())::float8")).scalar_one()
 
 
-def _upsert_usage():
-    ins = insert(usage)
-    return ins.on_conflict_do_update(
-        index_elements=[usage.c.minute, usage.c.tenant, usage.c.key_id, usage.c.model],
-        set_={"requests": usage.c.requests + ins.excluded.requests,
-              "prompt_tokens": usage.c.prompt_tokens + ins.excluded.prompt_tokens,
-              "completion_tokens": usage.c.completion_tokens + ins.excluded.completion_tokens})
-
-
-def _upsert_periods():
-    ins = insert(usage_periods)
-    return ins.on_conflict_do_update(
-        index_elements=[usage_periods.c.period, usage_periods.c.starts_at, usage_periods.c.tenant,
-                        usage_periods.c.key_id],
-        set_={"requests": usage_periods.c.requests + ins.excluded.requests,
-              "tokens": usage_periods.c.tokens + ins.excluded.tokens})
-
-
-# Built once: executed with a list of parameter sets (executemany), so SQLAlchemy compiles each once.
-_UPSERT_USAGE = _upsert_usage()
-_UPSERT_PERIODS = _upsert_periods()
+# The sync's three statements (gateway/quotas.py, every second on every gateway) are plain SQL run through
+# the driver: measured (bench/overhead.py's idle line), the same work through compiled Core statements and
+# executemany cost four times the CPU, which every request of an accounted key paid a share of.
+# Each upsert takes its rows as arrays (one statement, whatever the count), in the order given: sorted.
+_ADD_USAGE = """
+INSERT INTO usage (minute, tenant, key_id, model, requests, prompt_tokens, completion_tokens)
+SELECT to_timestamp(%s), t, k, m, r, p, c
+FROM unnest(%s::text[], %s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::bigint[]) AS x(t, k, m, r, p, c)
+ON CONFLICT (minute, tenant, key_id, model) DO UPDATE SET
+    requests = usage.requests + excluded.requests,
+    prompt_tokens = usage.prompt_tokens + excluded.prompt_tokens,
+    completion_tokens = usage.completion_tokens + excluded.completion_tokens
+"""
+_ADD_PERIODS = """
+INSERT INTO usage_periods (period, starts_at, tenant, key_id, requests, tokens)
+SELECT p, to_timestamp(s), t, k, r, n
+FROM unnest(%s::text[], %s::float8[], %s::text[], %s::text[], %s::bigint[], %s::bigint[]) AS x(p, s, t, k, r, n)
+ON CONFLICT (period, starts_at, tenant, key_id) DO UPDATE SET
+    requests = usage_periods.requests + excluded.requests,
+    tokens = usage_periods.tokens + excluded.tokens
+"""
+# Minute rows carry their minute; period rows carry NULL there and their period's name first.
+_TOTALS = """
+SELECT NULL, tenant, key_id, extract(epoch FROM minute)::float8, sum(requests)::bigint,
+       sum(prompt_tokens + completion_tokens)::bigint
+FROM usage WHERE minute >= to_timestamp(%s) GROUP BY tenant, key_id, minute
+UNION ALL
+SELECT u.period, u.tenant, u.key_id, NULL, NULL, u.tokens
+FROM usage_periods u JOIN unnest(%s::text[], %s::float8[]) AS x(p, s)
+    ON u.period = x.p AND u.starts_at = to_timestamp(x.s)
+"""
 
 
 async def add(conn: AsyncConnection, minute: float, periods: dict[str, float],
@@ -76,34 +85,33 @@ async def add(conn: AsyncConnection, minute: float, periods: dict[str, float],
     starting at `minute` and to each budget period in `periods` ('day'/'month' -> its start)."""
     if not rows:
         return
-    at = _ts(minute)
-    await conn.execute(_UPSERT_USAGE, [dict(minute=at, tenant=t, key_id=k, model=m, requests=r, prompt_tokens=p,
-                                            completion_tokens=c) for (t, k, m), (r, p, c) in sorted(rows.items())])
+    ordered = sorted(rows.items())
+    await conn.exec_driver_sql(_ADD_USAGE, (minute, *map(list, zip(*((t, k, m, r, p, c)
+                                                                   for (t, k, m), (r, p, c) in ordered)))))
     per_key: dict[tuple[str, str], list[int]] = {}
-    for (t, k, _), (r, p, c) in rows.items():
+    for (t, k, _), (r, p, c) in ordered:
         acc = per_key.setdefault((t, k), [0, 0])
         acc[0] += r
         acc[1] += p + c
-    await conn.execute(_UPSERT_PERIODS, [dict(period=period, starts_at=_ts(start), tenant=t, key_id=k, requests=r,
-                                              tokens=n) for period, start in sorted(periods.items())
-                                         for (t, k), (r, n) in sorted(per_key.items())])
+    cols = list(zip(*((period, start, t, k, r, n) for period, start in sorted(periods.items())
+                      for (t, k), (r, n) in sorted(per_key.items()))))
+    if cols:
+        await conn.exec_driver_sql(_ADD_PERIODS, tuple(map(list, cols)))
 
 
 async def totals(conn: AsyncConnection, since_minute: float,
                  periods: dict[str, float]) -> tuple[list[MinuteTotal], list[PeriodTotal]]:
     """The fleet's requests and tokens per tenant and key in each minute from `since_minute` on, and its
     tokens in each budget period of `periods` ('day'/'month' -> its start)."""
-    q = (select(usage.c.tenant, usage.c.key_id, func.extract("epoch", usage.c.minute), func.sum(usage.c.requests),
-                func.sum(usage.c.prompt_tokens + usage.c.completion_tokens))
-         .where(usage.c.minute >= _ts(since_minute))
-         .group_by(usage.c.tenant, usage.c.key_id, usage.c.minute))
-    minutes = [MinuteTotal(t, k, float(m), int(r), int(n)) for t, k, m, r, n in (await conn.execute(q)).all()]
+    minutes: list[MinuteTotal] = []
     out: list[PeriodTotal] = []
-    if periods:
-        q = (select(usage_periods.c.tenant, usage_periods.c.key_id, usage_periods.c.period, usage_periods.c.tokens)
-             .where(or_(*((usage_periods.c.period == p) & (usage_periods.c.starts_at == _ts(s))
-                          for p, s in periods.items()))))
-        out = [PeriodTotal(t, k, p, int(n)) for t, k, p, n in (await conn.execute(q)).all()]
+    names = list(periods)
+    for period, t, k, m, r, n in (await conn.exec_driver_sql(
+            _TOTALS, (since_minute, names, [periods[p] for p in names]))).all():
+        if period is None:
+            minutes.append(MinuteTotal(t, k, m, int(r), int(n)))
+        else:
+            out.append(PeriodTotal(t, k, period, int(n)))
     return minutes, out
 
 

@@ -144,6 +144,20 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert out.returncode != 0 and "not applied" in out.stdout + out.stderr, (out.stdout, out.stderr)
     assert len(json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"]) == 2
 
+    # Key names need not be unique (a key is rotated under its name), but a namesake is named by id.
+    first = cp.ctl("keys", "create", "--name", "ci")
+    assert first.returncode == 0 and "also named" not in first.stderr, first.stderr
+    keys = {k["name"] or "-": k for k in json.loads(cp.ctl("keys", "list", "-o", "json").stdout)}
+    old = keys["ci"]["id"]
+    second = cp.ctl("keys", "create", "--name", "ci")
+    assert second.returncode == 0 and second.stdout.strip() != first.stdout.strip()
+    assert f"1 other active key(s) are also named 'ci': {old} (" in second.stderr, second.stderr
+    assert "revoke it by id: `llmgw ctl keys revoke ID`" in second.stderr
+    assert cp.ctl("keys", "revoke", old, "--yes").returncode == 0
+    third = cp.ctl("keys", "create", "--name", "ci")  # the revoked one is no namesake; the second still is
+    assert "1 other active key(s)" in third.stderr and old not in third.stderr, third.stderr
+    assert "also named" not in cp.ctl("keys", "create", "--name", "cd").stderr
+
 
 @pytest.mark.parametrize("args, says", [
     (["tenants", "create", "t1", "--tokens-per-day", "20X"],

@@ -25,11 +25,28 @@ def create(name: str = typer.Option("", "--name", help="Whose key this is (free 
     body: dict = {"name": name, "limits": limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models)}
     if tenant is not None:
         body["tenant"] = tenant
-    k = Admin().post("/admin/v1/keys", body)
+    admin = Admin()
+    k = admin.post("/admin/v1/keys", body)
     typer.echo(k["key"])
     owner = f", tenant {k['tenant']}" if k.get("tenant") else ""
     typer.echo(f"created key {k['id']}{' (' + k['name'] + ')' if k['name'] else ''}{owner}; it cannot be shown again. "
                "Once any key exists the gateway requires one (see docs/gateway.md).", err=True)
+    if name:
+        namesakes(admin, k)
+
+
+def namesakes(admin: Admin, created: dict) -> None:
+    """Say which other active keys carry the new key's name. Names are free text and need not be unique
+    (a key is rotated by creating its successor under the same name, then revoking the old one), but two
+    keys that look alike in `ctl keys list` should be told apart by id before one is revoked."""
+    others = [k for k in admin.get("/admin/v1/keys")
+              if k["name"] == created["name"] and k["id"] != created["id"] and not k["revoked_at"]]
+    if not others:
+        return
+    now = admin.now
+    listed = ", ".join(f"{k['id']} ({k['prefix']}..., created {age(k['created_at'], now)} ago)" for k in others)
+    typer.echo(f"note: {len(others)} other active key(s) are also named {created['name']!r}: {listed}. All of them "
+               "work; to replace one, revoke it by id: `llmgw ctl keys revoke ID`.", err=True)
 
 
 @app.command("set")

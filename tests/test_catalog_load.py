@@ -46,6 +46,29 @@ def test_fallback_typo_stops_the_apply():
         parse_catalog(cat)
 
 
+def test_problems_of_shape_and_across_the_catalog_are_listed_in_one_report():
+    """A model whose shape is wrong does not hide the other models' cross-catalog problems; it still counts
+    as a name (a fallback or guard naming it is not called unknown), and the indices stay the document's."""
+    cat = {"models": [
+        {"name": "a", "aliases": ["a1"], "scaling": {"mni": 1}, "profiles": [{"engine": "sim"}]},
+        {"name": "b", "fallbacks": ["a1", "nope"], "profiles": [{"engine": "sim", "gpus_per_node": 3, "tp": 2}]},
+        {"name": "c", "guard": {"model": "a"}, "profiles": [{"engine": "sim"}]},
+        {"name": "d", "profiles": [{"engine": "vlm"}]},
+        {"name": "b", "profiles": [{"engine": "sim"}]},
+    ]}
+    with pytest.raises(CatalogError) as e:
+        parse_catalog(cat)
+    assert e.value.problems == [
+        "models[0] (a).scaling.mni: unknown field; did you mean 'min'?",
+        "models[3] (d).profiles[0] (default).engine: Input should be 'vllm', 'sglang', 'llamacpp' or 'sim'; "
+        "did you mean 'vllm'?",
+        "models[4] (b): name 'b' is already used by model 'b'",
+        "models[1] (b).fallbacks: no model or alias named 'nope'",
+        "models[1] (b).profiles[0] (default).gpus_per_node: is 3 but tp × pp / nodes = 2; remove it (it follows "
+        "from tp, pp and nodes)",
+    ], e.value.problems
+
+
 def test_duplicate_names_and_aliases_are_refused():
     cat = {"models": [{"name": "a", "aliases": ["x"], "profiles": [{"engine": "sim"}]},
                       {"name": "x", "profiles": [{"engine": "sim"}]}]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.catalog.rules import check_arithmetic, check_source
 from llmgw.catalog.upgrade import upgrade_document
-from llmgw.schemas.catalog import Catalog, Profile
+from llmgw.schemas.catalog import Catalog, Model, Profile
 
 
 class CatalogError(ValueError):
@@ -125,13 +126,15 @@ def read_catalog(raw: Any) -> LoadedCatalog:
     if not isinstance(raw, dict):
         raise CatalogError(["the catalog must be a mapping with a `models:` list"])
     raw, notes, problems = upgrade_document(raw)
+    indices: list[int] | None = None
+    unread: list[str] = []
     try:
         catalog = Catalog.model_validate(raw)
     except ValidationError as exc:
         problems += [_shape_problem(err, raw) for err in exc.errors()]
-        raise CatalogError(problems) from None
+        catalog, indices, unread = _readable_part(raw)
     try:
-        check_catalog(catalog)
+        check_catalog(catalog, indices, unread)
     except CatalogError as exc:
         # One report with every problem; a profile the upgrade step already refused is not refused twice.
         refused = tuple({p.split(": ", 1)[0].rsplit(".", 1)[0] + "." for p in problems})
@@ -141,24 +144,48 @@ def read_catalog(raw: Any) -> LoadedCatalog:
     return LoadedCatalog(catalog, notes)
 
 
+def _readable_part(raw: dict) -> tuple[Catalog, list[int], list[str]]:
+    """The models whose shape is right, while another's is not: (a catalog of them, the index each had, the
+    names and aliases of the others). The rules across the catalog then run on these, so one apply lists
+    both kinds of problem; a model that could not be read still counts as a name (a fallback to it is not
+    reported as unknown) and has no rules of its own checked."""
+    models = raw.get("models")
+    readable: list[Model] = []
+    indices: list[int] = []
+    unread: list[str] = []
+    for i, m in enumerate(models if isinstance(models, list) else []):
+        try:
+            readable.append(Model.model_validate(m))
+            indices.append(i)
+        except ValidationError:
+            if isinstance(m, dict):
+                aliases = m.get("aliases")
+                unread += [n for n in [m.get("name"), *(aliases if isinstance(aliases, list) else [])]
+                           if isinstance(n, str)]
+    return Catalog(models=readable), indices, unread
+
+
 def parse_catalog(raw: Any) -> Catalog:
     """Validate a decoded YAML/JSON document (see `read_catalog`). Raises `CatalogError`."""
     return read_catalog(raw).catalog
 
 
-def check_catalog(catalog: Catalog) -> None:
+def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Sequence[str] = ()) -> None:
     """Cross-model rules, in place: unique names and aliases; fallbacks and guard models that exist, rewritten
     to the model names they resolve to (seeds 003: a typo in a fallback stops the apply instead of surfacing
-    during the outage the fallback was for); per profile the arithmetic, the source and the engine policy."""
+    during the outage the fallback was for); per profile the arithmetic, the source and the engine policy.
+    `indices`: each model's index in the document (when some could not be read); `unread`: the names and
+    aliases of those, which exist as far as the others are concerned."""
     problems: list[str] = []
-    seen: dict[str, str] = {}
-    for i, m in enumerate(catalog.models):
+    seen: dict[str, str] = {n: n for n in unread}
+    at = indices or range(len(catalog.models))
+    for i, m in zip(at, catalog.models):
         for n in [m.name, *m.aliases]:
             if n in seen:
                 problems.append(f"models[{i}] ({m.name}): name {n!r} is already used by model {seen[n]!r}")
             else:
                 seen[n] = m.name
-    for i, m in enumerate(catalog.models):
+    for i, m in zip(at, catalog.models):
         resolved: list[str] = []
         for f in m.fallbacks:
             if f not in seen:
@@ -168,7 +195,7 @@ def check_catalog(catalog: Catalog) -> None:
             elif seen[f] not in resolved:
                 resolved.append(seen[f])
         m.fallbacks = resolved
-        if m.guard is not None:
+        if m.guard is not None and m.guard.model not in unread:
             judge = next((g for g in catalog.models if g.name == seen.get(m.guard.model)), None)
             if judge is None:
                 problems.append(f"models[{i}] ({m.name}).guard.model: no model or alias named {m.guard.model!r}")

@@ -179,3 +179,26 @@ def test_limit_options_take_suffixes_and_none():
     from llmgw.ctl.tenants import limits_body
     assert limits_body("10k", "2M", "1G", "none", "a-*,b") == {
         "rpm": 10_000, "tpm": 2_000_000, "tokens_per_day": 10**9, "tokens_per_month": None, "models": ["a-*", "b"]}
+
+
+def test_namesakes_of_a_new_key_are_named_up_to_five_and_the_rest_counted(capsys):
+    from datetime import datetime, timezone
+
+    from llmgw.ctl.keys import namesakes
+
+    class FakeAdmin:
+        now = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+
+        def get(self, path):
+            assert path == "/admin/v1/keys"
+            made = "2026-12-02T11:00:00Z"
+            return ([{"id": f"k{i}", "name": "ci", "prefix": f"llmgw-{i:04d}", "created_at": made, "revoked_at": None}
+                     for i in range(12)]
+                    + [{"id": "r", "name": "ci", "prefix": "x", "created_at": made, "revoked_at": made},
+                       {"id": "o", "name": "other", "prefix": "y", "created_at": made, "revoked_at": None}])
+
+    namesakes(FakeAdmin(), {"id": "k0", "name": "ci"})
+    err = capsys.readouterr().err
+    assert "11 other active key(s) are also named 'ci': k1 (llmgw-0001..., created 1h ago), k2 (" in err, err
+    assert "k5 (" in err and "k6 (" not in err and "and 6 more (`llmgw ctl keys list`)" in err, err
+    assert "r (" not in err and "o (" not in err

@@ -11,6 +11,8 @@ from llmgw.ctl.client import Admin, fail
 from llmgw.ctl.output import Output, age, output_option, show, table
 from llmgw.ctl.tenants import MODELS, PER_DAY, PER_MONTH, RPM, TPM, changed_limits, limits_body, limits_text
 
+NAMESAKES_SHOWN = 5  # namesakes named one by one after a create; the rest are counted
+
 app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
                   help="Gateway API keys: create, list, set limits, revoke.")
 
@@ -44,7 +46,10 @@ def namesakes(admin: Admin, created: dict) -> None:
     if not others:
         return
     now = admin.now
-    listed = ", ".join(f"{k['id']} ({k['prefix']}..., created {age(k['created_at'], now)} ago)" for k in others)
+    listed = ", ".join(f"{k['id']} ({k['prefix']}..., created {age(k['created_at'], now)} ago)"
+                       for k in others[:NAMESAKES_SHOWN])
+    if len(others) > NAMESAKES_SHOWN:
+        listed += f" and {len(others) - NAMESAKES_SHOWN} more (`llmgw ctl keys list`)"
     typer.echo(f"note: {len(others)} other active key(s) are also named {created['name']!r}: {listed}. All of them "
                "work; to replace one, revoke it by id: `llmgw ctl keys revoke ID`.", err=True)
 

@@ -247,6 +247,10 @@ class FakeEngines:
         return web.json_response({"object": "error", "message": "max_tokens is too large", "type": "BadRequestError",
                                   "param": "max_tokens", "code": 400}, status=400)
 
+    async def _unsupported501(self, request, body, kind):  # llama-server asked for embeddings without --embeddings
+        return web.json_response({"error": {"code": 501, "message": "This server does not support embeddings. Start "
+                                            "it with `--embeddings`", "type": "not_supported_error"}}, status=501)
+
     async def _busy503(self, request, body, kind):
         return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=503)
 

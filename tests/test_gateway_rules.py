@@ -45,6 +45,11 @@ def test_engine_errors_keep_a_4xx_message_and_hide_a_5xx_body():
     err = engine_error(503, b"")
     assert err.status == 503 and err.headers["Retry-After"]
     assert set(json.loads(engine_error(404, b"<html>nope</html>").body())["error"]) == {"message", "type", "param", "code"}
+    llama = json.dumps({"error": {"code": 501, "message": "This server does not support embeddings. Start it with "
+                                  "`--embeddings`", "type": "not_supported_error"}}).encode()
+    err = engine_error(501, llama)
+    assert (err.status, err.code) == (400, "engine_unsupported") and "--embeddings" in err.message
+    assert engine_error(501, b"").status == 400
 
 
 def test_endpoint_urls():

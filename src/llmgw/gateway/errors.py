@@ -144,12 +144,15 @@ def circuit_open(name: str, retry_after_s: int) -> APIError:
 
 
 def engine_error(status: int, why: str) -> APIError:
-    """An engine's error answer turned into our envelope: 4xx kept, 503 kept (with Retry-After), other 5xx as 502."""
+    """An engine's error answer turned into our envelope: 4xx kept, 503 kept (with Retry-After), 501 (the engine
+    cannot do this request) as 400 `engine_unsupported`, other 5xx as 502."""
     if status == 503:
         return APIError(503, f"the engine is unavailable: {why}", type="service_unavailable", code="engine_unavailable",
                         headers={"Retry-After": "5"})
     if 400 <= status < 500:
         return APIError(status, why, code="engine_refused")
+    if status == 501:
+        return APIError(400, f"this model's engine cannot serve this request: {why}", code="engine_unsupported")
     return APIError(502, f"the engine failed (HTTP {status}): {why}", type="upstream_error", code="engine_error")
 
 

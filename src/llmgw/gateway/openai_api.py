@@ -104,7 +104,9 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
 def engine_error(status: int, body: bytes) -> APIError:
     """An engine's error answer in our envelope. A 4xx keeps the engine's message, param and code (they are
     about the client's request); a 5xx says only what failed, since an engine's own error text may carry
-    its internals (tracebacks, paths), and is logged instead."""
+    its internals (tracebacks, paths), and is logged instead. A 501 is the engine saying, in words it chose,
+    that it cannot do what was asked (llama-server's embeddings without `--embeddings`): its message is
+    kept and the client gets 400 `engine_unsupported`, which OpenAI clients do not retry."""
     message = param = code = None
     try:
         obj = json.loads(body)
@@ -115,7 +117,7 @@ def engine_error(status: int, body: bytes) -> APIError:
             code = err.get("code") if isinstance(err.get("code"), str) else None
     except (ValueError, UnicodeDecodeError):
         pass
-    if status >= 500:
+    if status >= 500 and status != 501:
         log.warning("engine answered HTTP %d: %s", status, printable(body))
         message = "see the gateway's log"
     elif not message:
@@ -123,6 +125,8 @@ def engine_error(status: int, body: bytes) -> APIError:
     out = errors.engine_error(status, message)
     if 400 <= status < 500:
         out.param, out.code = param, code or out.code
+    elif status == 501:
+        out.param = param
     return out
 
 

@@ -78,7 +78,7 @@ def exit_now(code: int) -> None:
 
 @app.command()
 def dev(
-    catalog: Optional[Path] = typer.Option(None, "--catalog", "-f", help="Catalog YAML to apply (default: <state>/catalog.yaml)"),
+    catalog: Optional[Path] = typer.Option(None, "--catalog", "-f", help="Catalog YAML to apply (default: catalog.yaml in the state directory)"),
     state_dir: Optional[Path] = typer.Option(None, help="State directory (default $LLMGW_STATE_DIR or ~/.local/share/llmgw)"),
 ):
     """Start everything on this machine: Postgres, Temporal, gateway, control worker, mirror, a node worker."""

@@ -251,6 +251,10 @@ class FakeEngines:
         return web.json_response({"error": {"code": 501, "message": "This server does not support embeddings. Start "
                                             "it with `--embeddings`", "type": "not_supported_error"}}, status=501)
 
+    async def _traceback501(self, request, body, kind):  # a 501 that is not an engine's chosen words
+        return web.Response(status=501, text="Traceback (most recent call last):\n  File \"/srv/secret/engine.py\"\n"
+                            "NotImplementedError")
+
     async def _busy503(self, request, body, kind):
         return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=503)
 

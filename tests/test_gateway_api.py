@@ -69,6 +69,7 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "fail500", "endpoints": [e.url("fail500")]},
         {"name": "refuse400", "endpoints": [e.url("refuse400")]},
         {"name": "unsupported501", "endpoints": [e.url("unsupported501")]},
+        {"name": "traceback501", "endpoints": [e.url("traceback501")]},
         *([{"name": f"raw-{b}", "endpoints": [raw.url(b)]} for b in ("extra", "late", "informational", "bighead", "ctltype", "obstype")]
           if raw else []),
         {"name": "held", "endpoints": [e.url("hold")], "limits": {"max_concurrency": 1, "max_queue": 4,
@@ -299,6 +300,10 @@ async def test_engine_failures_become_envelopes_with_the_right_status(gw):
     assert status == 400  # not a 5xx: OpenAI clients would retry it three times
     err = assert_envelope(out, status)
     assert err["code"] == "engine_unsupported" and "Start it with `--embeddings`" in err["message"]
+    status, _, out = await post(gw, "/v1/chat/completions", chat("traceback501"))
+    err = assert_envelope(out, status)  # a 501 that is not JSON: its text stays in the log
+    assert status == 400 and err["code"] == "engine_unsupported", out
+    assert "Traceback" not in err["message"] and "secret" not in err["message"]
 
 
 async def test_engine_text_reaches_the_log_escaped_and_without_url_secrets(gw):

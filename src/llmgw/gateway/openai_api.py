@@ -105,8 +105,9 @@ def engine_error(status: int, body: bytes) -> APIError:
     """An engine's error answer in our envelope. A 4xx keeps the engine's message, param and code (they are
     about the client's request); a 5xx says only what failed, since an engine's own error text may carry
     its internals (tracebacks, paths), and is logged instead. A 501 is the engine saying, in words it chose,
-    that it cannot do what was asked (llama-server's embeddings without `--embeddings`): its message is
-    kept and the client gets 400 `engine_unsupported`, which OpenAI clients do not retry."""
+    that it cannot do what was asked (llama-server's embeddings without `--embeddings`): its JSON message is
+    kept (any other body is logged, as a 5xx's) and the client gets 400 `engine_unsupported`, which OpenAI
+    clients do not retry."""
     message = param = code = None
     try:
         obj = json.loads(body)
@@ -117,16 +118,18 @@ def engine_error(status: int, body: bytes) -> APIError:
             code = err.get("code") if isinstance(err.get("code"), str) else None
     except (ValueError, UnicodeDecodeError):
         pass
-    if status >= 500 and status != 501:
+    # Whose words reach the client: a 4xx's, whatever its shape; a 501's only as its JSON `message`.
+    says_why = status < 500 or (status == 501 and message is not None)
+    if not says_why:
         log.warning("engine answered HTTP %d: %s", status, printable(body))
         message = "see the gateway's log"
     elif not message:
         message = " ".join(body.decode("utf-8", "replace").split())[:300] or f"HTTP {status}"
     out = errors.engine_error(status, message)
-    if 400 <= status < 500:
-        out.param, out.code = param, code or out.code
-    elif status == 501:
+    if says_why:
         out.param = param
+        if status < 500:
+            out.code = code or out.code
     return out
 
 

@@ -178,6 +178,20 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
             timeout_s=30, what=f"gateway route to {m}")
         completions_work(client, m)
 
+    # A prompt far longer than smollm2's context (--ctx-size 4096) is refused by the gateway at once, not
+    # after llama-server has tokenized it in a slot (a 50 MB prompt held one for 59.5 s). One within the
+    # gateway's coarse bound (32 characters a token) but past the context is still the engine's to refuse.
+    def ask(text: str) -> httpx.Response:
+        return httpx.post(dev.gateway + "/v1/chat/completions", timeout=60, json={
+            "model": "smollm2-135m", "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    refused = ask("word " * 1_000_000)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded", refused.text
+    assert "its context is 4,096 tokens" in refused.json()["error"]["message"]
+    past = ask("word " * 20_000)  # 100,000 characters, about 20,000 tokens
+    assert past.status_code == 400 and "context" in past.json()["error"]["message"], past.text
+    assert past.json()["error"]["code"] != "context_length_exceeded"
+    assert ask("hi").status_code == 200
+
     # One completed replica-start workflow per replica, its node activities on the node's queue.
     wfs = start_workflows(dev.ports["temporal"], "local")
     started = {r["id"] for r in dev.replicas()}

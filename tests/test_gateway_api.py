@@ -26,6 +26,9 @@ pytestmark = pytest.mark.integration
 
 UPSTREAM_TIMEOUT_S = 3.0
 BREAKER_FAILURES = 3
+MAX_PROMPT_CHARS = 200_000  # the gateway's setting, for models that declare no context
+PROMPT_LIMIT = 100  # `short-prompts`' limits.max_prompt_chars
+SMALL_CONTEXT = 64  # `small-context`'s --max-model-len: prompts up to 64 × 32 characters
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,9 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "primary", "fallbacks": ["echo"], **sim_off},
         {"name": "fleet-model", **sim_off},
         {"name": "sim-on-demand", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
+        {"name": "short-prompts", "endpoints": [e.url("echo")], "limits": {"max_prompt_chars": PROMPT_LIMIT}},
+        {"name": "small-context", "scaling": {"min": 0, "max": 1},
+         "profiles": [{"engine": "vllm", "source": "org/small", "args": ["--max-model-len", str(SMALL_CONTEXT)]}]},
     ]}
 
 
@@ -93,7 +99,8 @@ async def gw(tmp_path_factory, module_database_url, engines, raw):
     dead2 = f"http://127.0.0.1:{free_port()}"
     cp = ControlPlane(tmp_path_factory.mktemp("gw"), module_database_url, f"127.0.0.1:{free_port()}",
                       LLMGW_UPSTREAM_TIMEOUT_S=str(UPSTREAM_TIMEOUT_S), LLMGW_BREAKER_FAILURES=str(BREAKER_FAILURES),
-                      LLMGW_BREAKER_OPEN_S="60", LLMGW_LOAD_WAIT_S="1", LLMGW_ROUTE_REFRESH_S="0.5")
+                      LLMGW_BREAKER_OPEN_S="60", LLMGW_LOAD_WAIT_S="1", LLMGW_ROUTE_REFRESH_S="0.5",
+                      LLMGW_MAX_PROMPT_CHARS=str(MAX_PROMPT_CHARS))
     try:
         await asyncio.to_thread(cp.start, worker=False)
         async with aiohttp.ClientSession() as s:
@@ -411,6 +418,60 @@ async def test_abusive_json_gets_400_naming_the_field(gw):
         wide = b'{"model": "echo", "input": [' + b",".join([b"{}"] * 200_000) + b"]}"  # 1.2 MB of objects
         async with s.post(gw.gateway + "/v1/embeddings", data=wide, headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400 and "objects and arrays" in (await r.json())["error"]["message"]
+
+
+async def test_a_prompt_longer_than_the_model_takes_gets_400_and_never_reaches_an_engine(gw, engines):
+    """The prompt bound (catalog/context.py): text is counted (images are not), a chat's messages together,
+    each of a list of prompts on its own; longer than the model takes is 400 `context_length_exceeded`
+    naming the field, and the engine never sees it."""
+    parts = [{"type": "text", "text": "x" * 60}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                                     + "A" * 20_000}},
+             {"type": "text", "text": "y" * (PROMPT_LIMIT - 60)}]
+    fits = {"model": "short-prompts", "messages": [{"role": "user", "content": parts}]}
+    status, _, out = await post(gw, "/v1/chat/completions", fits)
+    assert status == 200, out  # exactly the limit, and 20,000 characters of image that are not text
+
+    hits = engines.state["hits"]["echo"]
+    over = [("/v1/chat/completions", {**fits, "messages": [*fits["messages"], {"role": "user", "content": "z"}]},
+             "messages", PROMPT_LIMIT + 1),
+            ("/v1/completions", {"model": "short-prompts", "prompt": ["short", "p" * (PROMPT_LIMIT + 5)]}, "prompt",
+             PROMPT_LIMIT + 5),
+            ("/v1/embeddings", {"model": "short-prompts", "input": "e" * (PROMPT_LIMIT * 10)}, "input", PROMPT_LIMIT * 10),
+            ("/v1/chat/completions", chat("echo", "g" * (MAX_PROMPT_CHARS + 1)), "messages", MAX_PROMPT_CHARS + 1)]
+    said = []
+    for path, body, param, chars in over:
+        status, _, out = await post(gw, path, body)
+        err = assert_envelope(out, status)
+        assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, (path, err)
+        assert f"holds {chars:,} characters" in err["message"] and "Shorten the prompt" in err["message"], err
+        said.append(err["message"])
+    assert f"at most {PROMPT_LIMIT:,} (its `limits.max_prompt_chars`)" in said[0], said[0]
+    assert f"at most {MAX_PROMPT_CHARS:,} (the gateway's `max_prompt_chars`)" in said[-1], said[-1]
+    status, _, out = await post(gw, "/v1/completions", {"model": "short-prompts", "prompt": ["a" * PROMPT_LIMIT] * 3})
+    assert status == 200, out  # each prompt of a list is its own
+    assert engines.state["hits"]["echo"] == hits + 1  # only that one reached the engine
+
+
+async def test_a_prompt_longer_than_the_declared_context_never_loads_the_model(gw, module_database_url):
+    """`small-context` declares `--max-model-len 64` and has no replica: a prompt longer than 64 × 32
+    characters is refused at once and records no demand (no load starts for it); a shorter one does."""
+    def demand_at():
+        with psycopg.connect(module_database_url, autocommit=True) as conn:
+            row = conn.execute("SELECT demand_at FROM model_state WHERE name = 'small-context'").fetchone()
+        return row[0] if row else None
+
+    status, _, out = await post(gw, "/v1/chat/completions", chat("small-context", "c" * (SMALL_CONTEXT * 32 + 1)))
+    err = assert_envelope(out, status)
+    assert status == 400 and err["code"] == "context_length_exceeded", err
+    assert f"at most {SMALL_CONTEXT * 32:,} (its context is {SMALL_CONTEXT} tokens)" in err["message"], err
+    await asyncio.sleep(0.5)
+    assert demand_at() is None
+    status, _, out = await post(gw, "/v1/chat/completions", chat("small-context", "c" * (SMALL_CONTEXT * 32)))
+    assert status == 503 and assert_envelope(out, status)["code"] == "model_pending", out
+    deadline = time.monotonic() + 5
+    while demand_at() is None:  # the one that fits asked for a load
+        assert time.monotonic() < deadline, "a prompt that fits recorded no demand"
+        await asyncio.sleep(0.05)
 
 
 # ---- the upstream client ---------------------------------------------------------------------------

@@ -151,6 +151,9 @@ class Settings(BaseSettings):
     max_header_bytes: int = 64 << 10
     max_request_bytes: int = 64 << 20
     max_connections: int = 4096
+    # The most characters of text one prompt may hold on the gateway, for a model whose catalog entry
+    # neither sets `limits.max_prompt_chars` nor declares a context its prompts must fit (catalog/context.py).
+    max_prompt_chars: int = Field(10_485_760, ge=1)
 
     # The admin API's bearer token (`Authorization: Bearer ...`). Unset: `<state_dir>/admin.token`, created
     # at the server's first start. Required whenever the admin API listens beyond loopback; `llmgw ctl`

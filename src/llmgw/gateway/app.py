@@ -64,7 +64,8 @@ class Gateway:
     def __init__(self, settings: Settings, engine: AsyncEngine):
         self.settings = settings
         self.engine = engine
-        self.routes = RouteTable(engine, settings.node_unreachable_after_s, settings.poller_grace_s)
+        self.routes = RouteTable(engine, settings.node_unreachable_after_s, settings.poller_grace_s,
+                                 settings.max_prompt_chars)
         self.metrics = GatewayMetrics()
         self.quotas = Quotas(engine, self.metrics, settings.usage_sync_s, settings.test_budget_day_s)
         self.keys = KeyRing(engine, settings.require_api_key, self.quotas)

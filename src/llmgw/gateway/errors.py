@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmgw.catalog.context import PromptBound
 
 
 class APIError(Exception):
@@ -101,6 +105,17 @@ def method_not_allowed(method: str, path: str, allow: str) -> APIError:
 
 def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def prompt_too_long(name: str, chars: int, bound: PromptBound, param: str) -> APIError:
+    """400: the prompt's text is longer than the model's prompt bound (catalog/context.py `PromptBound`).
+    OpenAI's code, which clients that trim a conversation to fit recognise."""
+    why = (f"its context is {bound.context:,} tokens" if bound.context is not None
+           else "its `limits.max_prompt_chars`" if bound.source == "limits.max_prompt_chars"
+           else "the gateway's `max_prompt_chars`")
+    return APIError(400, f"`{param}` holds {chars:,} characters of text; the model `{name}` takes at most "
+                    f"{bound.chars:,} ({why}). Shorten the prompt, or send fewer or shorter messages.",
+                    param=param, code="context_length_exceeded")
 
 
 def overloaded(name: str, retry_after_s: int = 1) -> APIError:

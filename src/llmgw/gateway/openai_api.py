@@ -101,6 +101,30 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
     return req
 
 
+def prompt_chars(path: str, req: dict) -> int:
+    """The characters of text in the request's prompt, as the prompt bound counts them (catalog/context.py):
+    a chat's messages together (their string `content`, and the `text` of their content parts; images and
+    other parts are not text), or the longest of a completion's `prompt`s or an embedding's `input`s (each
+    is a prompt of its own). Token-id arrays are not counted: the body's element bound holds them."""
+    if path == "/v1/chat/completions":
+        n = 0
+        for m in req["messages"]:
+            content = m.get("content")
+            if isinstance(content, str):
+                n += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        n += len(part["text"])
+        return n
+    value = req.get(REQUIRED[path])
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return max((len(v) for v in value if isinstance(v, str)), default=0)
+    return 0
+
+
 def engine_error(status: int, body: bytes) -> APIError:
     """An engine's error answer in our envelope. A 4xx keeps the engine's message, param and code (they are
     about the client's request); a 5xx says only what failed, since an engine's own error text may carry

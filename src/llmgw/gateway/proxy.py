@@ -42,7 +42,7 @@ from llmgw.gateway.demand import Demand, Hold
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
-    MAX_BODY, Receive, Send, engine_error, parse_request, read_body, send_error, sse_error,
+    MAX_BODY, REQUIRED, Receive, Send, engine_error, parse_request, prompt_chars, read_body, send_error, sse_error,
 )
 from llmgw.gateway.quotas import Account, Meter, Quotas
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
@@ -178,6 +178,9 @@ class Proxy:
                 usable = (lambda m: account.refusing(m) is None) if account is not None else None
                 raise errors.model_not_found(req["model"], self.routes.similar(req["model"], usable))
             label = route.model.name
+            chars = prompt_chars(path, req)
+            if chars > route.bound.chars:  # before it is queued, counted or loads a model
+                raise errors.prompt_too_long(label, chars, route.bound, REQUIRED[path])
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())

@@ -22,6 +22,7 @@ from typing import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from llmgw.catalog.context import MAX_PROMPT_CHARS, PromptBound, prompt_bound
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
@@ -53,14 +54,17 @@ class Endpoint:
 @dataclass
 class ModelRoute:
     model: Model
+    bound: PromptBound  # the longest prompt it takes (catalog/context.py)
     endpoints: list[Endpoint] = field(default_factory=list)
 
 
 class RouteTable:
     """Model name or alias -> `ModelRoute`. `on_refresh(catalog)` hooks run after every refresh."""
 
-    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, poller_grace_s: float = 60.0):
+    def __init__(self, engine: AsyncEngine, unreachable_after_s: float, poller_grace_s: float = 60.0,
+                 max_prompt_chars: int = MAX_PROMPT_CHARS):
         self.engine = engine
+        self.max_prompt_chars = max_prompt_chars
         self.unreachable_after_s = unreachable_after_s
         self.poller_grace_s = poller_grace_s
         self.unreachable: dict[str, list[str]] = {}  # model -> Unreachable nodes its Ready replicas are on
@@ -124,7 +128,7 @@ class RouteTable:
             rows = await fleet_repo.routable_replicas(conn, self.unreachable_after_s)
         # The observers' ages come on every row (with no row there is nothing to judge by them).
         observer_age, pollers_age = (rows[0].observer_age_s, rows[0].pollers_age_s) if rows else (None, None)
-        models: dict[str, ModelRoute] = {m.name: ModelRoute(m) for m in catalog.models}
+        models = {m.name: ModelRoute(m, prompt_bound(m, self.max_prompt_chars)) for m in catalog.models}
         names: dict[str, str] = {}
         for m in catalog.models:
             names[m.name] = m.name

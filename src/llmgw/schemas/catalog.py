@@ -179,16 +179,21 @@ class Profile(_Strict):
 
 
 class Limits(_Strict):
-    """How much traffic each gateway lets through to a model at once (gateway/admission.py).
+    """How much traffic each gateway lets through to a model at once (gateway/admission.py), and how long
+    a prompt it takes.
 
     - `max_concurrency`: requests forwarded at once, per gateway (unset: no limit);
     - `max_queue`: requests that may wait for a slot beyond that; one more is refused at once with 429;
-    - `queue_timeout_s`: how long a request waits in the queue before 503 (seconds).
+    - `queue_timeout_s`: how long a request waits in the queue before 503 (seconds);
+    - `max_prompt_chars`: the most characters of text one prompt may hold; longer is refused with 400
+      `context_length_exceeded` before it reaches an engine. Unset: from the context the profiles declare,
+      else the setting `max_prompt_chars` (catalog/context.py).
     """
 
     max_concurrency: int | None = Field(None, ge=1)
     max_queue: int = Field(0, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
+    max_prompt_chars: int | None = Field(None, ge=1)
 
 
 class GuardPolicy(_Strict):

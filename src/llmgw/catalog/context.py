@@ -1,0 +1,92 @@
+"""The longest prompt a model takes: its prompt bound, from the context its profiles give their engines.
+
+Why (a walkthrough finding of stop 24): the gateway takes bodies up to `max_request_bytes` (64 MiB, for
+images), and an engine refuses a prompt longer than its context only after tokenizing all of it. A 50 MB
+prompt held a llama-server slot for 59.5 s before its 400. The gateway holds no tokenizer, but it can
+count characters, and a prompt whose text is longer than `CHARS_PER_TOKEN` characters for every token of
+context does not fit: natural text runs about 4 characters a token, code about 3, Chinese or Japanese one
+or fewer. Only text made of a tokenizer's rare long tokens (runs of `=` or of spaces) could fit and still
+be refused; an operator who serves such text sets `limits.max_prompt_chars`.
+
+A model's bound, in order:
+1. its `limits.max_prompt_chars`, when set (the operator's word: no cap applies);
+2. else, when every profile declares its context (llama.cpp `--ctx-size` or `LLAMA_ARG_CTX_SIZE`, vLLM
+   `--max-model-len`, SGLang `--context-length`), `CHARS_PER_TOKEN` × the largest, at most the setting;
+3. else the setting `max_prompt_chars` (OpenAI's own ceiling for one string: 10,485,760 characters).
+
+The gateway counts a request's text (gateway/openai_api.py `prompt_chars`) and refuses a longer one with
+400 `context_length_exceeded` before it is routed, queued, counted against a quota or loads a model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from llmgw.catalog.policy import read_flag, rules_for
+from llmgw.schemas.catalog import Model, Profile
+
+CHARS_PER_TOKEN = 32
+MAX_PROMPT_CHARS = 10_485_760  # the default of the setting `max_prompt_chars`: OpenAI's limit on one string
+
+# engine -> the flag that sets its context length in tokens
+CONTEXT_FLAGS = {"llamacpp": "--ctx-size", "vllm": "--max-model-len", "sglang": "--context-length"}
+LLAMA_CTX_ENV = "LLAMA_ARG_CTX_SIZE"  # llama-server reads it when --ctx-size is not given
+# vLLM reads `--max-model-len` as a human-readable number: 1k = 1000, 1K = 1024 (and m/M, g/G).
+_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """The most characters of text one prompt of a model may hold, and why: `context` is the declared
+    context (tokens) it comes from, None when it is the model's limit or the setting (`source`)."""
+
+    chars: int
+    source: str  # "limits.max_prompt_chars", "context" or "max_prompt_chars"
+    context: int | None = None
+
+
+def _tokens(value: str, engine: str) -> int | None:
+    m = _HUMAN.fullmatch(value.strip())
+    if m is None or (engine != "vllm" and (m.group(2) or "." in m.group(1))):
+        return None
+    n = int(float(m.group(1)) * _SCALE[m.group(2)])
+    return n if n > 0 else None  # 0 (llama.cpp) or -1 (vLLM): the model's own, which the catalog cannot see
+
+
+def declared_context(profile: Profile) -> int | None:
+    """The context length (tokens) `profile`'s args or env give its engine, or None when they give none
+    (the engine then takes the model's own, which only the weights know)."""
+    flag = CONTEXT_FLAGS.get(profile.engine)
+    if flag is None:
+        return None
+    rules = rules_for(profile.engine)
+    found: str | None = None
+    args = profile.args
+    for i, arg in enumerate(args):
+        try:
+            name = read_flag(arg, rules)
+        except ValueError:
+            return None  # a form the policy refuses: the catalog is refused anyway
+        if name != flag:
+            continue
+        if "=" in arg and rules.split_equals:
+            found = arg.split("=", 1)[1]
+        elif i + 1 < len(args):
+            found = args[i + 1]  # the last one given wins, as in every engine's parser
+    if found is None and profile.engine == "llamacpp":
+        found = profile.env.get(LLAMA_CTX_ENV)
+    return _tokens(found, profile.engine) if found is not None else None
+
+
+def prompt_bound(model: Model, most: int = MAX_PROMPT_CHARS) -> PromptBound:
+    """`model`'s prompt bound (the module docstring); `most`: the setting `max_prompt_chars`."""
+    if model.limits is not None and model.limits.max_prompt_chars is not None:
+        return PromptBound(model.limits.max_prompt_chars, "limits.max_prompt_chars")
+    contexts = [declared_context(p) for p in model.profiles]
+    if contexts and None not in contexts:
+        context = max(c for c in contexts if c is not None)
+        if context * CHARS_PER_TOKEN < most:
+            return PromptBound(context * CHARS_PER_TOKEN, "context", context)
+    return PromptBound(most, "max_prompt_chars")

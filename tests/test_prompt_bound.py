@@ -1,0 +1,67 @@
+"""The prompt bound's rules (catalog/context.py and the gateway's count of a prompt's text); the same rules
+through a real gateway: tests/test_gateway_api.py (`short-prompts`, `small-context`) and, against a real
+llama-server, tests/test_dev_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.catalog.context import CHARS_PER_TOKEN, MAX_PROMPT_CHARS, declared_context, prompt_bound
+from llmgw.catalog.loader import CatalogError, parse_catalog
+from llmgw.gateway.openai_api import prompt_chars
+from llmgw.schemas.catalog import Model, Profile
+
+
+@pytest.mark.parametrize("engine,args,env,tokens", [
+    ("llamacpp", ["--ctx-size", "4096", "--parallel", "2"], {}, 4096),
+    ("llamacpp", ["--ctx_size", "1024"], {}, 1024),  # llama-server reads `_` as `-`
+    ("llamacpp", ["--ctx-size", "512", "--ctx-size", "2048"], {}, 2048),  # the last one given wins
+    ("llamacpp", [], {"LLAMA_ARG_CTX_SIZE": "2048"}, 2048),
+    ("llamacpp", ["--ctx-size", "1024"], {"LLAMA_ARG_CTX_SIZE": "8192"}, 1024),  # a flag beats its variable
+    ("llamacpp", ["--ctx-size", "0"], {}, None),  # 0: the model's own, which only the weights know
+    ("llamacpp", ["--ctx-size", "4k"], {}, None),  # llama-server reads no suffix
+    ("llamacpp", [], {}, None),
+    ("vllm", ["--max-model-len", "8192"], {}, 8192),
+    ("vllm", ["--max-model-len=32k"], {}, 32_000),  # vLLM's human-readable numbers: k is 1000 ...
+    ("vllm", ["--max_model_len", "32K"], {}, 32_768),  # ... K is 1024
+    ("vllm", ["--max-model-len", "-1"], {}, None),  # the model's own
+    ("sglang", ["--context-length", "16384"], {}, 16384),
+    ("sglang", ["--context-length=16384"], {}, 16384),
+    ("sim", ["--tokens-per-second", "50"], {}, None),
+])
+def test_the_context_a_profile_declares_is_read_as_its_engine_reads_it(engine, args, env, tokens):
+    assert declared_context(Profile(engine=engine, args=args, env=env)) == tokens
+
+
+def test_a_models_bound_is_its_limit_else_its_context_else_the_setting():
+    ctx = [Profile(engine="llamacpp", args=["--ctx-size", "4096"])]
+    assert prompt_bound(Model(name="m", profiles=ctx)).chars == 4096 * CHARS_PER_TOKEN
+    # A profile that declares none: the engine may take any context, so only the setting bounds it.
+    mixed = [*ctx, Profile(name="cpu", engine="sim")]
+    assert prompt_bound(Model(name="m", profiles=mixed)).chars == MAX_PROMPT_CHARS
+    # The largest context of the profiles; the setting caps what a context allows ...
+    two = [*ctx, Profile(name="big", engine="vllm", args=["--max-model-len", "8192"])]
+    assert prompt_bound(Model(name="m", profiles=two)).context == 8192
+    assert prompt_bound(Model(name="m", profiles=two), most=1000).chars == 1000
+    # ... but not the model's own limit, which is the operator's word.
+    limited = Model(name="m", profiles=two, limits={"max_prompt_chars": 50_000_000})
+    assert prompt_bound(limited, most=1000).chars == 50_000_000
+    assert prompt_bound(Model(name="m", endpoints=["http://e:1"])).chars == MAX_PROMPT_CHARS
+
+
+def test_a_prompts_text_is_counted_and_nothing_else():
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 1000}}
+    messages = [{"role": "system", "content": "abc"}, {"role": "user", "content": [{"type": "text", "text": "de"}, image]},
+                {"role": "assistant", "content": None, "tool_calls": []}, {"role": "tool", "content": "f"}]
+    assert prompt_chars("/v1/chat/completions", {"messages": messages}) == 6
+    assert prompt_chars("/v1/completions", {"prompt": "hello"}) == 5
+    assert prompt_chars("/v1/completions", {"prompt": ["hi", "hello", [1, 2, 3]]}) == 5  # the longest prompt
+    assert prompt_chars("/v1/completions", {"prompt": [1, 2, 3]}) == 0  # token ids
+    assert prompt_chars("/v1/embeddings", {"input": ["a", "bcd"]}) == 3
+    assert prompt_chars("/v1/chat/completions", {"messages": [{"role": "user", "content": "é" * 4}]}) == 4  # characters
+
+
+def test_a_limit_that_is_not_a_count_is_refused_at_apply():
+    with pytest.raises(CatalogError) as err:
+        parse_catalog({"models": [{"name": "m", "endpoints": ["http://e:1"], "limits": {"max_prompt_chars": 0}}]})
+    assert "max_prompt_chars" in str(err.value)

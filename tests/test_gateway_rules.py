@@ -130,3 +130,18 @@ def test_catalog_guard_policy_must_name_a_guard_model():
                                   {"name": "m", "endpoints": ["http://m"], "guard": {"model": "x"}}]})
     with pytest.raises(CatalogError, match="limits.max_concurrency"):
         parse_catalog({"models": [{"name": "m", "endpoints": ["http://m"], "limits": {"max_concurrency": 0}}]})
+
+
+@pytest.mark.parametrize("text,said", [
+    ("http://127.0.0.1:18082/files/nope.gguf: HTTP 404 (no such file)", "…/nope.gguf: HTTP 404 (no such file)"),
+    ("https://user:token@hub.example/org/m/x.gguf?X-Amz-Signature=abc: HTTP 403", "…/x.gguf: HTTP 403"),
+    ("killed by SIGILL (illegal instruction): /var/lib/llmgw/cache/ab12-m.gguf (rank 0 on n1)",
+     "killed by SIGILL (illegal instruction): …/ab12-m.gguf (rank 0 on n1)"),
+    ("could not reach 10.0.0.5:8000, nor [fe80::1]:80", "could not reach <an address>, nor <an address>"),
+    ("see http://10.0.0.1:9/.", "see <an address>."),
+    ("needs 2 GPUs; node-a has 1/2 free (tp/pp 2/1)", "needs 2 GPUs; node-a has 1/2 free (tp/pp 2/1)"),
+])
+def test_the_fleets_addresses_and_paths_never_reach_a_client(text, said):
+    from llmgw.security.logtext import for_client
+
+    assert for_client(text) == said

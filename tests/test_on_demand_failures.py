@@ -94,3 +94,26 @@ def test_a_failed_on_demand_model_is_started_again_only_when_a_request_asks(cont
     out = cp.ctl("retry", "m")
     assert out.returncode == 0 and "else at the next request (on demand)" in out.stdout, out.stdout + out.stderr
     wait_until(lambda: len(starts(cp)) == 3, timeout_s=30, what="a start after ctl retry", why=cp.logs)
+
+
+def test_a_failing_models_cause_reaches_clients_without_the_fleets_addresses(control_plane):
+    """A start that fails fetching from the mirror: the operator's view has the mirror's URL; the client's
+    503 and /v1/models say which file failed and how, and name no address of the fleet."""
+    cp = control_plane
+    cp.env.update(LLMGW_START_BACKOFF_BASE_S="30")
+    cp.start(mirror=True)
+    cp.agent("n1")
+    cp.wait_nodes("n1")
+    assert cp.apply({"models": [{"name": "m", "scaling": {"min": 0, "max": 1}, "profiles": [
+        {"engine": "llamacpp", "source": "mirror:nope.gguf", "memory_gb": 0.1}]}]}).status_code == 200
+    wait_until(lambda: chat(cp).json()["error"]["code"] == "model_failing", timeout_s=60,
+               what="m failing", why=cp.logs)
+    hidden = ("127.0.0.1", str(cp.ports["mirror"]), str(cp.state))
+    said = chat(cp).json()["error"]["message"]
+    assert "…/nope.gguf" in said and "404" in said, said
+    assert not any(h in said for h in hidden), said
+    [entry] = [x for x in httpx.get(cp.gateway + "/v1/models", timeout=10).json()["data"] if x["id"] == "m"]
+    assert "…/nope.gguf" in entry["llmgw"]["reason"] and not any(h in entry["llmgw"]["reason"] for h in hidden), entry
+    # The operator is told where.
+    out = cp.ctl("explain", "m")
+    assert f"127.0.0.1:{cp.ports['mirror']}" in out.stdout, out.stdout

@@ -37,6 +37,7 @@ from llmgw.gateway.upstream import Upstream
 from llmgw.placement.model_status import ModelCondition
 from llmgw.schemas.catalog import Model
 from llmgw.security.api_keys import KeyRing
+from llmgw.security.logtext import for_client
 from llmgw.telemetry import GatewayMetrics
 from llmgw.temporal import LazyClient
 
@@ -50,10 +51,10 @@ def model_object(m: Model, cond: ModelCondition | None = None) -> dict:
     `llmgw` (an extension OpenAI clients ignore) carries its status for the chat page and for clients that
     want to know before asking: `status` (ready, loading, on demand, failing, ...), `reason`, and while
     failing `restarts`, `retry_in_s` and `on_request` (its next start waits for a request;
-    placement/model_status.py)."""
+    placement/model_status.py). The reason names no URL, path or address of the fleet (`for_client`)."""
     out: dict = {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
     if cond is not None:
-        out["llmgw"] = {"status": cond.status.value, "reason": cond.reason, "restarts": cond.restarts,
+        out["llmgw"] = {"status": cond.status.value, "reason": for_client(cond.reason), "restarts": cond.restarts,
                         "retry_in_s": cond.retry_in_s, "on_request": cond.on_request}
     return out
 

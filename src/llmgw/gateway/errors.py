@@ -15,6 +15,8 @@ import json
 import math
 from typing import TYPE_CHECKING
 
+from llmgw.security.logtext import for_client
+
 if TYPE_CHECKING:
     from llmgw.catalog.context import PromptBound
 
@@ -60,8 +62,10 @@ def loading(name: str, retry_after_s: int, detail: str | None = None) -> APIErro
 
 def failing(name: str, cause: str, retry_after_s: int, restarts: int) -> APIError:
     """Its starts keep failing and it is backing off (a CrashLoopBackOff): not "loading", which a client
-    would retry in seconds for minutes. Retry-After is the backoff left."""
-    return APIError(503, f"the model `{name}` is failing: {restarts} start(s) failed in a row, the last with: {cause}; "
+    would retry in seconds for minutes. Retry-After is the backoff left. The cause names no URL, path or
+    address of the fleet (`for_client`)."""
+    return APIError(503, f"the model `{name}` is failing: {restarts} start(s) failed in a row, the last with: "
+                    f"{for_client(cause)}; "
                     f"the next start is in about {retry_after_s}s (an operator runs `llmgw ctl retry {name}` once the "
                     f"cause is fixed)", type="service_unavailable", code="model_failing",
                     headers={"Retry-After": str(max(1, retry_after_s))})
@@ -76,7 +80,8 @@ def pending(name: str, retry_after_s: int = 5) -> APIError:
 
 def unplaceable(name: str, why: str) -> APIError:
     """No node can take the model now (the reconciler's latest pass refused it): not "loading"."""
-    return APIError(503, f"the model `{name}` cannot be started now: {why} (`llmgw ctl explain {name}` says more)",
+    return APIError(503, f"the model `{name}` cannot be started now: {for_client(why)} (`llmgw ctl explain {name}` "
+                    "says more)",
                     type="service_unavailable", code="model_unplaceable", headers={"Retry-After": "60"})
 
 

@@ -41,6 +41,30 @@ def redact_urls(text: str) -> str:
     return _URL.sub(_redact, text) if "://" in text else text
 
 
+_ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9a-fA-F:.]+\](?::\d+)?")
+_TAIL = re.compile(r"[.,:;)]*$")
+_PATH = re.compile(r"(?<![\w.~-])(?:/[^\s/'\"<>:;,()]+){2,}")  # an absolute path of two or more names
+
+
+def _last_name(m: re.Match) -> str:
+    tail = _TAIL.search(m.group(0)).group(0)  # punctuation after it, which the pattern took as its own
+    path = (m.group(3) if m.re is _URL else m.group(0)).rstrip(".,:;)")
+    name = path.rstrip("/").rsplit("/", 1)[-1] if path else ""
+    return (f"…/{name}" if name else "<an address>") + tail
+
+
+def for_client(text: str) -> str:
+    """Text about the fleet's own failures (a failed start's cause, why a model cannot be placed) fit for an
+    API client: every URL and absolute file path written as `…/` and its last name (`…/nope.gguf`: which
+    file, not which mirror, node path or signed query), and every IP address as `<an address>`. The
+    operator sees the whole text in `llmgw ctl explain` and the logs."""
+    if "://" in text:
+        text = _URL.sub(_last_name, text)
+    if "/" in text:
+        text = _PATH.sub(_last_name, text)
+    return _ADDRESS.sub("<an address>", text)
+
+
 def printable(text: str | bytes, limit: int = LIMIT) -> str:
     """Outside text fit for one log line: decoded (invalid UTF-8 replaced), cut to `limit` characters
     (marked), escaped, and with URLs redacted."""

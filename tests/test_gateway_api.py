@@ -86,6 +86,7 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "fleet-model", **sim_off},
         {"name": "sim-on-demand", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
         {"name": "short-prompts", "endpoints": [e.url("echo")], "limits": {"max_prompt_chars": PROMPT_LIMIT}},
+        {"name": "removable", "endpoints": [e.url("echo")]},
         {"name": "small-context", "scaling": {"min": 0, "max": 1},
          "profiles": [{"engine": "vllm", "source": "org/small", "args": ["--max-model-len", str(SMALL_CONTEXT)]}]},
     ]}
@@ -705,6 +706,35 @@ async def test_metrics_count_requests_latency_ttft_and_bound_the_labels(gw):
     assert sample(text, 'llmgw_ttft_seconds_count{model="echo"}') == sample(before, 'llmgw_ttft_seconds_count{model="echo"}') + 1
     assert sample(text, 'llmgw_in_flight{model="echo"}') == 0.0 and 'llmgw_in_flight{model="echo"} 0.0' in text
     assert sample(text, 'llmgw_ready_replicas{model="echo"}') == 1.0
+
+
+async def test_a_removed_models_series_leave_the_metrics(gw):
+    """`llmgw_ready_replicas{model="removable"} 1` would go on saying a model is served after it is gone."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.admin + "/admin/v1/catalog") as r:
+            whole = await r.json()
+        assert (await post(gw, "/v1/chat/completions", chat("removable")))[0] == 200
+        text = await scrape(gw)
+        assert sample(text, 'llmgw_ready_replicas{model="removable"}') == 1.0
+        assert sample(text, 'llmgw_requests_total{model="removable",status="200"}') == 1.0
+        less = {**whole, "models": [m for m in whole["models"] if m["name"] != "removable"]}
+        try:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": less}) as r:
+                assert r.status == 200 and (await r.json())["removed"] == ["removable"], await r.text()
+            deadline = time.monotonic() + 5
+            while 'model="removable"' in (text := await scrape(gw)):
+                assert time.monotonic() < deadline, [ln for ln in text.splitlines() if "removable" in ln]
+                await asyncio.sleep(0.1)
+            assert sample(text, 'llmgw_ready_replicas{model="echo"}') == 1.0  # the others' stay
+            assert sample(text, 'llmgw_requests_total{model="echo",status="200"}') >= 1
+        finally:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}) as r:
+                assert r.status == 200, await r.text()
+        deadline = time.monotonic() + 5
+        while (await post(gw, "/v1/chat/completions", chat("removable")))[0] != 200:  # back, and counted anew
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert sample(await scrape(gw), 'llmgw_requests_total{model="removable",status="200"}') == 1.0
 
 
 async def test_chat_page_never_preselects_a_model(gw):

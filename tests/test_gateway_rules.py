@@ -145,3 +145,24 @@ def test_the_fleets_addresses_and_paths_never_reach_a_client(text, said):
     from llmgw.security.logtext import for_client
 
     assert for_client(text) == said
+
+
+def test_a_removed_models_series_wait_for_its_last_request():
+    """Forgotten while a request still holds it, its in-flight gauge would come back at -1 when the request
+    ends; so its series stay until it holds none (the next route refresh forgets them)."""
+    from llmgw.telemetry import GatewayMetrics
+
+    m = GatewayMetrics()
+    for name in ("kept", "gone"):
+        m.begin(name)
+        m.route_gauges(name, 1, 0, 0)
+    m.end("kept")
+    m.observe("kept", 200, 0.1)
+    m.forget({"kept"})
+    assert 'model="gone"' in m.render().decode()  # one request still in flight
+    m.end("gone")
+    m.observe("gone", 200, 0.1)
+    m.forget({"kept"})
+    text = m.render().decode()
+    assert 'model="gone"' not in text and 'llmgw_in_flight{model="kept"} 0.0' in text
+    assert 'llmgw_requests_total{model="kept",status="200"} 1.0' in text

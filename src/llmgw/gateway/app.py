@@ -73,6 +73,7 @@ class Gateway:
         self.gates = Gates()
         self.routes.on_refresh.append(self.gates.sync)
         self.routes.on_refresh.append(self.quotas.catalog_changed)
+        self.routes.on_refresh.append(lambda catalog: self.metrics.forget({m.name for m in catalog.models}))
         self.feed = ChangeFeed(settings.require_database_url(), settings.route_refresh_s)
         self.feed.subscribe("routes", TABLES, self.routes.refresh, partial=True)
         self.feed.subscribe("keys", {"api_keys", "tenants"}, self.keys.refresh)
@@ -109,9 +110,8 @@ class Gateway:
         """The metrics page, with the route-table gauges filled in at scrape time."""
         now = asyncio.get_running_loop().time()
         for name, r in self.routes.models.items():
-            self.metrics.ready.labels(name).set(len(r.endpoints))
-            self.metrics.open_breakers.labels(name).set(sum(1 for e in r.endpoints if not self.proxy.balancer.usable(e, now)))
-            self.metrics.queued.labels(name).set(self._queued(name) + self.demand.waiting.get(name, 0))
+            self.metrics.route_gauges(name, len(r.endpoints), sum(1 for e in r.endpoints if not self.proxy.balancer.usable(e, now)),
+                                      self._queued(name) + self.demand.waiting.get(name, 0))
         return self.metrics.render()
 
 

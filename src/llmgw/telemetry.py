@@ -330,33 +330,6 @@ class MirrorMetrics:
             else:
                 self.size.labels(version).set(sum(totals))  # type: ignore[arg-type]
 
-    def route_gauges(self, model: str, ready: int, open_breakers: int, queued: int) -> None:
-        """The route table's gauges of one model, at scrape time."""
-        self._gauged.add(model)
-        self.ready.labels(model).set(ready)
-        self.open_breakers.labels(model).set(open_breakers)
-        self.queued.labels(model).set(queued)
-
-    def forget(self, models: set[str]) -> None:
-        """Keep series only for `models` (the catalog's, after each route refresh) and `unknown`: a removed
-        model's series leave `/metrics` (its last `llmgw_ready_replicas` would say it is still served), once
-        this gateway holds none of its requests. Cheap when no model was removed."""
-        known = {k[0] for k in self._children} | {k[1] for k in self._tokens} | self._gauged
-        gone = known - models - {"unknown"}
-        if not gone:
-            return
-        busy = {s.labels["model"] for fam in self.in_flight.collect() for s in fam.samples if s.value}
-        gone -= busy  # its requests still end on their series; forgotten at a later refresh
-        for metric, names in self._by_model:
-            i = names.index("model")
-            keys = {tuple(s.labels.get(n, "") for n in names) for fam in metric.collect() for s in fam.samples}
-            for key in keys:
-                if key[i] in gone:
-                    metric.remove(*key)
-        self._children = {k: v for k, v in self._children.items() if k[0] not in gone}
-        self._tokens = {k: v for k, v in self._tokens.items() if k[1] not in gone}
-        self._gauged -= gone
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -114,6 +114,10 @@ def test_a_failing_models_cause_reaches_clients_without_the_fleets_addresses(con
     assert not any(h in said for h in hidden), said
     [entry] = [x for x in httpx.get(cp.gateway + "/v1/models", timeout=10).json()["data"] if x["id"] == "m"]
     assert "…/nope.gguf" in entry["llmgw"]["reason"] and not any(h in entry["llmgw"]["reason"] for h in hidden), entry
-    # The operator is told where.
+    # The operator is told where, and the node's log says it in one line, not a traceback of our own code.
     out = cp.ctl("explain", "m")
     assert f"127.0.0.1:{cp.ports['mirror']}" in out.stdout, out.stdout
+    [agent] = [p for p in cp.procs if p.name.startswith("agent")]
+    lines = [ln for ln in agent.log().splitlines() if "nope.gguf" in ln]
+    assert any("(attempt 1) failed, not retried: " in ln and "HTTP 404" in ln for ln in lines), lines
+    assert "Traceback" not in agent.log() and "Completing activity as failed" not in agent.log(), agent.log()[-3000:]

@@ -21,6 +21,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from llmgw.activities.expected import expected_failure
 from llmgw.schemas.mirror import (
     DiscardInput, DiscardResult, ExploreInput, FetchMirrorFileInput, FileProgress, MirroredFile, MirrorPlan,
     PublishInput, PublishResult,
@@ -59,7 +60,7 @@ class MirrorActivities:
         try:
             plan = await Explorer(self.policy, self.limits).plan(inp)
         except ExploreError as exc:
-            raise ApplicationError(str(exc), type="ExploreError", non_retryable=not exc.retryable) from None
+            raise expected_failure(str(exc), "ExploreError", exc.retryable) from None
         exists, version = await asyncio.to_thread(published_version, self.root, inp.name)
         if exists and version == inp.version:
             return plan.model_copy(update={"published": True})
@@ -104,7 +105,7 @@ class MirrorActivities:
                                     received=got.received)
         except FetchError as exc:
             self.metrics.failures.labels("yes" if exc.retryable else "no").inc()
-            raise ApplicationError(str(exc), type="FetchError", non_retryable=not exc.retryable) from None
+            raise expected_failure(str(exc), "FetchError", exc.retryable) from None
         finally:
             task.cancel()
             await beat.finish()

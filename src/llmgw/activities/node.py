@@ -23,6 +23,7 @@ import aiohttp
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from llmgw.activities.expected import expected_failure
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, ShardSpec, new_api_key, reserve_port
 from llmgw.schemas.inventory import DownloadProgress
@@ -91,7 +92,7 @@ class NodeActivities:
         try:
             got = await self.agent.fetcher.fetch(inp.source, progress)
         except FetchError as exc:
-            raise ApplicationError(str(exc), type="FetchError", non_retryable=not exc.retryable) from None
+            raise expected_failure(str(exc), "FetchError", exc.retryable) from None
         finally:
             beat.cancel()
             self.agent.downloads.pop(inp.replica_id, None)

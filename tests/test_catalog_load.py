@@ -100,3 +100,21 @@ def test_flags_that_load_code_or_are_set_by_the_worker_are_refused(args):
 def test_ordinary_flags_and_negative_numbers_pass():
     check_args(["--ctx-size", "4096", "--temp", "-1"], "llamacpp")
     check_args(["--max-model-len=8192", "--seed", "-1"], "vllm")
+
+
+def test_typos_in_fallbacks_guards_and_engine_flags_are_told_the_name_meant():
+    cat = {"models": [
+        {"name": "smollm2", "endpoints": ["http://e:1"]},
+        {"name": "judge", "role": "guard", "endpoints": ["http://e:1"]},
+        {"name": "b", "fallbacks": ["smolm2"], "guard": {"model": "juge"}, "endpoints": ["http://e:1"]},
+        {"name": "c", "profiles": [{"engine": "llamacpp", "source": "/m.gguf", "args": ["--ctx-sise", "4"]}]},
+        {"name": "d", "profiles": [{"engine": "vllm", "source": "org/m", "args": ["--trust-remote-cod"]}]},
+    ]}
+    with pytest.raises(CatalogError) as e:
+        parse_catalog(cat)
+    said = "\n".join(e.value.problems)
+    assert "fallbacks: no model or alias named 'smolm2'; did you mean 'smollm2'?" in said
+    assert "guard.model: no model or alias named 'juge'; did you mean 'judge'?" in said
+    assert "--ctx-sise is not an allowed llamacpp flag (did you mean --ctx-size?)" in said
+    # A refused flag is never "meant" as an allowed one that looks like it.
+    assert "--trust-remote-cod is not an allowed vllm flag. " in said

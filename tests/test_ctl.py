@@ -132,6 +132,10 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert out.returncode == 1 and out.stderr == "error (404): no model or alias named 'nope' in the catalog\n"
     out = cp.ctl("explain", "nope")
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "404" in out.stderr
+    for command in ("explain", "retry"):  # a typo: the name meant
+        out = cp.ctl(command, "s-alis")
+        assert out.returncode == 1 and "no model or alias named 's-alis' in the catalog; did you mean 's-alias'?" \
+            in out.stderr, (command, out.stderr)
     out = cp.ctl("retry", "s-alias")
     assert out.returncode == 0 and out.stdout.startswith("s: no failed starts to clear"), out.stdout
 

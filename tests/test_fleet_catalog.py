@@ -80,14 +80,14 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     r = cp.apply(bad)
     assert r.status_code == 400
     problems = r.json()["error"]["problems"]
-    assert "models[1] (big).fallbacks: no model or alias named 'smal'" in problems
+    assert "models[1] (big).fallbacks: no model or alias named 'smal'; did you mean 'small'?" in problems
     assert any(p.startswith("models[1] (big).profiles[0] (default).nodes: tp × pp = 3 GPUs do not split evenly") for p in problems)
 
     # A shape error in one model and a cross-catalog error in another come in the same answer.
     mixed = {"models": [{**good["models"][0], "scaling": {"min": 0, "mx": 1}}, bad["models"][1]]}
     problems = cp.apply(mixed).json()["error"]["problems"]
     assert problems[0] == "models[0] (small).scaling.mx: unknown field; did you mean 'max'?", problems
-    assert "models[1] (big).fallbacks: no model or alias named 'smal'" in problems
+    assert "models[1] (big).fallbacks: no model or alias named 'smal'; did you mean 'small'?" in problems
 
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump({"models": [{"name": "g", "profiles": [

@@ -105,6 +105,9 @@ async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, dat
         key_id = row.split()[0]
         assert header.split()[:2] == ["ID", "PREFIX"] and "AGE" in header
         assert code == 0 and "ci" in row and "active" in row and key not in listing
+        code, _, err = await ctl(cp, "revoke", "ci", "--yes")  # its name: told its id, nothing revoked
+        assert code != 0 and f"`llmgw ctl keys revoke {key_id}`" in err, err
+        assert await status_of(cp, key) == 200
         code, _, _ = await ctl(cp, "revoke", key_id, "--yes")
         assert code == 0
         t0 = time.monotonic()

@@ -322,6 +322,8 @@ async def test_ctl_usage_matches_the_engines_own_counts(plane):
     assert str(total) in out.stdout.splitlines()[1]
     out = cp.ctl("usage", "--since", "5x")
     assert out.returncode == 1 and "since" in out.stderr and "Traceback" not in out.stderr
+    out = cp.ctl("usage", "--tenant", "acc")  # no such tenant: said, not "no use"
+    assert out.returncode == 1 and "no tenant named 'acc'; did you mean 'acct'?" in out.stderr, out.stderr
     out = cp.ctl("tenants", "list")
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("acct "))
     assert out.stdout.splitlines()[0].split()[0] == "NAME" and "10000" in line and "1000000" in line

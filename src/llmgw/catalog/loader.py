@@ -6,7 +6,6 @@ to write instead. A catalog that fails any rule is refused whole: nothing is app
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.catalog.rules import check_arithmetic, check_source
 from llmgw.catalog.upgrade import upgrade_document
 from llmgw.schemas.catalog import Catalog, Model, Profile
+from llmgw.spelling import did_you_mean
 
 
 class CatalogError(ValueError):
@@ -80,15 +80,6 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _did_you_mean(word: Any, choices: list[str]) -> str:
-    """`; did you mean 'vllm'?` for the closest of `choices` to `word` (another case, a typo), else ''."""
-    if not isinstance(word, str) or not choices:
-        return ""
-    folded = {c.casefold(): c for c in choices}
-    close = difflib.get_close_matches(word.strip().casefold(), list(folded), n=1, cutoff=0.6)
-    return f"; did you mean {folded[close[0]]!r}?" if close else ""
-
-
 def _shape_problem(err: dict, raw: Any) -> str:
     """One pydantic error as a problem line: the field as written, what is wrong, and what to write."""
     loc = tuple(err["loc"])
@@ -97,11 +88,11 @@ def _shape_problem(err: dict, raw: Any) -> str:
     if err["type"] == "extra_forbidden":
         cls = _schema_at(loc)
         fields = sorted(cls.model_fields) if cls is not None else []
-        msg = "unknown field" + (_did_you_mean(loc[-1] if loc else None, fields)
+        msg = "unknown field" + (did_you_mean(loc[-1] if loc else None, fields)
                                  or "; check its spelling against docs/catalog.md")
     elif err["type"] == "literal_error":
         expected = str((err.get("ctx") or {}).get("expected", ""))  # "'vllm', 'sglang', 'llamacpp' or 'sim'"
-        msg += _did_you_mean(err.get("input"), re.findall(r"'([^']*)'", expected))
+        msg += did_you_mean(err.get("input"), re.findall(r"'([^']*)'", expected))
     return f"{where}: {msg}"
 
 
@@ -189,7 +180,8 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
         resolved: list[str] = []
         for f in m.fallbacks:
             if f not in seen:
-                problems.append(f"models[{i}] ({m.name}).fallbacks: no model or alias named {f!r}")
+                problems.append(f"models[{i}] ({m.name}).fallbacks: no model or alias named {f!r}"
+                                + did_you_mean(f, [n for n in seen if seen[n] != m.name]))
             elif seen[f] == m.name:
                 problems.append(f"models[{i}] ({m.name}).fallbacks: {f!r} is the model itself")
             elif seen[f] not in resolved:
@@ -198,7 +190,8 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
         if m.guard is not None and m.guard.model not in unread:
             judge = next((g for g in catalog.models if g.name == seen.get(m.guard.model)), None)
             if judge is None:
-                problems.append(f"models[{i}] ({m.name}).guard.model: no model or alias named {m.guard.model!r}")
+                problems.append(f"models[{i}] ({m.name}).guard.model: no model or alias named {m.guard.model!r}"
+                                + did_you_mean(m.guard.model, [g.name for g in catalog.models if g.role == "guard"]))
             elif judge.role != "guard" or judge.name == m.name:
                 problems.append(f"models[{i}] ({m.name}).guard.model: {m.guard.model!r} is not another model "
                                 "with `role: guard`")

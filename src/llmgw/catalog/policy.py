@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 
 from llmgw.schemas.catalog import Profile
+from llmgw.spelling import closest
 
 
 class PolicyError(ValueError):
@@ -279,7 +280,9 @@ def check_args(args: list[str], engine: str) -> None:
             raise PolicyError(f"args: {flag} is set by the node worker{as_read}; remove it{hint}")
         why = REFUSED_REASONS.get(flag)
         reason = f": {why}" if why else ""
-        raise PolicyError(f"args: {arg.split('=', 1)[0]} is not an allowed {engine} flag{as_read}{reason}. "
+        best = closest(flag, rules.flags, cutoff=0.8) if not why else None
+        hint = f" (did you mean {best}?)" if best else ""
+        raise PolicyError(f"args: {arg.split('=', 1)[0]} is not an allowed {engine} flag{as_read}{reason}{hint}. "
                           f"Flags are matched whole (an engine would expand a prefix to a flag that is not allowed). "
                           f"Allowed {engine} flags: {', '.join(sorted(rules.flags))}")
 

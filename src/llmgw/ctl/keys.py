@@ -97,8 +97,14 @@ def list_keys(output: Output = output_option()):
 def revoke(key_id: str, yes: bool = typer.Option(False, "--yes", "-y", help="Revoke without asking")):
     """Revoke a key by id. Every gateway refuses it within a moment (they are notified)."""
     admin = Admin()
-    match = [k for k in admin.get("/admin/v1/keys") if k["id"] == key_id]
+    keys = admin.get("/admin/v1/keys")
+    match = [k for k in keys if k["id"] == key_id]
     if not match:
+        named = [k["id"] for k in keys if k["name"] == key_id and not k["revoked_at"]]
+        if named:  # a name: say its id (names need not be unique, so the id is what revoke takes)
+            ids = " or ".join(named)
+            fail(f"no API key with id {key_id!r}, but {len(named)} active key(s) named so: revoke by id "
+                 f"(`llmgw ctl keys revoke {named[0]}`{'; ids: ' + ids if len(named) > 1 else ''})")
         fail(f"no API key with id {key_id!r}; `llmgw ctl keys list` shows them")
     k = match[0]
     typer.echo(f"  {k['id']}  {k['prefix']}...  {k['name'] or '-'}")

@@ -32,6 +32,7 @@ from llmgw.schemas.payloads import (
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.security.admin_guard import AdminGuard
 from llmgw.security.api_keys import ApiKeyService
+from llmgw.spelling import did_you_mean
 from llmgw.temporal import LazyClient
 
 
@@ -193,8 +194,9 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             rec = await reconciler_repo.get(conn)
         rows = await status.replicas(include_ended=True, model=model, limit=10)
         if lines is None and not rows:
-            return json_error(APIError(404, f"no model or alias named {model!r} in the catalog", param="model",
-                                       code="model_not_found"))
+            names = [n for m in catalog.models for n in (m.name, *m.aliases)]
+            return json_error(APIError(404, f"no model or alias named {model!r} in the catalog"
+                                       + did_you_mean(model, names), param="model", code="model_not_found"))
         failing = None
         if rec is not None and rec.failure:  # the planner itself failed: no pass has decided since
             failing = {"failure": rec.failure, "failed_at": rec.failed_at, "attempt": rec.attempt,

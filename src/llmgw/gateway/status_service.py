@@ -21,6 +21,7 @@ from llmgw.placement.model_status import ModelCondition, ModelFacts, ModelStatus
 from llmgw.schemas.api import LogsView, ModelView, ReplicaView, RetryResult, ShardView
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.payloads import ReadShardLogInput, ReadShardLogResult, ShardLogInput
+from llmgw.spelling import did_you_mean
 from llmgw.temporal import LazyClient
 from llmgw.workflows import attributes
 from llmgw.workflows.queues import CONTROL_QUEUE
@@ -76,7 +77,8 @@ class StatusService:
             catalog = await catalog_repo.get_catalog(conn)
             model = catalog.get(name) or next((m for m in catalog.models if name in m.aliases), None)
             if model is None:
-                raise not_found(f"no model or alias named {name!r} in the catalog", "model")
+                raise not_found(f"no model or alias named {name!r} in the catalog"
+                                + did_you_mean(name, [n for m in catalog.models for n in (m.name, *m.aliases)]), "model")
             now, facts = await status_repo.model_facts(conn, [model.name])
             f = facts.get(model.name, ModelFacts())
             await catalog_repo.reset_failures(conn, model.name)

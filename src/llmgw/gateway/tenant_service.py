@@ -19,6 +19,7 @@ from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.tenants import (
     MAX_TENANTS, USAGE_BY, Limits, TenantCreate, TenantView, UsageReport, UsageRow, tenant_name_problem,
 )
+from llmgw.spelling import did_you_mean
 
 _SINCE = re.compile(r"([1-9][0-9]{0,5})(m|h|d)")
 _UNIT_S = {"m": 60, "h": 3600, "d": 86400}
@@ -98,6 +99,10 @@ class TenantService:
             rows = await usage_repo.report(conn, now - seconds, by,
                                            None if tenant is None else "" if tenant == NO_TENANT else tenant)
             names = {k["id"]: k["name"] for k in await keys_repo.list_keys(conn)} if by == "key" else {}
+            if not rows and tenant not in (None, NO_TENANT) and await tenants_repo.get_tenant(conn, tenant) is None:
+                known = [r.name for r in await tenants_repo.list_tenants(conn)]
+                raise APIError(404, f"no tenant named {tenant!r}{did_you_mean(tenant, known)}; `llmgw ctl tenants "
+                               "list` shows them", param="tenant", code="not_found")
         out = []
         for r in rows:
             g = r["group"]

@@ -118,3 +118,18 @@ def test_typos_in_fallbacks_guards_and_engine_flags_are_told_the_name_meant():
     assert "--ctx-sise is not an allowed llamacpp flag (did you mean --ctx-size?)" in said
     # A refused flag is never "meant" as an allowed one that looks like it.
     assert "--trust-remote-cod is not an allowed vllm flag. " in said
+
+
+def test_a_value_of_the_wrong_shape_is_told_what_to_write():
+    """`scaling: on` (YAML reads it as true), an empty `models:`, one alias written without a list."""
+    with pytest.raises(CatalogError) as e:
+        parse_catalog({"models": [{"name": "a", "scaling": True, "aliases": "b", "profiles": [{"engine": "sim"}]}]})
+    assert e.value.problems == [
+        "models[0] (a).aliases: must be a list (one `- item` a line, or `[a, b]`), not 'b'",
+        "models[0] (a).scaling: must be a mapping of fields (min, max, idle_timeout, target_in_flight, "
+        "scale_down_delay, load_wait, load_queue), not true (YAML reads on/off, yes/no as true/false); "
+        "for example `scaling: {min: 1, max: 1}`",
+    ], e.value.problems
+    with pytest.raises(CatalogError) as e:
+        parse_catalog({"models": None})
+    assert e.value.problems[0].startswith("models: must be a list (one `- item` a line, or `[a, b]`), not nothing")

@@ -83,6 +83,11 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     assert "models[1] (big).fallbacks: no model or alias named 'smal'; did you mean 'small'?" in problems
     assert any(p.startswith("models[1] (big).profiles[0] (default).nodes: tp × pp = 3 GPUs do not split evenly") for p in problems)
 
+    # `scaling: on` as YAML reads it: told what to write.
+    r = cp.apply({"models": [{**good["models"][0], "scaling": True}]})
+    assert r.status_code == 400 and "scaling: must be a mapping of fields (min, max" in r.json()["error"]["problems"][0]
+    assert "for example `scaling: {min: 1, max: 1}`" in r.json()["error"]["problems"][0], r.json()
+
     # A shape error in one model and a cross-catalog error in another come in the same answer.
     mixed = {"models": [{**good["models"][0], "scaling": {"min": 0, "mx": 1}}, bad["models"][1]]}
     problems = cp.apply(mixed).json()["error"]["problems"]

@@ -80,6 +80,20 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+# What a mapping field looks like, for a value written as something else (`scaling: on`).
+EXAMPLES = {"Scaling": "{min: 1, max: 1}", "Limits": "{max_concurrency: 4, max_queue: 8}",
+            "GuardPolicy": "{model: judge, check: [request]}"}
+
+
+def _written(value: Any) -> str:
+    """A value as the writer wrote it, in YAML's words (`on` reads as true), cut short."""
+    if value is None:
+        return "nothing (an empty value)"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (YAML reads on/off, yes/no as true/false)"
+    return repr(value)[:60]
+
+
 def _shape_problem(err: dict, raw: Any) -> str:
     """One pydantic error as a problem line: the field as written, what is wrong, and what to write."""
     loc = tuple(err["loc"])
@@ -90,6 +104,16 @@ def _shape_problem(err: dict, raw: Any) -> str:
         fields = sorted(cls.model_fields) if cls is not None else []
         msg = "unknown field" + (did_you_mean(loc[-1] if loc else None, fields)
                                  or "; check its spelling against docs/catalog.md")
+    elif err["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        cls = _schema_at((*loc, None))  # the class of the field itself
+        if cls is not None:
+            example = EXAMPLES.get(cls.__name__)
+            msg = (f"must be a mapping of fields ({', '.join(cls.model_fields)}), not "
+                   f"{_written(err.get('input'))}" + (f"; for example `{loc[-1]}: {example}`" if example else ""))
+    elif err["type"] == "list_type":
+        msg = f"must be a list (one `- item` a line, or `[a, b]`), not {_written(err.get('input'))}"
+        if loc == ("models",):
+            msg += "; each item a model (`- name: my-model` and its profiles)"
     elif err["type"] == "literal_error":
         expected = str((err.get("ctx") or {}).get("expected", ""))  # "'vllm', 'sglang', 'llamacpp' or 'sim'"
         msg += did_you_mean(err.get("input"), re.findall(r"'([^']*)'", expected))

@@ -190,6 +190,11 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     past = ask("word " * 20_000)  # 100,000 characters, about 20,000 tokens
     assert past.status_code == 400 and "context" in past.json()["error"]["message"], past.text
     assert past.json()["error"]["code"] != "context_length_exceeded"
+    # An image for llama-server without a projector: 400 from the gateway, not the engine's 500 as a 502.
+    image = httpx.post(dev.gateway + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2-135m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    assert image.status_code == 400 and image.json()["error"]["code"] == "unsupported_content", image.text
     assert ask("hi").status_code == 200
 
     # One completed replica-start workflow per replica, its node activities on the node's queue.

@@ -87,6 +87,8 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "sim-on-demand", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
         {"name": "short-prompts", "endpoints": [e.url("echo")], "limits": {"max_prompt_chars": PROMPT_LIMIT}},
         {"name": "removable", "endpoints": [e.url("echo")]},
+        {"name": "text-gguf", "scaling": {"min": 0, "max": 1},
+         "profiles": [{"engine": "llamacpp", "source": "mirror:text.gguf"}]},
         {"name": "small-context", "scaling": {"min": 0, "max": 1},
          "profiles": [{"engine": "vllm", "source": "org/small", "args": ["--max-model-len", str(SMALL_CONTEXT)]}]},
     ]}
@@ -451,6 +453,23 @@ async def test_a_prompt_longer_than_the_model_takes_gets_400_and_never_reaches_a
     status, _, out = await post(gw, "/v1/completions", {"model": "short-prompts", "prompt": ["a" * PROMPT_LIMIT] * 3})
     assert status == 200, out  # each prompt of a list is its own
     assert engines.state["hits"]["echo"] == hits + 1  # only that one reached the engine
+
+
+async def test_an_image_for_a_model_only_llamacpp_serves_gets_400_before_a_load(gw):
+    """llama-server runs without `--mmproj` here (the policy refuses it), so it cannot read an image and
+    answers 500, which a client retries: the gateway says 400 naming the part, before any load."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": "text-gguf", "messages": [{"role": "user", "content": "look"},
+                                               {"role": "user", "content": [{"type": "text", "text": "this"}, image]}]}
+    status, _, out = await post(gw, "/v1/chat/completions", body)
+    err = assert_envelope(out, status)
+    assert status == 400 and err["code"] == "unsupported_content" and err["param"] == "messages[1].content[1]", err
+    assert "reads only text" in err["message"]
+    text = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "this"}]}]}
+    status, _, out = await post(gw, "/v1/chat/completions", text)
+    assert status == 503 and out["error"]["code"] == "model_pending", out  # text goes on to be served
+    status, _, out = await post(gw, "/v1/chat/completions", {**body, "model": "echo"})
+    assert status == 200, out  # an engine elsewhere may read images: its own to judge
 
 
 async def test_a_prompt_longer_than_the_declared_context_never_loads_the_model(gw, module_database_url):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.catalog.context import CHARS_PER_TOKEN, MAX_PROMPT_CHARS, declared_context, prompt_bound
+from llmgw.catalog.context import CHARS_PER_TOKEN, MAX_PROMPT_CHARS, declared_context, prompt_bound, text_only
 from llmgw.catalog.loader import CatalogError, parse_catalog
-from llmgw.gateway.openai_api import prompt_chars
+from llmgw.gateway.openai_api import media_part, prompt_chars
 from llmgw.schemas.catalog import Model, Profile
 
 
@@ -65,3 +65,15 @@ def test_a_limit_that_is_not_a_count_is_refused_at_apply():
     with pytest.raises(CatalogError) as err:
         parse_catalog({"models": [{"name": "m", "endpoints": ["http://e:1"], "limits": {"max_prompt_chars": 0}}]})
     assert "max_prompt_chars" in str(err.value)
+
+
+def test_only_a_model_served_by_llamacpp_alone_is_text_only():
+    gguf = Profile(engine="llamacpp", source="/m.gguf")
+    assert text_only(Model(name="m", profiles=[gguf]))
+    assert not text_only(Model(name="m", profiles=[gguf, Profile(name="gpu", engine="vllm", source="org/m")]))
+    assert not text_only(Model(name="m", endpoints=["http://e:1"]))
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    assert media_part({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, image]}]}) == "messages[1].content[1]"
+    assert media_part({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}]}) is None
+    assert media_part({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}) == "messages[0].content[0]"

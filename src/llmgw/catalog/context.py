@@ -80,6 +80,13 @@ def declared_context(profile: Profile) -> int | None:
     return _tokens(found, profile.engine) if found is not None else None
 
 
+def text_only(model: Model) -> bool:
+    """True when no replica of `model` can read images or audio: every profile is llama.cpp, whose
+    multimodal projector (`--mmproj`) the engine policy refuses (it reads a file outside the weight cache).
+    llama-server answers such a part with a 500, which a client would retry; the gateway says 400 first."""
+    return bool(model.profiles) and not model.endpoints and all(p.engine == "llamacpp" for p in model.profiles)
+
+
 def prompt_bound(model: Model, most: int = MAX_PROMPT_CHARS) -> PromptBound:
     """`model`'s prompt bound (the module docstring); `most`: the setting `max_prompt_chars`."""
     if model.limits is not None and model.limits.max_prompt_chars is not None:

@@ -123,6 +123,13 @@ def prompt_too_long(name: str, chars: int, bound: PromptBound, param: str) -> AP
                     param=param, code="context_length_exceeded")
 
 
+def text_only(name: str, param: str) -> APIError:
+    """400: a content part the model's engine cannot read (catalog/context.py `text_only`)."""
+    return APIError(400, f"`{param}` is not text, and the model `{name}` reads only text (its engine, llama.cpp, "
+                    "runs here without a multimodal projector); send text parts only, or use a vision model",
+                    param=param, code="unsupported_content")
+
+
 def overloaded(name: str, retry_after_s: int = 1) -> APIError:
     """429: the model's queue (`limits.max_queue`) is full."""
     return APIError(429, f"the model `{name}` is at its concurrency limit and its queue is full; retry shortly",

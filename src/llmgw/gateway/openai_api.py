@@ -125,6 +125,17 @@ def prompt_chars(path: str, req: dict) -> int:
     return 0
 
 
+def media_part(req: dict) -> str | None:
+    """The path of a chat's first content part that is not text (`messages[0].content[1]`), or None."""
+    for i, m in enumerate(req["messages"]):
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type", "text") != "text":
+                    return f"messages[{i}].content[{j}]"
+    return None
+
+
 def engine_error(status: int, body: bytes) -> APIError:
     """An engine's error answer in our envelope. A 4xx keeps the engine's message, param and code (they are
     about the client's request); a 5xx says only what failed, since an engine's own error text may carry

@@ -42,7 +42,8 @@ from llmgw.gateway.demand import Demand, Hold
 from llmgw.gateway.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
-    MAX_BODY, REQUIRED, Receive, Send, engine_error, parse_request, prompt_chars, read_body, send_error, sse_error,
+    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, read_body, send_error,
+    sse_error,
 )
 from llmgw.gateway.quotas import Account, Meter, Quotas
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
@@ -56,7 +57,8 @@ from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-GUARDED = ("/v1/chat/completions", "/v1/completions")
+CHAT = "/v1/chat/completions"
+GUARDED = (CHAT, "/v1/completions")
 MAX_HELD = 16 << 20  # an answer held for a response check
 MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
 SSE = b"text/event-stream"
@@ -181,6 +183,8 @@ class Proxy:
             chars = prompt_chars(path, req)
             if chars > route.bound.chars:  # before it is queued, counted or loads a model
                 raise errors.prompt_too_long(label, chars, route.bound, REQUIRED[path])
+            if route.text_only and path == CHAT and (part := media_part(req)) is not None:
+                raise errors.text_only(label, part)
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())

@@ -22,7 +22,7 @@ from typing import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.catalog.context import MAX_PROMPT_CHARS, PromptBound, prompt_bound
+from llmgw.catalog.context import MAX_PROMPT_CHARS, PromptBound, prompt_bound, text_only
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
@@ -55,6 +55,7 @@ class Endpoint:
 class ModelRoute:
     model: Model
     bound: PromptBound  # the longest prompt it takes (catalog/context.py)
+    text_only: bool = False  # no replica of it reads images or audio (catalog/context.py)
     endpoints: list[Endpoint] = field(default_factory=list)
 
 
@@ -128,7 +129,7 @@ class RouteTable:
             rows = await fleet_repo.routable_replicas(conn, self.unreachable_after_s)
         # The observers' ages come on every row (with no row there is nothing to judge by them).
         observer_age, pollers_age = (rows[0].observer_age_s, rows[0].pollers_age_s) if rows else (None, None)
-        models = {m.name: ModelRoute(m, prompt_bound(m, self.max_prompt_chars)) for m in catalog.models}
+        models = {m.name: ModelRoute(m, prompt_bound(m, self.max_prompt_chars), text_only(m)) for m in catalog.models}
         names: dict[str, str] = {}
         for m in catalog.models:
             names[m.name] = m.name

@@ -263,11 +263,19 @@ async def test_bad_requests_get_400_naming_the_field(gw):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "model"),
         ("/v1/embeddings", {"model": "echo"}, "input"),
         ("/v1/completions", {"model": "echo"}, "prompt"),
+        ("/v1/embeddings", {"model": "echo", "input": ["x"] * 2049}, "input"),  # OpenAI's ceiling: 2048
+        ("/v1/completions", {"model": "echo", "prompt": [[1, 2]] * 2049}, "prompt"),
     ]
     for path, body, param in cases:
         status, _, out = await post(gw, path, body)
         assert status == 400, (path, body, out)
         assert assert_envelope(out, status)["param"] == param
+    status, _, out = await post(gw, "/v1/embeddings", {"model": "echo", "input": ["x"] * 5000})
+    assert "`input` holds 5,000 items; at most 2048 go in one request: send them in batches" == out["error"]["message"]
+    for path, body in (("/v1/embeddings", {"model": "echo", "input": ["x"] * 2048}),
+                       ("/v1/completions", {"model": "echo", "prompt": list(range(5000))})):  # one prompt of ids
+        status, _, out = await post(gw, path, body)
+        assert status == 200, (path, out)
     async with aiohttp.ClientSession() as s:
         async with s.post(gw.gateway + "/v1/chat/completions", data=b"{not json") as r:
             assert r.status == 400

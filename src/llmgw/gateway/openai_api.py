@@ -26,6 +26,9 @@ MAX_MODEL_NAME = 256
 # Counts the gateway bounds because each multiplies an engine's work: OpenAI's own ceilings (`n` 128), and
 # token limits within a signed 32-bit integer, which is what engines store them in.
 MAX_CHOICES = 128
+# Inputs of one embeddings request (OpenAI's ceiling), and prompts of one completions request (the same):
+# each is a request's worth of engine work.
+MAX_INPUTS = 2048
 MAX_TOKENS = (1 << 31) - 1
 COUNTS = (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES),
           ("best_of", MAX_CHOICES))
@@ -95,6 +98,9 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
                 raise errors.bad_request(f"`messages[{i}]` must be an object with a `role`", param=f"messages[{i}]")
     elif value is None:
         raise errors.bad_request(f"`{field}` is required", param=field)
+    elif isinstance(value, list) and len(value) > MAX_INPUTS and not all(type(v) is int for v in value):
+        raise errors.bad_request(f"`{field}` holds {len(value):,} items; at most {MAX_INPUTS} go in one request: "
+                                 "send them in batches", param=field)
     if "stream" in req and not isinstance(req["stream"], bool):
         raise errors.bad_request("`stream` must be true or false", param="stream")
     _counts(req)

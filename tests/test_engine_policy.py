@@ -60,6 +60,16 @@ def source(engine: str) -> dict:
     ("sglang", ["-x", "1"], "write the long form (--name)"),
     ("llamacpp", ["--ctx-size=4096"], "does not read --flag=value"),
     ("sglang", ["--enable-custom-logit-processor"], "clients could send code"),
+    # A number that is not one: llama-server read `4O96` as 4, and `two` made it exit at every start.
+    ("llamacpp", ["--ctx-size", "4O96", "--parallel", "2"], "--ctx-size takes an integer, not '4O96'"),
+    ("llamacpp", ["--parallel", "two"], "--parallel takes an integer, not 'two'"),
+    ("llamacpp", ["--ctx-size", "--parallel", "2"], "--ctx-size takes an integer; write it as the next item"),
+    ("llamacpp", ["--threads"], "--threads takes an integer; write it as the next item"),
+    ("llamacpp", ["--temp", "warm"], "--temp takes a number, not 'warm'"),
+    ("vllm", ["--max-model-len=lots"], "--max-model-len takes an integer (or 32k, 32K, -1, auto), not 'lots'"),
+    ("vllm", ["--gpu-memory-utilization", "90%"], "--gpu-memory-utilization takes a number, not '90%'"),
+    ("sglang", ["--context-length", "8k"], "--context-length takes an integer, not '8k'"),
+    ("sim", ["--tokens-per-second", "fast"], "--tokens-per-second takes a number, not 'fast'"),
 ])
 def test_what_got_through_is_refused_at_apply_naming_the_flag_and_what_is_allowed(engine, args, says):
     with pytest.raises(PolicyError, match=re.escape(says)):
@@ -73,6 +83,7 @@ def test_what_got_through_is_refused_at_apply_naming_the_flag_and_what_is_allowe
 @pytest.mark.parametrize("engine, env, says", [
     ("llamacpp", {"LLAMA_ARG_RPC": "10.0.0.9:50052"}, "reads LLAMA_ARG_RPC as one of its flags"),
     ("llamacpp", {"LLAMA_ARG_MODEL_URL": "https://example.com/x.gguf"}, "--model-url"),
+    ("llamacpp", {"LLAMA_ARG_CTX_SIZE": "4k"}, "LLAMA_ARG_CTX_SIZE (llama-server's --ctx-size takes an integer, not '4k')"),
     ("llamacpp", {"LLAMA_ARG_HOST": "0.0.0.0"}, "LLAMA_ARG_HOST"),
     *[(e, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "CUDA_VISIBLE_DEVICES is set by the node worker") for e in ENGINES],
     ("vllm", {"VLLM_API_KEY": "x"}, "set by the node worker"),
@@ -91,6 +102,7 @@ def test_env_outside_the_engines_allowlist_is_refused_at_apply(engine, env, says
 
 def test_tuning_that_the_engines_parse_the_same_way_passes():
     check_args(["--max_model_len", "8192", "--gpu-memory-utilization=0.9", "--enable-prefix-caching"], "vllm")
+    check_args(["--max-model-len", "32k", "--max-num-batched-tokens", "16K", "--seed", "-1"], "vllm")
     check_args(["--ctx_size", "4096", "--parallel", "2", "--temp", "-1", "--top-p", "0.9"], "llamacpp")
     check_args(["--mem-fraction-static=0.8", "--context-length", "32768"], "sglang")
     check_args(["--tokens-per-second", "0", "--startup-delay", "-.5"], "sim")

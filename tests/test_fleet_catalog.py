@@ -88,6 +88,10 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     assert r.status_code == 400 and "scaling: must be a mapping of fields (min, max" in r.json()["error"]["problems"][0]
     assert "for example `scaling: {min: 1, max: 1}`" in r.json()["error"]["problems"][0], r.json()
 
+    # A number that is not one, in an engine flag: llama-server read `4O96` as 4.
+    r = cp.apply({"models": [{**good["models"][0], "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "5O"]}]}]})
+    assert r.status_code == 400 and "--tokens-per-second takes a number, not '5O'" in r.json()["error"]["problems"][0]
+
     # A shape error in one model and a cross-catalog error in another come in the same answer.
     mixed = {"models": [{**good["models"][0], "scaling": {"min": 0, "mx": 1}}, bad["models"][1]]}
     problems = cp.apply(mixed).json()["error"]["problems"]

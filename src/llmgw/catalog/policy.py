@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from llmgw.catalog.flag_values import value_kind, value_problem
 from llmgw.schemas.catalog import Profile
 from llmgw.spelling import closest
 
@@ -213,6 +214,7 @@ LLAMA_ENV_FLAGS = {
     "LLAMA_ARG_CHAT_TEMPLATE_FILE": "--chat-template-file", "LLAMA_ARG_ENDPOINT_SLOTS": "--no-slots",
 }
 
+_ENV_FLAG = {e: f for f, e in LLAMACPP_FLAGS.items() if e}  # LLAMA_ARG_CTX_SIZE -> --ctx-size (the first flag reading it)
 RULES: dict[str, EngineRules] = {r.engine: r for r in (VLLM, SGLANG, LLAMACPP, SIM)}
 LLAMA_ARG_PREFIX = "LLAMA_ARG_"
 _NUMBER = re.compile(r"-(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
@@ -266,13 +268,26 @@ def read_flag(arg: str, rules: EngineRules) -> str | None:
 def check_args(args: list[str], engine: str) -> None:
     """Raise `PolicyError` for the first arg `engine` may not be given (argv list, never a shell string)."""
     rules = rules_for(engine)
+    waiting: str | None = None  # a flag that takes a number, before its value
     for arg in args:
         if not isinstance(arg, str):
             raise PolicyError(f"args must be strings, got {arg!r}")
         if "\x00" in arg or "\n" in arg or "\r" in arg:
             raise PolicyError(f"arg {arg!r} contains a control character")
         flag = read_flag(arg, rules)
-        if flag is None or flag in rules.flags:
+        if waiting is not None:
+            _check_value(engine, waiting, None if flag is not None else arg)
+            waiting = None
+            if flag is None:
+                continue
+        if flag is None:
+            continue
+        if flag in rules.flags:
+            if value_kind(engine, flag):
+                if "=" in arg and rules.split_equals:
+                    _check_value(engine, flag, arg.split("=", 1)[1])
+                else:
+                    waiting = flag
             continue
         as_read = f" ({engine} reads {arg.split('=', 1)[0]!r} as {flag})" if flag != arg.split("=", 1)[0] else ""
         if flag in rules.worker_flags:
@@ -285,6 +300,16 @@ def check_args(args: list[str], engine: str) -> None:
         raise PolicyError(f"args: {arg.split('=', 1)[0]} is not an allowed {engine} flag{as_read}{reason}{hint}. "
                           f"Flags are matched whole (an engine would expand a prefix to a flag that is not allowed). "
                           f"Allowed {engine} flags: {', '.join(sorted(rules.flags))}")
+    if waiting is not None:
+        _check_value(engine, waiting, None)
+
+
+def _check_value(engine: str, flag: str, value: str | None) -> None:
+    if value is None:
+        raise PolicyError(f"args: {flag} takes {value_kind(engine, flag)}; write it as the next item")
+    problem = value_problem(engine, flag, value)
+    if problem is not None:
+        raise PolicyError(f"args: {problem}")
 
 
 def check_env(env: dict[str, str], engine: str) -> None:
@@ -299,6 +324,10 @@ def check_env(env: dict[str, str], engine: str) -> None:
         if name in WORKER_ENV:
             raise PolicyError(f"env: {name} is set by the node worker ({WORKER_ENV[name]}); remove it")
         if name in allowed:
+            flag = _ENV_FLAG.get(name) if engine == "llamacpp" else None
+            problem = value_problem(engine, flag, value) if flag else None
+            if problem is not None:
+                raise PolicyError(f"env: {name} (llama-server's {problem})")
             continue
         if name.startswith(LLAMA_ARG_PREFIX) and engine == "llamacpp":
             flag = LLAMA_ENV_FLAGS.get(name)

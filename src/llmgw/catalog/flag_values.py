@@ -1,0 +1,64 @@
+"""The values of engine flags that take a number, checked when the catalog is applied.
+
+Why (the stop-25 walkthrough): `--ctx-size 4O96` (a letter O) was applied, and llama-server read it as 4:
+the model served with a context of 4 tokens, and the gateway's prompt bound (catalog/context.py), which
+reads the same flag, fell back to its widest setting. `--parallel two` was applied too, and the engine
+then exited with code 1 at every start. An engine reads a number the way C's `stoi` or Python's `int`
+does, so a typo is either a crash minutes later or a silently different number; here it is a 400 at apply
+naming the flag, the value and what to write.
+
+Only flags whose values are numbers are listed; the engine policy (catalog/policy.py) decides which flags
+are allowed at all, and calls `check_value` for each value it reads.
+"""
+
+from __future__ import annotations
+
+import re
+
+INT = re.compile(r"-?\d+")
+FLOAT = re.compile(r"-?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+HUMAN = re.compile(r"\d+(\.\d+)?[kmgKMG]?|-1|auto")  # vLLM's human-readable integers (1k = 1000, 1K = 1024)
+
+_INT, _FLOAT, _HUMAN = "an integer", "a number", "an integer (or 32k, 32K, -1, auto)"
+KINDS = {_INT: INT, _FLOAT: FLOAT, _HUMAN: HUMAN}
+
+VALUES: dict[str, dict[str, str]] = {
+    "llamacpp": {
+        **dict.fromkeys((
+            "--ctx-size", "--parallel", "--threads", "--threads-batch", "--threads-http", "--n-predict", "--batch-size",
+            "--ubatch-size", "--keep", "--cache-reuse", "--ctx-checkpoints", "--n-cpu-moe", "--main-gpu", "--seed",
+            "--top-k", "--reasoning-budget", "--timeout", "--yarn-orig-ctx", "--cache-ram"), _INT),
+        **dict.fromkeys((
+            "--temp", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty",
+            "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--defrag-thold"), _FLOAT),
+    },
+    "vllm": {
+        "--max-model-len": _HUMAN, "--max-num-batched-tokens": _HUMAN,
+        **dict.fromkeys((
+            "--max-num-seqs", "--seed", "--block-size", "--max-seq-len-to-capture", "--max-logprobs", "--max-log-len",
+            "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
+            "--num-scheduler-steps"), _INT),
+        **dict.fromkeys(("--gpu-memory-utilization", "--swap-space", "--cpu-offload-gb", "--rope-theta"), _FLOAT),
+    },
+    "sglang": {
+        **dict.fromkeys((
+            "--max-running-requests", "--max-total-tokens", "--max-prefill-tokens", "--chunked-prefill-size",
+            "--context-length", "--random-seed", "--cuda-graph-max-bs", "--torch-compile-max-bs", "--page-size",
+            "--stream-interval"), _INT),
+        **dict.fromkeys(("--mem-fraction-static", "--schedule-conservativeness", "--watchdog-timeout"), _FLOAT),
+    },
+    "sim": dict.fromkeys(("--tokens-per-second", "--startup-delay", "--join-timeout"), _FLOAT),
+}
+
+
+def value_kind(engine: str, flag: str) -> str | None:
+    """What `flag` of `engine` takes ("an integer", ...), when it takes a number; else None."""
+    return VALUES.get(engine, {}).get(flag)
+
+
+def value_problem(engine: str, flag: str, value: str) -> str | None:
+    """Why `value` is not a value `flag` takes, or None when it is (or the flag takes no number)."""
+    kind = value_kind(engine, flag)
+    if kind is None or KINDS[kind].fullmatch(value.strip()):
+        return None
+    return f"{flag} takes {kind}, not {value[:40]!r}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.engines.exits import describe_exit
+from llmgw.engines.exits import describe_exit, with_output
 from llmgw.engines.llamacpp import LlamaCppAdapter
 from llmgw.engines.selftest import missing_cpu_features, unportable_instructions
 from tests.helpers import wait_until
@@ -103,3 +103,48 @@ def test_sigill_is_reported_by_name_through_the_real_path(control_plane, tmp_pat
     assert "llama-server binary uses CPU instructions this machine cannot run" in rep["failure"]
     assert "code -4" not in rep["failure"]
     assert "tinygemm_kernel_amx" in rep["failure"]  # the engine's own last words come with it
+
+
+def test_an_exit_is_told_with_the_line_of_output_that_says_why():
+    usage = 'error while handling argument "--parallel": stoi\n\nusage:\n-np, --parallel N   number of slots\n\n' \
+            "to show complete usage, run with -h\n"
+    assert with_output("exited with code 1", usage) == 'exited with code 1: error while handling argument "--parallel": stoi'
+    assert with_output("exited with code 2", "loading model\nbye\n") == "exited with code 2: bye"  # else the last line
+    assert with_output("exited with code 1", "\n \n") == "exited with code 1"
+    assert len(with_output("exited with code 1", "error: " + "x" * 1000)) < 260
+
+
+STOI_SERVER = textwrap.dedent("""\
+    #!{python}
+    # A stand-in llama-server given a flag value it cannot read: llama.cpp prints the error, then usage.
+    import sys
+    print('error while handling argument "--parallel": stoi', file=sys.stderr)
+    print("\\nusage:\\n-np, --parallel N   number of parallel sequences\\n\\nto show complete usage, run with -h",
+          file=sys.stderr)
+    sys.exit(1)
+""")
+
+
+@pytest.mark.integration
+def test_an_engine_that_exits_at_start_is_reported_with_its_words(control_plane, tmp_path):
+    """The operator and the client are told the engine's own reason, not only "exited with code 1"; the
+    node's log has one line for it, not a traceback."""
+    import httpx
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(STOI_SERVER.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"GGUF")
+    cp = control_plane.start()
+    agent = cp.agent("n1", LLMGW_LLAMA_SERVER=str(fake))
+    cp.wait_nodes("n1")
+    assert cp.apply({"models": [{"name": "m", "scaling": {"min": 0, "max": 1},
+                                 "profiles": [{"engine": "llamacpp", "source": str(weights)}]}]}).status_code == 200
+    said = 'exited with code 1: error while handling argument "--parallel": stoi'
+    r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=60,
+                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and said in r.json()["error"]["message"], r.text
+    line = next(ln for ln in cp.ctl("models").stdout.splitlines() if ln.startswith("m "))
+    assert said in line, line
+    assert "Traceback" not in agent.log() and said in agent.log(), agent.log()[-3000:]

@@ -1,5 +1,5 @@
-"""Failures an activity expects (a weight that is not there, a source that is not a model): one log line
-each, not a traceback.
+"""Failures an activity expects (a weight that is not there, a source that is not a model, an engine that
+exited at start): one log line each, not a traceback.
 
 Temporal's worker logs every failed activity as a warning with its traceback. For a failure our own code
 raised on purpose, with a message that already says what is wrong (`HTTP 404 (no such file)`), that
@@ -23,5 +23,6 @@ def expected_failure(message: str, type: str, retryable: bool) -> ApplicationErr
     """The `ApplicationError` to raise for an expected failure, logged here as one warning line."""
     info = activity.info() if activity.in_activity() else None
     where = f"{info.activity_type} of {info.workflow_id} (attempt {info.attempt})" if info else "activity"
-    log.warning("%s failed%s: %s", where, "" if retryable else ", not retried", message)
+    first = message.strip().splitlines()[0] if message.strip() else message  # the rest is in `llmgw ctl logs`
+    log.warning("%s failed%s: %s", where, "" if retryable else ", not retried", first)
     return ApplicationError(message, type=type, non_retryable=not retryable, category=ApplicationErrorCategory.BENIGN)

@@ -269,8 +269,8 @@ class NodeActivities:
         """An engine exited while a start waited on it: report the shard failed with its decoded exit and
         output tail (kept on the shard row, whichever of this and the supervisor's watch reports first),
         and return the error that fails the start. The message's first line is the cause."""
-        why = self.agent.describe_exit(shard)
         tail = self.agent.supervisor.tail(shard)
+        why = self.agent.describe_exit(shard, tail)
         try:
             await self.agent.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
         except ReportRefused:
@@ -278,7 +278,7 @@ class NodeActivities:
         text = f"{what}: {why}"
         if tail.strip():
             text += "\nlast output:\n" + tail.strip()[-1500:]
-        return ApplicationError(text, type="EngineExited", non_retryable=True)
+        return expected_failure(text, "EngineExited", retryable=False)
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, inp: WaitShardReadyInput) -> int:

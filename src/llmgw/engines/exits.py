@@ -6,6 +6,7 @@ tells nobody anything; "killed by SIGILL (illegal instruction)" with the likely 
 
 from __future__ import annotations
 
+import re
 import signal
 
 # Why a signal usually reaches an engine, for the signals that have one usual cause.
@@ -44,3 +45,20 @@ def describe_exit(code: int | None, hints: dict[int, str] | None = None) -> str:
     text = f"killed by {sig.name} ({signal.strsignal(sig).lower()})"
     cause = (hints or {}).get(sig) or _CAUSES.get(sig)
     return f"{text}: {cause}" if cause else text
+
+
+_SAYS_WHY = re.compile(r"error|exception|fatal|failed|abort|invalid|cannot|unable|not found|no such", re.I)
+MAX_SAID = 200
+
+
+def with_output(reason: str, tail: str) -> str:
+    """`reason` and the line of the engine's last output that most likely says why it ended: the last line
+    that names an error, else the last line; `exited with code 1: error while handling argument "--parallel":
+    stoi`. An engine that exits at start usually says why in words (llama.cpp prints its usage after the
+    error, so the very last line is seldom the one). The whole output stays in `llmgw ctl logs`."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    if not lines:
+        return reason
+    line = next((ln for ln in reversed(lines) if _SAYS_WHY.search(ln)), lines[-1])
+    line = line if len(line) <= MAX_SAID else line[:MAX_SAID] + "..."
+    return f"{reason}: {line}" if line not in reason else reason

@@ -26,7 +26,7 @@ from temporalio.worker import Worker
 from llmgw.activities.node import NodeActivities, replica_of
 from llmgw.config import Settings
 from llmgw.engines.base import EngineError
-from llmgw.engines.exits import UNKNOWN_EXIT, describe_exit
+from llmgw.engines.exits import UNKNOWN_EXIT, describe_exit, with_output
 from llmgw.engines.registry import Engines
 from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
@@ -214,18 +214,21 @@ class Agent:
         except ReportRefused:
             pass  # stopped is stopped; the refusal is logged
 
-    def describe_exit(self, shard: Shard) -> str:
-        """How `shard`'s engine ended, in words (its adapter's), e.g. "killed by SIGILL (illegal instruction): ..."."""
+    def describe_exit(self, shard: Shard, tail: str = "") -> str:
+        """How `shard`'s engine ended, in words (its adapter's), e.g. "killed by SIGILL (illegal instruction): ...",
+        with the line of its last output `tail` that most likely says why ("exited with code 1: error while
+        handling argument ...")."""
         if shard.proc is None:  # adopted: not our child, so its exit status cannot be read
             return UNKNOWN_EXIT
         try:
-            return self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
+            reason = self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
         except EngineError:  # an engine no longer installed here: the generic words
-            return describe_exit(shard.exit_code)
+            reason = describe_exit(shard.exit_code)
+        return with_output(reason, tail)
 
     async def _on_exit(self, shard: Shard, tail: str) -> None:
         try:
-            await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=self.describe_exit(shard)))
+            await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=self.describe_exit(shard, tail)))
         except ReportRefused:
             pass  # logged; the next registration reports the shard gone
 

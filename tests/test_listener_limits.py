@@ -142,6 +142,22 @@ async def test_an_oversized_header_is_refused_with_431_before_it_is_read_whole(g
     assert data.startswith(b"HTTP/1.1 431 ") and b"request_headers_too_large" in data, data[:200]
 
 
+async def test_an_oversized_header_in_one_write_is_refused_too(gw):
+    """A head that arrives whole in one read was not counted (the cap counted across reads only), so a
+    header of twice the cap sent at once was served."""
+    r, w = await asyncio.open_connection("127.0.0.1", gw.ports["gateway"])
+    w.write(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * (2 * MAX_HEADER_BYTES) + b"\r\n\r\n")
+    data = await until_closed(r)
+    w.close()
+    assert data.startswith(b"HTTP/1.1 431 ") and b"request_headers_too_large" in data, data[:200]
+    r, w = await asyncio.open_connection("127.0.0.1", gw.ports["gateway"])  # under the cap: served
+    w.write(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES - 1024)
+            + b"\r\n\r\n")
+    data = await until_closed(r)
+    w.close()
+    assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+
+
 async def test_a_body_over_the_limit_gets_413_in_the_envelope(gw):
     """Announced too large (Content-Length): refused at once, before a byte of the body is sent (the app
     would wait for it). Sent anyway by an HTTP client: the same 413, which the client gets to read. Both

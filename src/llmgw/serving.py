@@ -9,7 +9,8 @@ connections or stall the event loop (docs/security.md, "Listeners"):
 - a **body deadline**: the body must arrive within `body_timeout_s` of the headers; else 408 and close;
 - a **header size cap**: at most `max_header_bytes` of request line and headers, counted over the reads
   they arrive in (httptools joins a header's pieces from one read to the next, which is quadratic: the
-  cap stops it after `max_header_bytes` plus one read); else 431 and close;
+  cap stops it after `max_header_bytes` plus one read), and counted whole when they arrive in one read;
+  else 431 and close;
 - a **body size cap**: a `Content-Length` above `max_body_bytes` is refused before the body is read, and a
   chunked body is cut off as soon as it passes it; 413 in the OpenAI error envelope;
 - a **send deadline**: a client that reads nothing of its answer for `send_timeout_s` is dropped, which
@@ -166,6 +167,9 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         self._in_head = False
         self._cancel()
+        if self._fresh_head and self._head_size() > self.limits.max_header_bytes:  # a head whole in one read
+            self._refuse(HEADERS_431, linger=True)
+            return
         length = self._content_length()
         if length is not None and length > self.limits.max_body_bytes:
             self._refuse(too_large_413(self.limits.max_body_bytes), linger=True)  # before the app runs or a byte is read
@@ -187,6 +191,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._fresh_head = True  # this read's bytes belonged to this message: the next head counts from the next
         self._head_bytes = self._body_bytes = 0
         super().on_message_complete()
+
+    def _head_size(self) -> int:
+        """The request line's and headers' bytes as written (give or take their separators)."""
+        return len(self.url) + 16 + sum(len(n) + len(v) + 4 for n, v in self.headers or ())
 
     def _content_length(self) -> int | None:
         for name, value in self.headers or ():

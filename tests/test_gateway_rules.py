@@ -166,3 +166,18 @@ def test_a_removed_models_series_wait_for_its_last_request():
     text = m.render().decode()
     assert 'model="gone"' not in text and 'llmgw_in_flight{model="kept"} 0.0' in text
     assert 'llmgw_requests_total{model="kept",status="200"} 1.0' in text
+
+
+@pytest.mark.parametrize("body", [
+    {"error": {"code": 400, "type": "exceed_context_size_error",
+               "message": "request (26031 tokens) exceeds the available context size (2048 tokens), try increasing it"}},
+    {"object": "error", "type": "BadRequestError", "param": None, "code": 400,
+     "message": "This model's maximum context length is 2048 tokens. However, you requested 3000 tokens."},
+    {"object": "error", "type": "BadRequestError", "param": None, "code": 400,
+     "message": "The input (3000 tokens) is longer than the model's context length (2048 tokens)."},
+])
+def test_each_engines_context_refusal_gets_openais_code(body):
+    err = engine_error(400, json.dumps(body).encode())
+    assert err.status == 400 and err.code == "context_length_exceeded", err.body()
+    assert "try increasing it" not in err.message and "2048 tokens" in err.message
+    assert engine_error(400, json.dumps({"error": {"message": "bad temperature"}}).encode()).code == "engine_refused"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Awaitable, Callable
 
 from llmgw.gateway import errors
@@ -32,6 +33,11 @@ MAX_INPUTS = 2048
 MAX_TOKENS = (1 << 31) - 1
 COUNTS = (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES),
           ("best_of", MAX_CHOICES))
+
+# How each engine says a prompt does not fit its context: llama-server's error type; vLLM's "This model's
+# maximum context length is N tokens"; SGLang's "longer than the model's context length".
+LLAMA_CONTEXT = "exceed_context_size_error"
+CONTEXT_WORDS = re.compile(r"maximum context length is|longer than the model's context length|exceeds the available context size")
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -149,7 +155,7 @@ def engine_error(status: int, body: bytes) -> APIError:
     that it cannot do what was asked (llama-server's embeddings without `--embeddings`): its JSON message is
     kept (any other body is logged, as a 5xx's) and the client gets 400 `engine_unsupported`, which OpenAI
     clients do not retry."""
-    message = param = code = None
+    message = param = code = kind = None
     try:
         obj = json.loads(body)
         err = obj.get("error") if isinstance(obj, dict) and isinstance(obj.get("error"), dict) else obj
@@ -157,8 +163,13 @@ def engine_error(status: int, body: bytes) -> APIError:
             message = err.get("message") if isinstance(err.get("message"), str) else None
             param = err.get("param") if isinstance(err.get("param"), str) else None
             code = err.get("code") if isinstance(err.get("code"), str) else None
+            kind = err.get("type") if isinstance(err.get("type"), str) else None
     except (ValueError, UnicodeDecodeError):
         pass
+    if status == 400 and code is None and message is not None and (kind == LLAMA_CONTEXT or CONTEXT_WORDS.search(message)):
+        # The prompt did not fit the engine's context: OpenAI's code, which clients that trim a conversation
+        # read, whichever engine said it (and without llama.cpp's advice to the operator).
+        code, message = "context_length_exceeded", message.removesuffix(", try increasing it")
     # Whose words reach the client: a 4xx's, whatever its shape; a 501's only as its JSON `message`.
     says_why = status < 500 or (status == 501 and message is not None)
     if not says_why:

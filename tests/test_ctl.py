@@ -147,6 +147,11 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert "removes all 2 model(s) of the live catalog (od, s)" in out.stdout and "  - s\n" in out.stdout, out.stdout
     assert out.returncode != 0 and "not applied" in out.stdout + out.stderr, (out.stdout, out.stderr)
     assert len(json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"]) == 2
+    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "apply", "-f", str(empty)], env=cp.env,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)  # a script: no answer
+    assert out.returncode == 1 and "needs an answer, and none came on the input; nothing was changed. Add --yes" \
+        in out.stderr and "Aborted" not in out.stderr, out.stderr
+    assert len(json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"]) == 2
 
     # Key names need not be unique (a key is rotated under its name), but a namesake is named by id.
     first = cp.ctl("keys", "create", "--name", "ci")

@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 import yaml
 
-from llmgw.ctl.client import Admin, fail
+from llmgw.ctl.client import Admin, confirm, fail
 from llmgw.ctl.output import Output, console, dump
 
 
@@ -55,7 +55,7 @@ def apply(
     if not (diff["added"] or diff["changed"] or diff["removed"]):
         typer.echo("no changes")
         return
-    if not yes and not typer.confirm("apply?"):
+    if not yes and not confirm("apply?"):
         fail("not applied")
     admin.post("/admin/v1/catalog", {"catalog": raw})
     typer.echo("applied")

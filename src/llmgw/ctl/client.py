@@ -21,6 +21,23 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+def confirm(question: str) -> bool:
+    """Ask `question` (y/N). With no answer to read (a script with nothing on its input), say how to go on
+    instead of a bare "Aborted.": nothing is changed, exit 1."""
+    import sys
+
+    import click
+
+    try:
+        return typer.confirm(question)
+    except (click.exceptions.Abort, typer.Abort):
+        if sys.stdin.isatty():
+            raise  # Ctrl-C or Ctrl-D at a terminal: the person said no
+        typer.echo("", err=True)
+        fail(f"{question} needs an answer, and none came on the input; nothing was changed. "
+             "Add --yes to go ahead without asking")
+
+
 class Admin:
     """A short-lived client of the admin API at `Settings().resolved_admin_url`, sending the admin bearer
     token when there is one (security/admin_token.py). `now` is the server's clock (its Date header) at the

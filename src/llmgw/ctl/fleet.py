@@ -10,7 +10,7 @@ import typer
 from rich.console import Group
 from rich.text import Text
 
-from llmgw.ctl.client import Admin, fail
+from llmgw.ctl.client import Admin, confirm, fail
 from llmgw.ctl.output import Output, age, console, dump, interval_option, output_option, seconds, show, table, watch_option
 
 ENDED = ("stopped", "failed", "lost")
@@ -217,7 +217,7 @@ def nodes_remove(
         fail(f"not removed: node {node_id} still holds shards of {len(plan['live_replicas'])} replica(s); stop them "
              "first (remove their models, or wait until the node is lost and they move), or pass --force to "
              "mark them lost and rebuild them elsewhere now")
-    if not yes and not typer.confirm("remove?"):
+    if not yes and not confirm("remove?"):
         fail("not removed")
     out = admin.post(f"/admin/v1/nodes/{node_id}/remove", {"force": force})
     lost = f"; {len(out['live_replicas'])} replica(s) on it are lost and rebuilt elsewhere" if out["live_replicas"] else ""

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from llmgw.ctl.client import Admin, fail
+from llmgw.ctl.client import Admin, confirm, fail
 from llmgw.ctl.output import Output, age, output_option, show, table
 from llmgw.ctl.tenants import MODELS, PER_DAY, PER_MONTH, RPM, TPM, changed_limits, limits_body, limits_text
 
@@ -108,7 +108,7 @@ def revoke(key_id: str, yes: bool = typer.Option(False, "--yes", "-y", help="Rev
         fail(f"no API key with id {key_id!r}; `llmgw ctl keys list` shows them")
     k = match[0]
     typer.echo(f"  {k['id']}  {k['prefix']}...  {k['name'] or '-'}")
-    if not yes and not typer.confirm("revoke?"):
+    if not yes and not confirm("revoke?"):
         raise typer.Exit(1)
     admin.post(f"/admin/v1/keys/{key_id}/revoke", {})
     typer.echo("revoked")

@@ -97,3 +97,29 @@ def test_a_profile_change_under_load_replaces_every_replica_with_zero_failed_req
     assert sorted(res.retired if hasattr(res, "retired") else res["retired"]) == sorted(o["id"] for o in old)
     out = cp.ctl("replicas")
     assert f"default@{new_hash[:8]}" in out.stdout, out.stdout
+
+
+def test_a_rollout_whose_new_replica_keeps_failing_is_said_while_the_old_one_serves(control_plane):
+    """The walkthrough's stuck rollout: the old replica serves and `ctl models` said nothing (ready, an
+    empty message). Now its message says the new replica's starts are failing, and why."""
+    cp = control_plane
+    cp.env["LLMGW_START_BACKOFF_BASE_S"] = "30"
+    cp.start()
+    cp.agent("n1")
+    cp.wait_nodes("n1")
+    one = {"name": "roll", "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "sim"}]}
+    assert cp.apply({"models": [one]}).status_code == 200
+    [old] = cp.wait_replicas("roll", timeout_s=60)
+    broken = {**one, "profiles": [{"engine": "llamacpp", "source": "/nonexistent/roll.gguf", "memory_gb": 0.1}]}
+    assert cp.apply({"models": [broken]}).status_code == 200
+
+    def said() -> str | None:
+        line = next((ln for ln in cp.ctl("models").stdout.splitlines() if ln.startswith("roll ")), "")
+        return line if "start(s) of another replica failed in a row" in line else None
+
+    line = wait_until(said, timeout_s=60, what="the failing rollout in ctl models", why=cp.logs)
+    assert " ready " in line and "serving; " in line and "roll.gguf" in line, line
+    assert [r["id"] for r in cp.replicas(all=False) if r["model"] == "roll" and r["status"] == "ready"] == [old["id"]]
+    r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
+                   json={"model": "roll", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text

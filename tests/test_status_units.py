@@ -118,3 +118,13 @@ def test_a_failing_on_demand_model_nobody_asked_for_since_waits_for_a_request():
     asked = facts.model_copy(update={"demand_at": NOW - timedelta(seconds=1)})
     assert not model_condition(model(0, 1), asked, NOW).on_request
     assert not model_condition(model(1, 1), facts, NOW).on_request  # min 1: the backoff alone paces it
+
+
+def test_a_serving_model_whose_other_starts_fail_says_so():
+    facts = ModelFacts(replicas={"ready": 1}, failures=3, backoff_until=NOW + timedelta(seconds=40),
+                       last_failure="…/roll.gguf: no such file")
+    c = model_condition(model(1, 1), facts, NOW)
+    assert c.status == ModelStatus.READY and c.retry_in_s == 40
+    assert c.reason == ("serving; 3 start(s) of another replica failed in a row, the last with: …/roll.gguf: no such "
+                        "file; next try in 40s")
+    assert model_condition(model(1, 1), ModelFacts(replicas={"ready": 1}), NOW).reason == ""

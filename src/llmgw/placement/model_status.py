@@ -86,16 +86,22 @@ def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCond
         n = len(model.endpoints)
         return ModelCondition(status=ModelStatus.STATIC, reason=f"routed to {n} static endpoint(s)", **base)
     if ready:
-        return ModelCondition(status=ModelStatus.READY, **base)
+        if not facts.failures:
+            return ModelCondition(status=ModelStatus.READY, **base)
+        # Serving, while the starts of another replica (a rolling replacement, a scale-up) keep failing: said,
+        # or a stuck rollout would look like nothing at all in `ctl models`.
+        left = _backoff_left(facts, now)
+        cause = facts.last_failure or "its last start failed"
+        return ModelCondition(status=ModelStatus.READY, retry_in_s=left, **base, reason=(
+            f"serving; {facts.failures} start(s) of another replica failed in a row, the last with: {cause}"
+            + (f"; next try in {left}s" if left else "")))
     if starting:
         again = f" (after {facts.failures} failed start(s))" if facts.failures else ""
         return ModelCondition(status=ModelStatus.LOADING, reason=f"a replica is starting{again}", **base)
     if sc.off:
         return ModelCondition(status=ModelStatus.OFF, reason="switched off in the catalog (scaling max 0)", **base)
     if facts.failures:
-        left = 0
-        if facts.backoff_until is not None:
-            left = max(0, math.ceil((facts.backoff_until - now).total_seconds()))
+        left = _backoff_left(facts, now)
         cause = facts.last_failure or "its last start failed"
         on_request = sc.min == 0 and waits_for_request(facts.failed_at, facts.demand_at, facts.last_used_at)
         return ModelCondition(status=ModelStatus.FAILING, reason=cause, retry_in_s=left, on_request=on_request,
@@ -107,6 +113,13 @@ def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCond
     if sc.on_demand:
         return ModelCondition(status=ModelStatus.ON_DEMAND, reason="starts when a request asks for it", **base)
     return ModelCondition(status=ModelStatus.PENDING, reason="waiting for the reconciler to place it", **base)
+
+
+def _backoff_left(facts: ModelFacts, now: datetime) -> int:
+    """Whole seconds until the backoff after failed starts ends (0: over, or none)."""
+    if facts.backoff_until is None:
+        return 0
+    return max(0, math.ceil((facts.backoff_until - now).total_seconds()))
 
 
 def failure_cause(failure: str | None, exit_reasons: list[tuple[int, str, str]] | None = None) -> str | None:

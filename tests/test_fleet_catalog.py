@@ -83,6 +83,14 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     assert "models[1] (big).fallbacks: no model or alias named 'smal'; did you mean 'small'?" in problems
     assert any(p.startswith("models[1] (big).profiles[0] (default).nodes: tp × pp = 3 GPUs do not split evenly") for p in problems)
 
+    # Switched off, it says so in the diff and in the live catalog (it read `scaling: {}` and `-> (unset)`).
+    off = {"models": [{**good["models"][0], "scaling": {"min": 0, "max": 0}}]}
+    r = cp.apply(off)
+    assert r.status_code == 200 and r.json()["changes"]["small"] == ["scaling.max: 1 -> 0"], r.json()
+    live = httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()
+    assert live["models"][0]["scaling"] == {"min": 0, "max": 0}, live
+    assert cp.apply(good).status_code == 200
+
     # `scaling: on` as YAML reads it: told what to write.
     r = cp.apply({"models": [{**good["models"][0], "scaling": True}]})
     assert r.status_code == 400 and "scaling: must be a mapping of fields (min, max" in r.json()["error"]["problems"][0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 EngineName = Literal["vllm", "sglang", "llamacpp", "sim"]
 ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "sim")
@@ -84,6 +84,15 @@ class Scaling(_Strict):
             raise ValueError(f"max ({self.max}) is below min ({self.min}); write max >= min, or min: 0, max: 0 to "
                              "switch the model off")
         return self
+
+    @model_serializer(mode="wrap")
+    def _always_bounds(self, handler):
+        """`min` and `max` are written even when they are the defaults (0): `ctl catalog` printed
+        `scaling: {}` for a model switched off, and the diff `scaling.max: 1 -> (unset)`."""
+        out = handler(self)
+        if isinstance(out, dict):
+            out = {"min": self.min, "max": self.max, **out}
+        return out
 
     @property
     def on_demand(self) -> bool:

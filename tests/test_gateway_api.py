@@ -426,6 +426,9 @@ async def test_abusive_json_gets_400_naming_the_field(gw):
                 assert r.status == 400, (body[:80], out)
                 err = assert_envelope(out, r.status)
                 assert err["type"] == "invalid_request_error" and err["param"] == param, (body[:80], err)
+        deep = b"[" * 100_000 + b"]" * 100_000  # not an object, however deep: said so, not its depth
+        async with s.post(gw.gateway + "/v1/chat/completions", data=deep, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400 and "must be a JSON object" in (await r.json())["error"]["message"]
         wide = b'{"model": "echo", "input": [' + b",".join([b"{}"] * 200_000) + b"]}"  # 1.2 MB of objects
         async with s.post(gw.gateway + "/v1/embeddings", data=wide, headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400 and "objects and arrays" in (await r.json())["error"]["message"]

@@ -39,6 +39,8 @@ COUNTS = (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n
 LLAMA_CONTEXT = "exceed_context_size_error"
 CONTEXT_WORDS = re.compile(r"maximum context length is|longer than the model's context length|exceeds the available context size")
 
+_OBJECT = re.compile(rb"[ \t\r\n]*\{")
+
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
 
@@ -84,6 +86,8 @@ def _counts(req: dict) -> None:
 def parse_request(path: str, body: bytes) -> dict[str, Any]:
     """Decode and check the request; raises a 400 `APIError` naming the field. Only what the gateway
     relies on is checked; everything else is the engine's to judge."""
+    if not _OBJECT.match(body):  # before its shape is judged: `[[[...` is not a request however deep
+        raise errors.bad_request("the request body must be a JSON object ({\"model\": ..., ...})")
     try:
         req = decode(body)
     except JSONRefused as exc:

@@ -133,3 +133,14 @@ def test_a_value_of_the_wrong_shape_is_told_what_to_write():
     with pytest.raises(CatalogError) as e:
         parse_catalog({"models": None})
     assert e.value.problems[0].startswith("models: must be a list (one `- item` a line, or `[a, b]`), not nothing")
+
+
+def test_a_yaml_error_names_the_file_line_and_column(tmp_path):
+    from llmgw.catalog.loader import load_catalog
+
+    bad = tmp_path / "catalog.yaml"
+    bad.write_text("models:\n  - name: a\n    scaling: {min: 1\n")
+    with pytest.raises(CatalogError) as e:
+        load_catalog(bad)
+    [said] = e.value.problems
+    assert said.startswith(f"{bad}:4:1: not valid YAML: ") and "<unicode string>" not in said, said

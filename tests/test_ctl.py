@@ -139,6 +139,12 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     out = cp.ctl("retry", "s-alias")
     assert out.returncode == 0 and out.stdout.startswith("s: no failed starts to clear"), out.stdout
 
+    # Not YAML: the file, line and column, not PyYAML's `<unicode string>`.
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("models:\n  - name: a\n    scaling: {min: 1\n")
+    out = cp.ctl("apply", "-f", str(broken), "--yes")
+    assert out.returncode == 2 and f"{broken}:4:1: not valid YAML" in out.stderr, out.stderr
+
     # A file with no models would remove every model: said before asking; answered no, nothing changes.
     empty = tmp_path / "empty.yaml"
     empty.write_text("models: []\n")

@@ -233,11 +233,20 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
         raise CatalogError(problems)
 
 
+def read_yaml(path: str | Path, text: str | None = None) -> Any:
+    """The YAML document in `path` (or `text`, read from it). Raises `CatalogError` naming the file, line
+    and column and what is wrong there (`catalog.yaml:3:9: not valid YAML: mapping values are not allowed
+    here`), not PyYAML's `in "<unicode string>"`."""
+    text = Path(path).read_text() if text is None else text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = "; ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        raise CatalogError([f"{where}: not valid YAML: {what or exc}"]) from None
+
+
 def load_catalog(path: str | Path) -> Catalog:
     """Read and validate a catalog YAML file."""
-    text = Path(path).read_text()
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise CatalogError([f"{path}: not valid YAML: {exc}"]) from None
-    return parse_catalog(raw)
+    return parse_catalog(read_yaml(path))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-import yaml
 
 from llmgw.ctl.client import Admin, confirm, fail
 from llmgw.ctl.output import Output, console, dump
@@ -29,7 +28,7 @@ def apply(
 
     Asks first unless --yes. The file replaces the whole catalog.
     """
-    from llmgw.catalog.loader import CatalogError, load_catalog
+    from llmgw.catalog.loader import CatalogError, load_catalog, read_yaml
 
     if not file.is_file():
         fail(f"error: {file}: no such file; give the catalog YAML with -f", 2)
@@ -38,9 +37,11 @@ def apply(
     except CatalogError as exc:
         fail(str(exc), 2)
     try:
-        raw = yaml.safe_load(file.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raw = read_yaml(file)
+    except (OSError, UnicodeDecodeError) as exc:
         fail(f"error: {file}: {exc}", 2)
+    except CatalogError as exc:
+        fail(str(exc), 2)
     admin = Admin()
     diff = admin.post("/admin/v1/catalog", {"catalog": raw, "dry_run": True})
     for note in diff.get("notes", []):

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import httpx
-import yaml
 
+from llmgw.catalog.loader import CatalogError, read_yaml
 from llmgw.config import Settings
 from llmgw.dev.postgres import EmbeddedPostgres
 from llmgw.dev.procs import kill_pid_file, port_open, stop_process, wait_port
@@ -213,7 +213,10 @@ class DevStack:
                 self.echo(f"catalog: {path} is unchanged since the last start; keeping the control plane's catalog "
                           f"({len(current)} models, `llmgw ctl apply` changes included)")
                 return
-        raw = yaml.safe_load(text)
+        try:
+            raw = read_yaml(path, text)
+        except CatalogError as exc:
+            raise SystemExit(f"the catalog {path} was refused:\n{exc}") from None
         r = httpx.post(admin + "/admin/v1/catalog", json={"catalog": raw}, timeout=30)
         if r.status_code != 200:
             detail = r.json().get("error", {}).get("message", r.text)

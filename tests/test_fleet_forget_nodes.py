@@ -55,6 +55,8 @@ def test_lost_nodes_are_forgotten_and_ctl_nodes_remove_forgets_one_now(control_p
     assert "node-a" in node_ids(cp)
     out = cp.ctl("nodes", "remove", "no-such-node", "--yes")
     assert out.returncode == 1 and "no node named 'no-such-node'" in out.stderr
+    out = cp.ctl("nodes", "remove", "node-x", "--yes")  # a typo: the node meant (nothing removed)
+    assert out.returncode == 1 and "no node named 'node-x'; did you mean 'node-" in out.stderr, out.stderr
 
     # node-c dies and holds nothing: Lost, then forgotten once Lost for longer than the retention.
     cp.kill_node("node-c")

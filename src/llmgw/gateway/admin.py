@@ -151,8 +151,8 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             rows, fleet_live = await fleet(conn)
             row = next((n for n in rows if n.id == node_id), None)
             if row is None:
-                return json_error(APIError(404, f"no node named {node_id!r}; `llmgw ctl nodes` lists them",
-                                           param="node_id", code="not_found"))
+                return json_error(APIError(404, f"no node named {node_id!r}{did_you_mean(node_id, [n.id for n in rows])}; "
+                                           "`llmgw ctl nodes` lists them", param="node_id", code="not_found"))
             status = fleet_live.status(node_id)
             live = [LiveReplicaView(id=s.replica_id, model=s.model, status=s.status)
                     for s in await fleet_repo.live_shards_on(conn, node_id)]

@@ -75,6 +75,12 @@ def test_apply_says_which_mirror_sources_the_mirror_does_not_have(control_plane)
         "`llmgw mirror add <url> --name gone.bin`",
         "m3: the mirror has no 'org/v2/' (nor is it being mirrored), so a start fails until it is published: "
         "`llmgw mirror add <url> --name org/v2/`"], r.json()["warnings"]
+    typo = {"models": [{"name": "t", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "source": "mirror:here.bim"}]}]}
+    r = cp.apply(typo)  # a typo of a file it holds: that file is named
+    assert [w for w in r.json()["warnings"] if "the mirror has no" in w] == [
+        "t: the mirror has no 'here.bim' (nor is it being mirrored), so a start fails until it is published: "
+        "did you mean `mirror:here.bin`, which it holds? Else `llmgw mirror add <url> --name here.bim`"], r.json()
+    assert cp.apply(catalog).status_code == 200
     path = cp.state / "catalog.yaml"
     path.write_text(yaml.safe_dump(catalog))
     out = cp.ctl("apply", "-f", str(path), "--yes")  # as an operator sees them: notes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 
 from llmgw.schemas.catalog import Catalog
+from llmgw.spelling import closest
 from llmgw.weights.naming import MIRROR_SCHEME
 
 TIMEOUT_S = 2.0
@@ -54,5 +55,11 @@ async def mirror_warnings(catalog: Catalog, mirror_url: str) -> list[str]:
     except (httpx.HTTPError, ValueError) as exc:
         return [f"could not ask the mirror at {mirror_url} whether it holds {', '.join(sorted(names))} "
                 f"({type(exc).__name__}); a start fails if it does not"]
-    return [f"{', '.join(names[n])}: the mirror has no {n!r} (nor is it being mirrored), so a start fails "
-            f"until it is published: `llmgw mirror add <url> --name {n}`" for n in missing(names, listing)]
+    held = sorted({f.get("name") for f in listing.get("files", []) if isinstance(f, dict) and isinstance(f.get("name"), str)})
+    out = []
+    for n in missing(names, listing):
+        meant = closest(n, held, cutoff=0.8)
+        hint = f"did you mean `mirror:{meant}`, which it holds? Else " if meant else ""
+        out.append(f"{', '.join(names[n])}: the mirror has no {n!r} (nor is it being mirrored), so a start fails "
+                   f"until it is published: {hint}`llmgw mirror add <url> --name {n}`")
+    return out

@@ -31,5 +31,6 @@ def test_taken_port_is_named_with_the_setting_that_moves_it():
         assert f"port {ports['gateway']} (gateway) is in use: set LLMGW_GATEWAY_PORT to a free port" in r.stderr
         assert time.monotonic() - started < 20
         assert not (state / "postgres").exists()  # nothing was started
+        assert "stopping" not in r.stdout + r.stderr and "stopped." not in r.stdout + r.stderr  # so nothing stops
     finally:
         shutil.rmtree(state, ignore_errors=True)

@@ -288,7 +288,9 @@ class DevStack:
         # A second Ctrl-C must not leave half the processes running: finish stopping first.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.echo("stopping ...")
+        started = bool(self.children or self.temporal or self.pg)
+        if started:  # a refusal before anything started (a port taken) says only why, not "stopping ... stopped."
+            self.echo("stopping ...")
         # The agent first: it stops its engines. Then the rest, in reverse order of start.
         for name, proc in sorted(self.children, key=lambda c: c[0] != "agent"):
             stop_process(proc, grace_s=20 if name == "agent" else 10)
@@ -300,5 +302,6 @@ class DevStack:
         if self.pg:
             self.pg.stop()
         (self.run_dir / "urls.json").unlink(missing_ok=True)
-        self.echo("stopped.")
+        if started:
+            self.echo("stopped.")
 

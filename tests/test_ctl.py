@@ -217,3 +217,14 @@ def test_namesakes_of_a_new_key_are_named_up_to_five_and_the_rest_counted(capsys
     assert "11 other active key(s) are also named 'ci': k1 (llmgw-0001..., created 1h ago), k2 (" in err, err
     assert "k5 (" in err and "k6 (" not in err and "and 6 more (`llmgw ctl keys list`)" in err, err
     assert "r (" not in err and "o (" not in err
+
+
+def test_a_limit_is_shown_as_the_options_take_it_and_reads_back_the_same():
+    from llmgw.ctl.tenants import limit_number, limit_value, limits_text
+
+    shown = {n: limit_number(n) for n in (60, 1000, 10_000, 20_000_000, 2_500_000, 1_000_000_000_000, 1234567)}
+    assert shown == {60: "60", 1000: "1k", 10_000: "10k", 20_000_000: "20M", 2_500_000: "2500k",
+                     1_000_000_000_000: "1T", 1234567: "1234567"}
+    assert all(limit_value(text) == n for n, text in shown.items())
+    assert limit_number(None) == "-"
+    assert limits_text({"rpm": 60, "tpm": 20_000_000, "tokens_per_day": 10**6, "models": None}) == "rpm 60, tpm 20M, 1M/day"

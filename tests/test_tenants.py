@@ -326,7 +326,8 @@ async def test_ctl_usage_matches_the_engines_own_counts(plane):
     assert out.returncode == 1 and "no tenant named 'acc'; did you mean 'acct'?" in out.stderr, out.stderr
     out = cp.ctl("tenants", "list")
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("acct "))
-    assert out.stdout.splitlines()[0].split()[0] == "NAME" and "10000" in line and "1000000" in line
+    assert out.stdout.splitlines()[0].split()[0] == "NAME"
+    assert line.split()[1:3] == ["10k", "1M"], line  # as they were written (--rpm 10k --tpm 1M), not 10000 1000000
     out = cp.ctl("keys", "list", "-o", "wide")  # a tenant's key without limits of its own is not "unlimited"
     assert "OWN LIMITS" in out.stdout.splitlines()[0], out.stdout
     line = next(ln for ln in out.stdout.splitlines() if " acct-1 " in ln)

@@ -70,15 +70,27 @@ MODELS = typer.Option(None, "--models", help="Models it may use: names, aliases 
                       "(`llama-*,judge`; `none`: every model)")
 
 
+def limit_number(n: int | None) -> str:
+    """A limit as the options take it: 20000000 -> `20M`, 10000 -> `10k`, 60 -> `60`, 2500000 -> `2500k`; None
+    -> `-`. Only exact multiples take a suffix, so `limit_value` of what is shown gives the limit back."""
+    if n is None:
+        return "-"
+    for suffix in ("T", "G", "M", "k"):
+        unit = _SUFFIX[suffix.lower()]
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
 def limits_text(limits: dict) -> str:
-    """`rpm 60, tpm 10000, 1000000/day, models llama-*` (or `unlimited`)."""
-    parts = [f"rpm {limits['rpm']}"] if limits.get("rpm") else []
+    """`rpm 60, tpm 10k, 1M/day, models llama-*` (or `unlimited`)."""
+    parts = [f"rpm {limit_number(limits['rpm'])}"] if limits.get("rpm") else []
     if limits.get("tpm"):
-        parts.append(f"tpm {limits['tpm']}")
+        parts.append(f"tpm {limit_number(limits['tpm'])}")
     if limits.get("tokens_per_day"):
-        parts.append(f"{limits['tokens_per_day']}/day")
+        parts.append(f"{limit_number(limits['tokens_per_day'])}/day")
     if limits.get("tokens_per_month"):
-        parts.append(f"{limits['tokens_per_month']}/month")
+        parts.append(f"{limit_number(limits['tokens_per_month'])}/month")
     if limits.get("models") is not None:
         parts.append("models " + ",".join(limits["models"]))
     return ", ".join(parts) or "unlimited"
@@ -119,8 +131,8 @@ def _tenants_table(tenants: list[dict], now: datetime, wide: bool):
     rows = []
     for t in tenants:
         lim = t["limits"]
-        row = [t["name"], lim.get("rpm") or "-", lim.get("tpm") or "-", lim.get("tokens_per_day") or "-",
-               lim.get("tokens_per_month") or "-", ",".join(lim["models"]) if lim.get("models") else "*",
+        row = [t["name"], *(limit_number(lim.get(f)) for f in ("rpm", "tpm", "tokens_per_day", "tokens_per_month")),
+               ",".join(lim["models"]) if lim.get("models") else "*",
                t["keys"], age(t["created_at"], now)]
         if wide:
             row += [t["created_at"], t["updated_at"]]

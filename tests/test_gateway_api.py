@@ -541,6 +541,13 @@ async def test_unknown_fields_pass_through_and_aliases_resolve(gw, engines):
     received = out["received"]
     assert received["model"] == "echo"  # the alias is rewritten to the model's name ...
     assert received["extra_body_field"] == {"nested": [1, "two"]} and received["seed"] == 7  # ... nothing dropped
+    async with aiohttp.ClientSession() as s:  # /v1/models names the alias, and when the model was applied
+        async with s.get(gw.gateway + "/v1/models") as r:
+            listed = {m["id"]: m for m in (await r.json())["data"]}
+        async with s.get(gw.gateway + "/v1/models/echo-alias") as r:
+            one = await r.json()
+    assert listed["echo"]["llmgw"]["aliases"] == ["echo-alias"] and one["id"] == "echo" and one == listed["echo"]
+    assert 0 < time.time() - listed["echo"]["created"] < 3600, listed["echo"]  # Unix seconds of its first apply
 
 
 async def test_fallback_serves_while_the_model_has_no_replica(gw):

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmgw.config import Settings
+from llmgw.db import status_repo
 from llmgw.gateway import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
@@ -46,16 +47,19 @@ STATIC = Path(__file__).parent / "static"
 ACCOUNT = "llmgw.account"  # the scope key that carries an accounted key's Account to the FastAPI routes
 
 
-def model_object(m: Model, cond: ModelCondition | None = None) -> dict:
+def model_object(m: Model, cond: ModelCondition | None = None, created: int = 0) -> dict:
     """A model as /v1/models lists it; `owned_by: llmgw-sim` when every profile is simulated (seeds 003).
     `llmgw` (an extension OpenAI clients ignore) carries its status for the chat page and for clients that
     want to know before asking: `status` (ready, loading, on demand, failing, ...), `reason`, and while
     failing `restarts`, `retry_in_s` and `on_request` (its next start waits for a request;
-    placement/model_status.py). The reason names no URL, path or address of the fleet (`for_client`)."""
-    out: dict = {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
+    placement/model_status.py). The reason names no URL, path or address of the fleet (`for_client`).
+    `created`: when the model was first applied (Unix seconds, OpenAI's field); `llmgw.aliases`: the other
+    names a request may use for it."""
+    out: dict = {"id": m.name, "object": "model", "created": created,
+                 "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
     if cond is not None:
         out["llmgw"] = {"status": cond.status.value, "reason": for_client(cond.reason), "restarts": cond.restarts,
-                        "retry_in_s": cond.retry_in_s, "on_request": cond.on_request}
+                        "retry_in_s": cond.retry_in_s, "on_request": cond.on_request, "aliases": list(m.aliases)}
     return out
 
 
@@ -154,12 +158,20 @@ def create_gateway_app(gw: Gateway):
             log.exception("reading model statuses failed")
             return {}
 
+    async def created() -> dict[str, int]:
+        try:
+            async with gw.engine.connect() as conn:
+                return {n: int(t.timestamp()) for n, t in (await status_repo.catalog_created(conn)).items()}
+        except Exception:  # noqa: BLE001 - the list without its times is still the list
+            log.exception("reading when the models were applied failed")
+            return {}
+
     @api.get("/v1/models")
     async def list_models(request: Request):
         account = request.scope.get(ACCOUNT)
         models = [m for m in gw.routes.catalog.models if account is None or account.refusing(m) is None]
-        conds = await conditions()
-        return {"object": "list", "data": [model_object(m, conds.get(m.name)) for m in models]}
+        conds, times = await asyncio.gather(conditions(), created())
+        return {"object": "list", "data": [model_object(m, conds.get(m.name), times.get(m.name, 0)) for m in models]}
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
@@ -171,7 +183,8 @@ def create_gateway_app(gw: Gateway):
         refusing = account.refusing(route.model) if account is not None else None
         if refusing is not None:
             raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])
-        return model_object(route.model, (await conditions([route.model.name])).get(route.model.name))
+        conds, times = await asyncio.gather(conditions([route.model.name]), created())
+        return model_object(route.model, conds.get(route.model.name), times.get(route.model.name, 0))
 
     @api.get("/healthz")
     async def health():

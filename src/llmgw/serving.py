@@ -9,8 +9,8 @@ connections or stall the event loop (docs/security.md, "Listeners"):
 - a **body deadline**: the body must arrive within `body_timeout_s` of the headers; else 408 and close;
 - a **header size cap**: at most `max_header_bytes` of request line and headers, counted over the reads
   they arrive in (httptools joins a header's pieces from one read to the next, which is quadratic: the
-  cap stops it after `max_header_bytes` plus one read), and counted whole when they arrive in one read;
-  else 431 and close;
+  cap stops it after `max_header_bytes` plus one read), and measured whole once they have all arrived,
+  however many reads that took; else 431 and close;
 - a **body size cap**: a `Content-Length` above `max_body_bytes` is refused before the body is read, and a
   chunked body is cut off as soon as it passes it; 413 in the OpenAI error envelope;
 - a **send deadline**: a client that reads nothing of its answer for `send_timeout_s` is dropped, which
@@ -167,7 +167,9 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         self._in_head = False
         self._cancel()
-        if self._fresh_head and self._head_size() > self.limits.max_header_bytes:  # a head whole in one read
+        # Every whole head is measured here, before the app runs: the reads' count above misses the read a
+        # head began in and the one it ended in (a head of twice the cap in two reads was served).
+        if self._head_size() > self.limits.max_header_bytes:
             self._refuse(HEADERS_431, linger=True)
             return
         length = self._content_length()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -172,6 +174,21 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     third = cp.ctl("keys", "create", "--name", "ci")  # the revoked one is no namesake; the second still is
     assert "1 other active key(s)" in third.stderr and old not in third.stderr, third.stderr
     assert "also named" not in cp.ctl("keys", "create", "--name", "cd").stderr
+
+    # --watch stops on SIGINT even when its parent handed SIGINT down ignored (a script's background job).
+    watcher = subprocess.Popen([sys.executable, "-m", "llmgw", "ctl", "replicas", "--watch", "--interval", "0.2"],
+                               env=cp.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 30
+        while "REPLICA" not in (watcher.stdout.readline() if watcher.poll() is None else "REPLICA"):
+            assert time.monotonic() < deadline, "the watch printed no table"
+        watcher.send_signal(signal.SIGINT)
+        _, err = watcher.communicate(timeout=10)
+        assert watcher.returncode == 0 and "Traceback" not in err, err
+    finally:
+        watcher.kill()
+        watcher.wait()
 
 
 @pytest.mark.parametrize("args, says", [

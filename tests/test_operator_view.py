@@ -177,7 +177,11 @@ def test_a_model_that_dies_at_start_shows_its_cause_everywhere(control_plane, tm
         time.sleep(1.5)
     finally:
         watcher.send_signal(signal.SIGINT)
-        stdout, stderr = watcher.communicate(timeout=15)
+        try:
+            stdout, stderr = watcher.communicate(timeout=15)
+        finally:  # a watch that did not stop is not left running
+            watcher.kill()
+            watcher.wait()
     assert watcher.returncode == 0 and "Traceback" not in stderr, stderr
     assert again[0]["id"][:8] in stdout and stdout.count("REPLICA") >= 2  # printed again as it changed
     assert model_view(cp, "m")["restarts"] == 1  # counted afresh from the retry

@@ -5,6 +5,7 @@ prints the listing again whenever it changes until Ctrl-C."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from datetime import datetime
@@ -93,6 +94,10 @@ def show(fetch: Callable[[], tuple[Any, datetime]], render: Callable[[Any, datet
     `empty` goes to stderr when a table has no rows (so a listing never prints nothing at all).
     With `watch`, fetch again every `interval_s` and print whenever the output changed."""
     out = console()
+    if watch:
+        # Ctrl-C or `kill -INT` stops it even when started in the background of a script, whose shell hands
+        # SIGINT down ignored (Python keeps an ignored SIGINT ignored: the watch could not be stopped).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if watch and fmt in (Output.table, Output.wide) and out.is_terminal:
         return _live(fetch, render, fmt == Output.wide, interval_s, out)
     last = None

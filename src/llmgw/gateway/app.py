@@ -23,7 +23,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmgw.config import Settings
-from llmgw.db import status_repo
 from llmgw.gateway import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
@@ -151,26 +150,20 @@ def create_gateway_app(gw: Gateway):
         log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         return json_error(errors.internal())
 
-    async def conditions(names: list[str] | None = None) -> dict[str, ModelCondition]:
+    async def listing(names: list[str] | None = None) -> tuple[dict[str, ModelCondition], dict[str, int]]:
+        """Each model's condition, and when it was first applied (Unix seconds)."""
         try:
-            return await gw.demand.status.conditions(gw.routes.catalog, names)
+            conds, created = await gw.demand.status.listing(gw.routes.catalog, names)
+            return conds, {n: int(t.timestamp()) for n, t in created.items()}
         except Exception:  # noqa: BLE001 - the list without statuses is still the list
             log.exception("reading model statuses failed")
-            return {}
-
-    async def created() -> dict[str, int]:
-        try:
-            async with gw.engine.connect() as conn:
-                return {n: int(t.timestamp()) for n, t in (await status_repo.catalog_created(conn)).items()}
-        except Exception:  # noqa: BLE001 - the list without its times is still the list
-            log.exception("reading when the models were applied failed")
-            return {}
+            return {}, {}
 
     @api.get("/v1/models")
     async def list_models(request: Request):
         account = request.scope.get(ACCOUNT)
         models = [m for m in gw.routes.catalog.models if account is None or account.refusing(m) is None]
-        conds, times = await asyncio.gather(conditions(), created())
+        conds, times = await listing()
         return {"object": "list", "data": [model_object(m, conds.get(m.name), times.get(m.name, 0)) for m in models]}
 
     @api.get("/v1/models/{model_id:path}")
@@ -183,7 +176,7 @@ def create_gateway_app(gw: Gateway):
         refusing = account.refusing(route.model) if account is not None else None
         if refusing is not None:
             raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])
-        conds, times = await asyncio.gather(conditions([route.model.name]), created())
+        conds, times = await listing([route.model.name])
         return model_object(route.model, conds.get(route.model.name), times.get(route.model.name, 0))
 
     @api.get("/healthz")

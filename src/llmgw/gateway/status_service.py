@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from urllib.parse import quote
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -34,6 +34,12 @@ def not_found(what: str, param: str) -> APIError:
     return APIError(404, what, param=param, code="not_found")
 
 
+def _conditions(catalog: Catalog, names: list[str] | None, facts: dict[str, ModelFacts], now: datetime
+                ) -> dict[str, ModelCondition]:
+    models = [m for m in catalog.models if names is None or m.name in names]
+    return {m.name: model_condition(m, facts.get(m.name, ModelFacts()), now) for m in models}
+
+
 class StatusService:
     """Bound to the database and (for logs, retries and links) the Temporal client and its UI."""
 
@@ -49,8 +55,15 @@ class StatusService:
         """Model name -> its condition now, for the catalog's models (or those in `names`)."""
         async with self.engine.connect() as conn:
             now, facts = await status_repo.model_facts(conn, names)
-        models = [m for m in catalog.models if names is None or m.name in names]
-        return {m.name: model_condition(m, facts.get(m.name, ModelFacts()), now) for m in models}
+        return _conditions(catalog, names, facts, now)
+
+    async def listing(self, catalog: Catalog, names: list[str] | None = None
+                      ) -> tuple[dict[str, ModelCondition], dict[str, datetime]]:
+        """`conditions`, and when each model was first applied, in one connection (`/v1/models`)."""
+        async with self.engine.connect() as conn:
+            now, facts = await status_repo.model_facts(conn, names)
+            created = await status_repo.catalog_created(conn)
+        return _conditions(catalog, names, facts, now), created
 
     async def models(self) -> list[ModelView]:
         async with self.engine.connect() as conn:

@@ -34,3 +34,10 @@ def test_taken_port_is_named_with_the_setting_that_moves_it():
         assert "stopping" not in r.stdout + r.stderr and "stopped." not in r.stdout + r.stderr  # so nothing stops
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_free_port_never_hands_out_one_port_twice():
+    """Nine ports picked at once for `llmgw dev` (none bound yet) once held the same one twice, and the
+    agent's metrics server could not bind. 2000 picks of 12000 would repeat about 160 times by chance."""
+    picked = [free_port() for _ in range(2000)]
+    assert len(set(picked)) == len(picked)

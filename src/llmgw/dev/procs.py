@@ -12,19 +12,29 @@ from pathlib import Path
 import psutil
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port has returned in this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, picked below Linux's ephemeral range (32768-60999), so that the
-    outgoing connections every test makes cannot take it between this check and the server's bind."""
+    outgoing connections every test makes cannot take it between this check and the server's bind. A port
+    is not handed out twice by one process: a caller picking several before it binds any would otherwise
+    get the same one twice now and then (seen in CI: the node's metrics port was Temporal UI's)."""
     import random
 
+    if len(_HANDED_OUT) > 6000:  # half the range: the oldest picks have long been bound or let go
+        _HANDED_OUT.clear()
     for _ in range(200):
         port = random.randint(20000, 32000)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
-                return port
             except OSError:
                 continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:  # the low range is crowded: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]

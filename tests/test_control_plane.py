@@ -87,5 +87,10 @@ def test_bad_catalog_is_refused_with_the_field_named(control_plane):
     msg = r.json()["error"]["message"]
     assert "args: --trust_remote_code is not an allowed vllm flag (vllm reads '--trust_remote_code' as " \
            "--trust-remote-code)" in msg and "Allowed vllm flags: " in msg and "--max-model-len" in msg
+    # A source is the engine's own argument: one that begins with '-' would be read as a flag by vLLM.
+    r = cp.apply({"models": [{"name": "m", "profiles": [{"engine": "vllm", "source": "--trust-remote-code",
+                                                         "args": ["--enforce-eager", "evil/x"]}]}]})
+    assert r.status_code == 400
+    assert "source '--trust-remote-code' is not a model id" in r.json()["error"]["message"]
     # Nothing was applied half-way.
     assert httpx.get(cp.admin + "/admin/v1/catalog").json().get("models", []) == []

@@ -15,7 +15,7 @@ import yaml
 
 from llmgw.catalog import CatalogError, read_catalog
 from llmgw.catalog.policy import LLAMACPP_FLAGS, RULES, PolicyError, check_args, check_env
-from llmgw.engines.base import ShardSpec
+from llmgw.engines.base import EngineError, ShardSpec
 from llmgw.engines.llamacpp import LlamaCppAdapter, find_llama_server
 from llmgw.engines.sglang import SglangAdapter
 from llmgw.engines.sim import SimAdapter
@@ -98,6 +98,26 @@ def test_env_outside_the_engines_allowlist_is_refused_at_apply(engine, env, says
     with pytest.raises(PolicyError, match=re.escape(says)):
         check_env(env, engine)
     assert says in refused({"engine": engine, **source(engine), "env": env})
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp"])
+@pytest.mark.parametrize("src", ["--trust-remote-code", "-m", "org/m --trust-remote-code", "org/-m", "org/m/x",
+                                 "ｏrg/m", "org/m\n", "-"])
+def test_a_source_the_engine_would_read_as_a_flag_or_not_a_model_is_refused_at_apply(engine, src):
+    # vLLM takes the model as its positional argument: a source of `--trust-remote-code` with args
+    # `--enforce-eager evil/x` would reach `vllm serve --trust-remote-code --enforce-eager evil/x`.
+    msg = refused({"engine": engine, "source": src, "args": ["--enforce-eager", "evil/x"] if engine == "vllm" else []})
+    assert f"profiles[0] (default).source: source {src!r}" in msg and "write a hub model id such as" in msg, msg
+    assert msg.count("source " + repr(src)) == 1  # said once, in the catalog's words
+
+
+@pytest.mark.parametrize("adapter", [VllmAdapter("vllm", "ray"), SglangAdapter("python"), LlamaCppAdapter("/bin/true")],
+                         ids=lambda a: a.name)
+def test_an_adapter_never_passes_weights_that_begin_with_a_dash(adapter):
+    # A profile built in code, not through the catalog or the node's checks: the adapter is the last gate.
+    p = Profile(engine=adapter.name, source="--trust-remote-code")
+    with pytest.raises(EngineError, match="begin with '-', which the engine would read as a flag"):
+        adapter.build(_spec(p))
 
 
 def test_tuning_that_the_engines_parse_the_same_way_passes():

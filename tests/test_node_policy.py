@@ -23,12 +23,15 @@ from tests.helpers import wait_until
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("profile", [
-    Profile(engine="sim", env={"LD_PRELOAD": "/tmp/evil.so"}),
-    Profile(engine="sim", args=["--hos", "0.0.0.0"]),  # argparse would read it as --host
-    Profile(engine="sim", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
-], ids=["LD_PRELOAD", "--hos", "CUDA_VISIBLE_DEVICES"])
-def test_node_refuses_a_profile_the_catalog_would_have_refused(control_plane, temporal, namespace, profile):
+@pytest.mark.parametrize("profile, says", [
+    (Profile(engine="sim", env={"LD_PRELOAD": "/tmp/evil.so"}), "refused on node n1"),
+    (Profile(engine="sim", args=["--hos", "0.0.0.0"]), "refused on node n1"),  # argparse would read it as --host
+    (Profile(engine="sim", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}), "refused on node n1"),
+    # vLLM's positional model: `vllm serve --trust-remote-code --enforce-eager evil/x` turns the flag on.
+    (Profile(engine="vllm", source="--trust-remote-code", args=["--enforce-eager", "evil/x"]),
+     "source '--trust-remote-code' is not a model id"),
+], ids=["LD_PRELOAD", "--hos", "CUDA_VISIBLE_DEVICES", "source-as-flag"])
+def test_node_refuses_a_profile_the_catalog_would_have_refused(control_plane, temporal, namespace, profile, says):
     cp = control_plane.start()
     agent = cp.agent("n1")  # no GPUs: the catalog's own profile for m needs one, so nothing else is placed
     wait_until(lambda: "registered node n1" in agent.log(), timeout_s=30, what="agent registered")
@@ -56,6 +59,6 @@ def test_node_refuses_a_profile_the_catalog_would_have_refused(control_plane, te
     while cause is not None:
         messages.append(str(cause))
         cause = cause.__cause__
-    assert any("refused on node n1" in m for m in messages), messages
+    assert any(says in m for m in messages), messages
     assert not list((cp.state / "shards" / "n1").glob("*.json"))  # nothing was launched
     assert "launched shard" not in agent.log()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from llmgw.catalog.flag_values import value_kind, value_problem
 from llmgw.schemas.catalog import Profile
 from llmgw.spelling import closest
+from llmgw.weights.naming import SourceError, parse_source
 
 
 class PolicyError(ValueError):
@@ -338,7 +339,15 @@ def check_env(env: dict[str, str], engine: str) -> None:
         raise PolicyError(f"env: {name} is not allowed for {engine}; allowed: {', '.join(sorted(allowed))}")
 
 
-def check_profile(profile: Profile) -> None:
-    """Check one profile's env and args against its engine's rules. Raises `PolicyError`."""
+def check_profile(profile: Profile, source: bool = True) -> None:
+    """Check one profile's env, args and (unless `source=False`: the catalog checks it with its own words)
+    source against its engine's rules. Raises `PolicyError`. The source goes to the engine as an argument
+    of its own, so one that is not a model id, URL or path (`--trust-remote-code`) is refused on the node too."""
     check_env(profile.env, profile.engine)
     check_args(profile.args, profile.engine)
+    if not source:
+        return
+    try:
+        parse_source(profile.source)
+    except SourceError as exc:
+        raise PolicyError(f"source: {exc}") from None

@@ -67,6 +67,17 @@ class EngineError(ValueError):
     """The profile cannot be launched on this node (missing binary, missing weights, ...)."""
 
 
+def weights_argument(spec: ShardSpec, needs: str) -> str:
+    """`spec.weights_path` as the engine's model argument: present, and never one that the engine's parser would
+    read as a flag (a source is checked when the catalog is applied and on the node; this is the last gate)."""
+    if not spec.weights_path:
+        raise EngineError(f"profile for {spec.model} has no source; {needs}")
+    if spec.weights_path.startswith("-"):
+        raise EngineError(f"profile for {spec.model}: its weights {spec.weights_path!r} begin with '-', which the "
+                          "engine would read as a flag; write a model id, a URL or a path as its source")
+    return spec.weights_path
+
+
 def new_api_key() -> str:
     """A fresh engine key: 256 random bits, URL-safe (43 characters)."""
     return secrets.token_urlsafe(32)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import aiohttp
 
-from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env
+from llmgw.engines.base import (
+    EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
+)
 from llmgw.weights.manifest import SPLIT_GGUF
 
 
@@ -77,9 +79,8 @@ class LlamaCppAdapter(EngineAdapter):
     def build(self, spec: ShardSpec) -> LaunchPlan:
         if not self.binary:
             raise EngineError("llama-server is not installed on this node; set LLMGW_LLAMA_SERVER to its path")
-        if not spec.weights_path:
-            raise EngineError(f"profile for {spec.model} has no source; llama-server needs a GGUF file")
-        argv = [self.binary, *spec.profile.args, "--model", gguf_entry(spec.weights_path), "--host", spec.host,
+        model = weights_argument(spec, "llama-server needs a GGUF file")
+        argv = [self.binary, *spec.profile.args, "--model", gguf_entry(model), "--host", spec.host,
                 "--port", str(spec.port), "--alias", spec.model, "--no-webui"]
         if spec.gpus:
             argv += ["--n-gpu-layers", "999"]

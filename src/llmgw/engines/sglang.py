@@ -22,7 +22,9 @@ import sys
 
 import aiohttp
 
-from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env
+from llmgw.engines.base import (
+    EngineAdapter, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
+)
 from llmgw.engines.metrics_text import scrape_gauge
 
 
@@ -46,10 +48,9 @@ class SglangAdapter(EngineAdapter):
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         p = spec.profile
-        if not spec.weights_path:
-            raise EngineError(f"profile for {spec.model} has no source; SGLang needs a model id or a weights directory")
+        model = weights_argument(spec, "SGLang needs a model id or a weights directory")
         # The worker's flags come after the profile's: argparse takes the last occurrence.
-        argv = [self.python, "-m", "sglang.launch_server", *p.args, "--model-path", spec.weights_path,
+        argv = [self.python, "-m", "sglang.launch_server", *p.args, "--model-path", model,
                 "--served-model-name", spec.model, "--tp", str(p.tp), "--pp-size", str(p.pp), "--enable-metrics"]
         rz = spec.rendezvous
         if rz is not None:

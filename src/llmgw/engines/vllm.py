@@ -30,7 +30,9 @@ import sys
 
 import aiohttp
 
-from llmgw.engines.base import EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env
+from llmgw.engines.base import (
+    EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
+)
 from llmgw.engines.metrics_text import scrape_gauge
 
 
@@ -46,10 +48,9 @@ class VllmAdapter(EngineAdapter):
 
     def serve_argv(self, spec: ShardSpec, multi_node: bool) -> list[str]:
         p = spec.profile
-        if not spec.weights_path:
-            raise EngineError(f"profile for {spec.model} has no source; vLLM needs a model id or a weights directory")
+        model = weights_argument(spec, "vLLM needs a model id or a weights directory")
         # The model is vLLM's positional argument; the worker's flags come after the profile's, so they win.
-        argv = [self.vllm or "vllm", "serve", spec.weights_path, *p.args, "--host", spec.host, "--port", str(spec.port),
+        argv = [self.vllm or "vllm", "serve", model, *p.args, "--host", spec.host, "--port", str(spec.port),
                 "--served-model-name", spec.model, "--tensor-parallel-size", str(p.tp),
                 "--pipeline-parallel-size", str(p.pp)]
         if multi_node:

@@ -87,7 +87,25 @@ def parse_source(source: str | None, mirror_url: str | None = None) -> Source:
         return Source("path", source)
     if "://" in source:
         raise SourceError(f"source {source!r}: only http(s):// and mirror: URLs can be fetched")
-    return Source("model_id", source)
+    return Source("model_id", check_model_id(source))
+
+
+# A hub model id as Hugging Face spells one: `name` or `org/name`, each part letters, digits, '.', '_' and
+# '-', beginning and ending with a letter or digit, at most 96 characters. The id goes to the engine as an
+# argument of its own (vLLM's positional model), so one that began with '-' would be read as a flag:
+# `--trust-remote-code` as a source, with the profile's next argument taken for the model, would turn on
+# what the engine policy refuses.
+MODEL_ID_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+
+
+def check_model_id(source: str) -> str:
+    """`source` if it is a hub model id (`Qwen/Qwen2.5-7B-Instruct`); else `SourceError` saying what to write."""
+    parts = source.split("/")
+    if len(parts) <= 2 and all(MODEL_ID_PART.fullmatch(p) and ".." not in p and "--" not in p for p in parts):
+        return source
+    raise SourceError(f"source {source!r} is not a model id, a URL or a path: write a hub model id such as "
+                      "Qwen/Qwen2.5-7B-Instruct (letters, digits, '.', '_' and '-', beginning and ending with a "
+                      "letter or digit), mirror:NAME, an http(s) URL, or a path beginning with '/' or './'")
 
 
 def cache_name_for(source: str) -> str:

@@ -4,6 +4,7 @@ its worker (workers/fences.py). Node activities run as Temporal runs them (`Acti
 
 from __future__ import annotations
 
+import psutil
 import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -65,6 +66,23 @@ async def test_a_stopped_replica_is_refused_even_after_the_worker_restarts(tmp_p
     assert acts.agent.fences.get("rep2") == FENCE_ALL
     with pytest.raises(ApplicationError):
         await env.run(acts.launch_shard, launch("rep2", generation=1))
+
+
+async def test_a_fence_that_cannot_be_written_does_not_keep_the_engine_running(tmp_path):
+    """A full disk, or anything else that stops the fence file being written: the stop still stops the
+    engine (the stop workflow settles the replica either way, and its GPUs count as free), then fails so
+    that its retry records the fence."""
+    env = ActivityEnvironment()
+    acts = NodeActivities(agent(tmp_path))
+    res = await env.run(acts.launch_shard, launch("rep3", generation=1))
+    (acts.agent.fences.dir / "rep3").mkdir()  # the fence's file cannot be replaced: os.replace fails
+    with pytest.raises(ApplicationError) as exc:
+        await env.run(acts.stop_shard, StopShardInput(shard_id="rep3-r0", replica_id="rep3", generation=2))
+    assert exc.value.type == "FenceNotRecorded" and "stopped shard rep3-r0, but could not record" in str(exc.value)
+    assert not psutil.pid_exists(res.pid) or psutil.Process(res.pid).status() == psutil.STATUS_ZOMBIE
+    (acts.agent.fences.dir / "rep3").rmdir()
+    again = await env.run(acts.stop_shard, StopShardInput(shard_id="rep3-r0", replica_id="rep3", generation=2))
+    assert not again.was_running and acts.agent.fences.get("rep3") == 2  # the retry records it
 
 
 def test_fences_never_go_down_and_are_pruned_when_old(tmp_path):

@@ -116,3 +116,25 @@ def test_a_heartbeat_that_no_longer_lists_a_shard_fails_its_replica(control_plan
         assert r.status_code == 200
     old = next(x for x in cp.replicas() if x["id"] == rep["id"])
     assert old["status"] == "failed" and "node n1 no longer runs shard" in old["failure"]
+
+
+def test_a_shard_still_running_after_its_replica_ended_is_stopped_at_the_next_heartbeat(control_plane, database_url):
+    """A stop that never reached the node (its worker cut off from Temporal while its heartbeats still
+    arrive, or `stop_shard` failing there) is settled anyway, and the GPUs count as free: the engine must not
+    run on beside whatever is placed next. The node's next heartbeat lists the shard; the answer names it,
+    and the agent fences the replica and stops the engine."""
+    cp = control_plane.start()
+    agent = cp.agent("n1")
+    assert cp.apply(ONE).status_code == 200
+    [rep] = cp.wait_replicas("one", timeout_s=60)
+    pid = cp.shard_pid("n1", f"{rep['id']}-r0")
+    # The end state such a stop leaves: the replica stopped and settled (every shard "asked to stop", so its
+    # GPUs count as free and no cleanup pass will ask again), its engine running on the node.
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE replicas SET status = 'stopped', settled_at = now() WHERE id = %s", (rep["id"],))
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+               timeout_s=15, what="the engine of the ended replica stopped", why=cp.logs)
+    assert f"still runs shards {rep['id']}-r0 of ended replicas" in cp.logs()
+    assert f"control plane asks to stop shard {rep['id']}-r0, whose replica has ended" in agent.log()
+    assert (cp.state / "shards" / "n1" / "fences" / rep["id"]).exists()  # no later launch of it either
+    assert agent.alive()

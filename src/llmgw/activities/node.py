@@ -306,13 +306,26 @@ class NodeActivities:
 
     @activity.defn(name="stop_shard")
     async def stop_shard(self, inp: StopShardInput) -> StopShardResult:
-        """Fence the replica (on disk), then stop the shard's process group (SIGTERM, SIGKILL after `grace_s`)."""
-        self.agent.fences.record(inp.replica_id or replica_of(inp.shard_id), inp.generation)
+        """Fence the replica (on disk), then stop the shard's process group (SIGTERM, SIGKILL after `grace_s`).
+        A fence that cannot be written (a full disk) does not keep the engine running: the stop goes on, and
+        the activity then fails so that its retry records the fence (the stop workflow settles the replica
+        either way, and the GPUs count as free)."""
+        replica_id = inp.replica_id or replica_of(inp.shard_id)
+        try:
+            self.agent.fences.record(replica_id, inp.generation)
+            unfenced = None
+        except OSError as exc:
+            unfenced = exc
+            log.error("could not record the fence of replica %s (%s); stopping shard %s anyway", replica_id, exc,
+                      inp.shard_id)
         watch = self._watches.pop(inp.shard_id, None)
         if watch is not None:
             watch.cancel()
         was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
         await self.agent.report_stopped(inp.shard_id)
+        if unfenced is not None:
+            raise ApplicationError(f"stopped shard {inp.shard_id}, but could not record replica {replica_id}'s fence "
+                                   f"on node {self.agent.node_id}: {unfenced}", type="FenceNotRecorded")
         return StopShardResult(shard_id=inp.shard_id, was_running=was, exit_code=code)
 
     @activity.defn(name="read_shard_log")

@@ -158,11 +158,19 @@ class FleetService:
 
     async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatResponse:
         gone: list[str] = []
+        stop: list[str] = []
         async with self.engine.begin() as conn:
             known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory)
             if known:
                 await fleet_repo.set_progress(conn, req.node_id, req.downloads)
                 listed = {s.shard_id for s in req.shards}
+                # A shard the node still runs whose replica has ended: its stop did not reach the node, or
+                # failed there, and was settled anyway (the GPUs count as free). The node stops it now,
+                # rather than only at its next registration.
+                running = [s.shard_id for s in req.shards if s.state != "failed"]
+                for sid, row in (await fleet_repo.known_shards(conn, running)).items() if running else ():
+                    if row.node_id == req.node_id and row.replica_status in ENDED_STATUSES:
+                        stop.append(sid)
                 for row in await fleet_repo.shards_on_node(conn, req.node_id):
                     if row["id"] in listed or not launched(row):
                         continue
@@ -174,7 +182,10 @@ class FleetService:
         if gone:
             log.warning("node %s no longer runs replicas %s; marked failed", req.node_id, ", ".join(gone))
             await self.temporal.wake(f"node {req.node_id} no longer runs {', '.join(gone)}")
-        return HeartbeatResponse(ok=known, reregister=not known)
+        if stop:
+            log.warning("node %s still runs shards %s of ended replicas; asking it to stop them", req.node_id,
+                        ", ".join(sorted(stop)))
+        return HeartbeatResponse(ok=known, reregister=not known, stop=sorted(stop) or None)
 
     async def leave(self, req: LeaveRequest) -> LeaveResponse:
         """The node's agent is leaving and stops its engines on the way out: the node is Unreachable from

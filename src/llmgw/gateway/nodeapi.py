@@ -71,7 +71,8 @@ def create_node_api(fleet: FleetService, require_identity: bool):
         check_identity(request, req.node_id, require_identity)
         return await fleet.register(req, node_addresses(request))
 
-    @app.post("/node/v1/heartbeat", response_model=HeartbeatResponse)
+    # `stop` is left out when None: a node from before it reads every answer that stops nothing.
+    @app.post("/node/v1/heartbeat", response_model=HeartbeatResponse, response_model_exclude_none=True)
     async def heartbeat(req: HeartbeatRequest, request: Request) -> HeartbeatResponse:
         check_identity(request, req.node_id, require_identity)
         return await fleet.heartbeat(req)

@@ -15,6 +15,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _NodeReads(BaseModel):
+    """An answer the node worker reads from the node API. A control plane is upgraded before its nodes, and
+    a newer one may add fields: an older node ignores them rather than failing every registration or beat."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
 class RegisterRequest(_Strict):
     """Sent by a node worker on every start and reconnect, with every shard it runs (possibly none)."""
 
@@ -24,7 +31,7 @@ class RegisterRequest(_Strict):
     shards: list[ShardReport] = Field(default_factory=list)
 
 
-class RegisterResponse(_Strict):
+class RegisterResponse(_NodeReads):
     node_id: str
     adopted: list[str] = Field(default_factory=list)
     stop: list[str] = Field(default_factory=list)  # shard ids the node must stop
@@ -40,9 +47,12 @@ class HeartbeatRequest(_Strict):
     downloads: list[DownloadProgress] = Field(default_factory=list)
 
 
-class HeartbeatResponse(_Strict):
+class HeartbeatResponse(_NodeReads):
     ok: bool = True
     reregister: bool = False  # the control plane does not know this boot: register again
+    # Shards the node lists whose replica has ended (a stop that could not reach the node, or failed on it,
+    # and was settled anyway): the node stops them. None (left out of the answer) when there are none.
+    stop: list[str] | None = None
 
 
 class ShardStatusRequest(_Strict):
@@ -71,12 +81,12 @@ class LeaveRequest(_Strict):
     boot_id: str = Field(max_length=200)
 
 
-class LeaveResponse(_Strict):
+class LeaveResponse(_NodeReads):
     known: bool  # this boot is the node's registered one (else nothing changed)
     lost: list[str] = Field(default_factory=list)  # the replicas marked lost
 
 
-class LaunchCheckResponse(_Strict):
+class LaunchCheckResponse(_NodeReads):
     wanted: bool
     status: str  # the replica's status ("unknown" when the control plane has no such shard)
     generation: int = 0  # its fencing generation, which the node's commands for it carry

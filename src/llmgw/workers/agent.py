@@ -144,17 +144,28 @@ class Agent:
                                         shards=self.shard_reports()))
             return sent[-1]
         resp = RegisterResponse.model_validate(await self._post("/node/v1/register", body))
-        for shard_id in resp.stop:
-            log.warning("control plane asks to stop shard %s, which it cannot identify or no longer wants", shard_id)
-            shard = self.supervisor.get(shard_id)
-            self.fences.record(shard.spec.replica_id if shard else replica_of(shard_id), 0)
-            await self.supervisor.stop(shard_id)
+        await self.stop_unwanted(resp.stop, "which it cannot identify or no longer wants")
         if not self.registered.is_set():
             for note in inv.notes:
                 log.info("inventory: %s", note)
         self.registered.set()
         log.info("registered node %s (%d shard(s) running, engines: %s, GPUs: %d, fabrics: %s)", self.node_id,
                  len(sent[-1].shards), ", ".join(inv.engines), len(inv.gpus), ", ".join(f.name for f in inv.fabrics) or "none")
+
+    async def stop_unwanted(self, shard_ids: list[str], why: str) -> None:
+        """Fence and stop each shard the control plane asks this node to stop (on registration, or a heartbeat
+        naming a shard whose replica has ended). A fence that cannot be written (a full disk) does not keep
+        the engine running: it is stopped all the same, and the launch-check still refuses its replica."""
+        for shard_id in shard_ids:
+            shard = self.supervisor.get(shard_id)
+            replica_id = shard.spec.replica_id if shard else replica_of(shard_id)
+            log.warning("control plane asks to stop shard %s, %s", shard_id, why)
+            try:
+                self.fences.record(replica_id, 0)
+            except OSError as exc:
+                log.error("could not record the fence of replica %s (%s); stopping shard %s anyway", replica_id, exc,
+                          shard_id)
+            await self.supervisor.stop(shard_id)
 
     async def report(self, report: ShardReport, attempts: int = 5) -> None:
         """Send one shard transition; retried briefly, then left to the next registration, which the next
@@ -251,12 +262,19 @@ class Agent:
                     node_id=self.node_id, boot_id=self.boot_id, shards=self.heartbeat_reports(), inventory=inv,
                     downloads=list(self.downloads.values()))))
                 need_register = resp.reregister
+                await self.stop_unwanted(resp.stop or [], "whose replica has ended (its stop did not reach this node)")
                 delay = 1.0
                 await asyncio.sleep(self.settings.heartbeat_interval_s)
             except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
                 # A control-plane restart must not need a touch on every node, and a fleet must not
                 # reconnect in lockstep: jittered backoff, then a fresh registration.
                 log.warning("control plane unreachable at %s (%s); retrying in %.0fs", self.api, exc, delay)
+                need_register = True
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.settings.reconnect_max_s)
+            except Exception as exc:  # noqa: BLE001 - an answer it cannot read, an inventory that failed:
+                # this loop ending would end the agent (and with --stop-engines-on-exit, every engine).
+                log.exception("heartbeat failed (%s: %s); registering again in %.0fs", type(exc).__name__, exc, delay)
                 need_register = True
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.settings.reconnect_max_s)

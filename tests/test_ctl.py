@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,6 +175,18 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     third = cp.ctl("keys", "create", "--name", "ci")  # the revoked one is no namesake; the second still is
     assert "1 other active key(s)" in third.stderr and old not in third.stderr, third.stderr
     assert "also named" not in cp.ctl("keys", "create", "--name", "cd").stderr
+
+    # An argument is one path segment of the admin URL, whatever it holds: a node "named" with a path to
+    # another endpoint names no node (this revoked the key, in the dry run that asks nothing), and a model
+    # "named" `../keys?` is no model; each is one line, never a traceback.
+    victim = cp.ctl("keys", "create", "--name", "victim")
+    victim_id = re.search(r"created key (\S+)", victim.stderr).group(1)
+    for args in (["nodes", "remove", f"../keys/{victim_id}/revoke?"], ["nodes", "remove", ".."],
+                 ["explain", "../keys?"], ["retry", "../../v1/keys"], ["logs", "../../etc/passwd"]):
+        out = cp.ctl(*args)
+        assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1, (args, out)
+    key_view = json.loads(cp.ctl("keys", "list", "-o", "json").stdout)
+    assert not next(k for k in key_view if k["id"] == victim_id)["revoked_at"], key_view
 
     # --watch stops on SIGINT even when its parent handed SIGINT down ignored (a script's background job).
     watcher = subprocess.Popen([sys.executable, "-m", "llmgw", "ctl", "replicas", "--watch", "--interval", "0.2"],

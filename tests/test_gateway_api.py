@@ -324,6 +324,35 @@ async def test_engine_failures_become_envelopes_with_the_right_status(gw):
     assert "Traceback" not in err["message"] and "secret" not in err["message"]
 
 
+async def test_an_engine_s_500s_never_open_the_breaker_for_everyone(gw):
+    """A 500 may be the engine's answer to a malformed request (llama-server's to `tools: "x"`): counting it
+    against the endpoint would let one client switch a model off for every other with a handful of bad
+    requests. Each is the client's 502; none is a 503 "every replica failed recently"."""
+    for _ in range(BREAKER_FAILURES + 2):
+        status, _, out = await post(gw, "/v1/chat/completions", chat("fail500"))
+        assert status == 502 and assert_envelope(out, status)["code"] == "engine_error", out
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.gateway + "/metrics") as r:
+            assert 'llmgw_open_breakers{model="fail500"} 1.0' not in await r.text()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/embeddings", {"model": "echo", "input": "x", "stream": True}, "stream"),
+    ("/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": "x"}], "tools": "x"}, "tools"),
+    ("/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0]"),
+    ("/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": {"text": "x"}}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": "echo", "messages": [{"role": "assistant", "tool_calls": "x"}]},
+     "messages[0].tool_calls"),
+])
+async def test_shapes_engines_answer_500_to_are_400_naming_the_field(gw, path, body, param):
+    status, _, out = await post(gw, path, body)
+    err = assert_envelope(out, status)
+    assert status == 400 and err["param"] == param, out
+
+
 async def test_engine_text_reaches_the_log_escaped_and_without_url_secrets(gw):
     """An engine's 500 body (logged, never sent to the client) cannot forge log lines or leak a signed
     URL's token: newlines and escape sequences are written as escapes, the query string is redacted."""

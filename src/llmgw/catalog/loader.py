@@ -233,13 +233,34 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
         raise CatalogError(problems)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping: plain YAML keeps the last one, so
+    `name: a` then `name: b` in one model would rename it, and an apply would remove model `a`."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:  # the keys as written (a merge `<<: *x` may be overridden, as YAML says)
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.setdefault((key_node.tag, key_node.value), key_node)
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key_node.value!r} is written twice in one mapping (first on line "
+                    f"{first.start_mark.line + 1}); keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path, text: str | None = None) -> Any:
     """The YAML document in `path` (or `text`, read from it). Raises `CatalogError` naming the file, line
     and column and what is wrong there (`catalog.yaml:3:9: not valid YAML: mapping values are not allowed
     here`), not PyYAML's `in "<unicode string>"`."""
-    text = Path(path).read_text() if text is None else text
     try:
-        return yaml.safe_load(text)
+        text = Path(path).read_text(encoding="utf-8") if text is None else text
+    except UnicodeDecodeError as exc:
+        raise CatalogError([f"{path}: not UTF-8 text (byte {exc.start} cannot be read); save the catalog as "
+                            "UTF-8"]) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

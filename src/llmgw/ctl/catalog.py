@@ -28,17 +28,14 @@ def apply(
 
     Asks first unless --yes. The file replaces the whole catalog.
     """
-    from llmgw.catalog.loader import CatalogError, load_catalog, read_yaml
+    from llmgw.catalog.loader import CatalogError, parse_catalog, read_yaml
 
     if not file.is_file():
         fail(f"error: {file}: no such file; give the catalog YAML with -f", 2)
     try:
-        load_catalog(file)  # refuse locally first, with the same errors the server gives
-    except CatalogError as exc:
-        fail(str(exc), 2)
-    try:
         raw = read_yaml(file)
-    except (OSError, UnicodeDecodeError) as exc:
+        parse_catalog(raw)  # refuse locally first, with the same errors the server gives
+    except OSError as exc:
         fail(f"error: {file}: {exc}", 2)
     except CatalogError as exc:
         fail(str(exc), 2)

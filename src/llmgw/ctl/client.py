@@ -7,12 +7,21 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any, NoReturn
+from urllib.parse import quote
 
 import httpx
 import typer
 
 from llmgw.config import Settings
 from llmgw.security.admin_token import client_token
+
+
+def seg(value: str) -> str:
+    """`value` as one path segment of an admin URL: every '/', '?', '#' and '%' encoded, and a segment of only
+    dots too, so an argument such as `../keys/ID/revoke?` names a thing that does not exist instead of
+    reaching another endpoint (URL normalisation removes dot segments before the request is sent)."""
+    out = quote(value, safe="")
+    return out.replace(".", "%2E") if set(value) <= {"."} else out
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -68,6 +77,9 @@ class Admin:
             fail(f"the admin API at {self.url} did not answer within {self.timeout_s:g}s")
         except httpx.HTTPError as exc:
             fail(f"talking to the admin API at {self.url} failed: {exc}")
+        except httpx.InvalidURL as exc:
+            fail(f"the admin API's address {self.url!r} is not a URL ({exc}); set LLMGW_ADMIN_URL to one such as "
+                 "http://127.0.0.1:8081")
         self._clock(r)
         try:
             body = r.json()

@@ -10,7 +10,7 @@ import typer
 from rich.console import Group
 from rich.text import Text
 
-from llmgw.ctl.client import Admin, confirm, fail
+from llmgw.ctl.client import Admin, confirm, fail, seg
 from llmgw.ctl.output import Output, age, console, dump, interval_option, output_option, seconds, show, table, watch_option
 
 ENDED = ("stopped", "failed", "lost")
@@ -203,7 +203,7 @@ def nodes_remove(
     """Forget NODE now (a decommissioned machine), as happens by itself once it has been Lost for
     LLMGW_NODE_FORGET_AFTER_S. Refused while replicas still run on it, unless --force."""
     admin = Admin()
-    plan = admin.post(f"/admin/v1/nodes/{node_id}/remove", {"force": force, "dry_run": True})
+    plan = admin.post(f"/admin/v1/nodes/{seg(node_id)}/remove", {"force": force, "dry_run": True})
     typer.echo(f"  {plan['node_id']}  {plan['status']}")
     for r in plan["live_replicas"]:
         if r["status"] in ENDED:  # ended, but a shard of it may still run there: not settled yet
@@ -219,7 +219,7 @@ def nodes_remove(
              "mark them lost and rebuild them elsewhere now")
     if not yes and not confirm("remove?"):
         fail("not removed")
-    out = admin.post(f"/admin/v1/nodes/{node_id}/remove", {"force": force})
+    out = admin.post(f"/admin/v1/nodes/{seg(node_id)}/remove", {"force": force})
     lost = f"; {len(out['live_replicas'])} replica(s) on it are lost and rebuilt elsewhere" if out["live_replicas"] else ""
     typer.echo(f"removed {node_id}{lost}")
 
@@ -231,7 +231,7 @@ def explain(model: str = typer.Argument(..., metavar="MODEL", help="A model or a
 
     Every candidate turned down and why, and why each of its replicas is where it is (or why it ended).
     """
-    out = Admin().get(f"/admin/v1/explain/{model}")
+    out = Admin().get(f"/admin/v1/explain/{seg(model)}")
     if output in (Output.json, Output.yaml):
         console().print(dump(out, output).rstrip("\n"), markup=False)
         return
@@ -273,7 +273,7 @@ def logs(
     answer, the output it last reported is shown instead, and says so.
     """
     admin = Admin(timeout_s=60)
-    got = admin.get(f"/admin/v1/replicas/{replica}/logs", rank=rank, offset=-1, limit=limit_bytes)
+    got = admin.get(f"/admin/v1/replicas/{seg(replica)}/logs", rank=rank, offset=-1, limit=limit_bytes)
     if got.get("note"):
         typer.echo(got["note"], err=True)
     elif not got["found"]:
@@ -291,7 +291,7 @@ def logs(
                 typer.echo(f"(the engine of shard {got['shard_id']} is not running)", err=True)
                 return
             time.sleep(1.0)
-            got = admin.get(f"/admin/v1/replicas/{got['replica_id']}/logs", rank=rank, offset=offset, limit=1 << 20)
+            got = admin.get(f"/admin/v1/replicas/{seg(got['replica_id'])}/logs", rank=rank, offset=offset, limit=1 << 20)
             if got["from_node"]:
                 _write(got["data"])
                 offset = got["offset"]
@@ -308,7 +308,7 @@ def _write(text: str) -> None:
 
 def retry(model: str = typer.Argument(..., metavar="MODEL", help="A model or alias")):
     """Start a failing MODEL now: clear its failed starts and backoff (after fixing the cause)."""
-    out = Admin().post(f"/admin/v1/models/{model}/retry")
+    out = Admin().post(f"/admin/v1/models/{seg(model)}/retry")
     if not out["failures"] and not out["backoff_left_s"]:
         typer.echo(f"{out['model']}: no failed starts to clear; the reconciler was asked to look at it again")
         return

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from llmgw.ctl.client import Admin, confirm, fail
+from llmgw.ctl.client import Admin, confirm, fail, seg
 from llmgw.ctl.output import Output, age, output_option, show, table
 from llmgw.ctl.tenants import MODELS, PER_DAY, PER_MONTH, RPM, TPM, changed_limits, limits_body, limits_text
 
@@ -59,7 +59,7 @@ def set_(key_id: str, rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens
          tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
     """Change a key's own limits (on top of its tenant's): only those given (`none` removes one)."""
     body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models)
-    k = Admin().post(f"/admin/v1/keys/{key_id}", {"limits": body})
+    k = Admin().post(f"/admin/v1/keys/{seg(key_id)}", {"limits": body})
     typer.echo(f"key {k['id']}: {limits_text(k['limits'])}")
 
 
@@ -110,5 +110,5 @@ def revoke(key_id: str, yes: bool = typer.Option(False, "--yes", "-y", help="Rev
     typer.echo(f"  {k['id']}  {k['prefix']}...  {k['name'] or '-'}")
     if not yes and not confirm("revoke?"):
         raise typer.Exit(1)
-    admin.post(f"/admin/v1/keys/{key_id}/revoke", {})
+    admin.post(f"/admin/v1/keys/{seg(key_id)}/revoke", {})
     typer.echo("revoked")

@@ -36,7 +36,8 @@ def watch_option() -> Any:
 
 
 def interval_option() -> Any:
-    return typer.Option(2.0, "--interval", metavar="SECONDS", help="Seconds between refreshes with --watch")
+    return typer.Option(2.0, "--interval", metavar="SECONDS", min=0.2, max=3600,
+                        help="Seconds between refreshes with --watch (0.2 to 3600)")
 
 
 def console() -> Console:

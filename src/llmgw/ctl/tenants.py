@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import typer
 
-from llmgw.ctl.client import Admin, fail
+from llmgw.ctl.client import Admin, fail, seg
 from llmgw.ctl.output import Output, age, dump, output_option, show, table
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
@@ -119,7 +119,7 @@ def set_(name: str = typer.Argument(..., help="The tenant"), rpm: Optional[str] 
     """Change a tenant's limits: only those given (`none` removes one). Every gateway applies them within a
     moment."""
     body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models)
-    view = Admin().post(f"/admin/v1/tenants/{name}", {"limits": body})
+    view = Admin().post(f"/admin/v1/tenants/{seg(name)}", {"limits": body})
     typer.echo(f"tenant {view['name']}: {limits_text(view['limits'])}")
     _notes(view)
 

@@ -106,6 +106,15 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
         for i, m in enumerate(value):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise errors.bad_request(f"`messages[{i}]` must be an object with a `role`", param=f"messages[{i}]")
+            content = m.get("content")
+            if not (content is None or isinstance(content, str)):
+                _check_parts(content, i)
+            if "tool_calls" in m and not isinstance(m["tool_calls"], list | None):
+                raise errors.bad_request(f"`messages[{i}].tool_calls` must be a list of tool calls",
+                                         param=f"messages[{i}].tool_calls")
+        if "tools" in req and not isinstance(req["tools"], list | None):
+            raise errors.bad_request("`tools` must be a list of tools ({\"type\": \"function\", \"function\": {...}})",
+                                     param="tools")
     elif value is None:
         raise errors.bad_request(f"`{field}` is required", param=field)
     elif isinstance(value, list) and len(value) > MAX_INPUTS and not all(type(v) is int for v in value):
@@ -113,8 +122,24 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
                                  "send them in batches", param=field)
     if "stream" in req and not isinstance(req["stream"], bool):
         raise errors.bad_request("`stream` must be true or false", param="stream")
+    if field == "input" and req.get("stream") is True:
+        raise errors.bad_request("embeddings are not streamed: leave `stream` out", param="stream")
     _counts(req)
     return req
+
+
+def _check_parts(content: Any, i: int) -> None:
+    """A message's `content` that is not a string: a list of parts, each an object with a string `type`, a
+    text part with a string `text` (what OpenAI's schema says; llama-server answered 500 to the rest)."""
+    where = f"messages[{i}].content"
+    if not isinstance(content, list):
+        raise errors.bad_request(f"`{where}` must be a string or a list of content parts", param=where)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise errors.bad_request(f"`{where}[{j}]` must be an object with a `type` (\"text\", \"image_url\", ...)",
+                                     param=f"{where}[{j}]")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise errors.bad_request(f"`{where}[{j}].text` must be a string", param=f"{where}[{j}].text")
 
 
 def prompt_chars(path: str, req: dict) -> int:

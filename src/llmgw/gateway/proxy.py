@@ -344,7 +344,10 @@ class Proxy:
                     self._done(ep, None)
                     raise
                 resp.release()  # (resets the response for the connection's next use)
-                self._done(ep, status < 500)
+                # Only a gateway failure (502, 503, 504; a refused connection or a timeout above) counts
+                # against the endpoint: a 500 or 501 may be the engine's answer to a malformed request, and
+                # counting it would let any client open the breaker of a model for everyone.
+                self._done(ep, True if status < 500 else None if status in (500, 501) else False)
                 if status not in RETRYABLE:
                     raise err
                 log.warning("%s at %s answered HTTP %d before anything was relayed; trying another",

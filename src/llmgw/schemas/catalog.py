@@ -233,11 +233,16 @@ class Model(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not MODEL_NAME_RE.match(v):
+        if not MODEL_NAME_RE.fullmatch(v):
             raise ValueError(
                 f"model name {v!r} is not allowed: use letters, digits and . _ : / @ + - (up to 128), "
                 "starting with a letter or digit"
             )
+        # A name is a URL path in the admin API and /v1/models/{id}: `x/../y` would be normalised to `y`
+        # by the clients that send it, and `x//y` to something else again.
+        if any(part in ("", ".", "..") for part in v.split("/")):
+            raise ValueError(f"model name {v!r} is not allowed: no part between '/' may be empty, '.' or '..' "
+                             "(write org/model)")
         return v
 
     @model_validator(mode="after")

@@ -144,3 +144,35 @@ def test_a_yaml_error_names_the_file_line_and_column(tmp_path):
         load_catalog(bad)
     [said] = e.value.problems
     assert said.startswith(f"{bad}:4:1: not valid YAML: ") and "<unicode string>" not in said, said
+
+
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
+    # Plain YAML keeps the last: `name: sim-other` under `name: sim-small` renamed the model, and the apply
+    # that followed removed sim-small.
+    from llmgw.catalog.loader import load_catalog, read_yaml
+
+    f = tmp_path / "dup.yaml"
+    f.write_text("models:\n- name: sim-small\n  name: sim-other\n  profiles: [{engine: sim}]\n")
+    with pytest.raises(CatalogError) as e:
+        load_catalog(f)
+    assert f"{f}:3:3: not valid YAML: the key 'name' is written twice in one mapping (first on line 2)" in str(e.value)
+    # A merge key may be overridden, as YAML says, and 1 and "1" are different keys.
+    assert read_yaml(f, text="a: &x {b: 1}\nd: {<<: *x, b: 2}\ne: {1: x, '1': y}\n") == {
+        "a": {"b": 1}, "d": {"b": 2}, "e": {1: "x", "1": "y"}}
+
+
+def test_a_catalog_that_is_not_utf8_is_one_line(tmp_path):
+    from llmgw.catalog.loader import load_catalog
+
+    f = tmp_path / "bin.yaml"
+    f.write_bytes(b"\xff\xfe\x00x")
+    with pytest.raises(CatalogError) as e:
+        load_catalog(f)
+    assert e.value.problems == [f"{f}: not UTF-8 text (byte 0 cannot be read); save the catalog as UTF-8"]
+
+
+@pytest.mark.parametrize("name", ["x/../sim-small", "a//b", "a/", "a/./b", "a\n"])
+def test_a_model_name_that_a_url_would_normalise_is_refused(name):
+    # `ctl explain x/../sim-small` and GET /v1/models/x/../sim-small reached sim-small.
+    with pytest.raises(CatalogError, match="is not allowed"):
+        parse_catalog({"models": [{"name": name, "profiles": [{"engine": "sim"}]}]})

@@ -19,6 +19,15 @@ def test_unplaceable_on_demand_model_says_why(control_plane):
     wait_until(lambda: "registered node n1" in agent.log(), timeout_s=30, what="agent registered")
     assert cp.apply({"models": [{"name": "huge", "scaling": {"min": 0, "max": 1},
                                  "profiles": [{"engine": "sim", "memory_gb": 100000}]}]}).status_code == 200
+    # The first request, streaming, is held while the reconciler looks (200, `: loading` comments); when
+    # the answer is that nothing can take it, its stream ends with the error event and `[DONE]`, as every
+    # stream does.
+    streamed = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
+                          json={"model": "huge", "messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert streamed.status_code == 200 and ": loading huge" in streamed.text, streamed.text
+    events = [ln for ln in streamed.text.splitlines() if ln.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1, streamed.text
+    assert '"code":"model_unplaceable"' in events[-2].replace(" ", ""), streamed.text
     r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
                    json={"model": "huge", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 503 and r.headers["Retry-After"]

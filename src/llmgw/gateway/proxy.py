@@ -47,7 +47,7 @@ from llmgw.gateway.openai_api import (
 )
 from llmgw.gateway.quotas import Account, Meter, Quotas
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
-from llmgw.gateway.sse import SSEFrames, StreamBroken
+from llmgw.gateway.sse import DONE, SSEFrames, StreamBroken
 from llmgw.gateway.tokens import USAGE
 from llmgw.gateway.upstream import ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout
 from llmgw.response_head import EXTENSION as HEAD
@@ -197,8 +197,8 @@ class Proxy:
             if not x.started:
                 await send_error(send, err)
             elif x.held and not x.finished:  # held while loading: the stream ends with the error event
-                x.finished = True
-                await send({"type": "http.response.body", "body": sse_error(err), "more_body": False})
+                x.finished = True  # and `[DONE]`, as every stream does (gateway/sse.py)
+                await send({"type": "http.response.body", "body": sse_error(err) + DONE, "more_body": False})
         except asyncio.CancelledError:
             if not x.gone:
                 raise

@@ -32,11 +32,12 @@ DAY_S = 10.0
 class Sim:
     """A real sim engine process (no token delay), and its own counters."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, tokens_per_second: float = 0):
         self.model = model
         self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(self.port),
-                                      "--model", model, "--tokens-per-second", "0"], start_new_session=True,
+                                      "--model", model, "--tokens-per-second", str(tokens_per_second)],
+                                     start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     @property
@@ -54,10 +55,11 @@ async def plane(tmp_path_factory, module_database_url):
     engines by model, `.fake` the recording engines."""
     fake = await FakeEngines().start()
     sims = {m: Sim(m) for m in ("sim", "sim-b")}
+    slow = Sim("slow", tokens_per_second=20)  # a stream a client can leave before its end
     cp = ControlPlane(tmp_path_factory.mktemp("tenants"), module_database_url, f"127.0.0.1:{free_port()}",
                       LLMGW_ROUTE_REFRESH_S="0.5", LLMGW_TEST_BUDGET_DAY_S=str(DAY_S))
     try:
-        for s in sims.values():
+        for s in (*sims.values(), slow):
             wait_port(s.port, 30, s.proc, f"sim engine {s.model}")
         await asyncio.to_thread(cp.start, worker=False)
         g2, a2 = free_port(), free_port()
@@ -68,6 +70,7 @@ async def plane(tmp_path_factory, module_database_url):
             {"name": "sim", "aliases": ["sim-alias"], "endpoints": [sims["sim"].url]},
             {"name": "sim-b", "endpoints": [sims["sim-b"].url]},
             {"name": "echo", "endpoints": [fake.url("echo")]},
+            {"name": "slow", "endpoints": [slow.url]},
         ]})
         assert r.status_code == 200, r.text
         cp.gw2 = f"http://127.0.0.1:{g2}"  # type: ignore[attr-defined]
@@ -83,7 +86,7 @@ async def plane(tmp_path_factory, module_database_url):
         yield cp
     finally:
         await asyncio.to_thread(cp.stop)
-        for s in sims.values():
+        for s in (*sims.values(), slow):
             stop_process(s.proc)
         await fake.close()
 
@@ -273,6 +276,33 @@ async def test_a_spent_budget_gets_insufficient_quota_until_the_period_turns(pla
         assert abs(int(headers["Retry-After"]) - (month_end - now)) <= 3
 
 
+async def test_leaving_a_stream_before_its_usage_chunk_is_no_way_around_a_budget(plane):
+    """Tokens come from the answer's usage, which a stream sends last: a client that closes the stream
+    before it would be charged nothing, and could stream without end under a budget. Such an answer is
+    charged what was relayed (an event a token, a token for each 4 characters of prompt)."""
+    cp = plane
+    create_tenant(cp, "early", tokens_per_month=8)
+    key = create_key(cp, "early-1", "early")
+    wait_key(cp, key)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(cp.gateway + "/v1/chat/completions", headers=auth(key),
+                          json=chat("slow", max_tokens=200, stream=True)) as r:
+            assert r.status == 200
+            events = 0
+            async for line in r.content:
+                events += line.startswith(b"data:")
+                if events == 12:
+                    break  # and close the connection: the engine is still at token 12 of 200
+        await asyncio.sleep(0.5)  # the gateway sees the client gone and settles
+        async with s.post(cp.gateway + "/v1/chat/completions", json=chat("sim", max_tokens=4), headers=auth(key)) as r:
+            body = await r.json()
+            assert r.status == 429 and body["error"]["code"] == "insufficient_quota", body
+    rows = await asyncio.to_thread(wait_until, lambda: [r for r in usage_rows(cp, "early") if r[1] == "slow" and r[4]],
+                                   timeout_s=5, what="the early stream's usage row")
+    [(_, _, requests, prompt, completion)] = rows
+    assert requests == 1 and prompt >= 1 and 12 <= completion < 200, rows
+
+
 async def test_ctl_usage_matches_the_engines_own_counts(plane):
     cp = plane
     sims = cp.sims
@@ -362,7 +392,7 @@ async def test_a_key_may_use_only_the_models_its_tenant_allows(plane):
     assert [m["id"] for m in listed] == ["sim"]
     assert httpx.get(cp.gateway + "/v1/models/sim-b", headers=auth(key), timeout=10).status_code == 403
     every = httpx.get(cp.gateway + "/v1/models", headers=auth(cp.plain_key), timeout=10).json()["data"]
-    assert len(every) == 3
+    assert {m["id"] for m in every} == {"sim", "sim-b", "echo", "slow"}
 
 
 BAD_LIMITS = [({"rpm": -1}, "limits.rpm"), ({"rpm": 0}, "limits.rpm"), ({"rpm": 1.5}, "limits.rpm"),

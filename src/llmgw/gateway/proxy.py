@@ -188,6 +188,7 @@ class Proxy:
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
+                x.meter.prompt_chars = chars
             self.metrics.begin(label)
             counted = True
             x.watch(receive)
@@ -387,8 +388,10 @@ class Proxy:
         try:
             while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
                 out = frames.feed(chunk)
-                if meter is not None and USAGE in out:
-                    out = meter.events(out)
+                if meter is not None:
+                    if USAGE in out:
+                        out = meter.events(out)
+                    meter.relayed += out.count(b"data:")  # what a stream left early is charged (Quotas.settle)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()

@@ -44,6 +44,7 @@ from llmgw.schemas.tenants import Limits
 from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
+CHARS_PER_TOKEN = 4  # an answer without usage is charged a token for every 4 characters of its prompt
 NO_TENANT = "-"  # the tenant label, and what `ctl usage` shows, for a key of no tenant
 _REQUEST_LINES = b"x-ratelimit-limit-requests: %s\r\nx-ratelimit-remaining-requests: %d\r\nx-ratelimit-reset-requests: %s\r\n"
 _TOKEN_LINES = b"x-ratelimit-limit-tokens: %s\r\nx-ratelimit-remaining-tokens: %d\r\nx-ratelimit-reset-tokens: %s\r\n"
@@ -187,15 +188,22 @@ class Meter:
     """One accounted request on its way: the usage read from its answer, the rate-limit headers for its
     response, and whether the usage chunk it did not ask for must be dropped (`strip`)."""
 
-    __slots__ = ("account", "row", "strip", "head", "lines", "counts")
+    __slots__ = ("account", "row", "strip", "head", "lines", "counts", "prompt_chars", "cap", "stream", "relayed")
 
-    def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, head: bytes):
+    def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, head: bytes, cap: int = 0,
+                 stream: bool = False):
         self.account = account
         self.row = row  # its usage row's key: (tenant or '', key id, the model the client asked for)
         self.strip = strip
         self.head = head  # the rate-limit headers as header lines (llmgw/response_head.py)
         self.lines = False  # the server writes `head` as it is (the proxy sets it from the scope)
         self.counts: Counts | None = None
+        # What an answer without usage is charged from (`Quotas.settle`): the prompt's characters (the proxy
+        # sets them), the request's max_tokens, and the events relayed of a stream (the proxy counts them).
+        self.prompt_chars = 0
+        self.cap = cap
+        self.stream = stream
+        self.relayed = 0
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -281,7 +289,8 @@ class Quotas:
                 self.metrics.refused(account.label, "models")
                 raise errors.model_not_allowed(model.name, refusing.who, refusing.limits.models or [])
         strip = False
-        if req.get("stream") is True:
+        stream = req.get("stream") is True
+        if stream:
             req, body, strip = ask_usage(req, body)
         now = self.clock() + self.offset
         quotas = account.quotas
@@ -297,7 +306,8 @@ class Quotas:
         if row is None:
             row = self.pending[key] = [0, 0, 0]
         row[0] += 1
-        return Meter(account, key, strip, self._head(account, now)), req, body
+        cap = req.get("max_completion_tokens") or req.get("max_tokens")
+        return Meter(account, key, strip, self._head(account, now), cap if type(cap) is int else 0, stream), req, body
 
     def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
         """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""
@@ -357,11 +367,18 @@ class Quotas:
         return out
 
     def settle(self, meter: Meter) -> None:
-        """The request ended: count the tokens its answer reported, once."""
+        """The request ended: count the tokens its answer reported, once. An answer that reported none (the
+        client went away before the stream's usage chunk, or the engine sent none) is charged an estimate,
+        so that leaving early is no way around a budget: a token for each 4 characters of prompt, and a
+        token for each event relayed of a stream, or the request's max_tokens for an answer not streamed."""
         if meter.counts is None:
             self.metrics.usage_missing.labels(meter.row[2]).inc()
-            return
-        prompt, completion = meter.counts
+            prompt = -(-meter.prompt_chars // CHARS_PER_TOKEN)
+            completion = meter.relayed if meter.stream else meter.cap
+            if not prompt and not completion:
+                return
+        else:
+            prompt, completion = meter.counts
         now = self.clock() + self.offset
         for q in meter.account.quotas:
             q.spend(prompt + completion, now)

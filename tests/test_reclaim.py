@@ -54,3 +54,20 @@ def test_node_never_follows_a_link_out_of_its_cache(tmp_path):
     in_use.write_bytes(b"b")
     r = reclaim("n1", cache, wanted=set(), in_use={str(in_use)}, collect=True)
     assert r.kept_in_use == [in_use.name] and in_use.exists()
+
+
+def test_weights_in_use_are_kept_when_the_cache_is_reached_through_a_symlink(tmp_path):
+    # The fetcher names weights `cache_dir / name` as configured; the entries are resolved. A cache dir
+    # that is a symlink (a volume mounted elsewhere) must not make a running shard's weights look unused.
+    real = tmp_path / "disk" / "cache"
+    real.mkdir(parents=True)
+    cache = tmp_path / "cache"
+    cache.symlink_to(real)
+    busy = cache / cache_name_for("mirror:busy.gguf")
+    busy.write_bytes(b"b")
+    version = cache / cache_name_for("mirror:org/model/")
+    version.mkdir()
+    (version / "model.gguf").write_bytes(b"v")
+    r = reclaim("n1", cache, wanted=set(), in_use={str(busy), str(version / "model.gguf")}, collect=True)
+    assert sorted(r.kept_in_use) == sorted([busy.name, version.name]) and r.removed == [], r
+    assert busy.exists() and (version / "model.gguf").exists()

@@ -28,6 +28,17 @@ def reclaim(node_id: str, cache_dir: Path, wanted: set[str], in_use: set[str], c
     root = cache_dir.resolve()
     if not root.is_dir():
         return out
+    # The entries running shards load, by name: their weights paths resolved the same way as the entries
+    # (a cache directory reached through a symlink is named through it by the fetcher), a file inside a
+    # version directory naming the directory.
+    used: set[str] = set()
+    for p in in_use:
+        try:
+            rel = Path(p).resolve().relative_to(root)
+        except ValueError:
+            continue
+        if rel.parts:
+            used.add(rel.parts[0])
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
         name = entry.name
         if name.startswith("."):
@@ -43,7 +54,7 @@ def reclaim(node_id: str, cache_dir: Path, wanted: set[str], in_use: set[str], c
             continue
         size = _size(path)
         out.entries.append(CacheEntry(name=name, bytes=size, modified_at=path.stat().st_mtime))
-        if str(path) in in_use or name in in_use:
+        if name in used or name in in_use:
             out.kept_in_use.append(name)
             continue
         out.unwanted.append(name)

@@ -108,3 +108,37 @@ async def test_dead_engine_is_not_adopted(tmp_path):
     shard.proc.wait()
     adopted, dead = Supervisor(tmp_path / "shards", tmp_path / "logs").adopt_all()
     assert adopted == [] and dead == ["rep1-r0"]
+
+
+async def test_an_engine_is_still_recognised_after_the_system_clock_was_stepped(tmp_path, monkeypatch):
+    """psutil's create_time is wall-clock seconds from the boot time as read now: after a clock step (NTP,
+    a VM resumed) and a worker restart it no longer matches the spec file, and a healthy engine was taken
+    for dead, reported failed and left running unsupervised. Its start in ticks since boot does not move."""
+    first = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    spec = sim_spec()
+    shard = first.launch(spec, SimAdapter().build(spec))
+    assert shard.start_ticks is not None
+    await wait_ready(shard.endpoint)
+    real = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 30.0)  # the clock stepped 30 s
+    second = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    adopted, dead = second.adopt_all()
+    assert [s.shard_id for s in adopted] == ["rep1-r0"] and dead == [], dead
+    assert second.poll(adopted[0]) is None
+    await second.stop("rep1-r0", grace_s=5)
+    first.poll(shard)
+
+
+async def test_a_pid_reused_by_another_process_is_not_adopted(tmp_path):
+    # A spec file naming a pid that now belongs to another process: its create time may even agree to
+    # 50 ms, its start ticks do not.
+    sup = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    spec = sim_spec()
+    shard = sup.launch(spec, SimAdapter().build(spec))
+    me = psutil.Process(os.getpid())
+    d = shard.to_json() | {"pid": me.pid, "create_time": me.create_time(), "start_ticks": shard.start_ticks}
+    (tmp_path / "shards" / "rep1-r0.json").write_text(__import__("json").dumps(d))
+    adopted, dead = Supervisor(tmp_path / "shards", tmp_path / "logs").adopt_all()
+    assert adopted == [] and dead == ["rep1-r0"]
+    shard.proc.kill()
+    shard.proc.wait()

@@ -49,6 +49,7 @@ class Shard:
     stopping: bool = False
     adopted: bool = False
     started_at: float = field(default_factory=time.time)
+    start_ticks: int | None = None  # the process's start in clock ticks since boot (`proc_start_ticks`)
 
     @property
     def shard_id(self) -> str:
@@ -69,7 +70,7 @@ class Shard:
             "shard_id": self.shard_id, "replica_id": self.spec.replica_id, "model": self.spec.model,
             "profile": self.spec.profile.model_dump(mode="json"), "rank": self.spec.rank, "gpus": self.spec.gpus,
             "weights_path": self.spec.weights_path, "host": self.spec.host, "port": self.spec.port,
-            "pid": self.pid, "create_time": self.create_time, "endpoint": self.endpoint, "argv": self.argv,
+            "pid": self.pid, "create_time": self.create_time, "start_ticks": self.start_ticks, "endpoint": self.endpoint, "argv": self.argv,
             "log_path": str(self.log_path), "state": self.state, "started_at": self.started_at,
             "rendezvous": self.spec.rendezvous.model_dump(mode="json") if self.spec.rendezvous else None,
             "api_key": self.spec.api_key,
@@ -84,13 +85,32 @@ class Shard:
                          api_key=d.get("api_key"))
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", "starting"), adopted=True,
-                   started_at=d.get("started_at", time.time()))
+                   started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"))
 
 
-def alive(pid: int, create_time: float) -> bool:
+def proc_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat), or None (gone, or
+    not Linux). Unlike psutil's `create_time`, wall-clock seconds derived from the boot time as read now,
+    it does not move when the system clock is stepped (NTP, a VM resumed): an engine adopted after a step
+    is still recognised as the one launched."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def alive(pid: int, create_time: float, start_ticks: int | None = None) -> bool:
+    """Is the process that was launched as `pid` still running (not another that reuses the pid)? By its
+    start ticks when they were recorded, else (a spec file from before them) by its create time."""
     try:
         p = psutil.Process(pid)
-        return abs(p.create_time() - create_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
+        if start_ticks is not None and (now := proc_start_ticks(pid)) is not None:
+            same = now == start_ticks
+        else:
+            same = abs(p.create_time() - create_time) < 0.05
+        return same and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
@@ -139,7 +159,7 @@ class Supervisor:
                 dead.append(path.stem)
                 path.unlink(missing_ok=True)
                 continue
-            if alive(shard.pid, shard.create_time):
+            if alive(shard.pid, shard.create_time, shard.start_ticks):
                 log.info("adopting shard %s (pid %d); its earlier output is in %s", shard.shard_id, shard.pid, shard.log_path)
                 self.shards[shard.shard_id] = shard
                 adopted.append(shard)
@@ -170,7 +190,7 @@ class Supervisor:
         except psutil.NoSuchProcess:
             ctime = 0.0
         shard = Shard(spec=spec, pid=proc.pid, create_time=ctime, endpoint=plan.endpoint, argv=plan.argv,
-                      log_path=log_path, proc=proc)
+                      log_path=log_path, proc=proc, start_ticks=proc_start_ticks(proc.pid))
         self.shards[spec.shard_id] = shard
         self.save(shard)
         log.info("launched shard %s (pid %d): %s", spec.shard_id, proc.pid, " ".join(shown_argv or plan.argv))
@@ -188,7 +208,7 @@ class Supervisor:
         if shard.proc is not None:
             code = shard.proc.poll()
         else:
-            code = None if alive(shard.pid, shard.create_time) else -1
+            code = None if alive(shard.pid, shard.create_time, shard.start_ticks) else -1
         if code is not None:
             shard.exit_code = code
         return code
@@ -267,7 +287,7 @@ def kill_leftover_engines(shard_root: Path, node_id: str = "*") -> int:
     for spec in shard_root.glob(f"{node_id}/*.json"):
         try:
             d = json.loads(spec.read_text())
-            if alive(d["pid"], d["create_time"]):
+            if alive(d["pid"], d["create_time"], d.get("start_ticks")):
                 os.killpg(d["pid"], signal.SIGKILL)
                 killed += 1
         except (OSError, ValueError, KeyError):

@@ -45,7 +45,7 @@ from llmgw.schemas.api import (
 )
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.inventory import ShardReport
-from llmgw.security.node_address import NodeAddresses, endpoint_not_own
+from llmgw.security.node_address import AddressUnknown, NodeAddresses, endpoint_not_own
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
@@ -114,12 +114,23 @@ class FleetService:
         reported = {s.shard_id: s for s in req.shards}
         resp = RegisterResponse(node_id=req.node_id)
         lost: list[str] = []
-        foreign = {sid: why for sid, report in reported.items() if (why := await self._endpoint_refusal(report, node))}
+        foreign: dict[str, str] = {}
+        unverified: set[str] = set()  # its endpoint's name cannot be resolved now: neither kept anew nor stopped
+        for sid, report in reported.items():
+            try:
+                if why := await self._endpoint_refusal(report, node):
+                    foreign[sid] = why
+            except AddressUnknown as exc:
+                log.warning("node %s reports shard %s, whose endpoint cannot be checked now (%s); leaving it as "
+                            "it was until the node registers again", req.node_id, sid, exc)
+                unverified.add(sid)
         async with self.engine.begin() as conn:
             prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory)
             known = await fleet_repo.known_shards(conn, list(reported))
             catalog = None
             for sid, report in reported.items():
+                if sid in unverified:
+                    continue  # its row, if any, is not marked lost below either
                 row = known.get(sid)
                 why = foreign.get(sid) or not_its_own(req.node_id, report, row)
                 if why is not None:
@@ -233,7 +244,7 @@ class FleetService:
         report on a shard the control plane has no record of changes nothing."""
         s = req.shard
         failed_replica = None
-        why = await self._endpoint_refusal(s, node)
+        why = await self._endpoint_refusal(s, node)  # AddressUnknown: the node API answers 503, the node retries
         async with self.engine.begin() as conn:
             row = (await fleet_repo.known_shards(conn, [s.shard_id])).get(s.shard_id)
             why = why or not_its_own(req.node_id, s, row)

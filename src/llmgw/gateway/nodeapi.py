@@ -21,7 +21,7 @@ from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
     RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
-from llmgw.security.node_address import NodeAddresses
+from llmgw.security.node_address import AddressUnknown, NodeAddresses
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ def create_node_api(fleet: FleetService, require_identity: bool):
     async def _restricted(request: Request, exc: NodeRestricted):
         return json_error(APIError(403, f"a node may only report on its own shards: {exc}", type="forbidden",
                                    param="shard", code="node_restriction"))
+
+    @app.exception_handler(AddressUnknown)
+    async def _unknown(request: Request, exc: AddressUnknown):  # not a refusal: the node asks again
+        return json_error(APIError(503, f"{exc}; try again shortly", type="service_unavailable", param="shard",
+                                   code="address_unknown", headers={"Retry-After": "2"}))
 
     @app.post("/node/v1/register", response_model=RegisterResponse)
     async def register(req: RegisterRequest, request: Request) -> RegisterResponse:

@@ -22,6 +22,12 @@ from urllib.parse import urlsplit
 RESOLVE_TIMEOUT_S = 2.0
 
 
+class AddressUnknown(Exception):
+    """An endpoint's name could not be resolved now (a timeout, a resolver that failed or is away): neither
+    this node's address nor another's. Whoever asked must not act on it as a refusal (a refusal stops the
+    engine and fences its replica for good); it asks again later."""
+
+
 @dataclass(frozen=True)
 class NodeAddresses:
     """What the node API knows of where a request came from."""
@@ -60,7 +66,8 @@ def _ip(text: str | None):
 
 async def endpoint_not_own(endpoint: str, node: NodeAddresses) -> str | None:
     """Why `endpoint` is not on the node that reports it, or None when its host is one of the node's own
-    addresses. Unparseable endpoints are refused too."""
+    addresses. Unparseable endpoints are refused too. Raises `AddressUnknown` when its name cannot be
+    resolved now (a name that does not exist is refused)."""
     try:
         host = urlsplit(endpoint).hostname
     except ValueError:
@@ -77,8 +84,12 @@ async def endpoint_not_own(endpoint: str, node: NodeAddresses) -> str | None:
         try:
             infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
                                            RESOLVE_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
-            infos = []
+        except socket.gaierror as exc:
+            if exc.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+                raise AddressUnknown(f"endpoint host {host} cannot be resolved now ({exc})") from None
+            infos = []  # the name does not exist: not this node's
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise AddressUnknown(f"endpoint host {host} cannot be resolved now ({type(exc).__name__})") from None
         if any(_ip(i[4][0]) in node.ips for i in infos):
             return None
     return (f"endpoint host {host} is not this node's address ({node.describe()}); an engine must listen on the "

@@ -92,6 +92,26 @@ async def test_settling_a_failed_replica_counts_its_failure_in_the_same_transact
         await engine.dispose()
 
 
+async def test_a_retried_reset_does_not_clear_a_failure_counted_after_it(database_url):
+    """Replica A reached Ready and its start cleared the model's failures; the completion was lost. Before
+    the retry, replica B of the same model failed and set a backoff. The retry must not wipe B's failure."""
+    engine = async_engine(database_url)
+    acts = ControlActivities(engine, 15, 300)
+    try:
+        await attempt("9", 1, run="run-a").run(acts.reset_model_failures, "mr")
+        await attempt("1", 1, run="run-b").run(acts.record_replica_failure, "mr")  # B's failure, counted
+        await attempt("9", 2, run="run-a").run(acts.reset_model_failures, "mr")  # A's retry after its commit
+        async with engine.connect() as conn:
+            [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "mr"]
+        assert state.failures == 1 and state.backoff_until is not None
+        await attempt("9", 1, run="run-c").run(acts.reset_model_failures, "mr")  # another start: a new reset
+        async with engine.connect() as conn:
+            [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "mr"]
+        assert state.failures == 0 and state.backoff_until is None
+    finally:
+        await engine.dispose()
+
+
 async def test_a_first_attempt_on_a_used_key_acts_once(database_url):
     """A first attempt does not look for a stored result (one query less on every pass and state change,
     issue 13). If its key was used after all (an operator's `temporal activity reset` restarts the count on

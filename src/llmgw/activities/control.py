@@ -175,8 +175,10 @@ class ControlActivities:
 
     @activity.defn(name="reset_model_failures")
     async def reset_model_failures(self, model: str) -> None:
-        async with self.engine.begin() as conn:
-            await catalog_repo.reset_failures(conn, model)
+        """A start reached Ready: the model's failed starts and backoff are cleared, once. A retry after its
+        commit must not clear a failure another replica of the model counted in between (its backoff too)."""
+        await once(self.engine, "reset_model_failures", None, lambda conn: catalog_repo.reset_failures(conn, model),
+                   self.crash)
 
     @activity.defn(name="get_replica_shards")
     async def get_replica_shards(self, inp: ReplicaShardsInput) -> ReplicaShardsResult:

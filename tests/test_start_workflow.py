@@ -148,3 +148,23 @@ async def test_a_start_shard_that_finds_the_replica_unwanted_ends_the_start_and_
     assert f"replica {rid} became stopped before launching; nothing more was launched" in str(result.cause)
     assert node.calls == ["start_shard", "stop_shard:0"]  # stopped and fenced (every launch of it); no wait
     assert control.marks == []
+
+
+class ControlWhereAStopCameFirst(Control):
+    """The node pushed "ready" (the replica is Ready before its start's mark), then a stop marked it draining."""
+
+    @activity.defn(name="mark_replica")
+    async def mark_replica(self, inp: MarkReplicaInput) -> MarkReplicaResult:
+        self.marks.append(inp.status)
+        return MarkReplicaResult(applied=False, status="draining", generation=3)
+
+
+async def test_a_start_that_finds_its_replica_draining_leaves_the_engine_to_the_drain(temporal, namespace):
+    """Stopping the shards here would cut the requests the stop is draining (drain_timeout_s ignored)."""
+    node, control = OldNode(), ControlWhereAStopCameFirst()
+    rid = str(uuid.uuid4())
+    result, history = await run_start(temporal, namespace, node, control, rid)
+    assert isinstance(result, WorkflowFailureError)
+    assert f"replica {rid} became draining while starting; its stop drains and stops it" in str(result.cause)
+    assert control.marks == ["ready"] and not [c for c in node.calls if c.startswith("stop_shard")], node.calls
+    assert "stop_shard" not in scheduled(history)

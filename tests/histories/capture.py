@@ -10,7 +10,9 @@ Folders: `v1` was captured from code that planned inside the reconciler workflow
 places and whose starts check "still wanted?" as local activities (issue 13); `v4` from code whose `decide`
 also starts the start workflows it places and whose single-shard starts fetch and launch in one node
 activity, `start_shard` (issue 13); `v5` from code whose settle of a failed replica counts its failure in
-the same activity (patch `settle-counts-failure`).
+the same activity (patch `settle-counts-failure`); `v6` holds one history from the workflow-level test
+`tests/test_start_workflow.py::test_a_start_that_finds_its_replica_draining_leaves_the_engine_to_the_drain`
+(stand-in activities; patch `drain-owns-the-engine`), a path no scenario here reaches on purpose.
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history

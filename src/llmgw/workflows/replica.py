@@ -56,6 +56,9 @@ STOP_FENCES_START = "issue9-stop-fences-start"
 QUICK_CHECKS = "issue13-quick-checks"  # a start's "still wanted?" checks as local activities
 ONE_NODE_STEP = "issue13-one-node-step"  # a single-shard start fetches and launches in one node activity
 SETTLE_COUNTS = "settle-counts-failure"  # settling a failed replica counts its failure in the same transaction
+# A start that finds its replica draining (a stop came after the node pushed "ready") leaves the engine to
+# that stop, which drains it first, instead of stopping it in the middle of the drain.
+DRAIN_OWNS = "drain-owns-the-engine"
 START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
 
 
@@ -283,8 +286,12 @@ class ReplicaStartWorkflow:
         res = await mark(rid, "ready", endpoint=ready.endpoint)
         if not res.applied:
             # Stopped, failed or lost while it was starting (a node re-registered without it, a stop came):
-            # do not leave an engine running that nothing routes to.
+            # do not leave an engine running that nothing routes to. Draining: its node pushed "ready", a
+            # stop came and is draining the requests it already serves; that stop stops it afterwards.
             self._phase = f"abandoned ({res.status})"
+            if res.status == "draining" and workflow.patched(DRAIN_OWNS):
+                raise ApplicationError(f"replica {rid} became draining while starting; its stop drains and stops it",
+                                       non_retryable=True)
             await stop_shards(rid, inp.shards)
             raise ApplicationError(f"replica {rid} became {res.status} while starting; its shards were stopped",
                                    non_retryable=True)

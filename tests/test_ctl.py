@@ -261,3 +261,30 @@ def test_a_limit_is_shown_as_the_options_take_it_and_reads_back_the_same():
     assert all(limit_value(text) == n for n, text in shown.items())
     assert limit_number(None) == "-"
     assert limits_text({"rpm": 60, "tpm": 20_000_000, "tokens_per_day": 10**6, "models": None}) == "rpm 60, tpm 20M, 1M/day"
+
+
+def test_cert_never_replaces_a_certificate_in_use_unasked_and_takes_only_real_hosts(tmp_path):
+    # `ctl cert server --host 'a b'` had overwritten the live server certificate: after a restart every
+    # agent failed its handshake, and every model was unplaceable.
+    d = str(tmp_path / "pki")
+
+    def cert(*args: str):
+        out = CliRunner().invoke(app, ["ctl", "cert", *args, "--dir", d])
+        assert "Traceback" not in out.output
+        return out
+
+    assert cert("ca").exit_code == 0
+    assert cert("server", "--host", "127.0.0.1", "--host", "gpu-api.example.internal").exit_code == 0
+    first = (tmp_path / "pki" / "server.crt").read_bytes()
+    again = cert("server", "--host", "10.0.0.1")
+    assert again.exit_code == 2 and "already exists and may be in use; pass --force to replace it" in again.output
+    assert (tmp_path / "pki" / "server.crt").read_bytes() == first
+    assert cert("server", "--host", "10.0.0.1", "--force").exit_code == 0
+    assert (tmp_path / "pki" / "server.crt").read_bytes() != first
+    for args in (["server", "--host", "a b", "--force"], ["node", "gpu-x", "--address", "1.2.3.4/8"],
+                 ["node", "gpu-y", "--address", "not a host!"], ["node", "gpu-z", "--address", "-bad.example"]):
+        out = cert(*args)
+        assert out.exit_code == 2 and "is neither an IP address nor a DNS name" in out.output, (args, out.output)
+    assert not (tmp_path / "pki" / "node-gpu-x.crt").exists()
+    assert cert("node", "local").exit_code == 0
+    assert cert("node", "local").exit_code == 2

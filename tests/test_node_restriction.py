@@ -36,7 +36,7 @@ def node_client(cp: ControlPlane, node_id: str, addresses: list[str] | None = No
     from llmgw.security.pki import issue_node
 
     if addresses:
-        issue_node(cp.pki, node_id, addresses=addresses)
+        issue_node(cp.pki, node_id, addresses=addresses, replace=True)
     env = cp.node_env(node_id)
     ctx = ssl.create_default_context(cafile=str(cp.pki / "ca.crt"))
     ctx.load_cert_chain(env["LLMGW_NODE_CERT"], env["LLMGW_NODE_KEY"])

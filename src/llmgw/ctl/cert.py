@@ -35,12 +35,13 @@ def ca(directory: Optional[Path] = typer.Option(None, "--dir", help="Where to wr
 def server(
     host: list[str] = typer.Option(..., "--host", help="A DNS name or IP address agents dial; repeat for each"),
     directory: Optional[Path] = typer.Option(None, "--dir"),
+    force: bool = typer.Option(False, "--force", help="Replace an existing server certificate and key"),
 ):
     """Issue the node API's server certificate for every --host (set LLMGW_NODE_API_CERT/KEY to it)."""
     from llmgw.security.pki import issue_server
 
     try:
-        out = issue_server(_pki_dir(directory), host)
+        out = issue_server(_pki_dir(directory), host, replace=force)
     except (ValueError, OSError) as exc:
         fail(f"error: {exc}", 2)
     typer.echo(f"{out.cert}\n{out.key}")
@@ -52,12 +53,13 @@ def node(
     directory: Optional[Path] = typer.Option(None, "--dir"),
     address: list[str] = typer.Option([], "--address", help="An address (IP or DNS name) the node's engines listen "
                                       "on, when it is not the one the node reaches the control plane from; repeatable"),
+    force: bool = typer.Option(False, "--force", help="Replace the node's existing certificate and key"),
 ):
     """Issue a node's client certificate (common name = NODE_ID); copy it and ca.crt to the node."""
     from llmgw.security.pki import issue_node
 
     try:
-        out = issue_node(_pki_dir(directory), node_id, addresses=address)
+        out = issue_node(_pki_dir(directory), node_id, addresses=address, replace=force)
     except (ValueError, OSError) as exc:
         fail(f"error: {exc}", 2)
     typer.echo(f"{out.cert}\n{out.key}")

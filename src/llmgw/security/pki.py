@@ -79,7 +79,14 @@ def _load_ca(directory: Path):
     return cert, key
 
 
-def _issue(directory: Path, stem: str, common_name: str, usage, sans: list[x509.GeneralName], days: int) -> Issued:
+def _issue(directory: Path, stem: str, common_name: str, usage, sans: list[x509.GeneralName], days: int,
+           replace: bool = False) -> Issued:
+    out = Issued(directory / f"{stem}.crt", directory / f"{stem}.key")
+    if not replace and (out.cert.exists() or out.key.exists()):
+        # A running node API or node worker may be using it: replaced under it, the next restart fails its
+        # TLS handshakes (a server certificate without the address agents dial, a node's key it no longer has).
+        raise FileExistsError(f"{out.cert} already exists and may be in use; pass --force to replace it, then "
+                              "restart what uses it")
     ca_cert, ca_key = _load_ca(directory)
     key = ec.generate_private_key(ec.SECP256R1())
     builder = (
@@ -92,36 +99,47 @@ def _issue(directory: Path, stem: str, common_name: str, usage, sans: list[x509.
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
-    out = Issued(directory / f"{stem}.crt", directory / f"{stem}.key")
     _write_key(out.key, key)
     _write_cert(out.cert, cert)
     return out
 
 
-def issue_server(directory: Path, hosts: list[str], days: int = 825) -> Issued:
+def issue_server(directory: Path, hosts: list[str], days: int = 825, replace: bool = False) -> Issued:
     """The node API's certificate, valid for every name and address in `hosts` (IPs become IP SANs)."""
     if not hosts:
         raise ValueError("give at least one host the agents dial (a DNS name or an IP address)")
-    return _issue(directory, "server", hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, _sans(hosts), days)
+    return _issue(directory, "server", hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, _sans(hosts), days, replace)
+
+
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def _sans(hosts: list[str]) -> list[x509.GeneralName]:
+    """Each host as an IP address or a DNS name; anything else (`a b`, `10.0.0.0/8`) is a `ValueError`."""
     sans: list[x509.GeneralName] = []
     for h in hosts:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+            continue
         except ValueError:
-            sans.append(x509.DNSName(h))
+            pass
+        name = h[:-1] if h.endswith(".") else h
+        if not (0 < len(name) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in name.split("."))):
+            raise ValueError(f"{h!r} is neither an IP address nor a DNS name: write one such as 10.0.0.5 or "
+                             "gpu-07.example.internal (one per --host/--address)")
+        sans.append(x509.DNSName(name))
     return sans
 
 
-def issue_node(directory: Path, node_id: str, days: int = 825, addresses: list[str] | None = None) -> Issued:
+def issue_node(directory: Path, node_id: str, days: int = 825, addresses: list[str] | None = None,
+               replace: bool = False) -> Issued:
     """A node's client certificate: common name = node id, usage clientAuth. `addresses` (IPs or DNS names)
     are where its engines listen when that is not the address its node-API connection comes from; the node
     API accepts engine endpoints at the connection's address and at these (security/node_address.py)."""
     if not NODE_ID_RE.match(node_id):
         raise ValueError(f"node id {node_id!r}: use letters, digits, '.', '_' and '-' (up to 63)")
-    return _issue(directory, f"node-{node_id}", node_id, ExtendedKeyUsageOID.CLIENT_AUTH, _sans(addresses or []), days)
+    return _issue(directory, f"node-{node_id}", node_id, ExtendedKeyUsageOID.CLIENT_AUTH, _sans(addresses or []), days,
+                  replace)
 
 
 def cert_addresses(peercert: dict | None) -> tuple[list[str], list[str]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from llmgw.catalog.loader import CatalogError, parse_catalog
@@ -176,3 +178,14 @@ def test_a_model_name_that_a_url_would_normalise_is_refused(name):
     # `ctl explain x/../sim-small` and GET /v1/models/x/../sim-small reached sim-small.
     with pytest.raises(CatalogError, match="is not allowed"):
         parse_catalog({"models": [{"name": name, "profiles": [{"engine": "sim"}]}]})
+
+
+@pytest.mark.parametrize("scaling, says", [
+    ({"min": True, "max": 1}, "scaling: `min` takes a number, not true"),
+    ({"min": 0, "max": 1, "load_wait": float("nan")}, "scaling.load_wait: Input should be a finite number"),
+    ({"min": 0, "max": 1, "idle_timeout": float("inf")}, "scaling.idle_timeout: Input should be a finite number"),
+])
+def test_a_boolean_or_a_number_that_is_not_finite_is_refused(scaling, says):
+    # `min: true` had been read as 1, and `load_wait: .nan` was told it should be at least 0.
+    with pytest.raises(CatalogError, match=re.escape(says)):
+        parse_catalog(one(scaling=scaling))

@@ -14,6 +14,7 @@ Scaling semantics (seeds 003, "Load a model when someone asks for it"):
 from __future__ import annotations
 
 import re
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -26,7 +27,25 @@ MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields refused; numbers finite; a boolean is not a number (`min: true` had been read as 1)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(value, bool) else None
+                if field is not None and _numeric(field.annotation):
+                    raise ValueError(f"`{name}` takes a number, not {str(value).lower()}")
+        return data
+
+
+def _numeric(annotation: object) -> bool:
+    """An int or float field (`int`, `float | None`), not a bool one."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    return bool({int, float} & set(kinds)) and bool not in kinds
 
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")

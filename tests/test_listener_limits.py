@@ -121,6 +121,17 @@ async def test_a_body_that_does_not_arrive_in_time_gets_408(gw):
     w.close()
 
 
+async def test_a_request_answered_before_its_body_arrived_gets_that_one_answer(gw):
+    # Answered at once (here a 404; a 401 for a request without a key is the same), its body never coming:
+    # the body deadline closes the connection, and adds no 408 after the answer (two answers to one request).
+    r, w = await asyncio.open_connection("127.0.0.1", gw.ports["gateway"])
+    w.write(b"POST /v1/nothing-here HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"model\": ")
+    data = await until_closed(r)
+    assert data.startswith(b"HTTP/1.1 404 ") and data.count(b"HTTP/1.1 ") == 1, data
+    w.close()
+
+
 async def send_header(port: int, mib: int) -> bytes:
     """A request whose one header is `mib` MiB, sent as fast as the server reads; returns its answer."""
     r, w = await asyncio.open_connection("127.0.0.1", port)

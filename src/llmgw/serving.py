@@ -235,7 +235,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._cancel()
         self._refused = True
         cycle = self.cycle
-        if cycle is None or cycle.response_complete or not cycle.response_started:
+        # Written unless this request has an answer already: while a head is read, `cycle` is the previous
+        # request's (answered); in the body, it is this one's, and an app that answered before the body
+        # came (a 401, a 404) has said all there is to say: the connection is only closed.
+        if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
             self.transport.write(response)
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True

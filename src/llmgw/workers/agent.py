@@ -40,6 +40,7 @@ from llmgw.weights.fetcher import Fetcher
 from llmgw.workers.discovery import discover, discover_gpus
 from llmgw.workers.errors import ReportRefused
 from llmgw.workers.fences import Fences
+from llmgw.workers.health import EngineHealth
 from llmgw.workers.infiniband import discover_fabrics
 from llmgw.telemetry import AgentMetrics
 from llmgw.workers.simulate import simulated_inventory
@@ -243,6 +244,13 @@ class Agent:
         except ReportRefused:
             pass  # logged; the next registration reports the shard gone
 
+    async def _on_unresponsive(self, shard: Shard, cause: str) -> None:
+        """A Ready engine stopped answering (workers/health.py): its replica fails with the cause, now."""
+        try:
+            await self.report(shard.report("failed", tail=self.supervisor.tail(shard)[-2000:], exit_reason=cause))
+        except ReportRefused:
+            pass  # logged; the heartbeat no longer lists it once it is stopped
+
     async def heartbeat_loop(self) -> None:
         """Register, then heartbeat. Re-register after the control plane forgets us or comes back."""
         delay = 1.0
@@ -307,9 +315,12 @@ class Agent:
                                           connector=aiohttp.TCPConnector(ssl=self.ssl_context()))
         worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
                         max_concurrent_activities=64)
+        health = EngineHealth(self.supervisor, self.engines, self.settings.engine_probe_interval_s,
+                              self.settings.engine_probe_failures, self._on_unresponsive)
         tasks = [asyncio.create_task(worker.run(), name="worker"),
                  asyncio.create_task(self.supervisor.watch(), name="watch"),
-                 asyncio.create_task(self.heartbeat_loop(), name="heartbeat")]
+                 asyncio.create_task(self.heartbeat_loop(), name="heartbeat"),
+                 asyncio.create_task(health.run(), name="health")]
         log.info("node worker %s polling %s", self.node_id, node_queue(self.node_id))
         try:
             stopper = asyncio.create_task(stop.wait())

@@ -132,6 +132,21 @@ async def test_a_request_answered_before_its_body_arrived_gets_that_one_answer(g
     w.close()
 
 
+@pytest.mark.parametrize("head", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: g\r\nX-A: a\x00b\r\n\r\n",
+], ids=["length-and-chunked", "negative-length", "two-lengths", "nul-in-header"])
+async def test_a_request_the_parser_refuses_gets_400_in_the_envelope(gw, head):
+    r, w = await asyncio.open_connection("127.0.0.1", gw.ports["gateway"])
+    w.write(head)
+    data = await until_closed(r, 10)
+    w.close()
+    assert data.startswith(b"HTTP/1.1 400 ") and b"application/json" in data, data
+    assert b'"code": "invalid_http"' in data and b"Invalid HTTP request received" not in data, data
+
+
 async def send_header(port: int, mib: int) -> bytes:
     """A request whose one header is `mib` MiB, sent as fast as the server reads; returns its answer."""
     r, w = await asyncio.open_connection("127.0.0.1", port)

@@ -73,6 +73,9 @@ BUSY_503 = _error(b"503 Service Unavailable", "too many connections; retry short
                   b"retry-after: 1\r\n")
 
 
+MALFORMED_400 = _error(b"400 Bad Request", "the request is not valid HTTP/1.1 (its request line, a header, or its "
+                       "Content-Length and Transfer-Encoding); send one request with one Content-Length or chunked "
+                       "encoding, and no control characters in headers", "invalid_http")
 LINGER_S = 2.0
 
 
@@ -193,6 +196,11 @@ class GuardedProtocol(HttpToolsProtocol):
         self._fresh_head = True  # this read's bytes belonged to this message: the next head counts from the next
         self._head_bytes = self._body_bytes = 0
         super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:  # uvicorn's, for a request its parser refused
+        """The parser's refusal (conflicting Content-Length and Transfer-Encoding, a NUL in a header, ...) in
+        the OpenAI envelope every other error has, not uvicorn's text/plain line."""
+        self._refuse(MALFORMED_400)
 
     def _head_size(self) -> int:
         """The request line's and headers' bytes as written (give or take their separators)."""

@@ -51,3 +51,17 @@ def test_a_frozen_engine_is_failed_with_the_cause_stopped_and_replaced(control_p
     [new] = cp.wait_replicas("one", exclude={rep["id"]}, timeout_s=60)
     assert cp.shard_pid("n1", f"{new['id']}-r0") != pid
     assert httpx.post(cp.gateway + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+
+def test_an_engine_over_its_declared_host_memory_is_failed_with_what_it_used_and_stopped(control_plane):
+    # llama-server with `--ctx-size 999999999` on a profile of memory_gb 1 grew to 10 GB while it loaded.
+    # The sim engine (a Python process, tens of MiB) is held to 0.01 GiB here: over it from the start.
+    cp = control_plane.start()
+    cp.agent("n1", LLMGW_ENGINE_PROBE_INTERVAL_S="0.5", LLMGW_ENGINE_PROBE_FAILURES="3")
+    assert cp.apply({"models": [{"name": "greedy", "scaling": {"min": 1, "max": 1}, "profiles": [
+        {"engine": "sim", "memory_gb": 0.01, "args": ["--tokens-per-second", "0"]}]}]}).status_code == 200
+    failed = wait_until(lambda: next((r for r in cp.replicas() if r["model"] == "greedy" and r["status"] == "failed"),
+                                     None), timeout_s=30, what="the greedy engine's replica failed", why=cp.logs)
+    assert "GiB of host memory, over 1.5 x its profile's memory_gb (0.01)" in failed["failure"], failed
+    wait_until(lambda: not (cp.state / "shards" / "n1" / f"{failed['id']}-r0.json").exists(), timeout_s=10,
+               what="the greedy engine stopped (its spec file gone)")

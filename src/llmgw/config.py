@@ -82,7 +82,8 @@ class Settings(BaseSettings):
     reconnect_max_s: float = 30.0  # longest wait between attempts to reach the node API (jittered, doubling)
     # A Ready engine is asked for its health every `engine_probe_interval_s`; after `engine_probe_failures`
     # checks in a row without an answer (frozen, hung: each check waits 2 s) it is reported failed and
-    # stopped, so that its replica leaves routing and is replaced (workers/health.py). 0 failures: off.
+    # stopped, so that its replica leaves routing and is replaced; the same pass holds each engine to 1.5 x
+    # its profile's memory_gb (workers/health.py). 0 failures: both off.
     engine_probe_interval_s: float = Field(5.0, gt=0)
     engine_probe_failures: int = Field(3, ge=0)
     # InfiniBand fabrics this node is on, as the operator declares them: {"fabric": ["mlx5_0", ...]}.

@@ -7,6 +7,12 @@ Ready rank-0 shard is asked for its health as at readiness (`EngineAdapter.is_re
 `engine_probe_failures` checks in a row without an answer it is reported failed, with the cause, and
 stopped (SIGKILL reaches a stopped process), so that its replica leaves routing and is replaced. An
 answer in between starts the count again.
+
+The same pass holds each engine to the host memory its profile declares (`memory_gb`, what placement
+counted against the node): an engine whose process tree uses more than `MEMORY_MARGIN` times that
+(starting or Ready: `--ctx-size 999999999` grew llama-server to 10 GB while it loaded, on a profile that
+declared 1) is reported failed with what it used, and stopped, before it takes the node's memory from the
+engines beside it. A profile without `memory_gb` is not held to one.
 """
 
 from __future__ import annotations
@@ -16,12 +22,30 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import psutil
 
 from llmgw.engines.registry import Engines
 from llmgw.workers.supervisor import Shard, Supervisor
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 2.0  # a frozen engine does not act on SIGTERM: SIGKILL follows soon
+MEMORY_MARGIN = 1.5  # over its declared memory_gb by half as much again: not an estimate's error
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of process `pid` and its descendants (an engine's workers), 0 when it is gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
 
 
 class EngineHealth:
@@ -41,12 +65,26 @@ class EngineHealth:
         async with aiohttp.ClientSession() as session:
             while True:
                 await asyncio.sleep(self.interval_s)
+                for shard in self.supervisor.running():
+                    if not shard.stopping:
+                        await self._hold_to_memory(shard)
                 shards = [s for s in self.supervisor.running()
                           if s.state == "ready" and not s.stopping and s.spec.rank == 0 and s.endpoint]
                 self.missed = {s.shard_id: self.missed.get(s.shard_id, 0) for s in shards}
                 answers = await asyncio.gather(*(self._check(session, s) for s in shards))
                 for shard, ok in zip(shards, answers):
                     await self._judge(shard, ok)
+
+    async def _hold_to_memory(self, shard: Shard) -> None:
+        declared = shard.spec.profile.memory_gb
+        if not declared:
+            return
+        used = tree_rss(shard.pid)
+        if used <= declared * MEMORY_MARGIN * (1 << 30):
+            return
+        await self._fail(shard, f"used {used / (1 << 30):.2f} GiB of host memory, over {MEMORY_MARGIN:g} x its "
+                                f"profile's memory_gb ({declared:g}); stopped before it takes the node's memory. "
+                                "Declare what it needs (memory_gb), or make it need less (a smaller --ctx-size)")
 
     async def _check(self, session: aiohttp.ClientSession, shard: Shard) -> bool:
         try:
@@ -65,8 +103,10 @@ class EngineHealth:
             log.warning("shard %s did not answer its health check (%d of %d in a row)", shard.shard_id, missed,
                         self.failures)
             return
-        cause = (f"did not answer {missed} health checks in a row over {missed * self.interval_s:g}s (frozen or "
-                 "hung); stopped so that its replica is replaced")
+        await self._fail(shard, f"did not answer {missed} health checks in a row over {missed * self.interval_s:g}s "
+                                "(frozen or hung); stopped so that its replica is replaced")
+
+    async def _fail(self, shard: Shard, cause: str) -> None:
         log.error("shard %s (pid %d) %s", shard.shard_id, shard.pid, cause)
         shard.stopping = True  # its exit is this stop, not news for the exit watch
         try:

@@ -112,6 +112,11 @@ def test_an_exit_is_told_with_the_line_of_output_that_says_why():
     assert with_output("exited with code 2", "loading model\nbye\n") == "exited with code 2: bye"  # else the last line
     assert with_output("exited with code 1", "\n \n") == "exited with code 1"
     assert len(with_output("exited with code 1", "error: " + "x" * 1000)) < 260
+    # Killed by a signal: its last line is what it was doing, not why; only a line naming an error is said.
+    busy = "7.26.259.014 I slot launch_slot_: id 0 | task 109 | processing task\n"
+    assert with_output("killed by SIGKILL", busy, signalled=True) == "killed by SIGKILL"
+    assert with_output("killed by SIGABRT", "CUDA error: out of memory\n" + busy, signalled=True) == \
+        "killed by SIGABRT: CUDA error: out of memory"
 
 
 STOI_SERVER = textwrap.dedent("""\

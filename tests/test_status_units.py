@@ -128,3 +128,13 @@ def test_a_serving_model_whose_other_starts_fail_says_so():
     assert c.reason == ("serving; 3 start(s) of another replica failed in a row, the last with: …/roll.gguf: no such "
                         "file; next try in 40s")
     assert model_condition(model(1, 1), ModelFacts(replicas={"ready": 1}), NOW).reason == ""
+
+
+def test_a_failing_model_s_503_says_the_decoded_cause_and_not_the_engine_s_log():
+    from llmgw.gateway.errors import failing
+
+    err = failing("m", "shard r-r0 on n1 killed by SIGKILL (terminated at once)\nlast output:\n"
+                  "7.26.259.014 I slot launch_slot_: id 0 | loading /data/models/x.gguf", 5, 2)
+    assert "its replicas failed 2 time(s) in a row (starting or running)" in err.message, err.message
+    assert "killed by SIGKILL (terminated at once)" in err.message
+    assert "last output" not in err.message and "slot" not in err.message and "x.gguf" not in err.message

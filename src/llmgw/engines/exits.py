@@ -51,14 +51,18 @@ _SAYS_WHY = re.compile(r"error|exception|fatal|failed|abort|invalid|cannot|unabl
 MAX_SAID = 200
 
 
-def with_output(reason: str, tail: str) -> str:
+def with_output(reason: str, tail: str, signalled: bool = False) -> str:
     """`reason` and the line of the engine's last output that most likely says why it ended: the last line
-    that names an error, else the last line; `exited with code 1: error while handling argument "--parallel":
-    stoi`. An engine that exits at start usually says why in words (llama.cpp prints its usage after the
-    error, so the very last line is seldom the one). The whole output stays in `llmgw ctl logs`."""
+    that names an error, else (an exit of its own, not `signalled`) the last line; `exited with code 1: error
+    while handling argument "--parallel": stoi`. An engine that exits at start usually says why in words
+    (llama.cpp prints its usage after the error, so the very last line is seldom the one). One killed by a
+    signal was stopped in whatever it was doing: its last line (`slot launch_slot_: id 0 | task 109 |
+    processing task`) says nothing of why, and is left out. The whole output stays in `llmgw ctl logs`."""
     lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
     if not lines:
         return reason
-    line = next((ln for ln in reversed(lines) if _SAYS_WHY.search(ln)), lines[-1])
+    line = next((ln for ln in reversed(lines) if _SAYS_WHY.search(ln)), None if signalled else lines[-1])
+    if line is None:
+        return reason
     line = line if len(line) <= MAX_SAID else line[:MAX_SAID] + "..."
     return f"{reason}: {line}" if line not in reason else reason

@@ -64,8 +64,9 @@ def failing(name: str, cause: str, retry_after_s: int, restarts: int) -> APIErro
     """Its starts keep failing and it is backing off (a CrashLoopBackOff): not "loading", which a client
     would retry in seconds for minutes. Retry-After is the backoff left. The cause names no URL, path or
     address of the fleet (`for_client`)."""
-    return APIError(503, f"the model `{name}` is failing: {restarts} start(s) failed in a row, the last with: "
-                    f"{for_client(cause)}; "
+    first = cause.strip().splitlines()[0] if cause.strip() else "no cause recorded"  # not the engine's log lines
+    return APIError(503, f"the model `{name}` is failing: its replicas failed {restarts} time(s) in a row (starting "
+                    f"or running), the last with: {for_client(first)}; "
                     f"the next start is in about {retry_after_s}s (an operator runs `llmgw ctl retry {name}` once the "
                     f"cause is fixed)", type="service_unavailable", code="model_failing",
                     headers={"Retry-After": str(max(1, retry_after_s))})

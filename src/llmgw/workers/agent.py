@@ -236,7 +236,7 @@ class Agent:
             reason = self.engines.get(shard.spec.profile.engine).describe_exit(shard.exit_code)
         except EngineError:  # an engine no longer installed here: the generic words
             reason = describe_exit(shard.exit_code)
-        return with_output(reason, tail)
+        return with_output(reason, tail, signalled=(shard.exit_code or 0) < 0)
 
     async def _on_exit(self, shard: Shard, tail: str) -> None:
         try:

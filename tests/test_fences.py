@@ -1,8 +1,12 @@
 """A node refuses to fetch for or launch a shard of a replica it has been told to stop, across a restart of
 its worker (workers/fences.py). Node activities run as Temporal runs them (`ActivityEnvironment`) on a real
-`Agent`; the whole path, through the control plane, is tests/faults/test_start_faults.py."""
+`Agent`; the whole path, through the control plane, is tests/faults/test_start_faults.py. Also the other
+promises of the node's stop and wait activities under retry: a fence that cannot be written, a retried
+wait for readiness."""
 
 from __future__ import annotations
+
+import time
 
 import psutil
 import pytest
@@ -12,7 +16,7 @@ from temporalio.testing import ActivityEnvironment
 from llmgw.activities.node import NodeActivities
 from llmgw.config import Settings
 from llmgw.schemas.catalog import Profile
-from llmgw.schemas.payloads import FetchWeightsInput, LaunchShardInput, StopShardInput
+from llmgw.schemas.payloads import FetchWeightsInput, LaunchShardInput, StopShardInput, WaitShardReadyInput
 from llmgw.workers.agent import Agent
 from llmgw.workers.fences import FENCE_ALL, Fences
 from tests.helpers import sweep_engines
@@ -154,3 +158,26 @@ async def test_start_shard_asks_before_fetching_and_after_a_long_fetch(tmp_path,
     with pytest.raises(ApplicationError) as exc:
         await env.run(acts.start_shard, start("rep7"))
     assert exc.value.type == UNREACHABLE and exc.value.non_retryable and acts.agent.supervisor.get("rep7-r0") is None
+
+
+async def test_a_retried_wait_for_readiness_resumes_from_its_heartbeat(tmp_path):
+    """A retry of `wait_shard_ready` (its worker restarted, a heartbeat timed out) waits what is left of its
+    timeout, not the whole of it again: readiness could otherwise take twice `replica_ready_timeout_s`."""
+    import dataclasses
+
+    a = agent(tmp_path)
+    acts = NodeActivities(a)
+    env = ActivityEnvironment()
+    res = await env.run(acts.launch_shard, LaunchShardInput(
+        shard_id="slow-r0", replica_id="slow", model="m", generation=1,
+        profile=Profile(engine="sim", args=["--startup-delay", "30"])))
+    try:
+        retry = ActivityEnvironment()
+        retry.info = dataclasses.replace(retry.info, attempt=2, heartbeat_details=[{"waiting_s": 9}])
+        t0 = time.monotonic()
+        with pytest.raises(ApplicationError, match="not ready after 10s"):
+            await retry.run(acts.wait_shard_ready, WaitShardReadyInput(shard_id="slow-r0", timeout_s=10))
+        assert time.monotonic() - t0 < 4  # about the 1 s left, not 10
+    finally:
+        await acts.agent.supervisor.stop("slow-r0", 2)
+    assert res.pid > 0

@@ -217,7 +217,7 @@ class NodeActivities:
         if shard is None:
             raise ApplicationError(f"shard {shard_id} is not running on node {self.agent.node_id}", non_retryable=True)
         watch = self._watch(shard)
-        started = time.monotonic()
+        started = time.monotonic() - _waited_before()  # a retry resumes the wait, not the whole timeout again
         while not watch.done():
             waited = time.monotonic() - started
             if waited > timeout_s:
@@ -354,6 +354,17 @@ def _retrieve(task: asyncio.Task) -> None:
     """A readiness watch nobody awaited (its start gave up) still has its failure logged, once."""
     if not task.cancelled() and task.exception() is not None:
         log.warning("%s: %s", task.get_name(), task.exception())
+
+
+def _waited_before() -> float:
+    """Seconds an earlier attempt of this activity had waited, from its last heartbeat (`waiting_s`)."""
+    if not activity.in_activity():
+        return 0.0
+    details = activity.info().heartbeat_details
+    try:
+        return max(0.0, float(details[0]["waiting_s"])) if details else 0.0
+    except (KeyError, TypeError, ValueError, IndexError):
+        return 0.0
 
 
 async def _keepalive(progress: dict) -> None:

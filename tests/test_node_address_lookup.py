@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 
 class NoTemporal:
-    async def wake(self, reason: str) -> None:
+    def wake_soon(self, reason: str) -> None:
         pass
 
 

@@ -68,6 +68,9 @@ async def wake_reconciler(client: Client | None, reason: str) -> bool:
         return False
 
 
+WAKE_TIMEOUT_S = 5.0
+
+
 class LazyClient:
     """A Temporal client connected in the background, so an HTTP server can start before Temporal."""
 
@@ -75,6 +78,7 @@ class LazyClient:
         self.settings = settings
         self.client: Client | None = None
         self._task: asyncio.Task | None = None
+        self._wakes: set[asyncio.Task] = set()  # wake-ups under way (`wake_soon`), kept from the collector
         self.attributes = SearchAttributeCheck(settings.temporal_namespace, settings.temporal_search_attributes)
 
     def start(self) -> None:
@@ -93,6 +97,19 @@ class LazyClient:
 
     async def wake(self, reason: str) -> bool:
         return await wake_reconciler(self.client, reason)
+
+    def wake_soon(self, reason: str, timeout_s: float = WAKE_TIMEOUT_S) -> None:
+        """Wake the reconciler without waiting for it: for an answer that must not wait on Temporal (the
+        node API's: with Temporal away, a signal is retried for about ten seconds, as long as a node waits
+        for its registration, which it then retried for as long as the outage lasted)."""
+        task = asyncio.get_running_loop().create_task(asyncio.wait_for(self.wake(reason), timeout_s))
+        self._wakes.add(task)
+        task.add_done_callback(self._woken)
+
+    def _woken(self, task: asyncio.Task) -> None:
+        self._wakes.discard(task)
+        if not task.cancelled() and isinstance(task.exception(), asyncio.TimeoutError):
+            log.warning("could not wake the reconciler within %gs; its own timer runs the next pass", WAKE_TIMEOUT_S)
 
 
 class SearchAttributeCheck:

@@ -17,6 +17,7 @@ from temporalio.service import RPCError
 
 from tests.faults.conftest import FaultFleet, sim_model
 from tests.faults.slow_source import SlowSource
+from tests.fleet import sim_spec
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -285,3 +286,30 @@ def test_a_start_past_its_budget_is_failed_by_the_planner(fleet, source):
         assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
         source.release()
     fleet.steady(["steady"])
+
+
+def test_an_agent_restarted_while_temporal_is_down_registers_at_once_and_keeps_its_engines(fleet):
+    """Temporal is stopped and a node's agent crashes (SIGKILL: its engines run on) and is started again.
+    It registers at once over the node API, adopts its engine and heartbeats, though it cannot reach
+    Temporal: before, it waited a minute for Temporal before registering at all, then exited, and a
+    registration's answer waited on a wake-up signal to the reconciler that Temporal could not take. When
+    Temporal is back, the same engine serves: no failed request, no replica rebuilt, the same pid."""
+    before = fleet.steady(["steady"])
+    _, node, _ = before["steady"]
+    relays = fleet.relays[node]
+    with fleet.traffic(["steady"]) as t:
+        fleet.infra.stop_temporal()
+        try:
+            fleet.proc(f"agent-{node}").kill()
+            again = fleet.cp.agent(node, simulate=sim_spec(gpus=2),
+                                   LLMGW_NODE_API_URL=f"https://127.0.0.1:{relays['api'].port}",
+                                   LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{relays['temporal'].port}")
+            wait_until(lambda: f"registered node {node} (1 shard(s) running" in again.log(), timeout_s=8,
+                       what="the restarted agent registered with Temporal away", why=again.log)
+            time.sleep(3)  # heartbeating, with Temporal still away
+            assert again.alive(), again.log()
+        finally:
+            fleet.infra.start_temporal()
+        after = fleet.steady(["steady"], timeout_s=120)
+    assert after["steady"] == before["steady"]  # the same replica, node and engine pid
+    assert t.count("steady") > 10 and t.failures("steady") == [], t.failures("steady")

@@ -164,7 +164,7 @@ class FleetService:
                     lost.append(row["replica_id"])
         if lost:
             log.warning("node %s does not run replicas %s any more; marked lost", req.node_id, ", ".join(lost))
-        await self.temporal.wake(f"node {req.node_id} registered")
+        self.temporal.wake_soon(f"node {req.node_id} registered")
         return resp
 
     async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatResponse:
@@ -192,7 +192,7 @@ class FleetService:
                         gone.append(row["replica_id"])
         if gone:
             log.warning("node %s no longer runs replicas %s; marked failed", req.node_id, ", ".join(gone))
-            await self.temporal.wake(f"node {req.node_id} no longer runs {', '.join(gone)}")
+            self.temporal.wake_soon(f"node {req.node_id} no longer runs {', '.join(gone)}")
         if stop:
             log.warning("node %s still runs shards %s of ended replicas; asking it to stop them", req.node_id,
                         ", ".join(sorted(stop)))
@@ -214,7 +214,7 @@ class FleetService:
             return LeaveResponse(known=False)
         log.warning("node %s left (its agent is stopping its engines)%s", req.node_id,
                     f"; replicas {', '.join(lost)} marked lost" if lost else "")
-        await self.temporal.wake(f"node {req.node_id} left")
+        self.temporal.wake_soon(f"node {req.node_id} left")
         return LeaveResponse(known=True, lost=lost)
 
     async def _endpoint_refusal(self, report: ShardReport, node: NodeAddresses) -> str | None:
@@ -275,4 +275,4 @@ class FleetService:
         if failed_replica:
             log.warning("replica %s ended: shard %s %s", failed_replica, s.shard_id,
                         "stopped by its node" if s.state == "stopped" else s.exit_reason or describe_exit(s.exit_code))
-            await self.temporal.wake(f"replica {failed_replica} {'lost' if s.state == 'stopped' else 'failed'}")
+            self.temporal.wake_soon(f"replica {failed_replica} {'lost' if s.state == 'stopped' else 'failed'}")

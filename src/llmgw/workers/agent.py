@@ -303,6 +303,21 @@ class Agent:
                 await self.report_stopped(shard_id, attempts=2)
 
     # ---- main ----------------------------------------------------------------------------------
+    async def _temporal_worker(self, started: list[Worker]) -> None:
+        """Connect to Temporal (for as long as it takes), then poll this node's task queue until shut down."""
+        client = None
+        while client is None:
+            try:
+                client = await connect(self.settings)
+            except SystemExit as exc:
+                log.warning("%s; still trying (the node API is served meanwhile: this node registers and "
+                            "heartbeats)", exc)
+        worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
+                        max_concurrent_activities=64)
+        started.append(worker)
+        log.info("node worker %s polling %s", self.node_id, node_queue(self.node_id))
+        await worker.run()
+
     async def run(self, stop: asyncio.Event) -> None:
         adopted, dead = self.supervisor.adopt_all()
         if adopted or dead:
@@ -310,18 +325,18 @@ class Agent:
         self.fences.prune()
         if self.settings.agent_metrics_port:
             self.metrics.serve(self.settings.agent_metrics_port, self.settings.host)
-        client = await connect(self.settings)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
                                           connector=aiohttp.TCPConnector(ssl=self.ssl_context()))
-        worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
-                        max_concurrent_activities=64)
         health = EngineHealth(self.supervisor, self.engines, self.settings.engine_probe_interval_s,
                               self.settings.engine_probe_failures, self._on_unresponsive)
-        tasks = [asyncio.create_task(worker.run(), name="worker"),
+        workers: list[Worker] = []
+        # The node API first, Temporal when it answers: an agent restarted while Temporal is away still
+        # registers, adopts its engines and heartbeats (one liveness witness stays alive), rather than
+        # waiting a minute for Temporal and then exiting.
+        tasks = [asyncio.create_task(self._temporal_worker(workers), name="worker"),
                  asyncio.create_task(self.supervisor.watch(), name="watch"),
                  asyncio.create_task(self.heartbeat_loop(), name="heartbeat"),
                  asyncio.create_task(health.run(), name="health")]
-        log.info("node worker %s polling %s", self.node_id, node_queue(self.node_id))
         try:
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -329,12 +344,13 @@ class Agent:
                 if t is not stopper and t.exception():
                     raise t.exception()  # type: ignore[misc]
         finally:
-            for t in tasks[1:]:
+            for t in tasks[1 if workers else 0:]:
                 t.cancel()
             if self.stop_engines_on_exit:
                 await self._stop_engines()
-            try:
-                await asyncio.wait_for(worker.shutdown(), 10)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
+            for worker in workers:
+                try:
+                    await asyncio.wait_for(worker.shutdown(), 10)
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    pass
             await self.http.close()

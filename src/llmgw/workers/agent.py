@@ -273,16 +273,15 @@ class Agent:
                 await self.stop_unwanted(resp.stop or [], "whose replica has ended (its stop did not reach this node)")
                 delay = 1.0
                 await asyncio.sleep(self.settings.heartbeat_interval_s)
-            except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
-                # A control-plane restart must not need a touch on every node, and a fleet must not
-                # reconnect in lockstep: jittered backoff, then a fresh registration.
-                log.warning("control plane unreachable at %s (%s); retrying in %.0fs", self.api, exc, delay)
-                need_register = True
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, self.settings.reconnect_max_s)
-            except Exception as exc:  # noqa: BLE001 - an answer it cannot read, an inventory that failed:
-                # this loop ending would end the agent (and with --stop-engines-on-exit, every engine).
-                log.exception("heartbeat failed (%s: %s); registering again in %.0fs", type(exc).__name__, exc, delay)
+            except Exception as exc:  # noqa: BLE001 - this loop ending would end the agent (and every engine
+                # with --stop-engines-on-exit): an answer it cannot read or an inventory that failed is retried
+                # like an unreachable control plane. A control-plane restart must not need a touch on every
+                # node, and a fleet must not reconnect in lockstep: jittered backoff, then a fresh registration.
+                if isinstance(exc, (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError)):
+                    log.warning("control plane unreachable at %s (%s); retrying in %.0fs", self.api, exc, delay)
+                else:
+                    log.exception("heartbeat failed (%s: %s); registering again in %.0fs", type(exc).__name__, exc,
+                                  delay)
                 need_register = True
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.settings.reconnect_max_s)

@@ -4,6 +4,7 @@ output tail, escalation to SIGKILL, and adoption by a new supervisor from the sp
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -117,16 +118,18 @@ async def test_an_engine_is_still_recognised_after_the_system_clock_was_stepped(
     first = Supervisor(tmp_path / "shards", tmp_path / "logs")
     spec = sim_spec()
     shard = first.launch(spec, SimAdapter().build(spec))
-    assert shard.start_ticks is not None
-    await wait_ready(shard.endpoint)
-    real = psutil.Process.create_time
-    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 30.0)  # the clock stepped 30 s
-    second = Supervisor(tmp_path / "shards", tmp_path / "logs")
-    adopted, dead = second.adopt_all()
-    assert [s.shard_id for s in adopted] == ["rep1-r0"] and dead == [], dead
-    assert second.poll(adopted[0]) is None
-    await second.stop("rep1-r0", grace_s=5)
-    first.poll(shard)
+    try:
+        assert shard.start_ticks is not None
+        await wait_ready(shard.endpoint)
+        real = psutil.Process.create_time
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 30.0)  # the clock stepped 30 s
+        second = Supervisor(tmp_path / "shards", tmp_path / "logs")
+        adopted, dead = second.adopt_all()
+        assert [s.shard_id for s in adopted] == ["rep1-r0"] and dead == [], dead
+        assert second.poll(adopted[0]) is None
+    finally:
+        shard.proc.kill()
+        shard.proc.wait()
 
 
 async def test_a_pid_reused_by_another_process_is_not_adopted(tmp_path):
@@ -135,10 +138,12 @@ async def test_a_pid_reused_by_another_process_is_not_adopted(tmp_path):
     sup = Supervisor(tmp_path / "shards", tmp_path / "logs")
     spec = sim_spec()
     shard = sup.launch(spec, SimAdapter().build(spec))
-    me = psutil.Process(os.getpid())
-    d = shard.to_json() | {"pid": me.pid, "create_time": me.create_time(), "start_ticks": shard.start_ticks}
-    (tmp_path / "shards" / "rep1-r0.json").write_text(__import__("json").dumps(d))
-    adopted, dead = Supervisor(tmp_path / "shards", tmp_path / "logs").adopt_all()
-    assert adopted == [] and dead == ["rep1-r0"]
-    shard.proc.kill()
-    shard.proc.wait()
+    try:
+        me = psutil.Process(os.getpid())
+        d = shard.to_json() | {"pid": me.pid, "create_time": me.create_time(), "start_ticks": shard.start_ticks}
+        (tmp_path / "shards" / "rep1-r0.json").write_text(json.dumps(d))
+        adopted, dead = Supervisor(tmp_path / "shards", tmp_path / "logs").adopt_all()
+        assert adopted == [] and dead == ["rep1-r0"]
+    finally:
+        shard.proc.kill()
+        shard.proc.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -90,3 +91,25 @@ def test_the_usage_chunk_is_openais_and_the_counters_count_what_was_generated(si
     assert after["sim:prompt_tokens_total"] - before["sim:prompt_tokens_total"] == 12
     assert after["sim:generation_tokens_total"] - before["sim:generation_tokens_total"] == 15
     assert after["sim:requests_total"] - before["sim:requests_total"] == 3
+
+
+def test_a_client_leaving_mid_stream_is_one_quiet_line_not_a_traceback(tmp_path):
+    # Seen in `ctl logs`: an aiohttp traceback every time a client left a stream.
+    port = free_port()
+    out = tmp_path / "sim.log"
+    with open(out, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-m", "llmgw.engines.sim_server", "--port", str(port), "--model", "s",
+                              "--tokens-per-second", "50"], start_new_session=True, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, 15, p, "sim engine")
+        url = f"http://127.0.0.1:{port}"
+        body = {"model": "s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # and close: the engine is at token 1 of 200
+        time.sleep(1.0)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    finally:
+        stop_process(p)
+    assert "Traceback" not in out.read_text(), out.read_text()

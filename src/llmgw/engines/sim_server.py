@@ -33,6 +33,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 import signal
 import time
@@ -44,6 +45,8 @@ from llmgw.engines.sim_group import Group, run_worker
 
 GREEK = "α β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω".split()
 OWNED_BY = "llmgw-sim"
+
+log = logging.getLogger(__name__)
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
@@ -154,6 +157,7 @@ class SimEngine:
         self.in_flight += 1
         self.requests_total += 1
         self.prompt_tokens_total += usage["prompt_tokens"]
+        resp: web.StreamResponse | None = None
         try:
             if self.group is not None:
                 await self.group.step()
@@ -189,6 +193,9 @@ class SimEngine:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
+        except ConnectionResetError:  # the client went away mid-stream: what an engine sees every day
+            log.info("the client of %s went away mid-stream", rid)
+            return resp if resp is not None else web.Response(status=499)
         finally:
             self.in_flight -= 1
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import aiohttp
+from multidict import CIMultiDict
 import psycopg
 import pytest
 from openai import AsyncOpenAI, AuthenticationError
@@ -77,6 +78,10 @@ async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, dat
         assert await status_of(cp, "llmgw-not-a-key") == 401
         assert await status_of(cp, key) == 200
         assert await status_of(cp, key, "/v1/models") == 200
+        async with aiohttp.ClientSession() as s:  # two Authorization headers: which is meant cannot be told
+            hdrs = CIMultiDict([("Authorization", f"Bearer {key}"), ("Authorization", "Bearer someone-else")])
+            async with s.get(cp.gateway + "/v1/models", headers=hdrs) as r:
+                assert r.status == 401, await r.text()
         with pytest.raises(AuthenticationError):
             await AsyncOpenAI(base_url=cp.gateway + "/v1", api_key="wrong").models.list()
         r = await AsyncOpenAI(base_url=cp.gateway + "/v1", api_key=key).chat.completions.create(

@@ -39,12 +39,18 @@ def hash_key(key: str) -> str:
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header in ASGI headers, or None."""
+    """The token of an `Authorization: Bearer <token>` header in ASGI headers, or None. Two Authorization
+    headers are no token: which one is meant cannot be told (the first had won, silently)."""
+    found = None
     for name, value in headers:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-    return None
+            if found is not None:
+                return None
+            found = value
+    if found is None:
+        return None
+    scheme, _, token = found.decode("latin-1").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 class KeyRing:

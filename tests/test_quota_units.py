@@ -378,3 +378,22 @@ def test_a_request_refused_by_the_key_is_not_counted_against_its_tenant():
     tenant, key = acct.quotas
     assert tenant.requests.cur == 1 and key.requests.cur == 1 and tenant.requests.unsynced == 1
     assert q.pending[("team", "k1", "llama-8b")] == [1, 0, 0]
+
+
+def test_an_answer_without_usage_is_charged_an_estimate_and_one_never_answered_nothing():
+    q, acct = quotas_with({"tokens_per_day": 10**9})
+    q.clock = lambda: T0
+    stream = {**REQ, "stream": True, "max_tokens": 500}
+    never, _, _ = q.admit(acct, MODEL, stream, b"{}")  # refused by the engine, or held through a failed load
+    never.prompt_chars = 400
+    q.settle(never)
+    assert q.pending[("team", "k1", "llama-8b")] == [1, 0, 0]
+    left, _, _ = q.admit(acct, MODEL, stream, b"{}")  # the client left after 12 events
+    left.prompt_chars, left.relayed = 400, 12
+    q.settle(left)
+    assert q.pending[("team", "k1", "llama-8b")] == [2, 100, 12]
+    whole, _, _ = q.admit(acct, MODEL, {**REQ, "max_tokens": 50}, b"{}")  # a 200 body without usage
+    whole.prompt_chars = 9
+    whole.body(b'{"choices": []}')
+    q.settle(whole)
+    assert q.pending[("team", "k1", "llama-8b")] == [3, 103, 62]

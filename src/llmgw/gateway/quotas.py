@@ -188,7 +188,8 @@ class Meter:
     """One accounted request on its way: the usage read from its answer, the rate-limit headers for its
     response, and whether the usage chunk it did not ask for must be dropped (`strip`)."""
 
-    __slots__ = ("account", "row", "strip", "head", "lines", "counts", "prompt_chars", "cap", "stream", "relayed")
+    __slots__ = ("account", "row", "strip", "head", "lines", "counts", "prompt_chars", "cap", "stream", "relayed",
+                 "whole")
 
     def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, head: bytes, cap: int = 0,
                  stream: bool = False):
@@ -204,6 +205,7 @@ class Meter:
         self.cap = cap
         self.stream = stream
         self.relayed = 0
+        self.whole = False  # an answer not streamed was read whole
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -212,6 +214,7 @@ class Meter:
 
     def body(self, data: bytes) -> None:
         """A non-streamed answer, whole."""
+        self.whole = True
         found = usage_of_body(data)
         if found is not None:
             self.counts = found
@@ -370,9 +373,13 @@ class Quotas:
         """The request ended: count the tokens its answer reported, once. An answer that reported none (the
         client went away before the stream's usage chunk, or the engine sent none) is charged an estimate,
         so that leaving early is no way around a budget: a token for each 4 characters of prompt, and a
-        token for each event relayed of a stream, or the request's max_tokens for an answer not streamed."""
+        token for each event relayed of a stream, or the request's max_tokens for an answer not streamed.
+        A request the engine never answered (refused, failed, held through a load that failed) is charged
+        nothing: an estimate is made only for a body read whole or a stream that relayed events."""
         if meter.counts is None:
             self.metrics.usage_missing.labels(meter.row[2]).inc()
+            if not (meter.relayed or meter.whole):
+                return
             prompt = -(-meter.prompt_chars // CHARS_PER_TOKEN)
             completion = meter.relayed if meter.stream else meter.cap
             if not prompt and not completion:

@@ -65,15 +65,21 @@ class EngineHealth:
         async with aiohttp.ClientSession() as session:
             while True:
                 await asyncio.sleep(self.interval_s)
-                for shard in self.supervisor.running():
-                    if not shard.stopping:
-                        await self._hold_to_memory(shard)
-                shards = [s for s in self.supervisor.running()
-                          if s.state == "ready" and not s.stopping and s.spec.rank == 0 and s.endpoint]
-                self.missed = {s.shard_id: self.missed.get(s.shard_id, 0) for s in shards}
-                answers = await asyncio.gather(*(self._check(session, s) for s in shards))
-                for shard, ok in zip(shards, answers):
-                    await self._judge(shard, ok)
+                try:
+                    await self._pass(session)
+                except Exception:  # noqa: BLE001 - this task ending would end the agent (and its engines)
+                    log.exception("an engine health pass failed; the next one runs in %gs", self.interval_s)
+
+    async def _pass(self, session: aiohttp.ClientSession) -> None:
+        for shard in self.supervisor.running():
+            if not shard.stopping:
+                await self._hold_to_memory(shard)
+        shards = [s for s in self.supervisor.running()
+                  if s.state == "ready" and not s.stopping and s.spec.rank == 0 and s.endpoint]
+        self.missed = {s.shard_id: self.missed.get(s.shard_id, 0) for s in shards}
+        answers = await asyncio.gather(*(self._check(session, s) for s in shards))
+        for shard, ok in zip(shards, answers):
+            await self._judge(shard, ok)
 
     async def _hold_to_memory(self, shard: Shard) -> None:
         declared = shard.spec.profile.memory_gb

@@ -311,13 +311,7 @@ class NodeActivities:
         the activity then fails so that its retry records the fence (the stop workflow settles the replica
         either way, and the GPUs count as free)."""
         replica_id = inp.replica_id or replica_of(inp.shard_id)
-        try:
-            self.agent.fences.record(replica_id, inp.generation)
-            unfenced = None
-        except OSError as exc:
-            unfenced = exc
-            log.error("could not record the fence of replica %s (%s); stopping shard %s anyway", replica_id, exc,
-                      inp.shard_id)
+        unfenced = self.agent.fences.record_before_stopping(replica_id, inp.generation, inp.shard_id)
         watch = self._watches.pop(inp.shard_id, None)
         if watch is not None:
             watch.cancel()

@@ -175,14 +175,17 @@ class FleetService:
             if known:
                 await fleet_repo.set_progress(conn, req.node_id, req.downloads)
                 listed = {s.shard_id for s in req.shards}
+                live = await fleet_repo.shards_on_node(conn, req.node_id)
                 # A shard the node still runs whose replica has ended: its stop did not reach the node, or
                 # failed there, and was settled anyway (the GPUs count as free). The node stops it now,
-                # rather than only at its next registration.
-                running = [s.shard_id for s in req.shards if s.state != "failed"]
-                for sid, row in (await fleet_repo.known_shards(conn, running)).items() if running else ():
+                # rather than only at its next registration. Only shards not live here are looked up: none,
+                # in a steady fleet.
+                live_ids = {row["id"] for row in live}
+                others = [s.shard_id for s in req.shards if s.state != "failed" and s.shard_id not in live_ids]
+                for sid, row in (await fleet_repo.known_shards(conn, others)).items() if others else ():
                     if row.node_id == req.node_id and row.replica_status in ENDED_STATUSES:
                         stop.append(sid)
-                for row in await fleet_repo.shards_on_node(conn, req.node_id):
+                for row in live:
                     if row["id"] in listed or not launched(row):
                         continue
                     applied, _ = await fleet_repo.mark_replica(

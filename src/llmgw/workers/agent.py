@@ -161,11 +161,7 @@ class Agent:
             shard = self.supervisor.get(shard_id)
             replica_id = shard.spec.replica_id if shard else replica_of(shard_id)
             log.warning("control plane asks to stop shard %s, %s", shard_id, why)
-            try:
-                self.fences.record(replica_id, 0)
-            except OSError as exc:
-                log.error("could not record the fence of replica %s (%s); stopping shard %s anyway", replica_id, exc,
-                          shard_id)
+            self.fences.record_before_stopping(replica_id, 0, shard_id)
             await self.supervisor.stop(shard_id)
 
     async def report(self, report: ShardReport, attempts: int = 5) -> None:

@@ -48,6 +48,17 @@ class Fences:
         os.replace(tmp, path)
         return gen
 
+    def record_before_stopping(self, replica_id: str, generation: int, shard_id: str) -> OSError | None:
+        """`record`, for a stop that goes on whatever happens: a fence that cannot be written (a full disk)
+        must not keep the engine running. Returns the error (logged) instead of raising it."""
+        try:
+            self.record(replica_id, generation)
+            return None
+        except OSError as exc:
+            log.error("could not record the fence of replica %s (%s); stopping shard %s anyway", replica_id, exc,
+                      shard_id)
+            return exc
+
     def refuses(self, replica_id: str, generation: int) -> int | None:
         """The fence that refuses a fetch or launch of `replica_id` at `generation`, or None when allowed."""
         fence = self.get(replica_id)

@@ -6,6 +6,7 @@ node API runs them, on a real Postgres."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
@@ -45,7 +46,7 @@ async def test_an_endpoint_that_cannot_be_resolved_now_stops_nothing(database_ur
                              pid=123, endpoint="http://node-7.cluster:8000")
         req = RegisterRequest(node_id="n1", boot_id="b1", inventory=Inventory(), shards=[report])
 
-        loop_type = type(__import__("asyncio").get_running_loop())
+        loop_type = type(asyncio.get_running_loop())
         monkeypatch.setattr(loop_type, "getaddrinfo", resolver(socket.EAI_AGAIN))  # "temporary failure"
         resp = await fleet.register(req, node)
         assert resp.stop == [] and resp.adopted == []

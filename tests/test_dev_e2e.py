@@ -223,6 +223,11 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     wait_until(lambda: httpx.post(dev.gateway + "/v1/chat/completions", timeout=60, json={
         "model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code == 200,
         timeout_s=30, what="traffic on the replacement")
+    # `ctl models` counts it, while the model is ready again (its failed starts in a row are back to 0).
+    listed = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "models"], env=dev.env, capture_output=True,
+                            text=True, timeout=60)
+    [smol] = [line for line in listed.stdout.splitlines() if line.startswith("smollm2-135m ")]
+    assert smol.split()[1:4] == ["ready", "1/1", "1"], smol
 
     # A second `llmgw dev` on the same state refuses instead of starting duplicates.
     second = subprocess.run([sys.executable, "-m", "llmgw", "dev"], env=dev.env, capture_output=True, text=True, timeout=60)

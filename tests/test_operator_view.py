@@ -96,7 +96,8 @@ def test_a_model_that_dies_at_start_shows_its_cause_everywhere(control_plane, tm
     assert header[:4] == ["MODEL", "STATUS", "READY", "RESTARTS"] and "AGE" in header, out.stdout
     line = row(out.stdout, "m")
     assert " failing " in line and SIGILL in line and "next start in" in line, line
-    assert line.split()[3] == str(m["restarts"])
+    assert line.split()[3] == str(m["replaced"]) == str(m["restarts"]) == "1"  # one failed, nothing else yet
+    assert "failed 1 time(s) in a row, next start in" in line, line
     assert " ready " in row(out.stdout, "s")
 
     # ctl replicas, without --all: the failed replica is listed with its cause.
@@ -184,7 +185,10 @@ def test_a_model_that_dies_at_start_shows_its_cause_everywhere(control_plane, tm
             watcher.wait()
     assert watcher.returncode == 0 and "Traceback" not in stderr, stderr
     assert again[0]["id"][:8] in stdout and stdout.count("REPLICA") >= 2  # printed again as it changed
-    assert model_view(cp, "m")["restarts"] == 1  # counted afresh from the retry
+    after = model_view(cp, "m")
+    assert after["restarts"] == 1  # counted afresh from the retry ...
+    assert after["replaced"] == 2  # ... while RESTARTS only grows
+    assert row(cp.ctl("models").stdout, "m").split()[3] == "2"
 
 
 @pytest.fixture(scope="module")

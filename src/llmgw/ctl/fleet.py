@@ -41,7 +41,7 @@ def next_start(v: dict) -> str:
 
 def _model_message(m: dict) -> str:
     if m["status"] == "failing":
-        return f"{m['reason']}; {next_start(m)}"
+        return f"{m['reason']}; failed {m['restarts']} time(s) in a row, {next_start(m)}"
     return m.get("reason") or ""
 
 
@@ -53,7 +53,8 @@ def _models_table(models: list[dict], now: datetime, wide: bool):
     for m in models:
         ready = f"{m['ready']}/{m['min']}" if m["min"] else str(m["ready"])
         engine = ",".join(m["engines"]) or "static"
-        row = [m["name"], m["status"], ready, m["restarts"], engine, m["mode"], age(m.get("created_at"), now),
+        # RESTARTS: replicas that ended failed or lost, ever (a server from before `replaced`: in a row).
+        row = [m["name"], m["status"], ready, m.get("replaced", m["restarts"]), engine, m["mode"], age(m.get("created_at"), now),
                _model_message(m)]
         if wide:
             reps = ", ".join(f"{n} {s}" for s, n in m["replicas"].items()) or "none"
@@ -65,8 +66,10 @@ def _models_table(models: list[dict], now: datetime, wide: bool):
 def models(output: Output = output_option(), watch: bool = watch_option(), interval: float = interval_option()):
     """Catalog models and their status (ready, loading, failing, ...).
 
-    A model whose starts keep failing is `failing`, like Kubernetes' CrashLoopBackOff: RESTARTS counts the
-    failed starts in a row, MESSAGE gives the last one's cause and the backoff left (`ctl retry` clears it).
+    RESTARTS counts the model's replicas that ended failed or lost (an engine that died, a node that went
+    away), ever, as Kubernetes counts a pod's. A model whose starts keep failing is `failing`, like
+    CrashLoopBackOff: MESSAGE gives the last one's cause, how many failed in a row and the backoff left
+    (`ctl retry` clears that count and the backoff, not RESTARTS).
     """
     admin = Admin()
     show(lambda: (admin.get("/admin/v1/models"), admin.now), _models_table, output, watch, interval,

@@ -15,7 +15,7 @@ from sqlalchemy import DateTime, String, and_, case, column, delete, func, selec
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from llmgw.db.tables import ENDED_STATUSES, nodes, observers, replicas, shards
+from llmgw.db.tables import ENDED_STATUSES, model_state, nodes, observers, replicas, shards
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement
 
@@ -251,13 +251,17 @@ async def transition_replica(
         values["generation"] = replicas.c.generation + 1
     res = await conn.execute(
         update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(allowed))).values(**values)
-        .returning(replicas.c.status, replicas.c.generation)
+        .returning(replicas.c.status, replicas.c.generation, replicas.c.model)
     )
     row = res.first()
     if row is not None:
         if status in ENDED_STATUSES:
             await conn.execute(update(shards).where(and_(shards.c.replica_id == replica_id, shards.c.status.not_in(ENDED_STATUSES)))
                                .values(status="stopped" if status == "stopped" else status, updated_at=func.now()))
+        if status in ("failed", "lost"):  # counted with the transition: a retried one is not applied again
+            stmt = insert(model_state).values(name=row.model, replaced=1)
+            await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name],
+                                                          set_={"replaced": model_state.c.replaced + 1}))
         return Transition(True, row.status, row.generation)
     cur = (await conn.execute(select(replicas.c.status, replicas.c.generation).where(replicas.c.id == replica_id))).first()
     return Transition(False, cur.status if cur else None, cur.generation if cur else 0)

@@ -25,12 +25,12 @@ async def model_facts(conn: AsyncConnection, names: list[str] | None = None) -> 
         return facts.setdefault(name, ModelFacts())
 
     q = select(model_state.c.name, model_state.c.failures, model_state.c.backoff_until, model_state.c.decisions,
-               model_state.c.failed_at, model_state.c.demand_at, model_state.c.last_used_at)
+               model_state.c.failed_at, model_state.c.demand_at, model_state.c.last_used_at, model_state.c.replaced)
     if names is not None:
         q = q.where(model_state.c.name.in_(names))
     for r in (await conn.execute(q)).all():
         f = of(r.name)
-        f.failures, f.backoff_until = r.failures, r.backoff_until
+        f.failures, f.backoff_until, f.replaced = r.failures, r.backoff_until, r.replaced
         f.failed_at, f.demand_at, f.last_used_at = r.failed_at, r.demand_at, r.last_used_at
         f.refused = refusal(r.decisions or [], r.name)
 

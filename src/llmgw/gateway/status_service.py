@@ -80,8 +80,8 @@ class StatusService:
                 name=m.name, aliases=m.aliases, fallbacks=m.fallbacks, engines=sorted({p.engine for p in m.profiles}),
                 min=sc.min, max=sc.max, mode=mode, priority=m.priority, role=m.role, simulated=m.simulated,
                 replicas=dict(sorted(f.replicas.items())), status=c.status.value, reason=c.reason, ready=c.ready,
-                restarts=c.restarts, retry_in_s=c.retry_in_s, on_request=c.on_request, last_failure=c.last_failure,
-                created_at=created.get(m.name)))
+                restarts=c.restarts, replaced=f.replaced, retry_in_s=c.retry_in_s, on_request=c.on_request,
+                last_failure=c.last_failure, created_at=created.get(m.name)))
         return out
 
     async def retry(self, name: str) -> RetryResult:

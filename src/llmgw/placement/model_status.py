@@ -44,12 +44,14 @@ class ModelStatus(StrEnum):
 
 class ModelFacts(BaseModel):
     """What is known about one model now. `replicas`: its active replicas by status (`starting`, `ready`,
-    `draining`); `failures`: consecutive failed starts (reset by a start that reaches Ready);
+    `draining`); `failures`: consecutive failed starts (reset by a start that reaches Ready); `replaced`:
+    its replicas that ended failed or lost, ever (never reset: `ctl models` RESTARTS);
     `last_failure`: the cause of its latest failed replica (one line); `refused`: why the latest reconcile
     pass could not place it, if it could not."""
 
     replicas: dict[str, int] = Field(default_factory=dict)
     failures: int = 0
+    replaced: int = 0
     backoff_until: datetime | None = None
     last_failure: str | None = None
     last_failure_at: datetime | None = None

@@ -157,7 +157,8 @@ class ReplicaView(_Strict):
 
 class ModelView(_Strict):
     """A catalog model with its status (placement/model_status.py): `status`, `reason` (one line),
-    `restarts` (consecutive failed starts), `retry_in_s` (backoff left while failing), `last_failure` (the
+    `restarts` (consecutive failed starts), `replaced` (its replicas that ended failed or lost, ever: never
+    reset, what `ctl models` RESTARTS shows), `retry_in_s` (backoff left while failing), `last_failure` (the
     latest failed replica's cause), and its active replicas by status. `created_at`: first applied."""
 
     name: str
@@ -175,6 +176,7 @@ class ModelView(_Strict):
     reason: str = ""
     ready: int = 0
     restarts: int = 0
+    replaced: int = 0
     retry_in_s: int | None = None
     on_request: bool = False  # failing, on demand, nothing asked for it since: its next start waits for a request
     last_failure: str | None = None

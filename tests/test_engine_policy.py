@@ -70,6 +70,15 @@ def source(engine: str) -> dict:
     ("vllm", ["--gpu-memory-utilization", "90%"], "--gpu-memory-utilization takes a number, not '90%'"),
     ("sglang", ["--context-length", "8k"], "--context-length takes an integer, not '8k'"),
     ("sim", ["--tokens-per-second", "fast"], "--tokens-per-second takes a number, not 'fast'"),
+    # A context no model has: llama-server grew to 10 GB holding the KV cache of `--ctx-size 999999999`.
+    ("llamacpp", ["--ctx-size", "999999999"], "--ctx-size is a context length in tokens, from 0 to 16777216"),
+    ("llamacpp", ["--ctx-size", "-4096"], "not -4096; 0 takes the model's own"),
+    ("vllm", ["--max-model-len", "1g"], "--max-model-len is a context length in tokens, from -1 to 16777216"),
+    ("vllm", ["--max-model-len", "17M"], "not 17M; -1 or auto takes the model's own"),
+    ("sglang", ["--context-length", "0"], "--context-length is a context length in tokens, from 1 to 16777216"),
+    # More than a C int: llama-server's `std::stoi` throws, and it exits at every start.
+    ("llamacpp", ["--parallel", "4294967296"], "--parallel takes an integer from -2147483648 to 2147483647"),
+    ("llamacpp", ["--seed", "4294967296"], "--seed takes an integer from -1 to 4294967295"),
 ])
 def test_what_got_through_is_refused_at_apply_naming_the_flag_and_what_is_allowed(engine, args, says):
     with pytest.raises(PolicyError, match=re.escape(says)):
@@ -84,6 +93,7 @@ def test_what_got_through_is_refused_at_apply_naming_the_flag_and_what_is_allowe
     ("llamacpp", {"LLAMA_ARG_RPC": "10.0.0.9:50052"}, "reads LLAMA_ARG_RPC as one of its flags"),
     ("llamacpp", {"LLAMA_ARG_MODEL_URL": "https://example.com/x.gguf"}, "--model-url"),
     ("llamacpp", {"LLAMA_ARG_CTX_SIZE": "4k"}, "LLAMA_ARG_CTX_SIZE (llama-server's --ctx-size takes an integer, not '4k')"),
+    ("llamacpp", {"LLAMA_ARG_CTX_SIZE": "999999999"}, "LLAMA_ARG_CTX_SIZE (llama-server's --ctx-size is a context length"),
     ("llamacpp", {"LLAMA_ARG_HOST": "0.0.0.0"}, "LLAMA_ARG_HOST"),
     *[(e, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "CUDA_VISIBLE_DEVICES is set by the node worker") for e in ENGINES],
     ("vllm", {"VLLM_API_KEY": "x"}, "set by the node worker"),
@@ -125,6 +135,13 @@ def test_tuning_that_the_engines_parse_the_same_way_passes():
     check_args(["--max-model-len", "32k", "--max-num-batched-tokens", "16K", "--seed", "-1"], "vllm")
     check_args(["--ctx_size", "4096", "--parallel", "2", "--temp", "-1", "--top-p", "0.9"], "llamacpp")
     check_args(["--mem-fraction-static=0.8", "--context-length", "32768"], "sglang")
+    # The context flags at their bounds: the model's own, and 2**24 tokens (above any model's 10M).
+    check_args(["--ctx-size", "0", "--seed", "4294967295"], "llamacpp")
+    check_args(["--ctx-size", "16777216", "--seed", "-1"], "llamacpp")
+    check_args(["--max-model-len", "-1"], "vllm")
+    check_args(["--max-model-len", "auto"], "vllm")
+    check_args(["--max-model-len", "16M"], "vllm")
+    check_args(["--context-length", "10000000"], "sglang")
     check_args(["--tokens-per-second", "0", "--startup-delay", "-.5"], "sim")
     check_env({"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "VLLM_ATTENTION_BACKEND": "FLASHINFER"}, "vllm")
     check_env({"LLAMA_ARG_CTX_SIZE": "4096", "OMP_NUM_THREADS": "2"}, "llamacpp")

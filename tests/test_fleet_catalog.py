@@ -99,6 +99,11 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     # A number that is not one, in an engine flag: llama-server read `4O96` as 4.
     r = cp.apply({"models": [{**good["models"][0], "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "5O"]}]}]})
     assert r.status_code == 400 and "--tokens-per-second takes a number, not '5O'" in r.json()["error"]["problems"][0]
+    # A context no model has (llama-server grew to 10 GB holding its KV cache): told the bounds.
+    big = {"engine": "llamacpp", "source": "mirror:g.gguf", "args": ["--ctx-size", "999999999"]}
+    r = cp.apply({"models": [{**good["models"][0], "profiles": [big]}]})
+    assert r.status_code == 400, r.text
+    assert "--ctx-size is a context length in tokens, from 0 to 16777216" in r.json()["error"]["problems"][0], r.json()
 
     # A shape error in one model and a cross-catalog error in another come in the same answer.
     mixed = {"models": [{**good["models"][0], "scaling": {"min": 0, "mx": 1}}, bad["models"][1]]}

@@ -56,9 +56,34 @@ def value_kind(engine: str, flag: str) -> str | None:
     return VALUES.get(engine, {}).get(flag)
 
 
+# The context flags (catalog/context.py reads them too): a context of more tokens than any model has is a
+# typo, and the engine would try to hold its KV cache (`--ctx-size 999999999` grew llama-server to 10 GB
+# before the memory hold stopped it; workers/health.py). 2**24 tokens is above the longest context of any
+# released model (10M). 0 (llama.cpp) and -1 or auto (vLLM) mean the model's own.
+MAX_CONTEXT_TOKENS = 1 << 24
+CONTEXT = {("llamacpp", "--ctx-size"): 0, ("vllm", "--max-model-len"): -1, ("sglang", "--context-length"): 1}
+C_INT_MAX = (1 << 31) - 1  # llama.cpp reads integers with `std::stoi`: a larger one ends it at start
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
 def value_problem(engine: str, flag: str, value: str) -> str | None:
     """Why `value` is not a value `flag` takes, or None when it is (or the flag takes no number)."""
     kind = value_kind(engine, flag)
-    if kind is None or KINDS[kind].fullmatch(value.strip()):
+    v = value.strip()
+    if kind is None:
         return None
-    return f"{flag} takes {kind}, not {value[:40]!r}"
+    if not KINDS[kind].fullmatch(v):
+        return f"{flag} takes {kind}, not {value[:40]!r}"
+    if v == "auto" or kind == _FLOAT:
+        return None
+    n = int(float(v[:-1]) * _SCALE[v[-1]]) if v[-1] in _SCALE and v[-1].isalpha() else int(float(v))
+    least = CONTEXT.get((engine, flag))
+    if least is not None and not least <= n <= MAX_CONTEXT_TOKENS:
+        own = {0: "; 0 takes the model's own", -1: "; -1 or auto takes the model's own"}.get(least, "")
+        return (f"{flag} is a context length in tokens, from {least} to {MAX_CONTEXT_TOKENS} (2**24, above any "
+                f"model's), not {value[:40]}{own}")
+    if engine == "llamacpp":
+        lo, hi = (-1, (1 << 32) - 1) if flag == "--seed" else (-C_INT_MAX - 1, C_INT_MAX)  # the seed is unsigned
+        if not lo <= n <= hi:
+            return f"{flag} takes an integer from {lo} to {hi} (what llama-server can read), not {value[:40]}"
+    return None

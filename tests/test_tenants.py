@@ -466,3 +466,45 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
     assert r.status_code == 200 and r.json()["limits"] == {"rpm": 7, "models": ["nothing-*"], "tpm": None,
                                                            "tokens_per_day": None, "tokens_per_month": None}
     assert r.json()["notes"] == ["models: 'nothing-*' matches no model of the catalog now"]
+
+
+def test_ctl_tenants_delete_refuses_while_keys_are_active_then_revokes_them_with_it(plane):
+    """`ctl tenants delete`: refused (naming the keys, nothing changed) while the tenant has active keys;
+    with `--revoke-keys` its keys are revoked in the same transaction and both gateways refuse them; its
+    usage stays in `ctl usage`; a key can no longer be made for it, and the name can be used again."""
+    cp = plane
+    assert cp.ctl("tenants", "create", "gone", "--rpm", "1k").returncode == 0
+    key = create_key(cp, "gone-1", "gone")
+    wait_key(cp, key)
+    r = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sim", max_tokens=1), headers=auth(key), timeout=10)
+    assert r.status_code == 200, r.text
+    key_id = next(k["id"] for k in admin(cp, "GET", "/admin/v1/keys").json() if k["name"] == "gone-1")
+
+    out = cp.ctl("tenants", "delete", "gone", "--yes")
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out
+    assert f"has 1 active key(s): {key_id} (gone-1)" in out.stderr and "--revoke-keys" in out.stderr, out.stderr
+    assert httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sim", max_tokens=1), headers=auth(key),
+                      timeout=10).status_code == 200  # nothing was changed
+    assert "gone" in {t["name"] for t in admin(cp, "GET", "/admin/v1/tenants").json()}
+    out = cp.ctl("tenants", "delete", "gnoe", "--yes")
+    assert out.returncode == 1 and "no tenant named 'gnoe'; did you mean 'gone'?" in out.stderr, out.stderr
+
+    out = cp.ctl("tenants", "delete", "gone", "--revoke-keys", "--yes")
+    assert out.returncode == 0 and out.stdout.strip().endswith(f"deleted tenant gone; revoked {key_id}"), out
+    for gw in (cp.gateway, cp.gw2):  # type: ignore[attr-defined]
+        wait_until(lambda: httpx.post(gw + "/v1/chat/completions", json=chat("sim", max_tokens=1), headers=auth(key),
+                                      timeout=10).status_code == 401, timeout_s=10, what=f"the key refused at {gw}")
+    assert "gone" not in {t["name"] for t in admin(cp, "GET", "/admin/v1/tenants").json()}
+    [k] = [k for k in admin(cp, "GET", "/admin/v1/keys").json() if k["id"] == key_id]
+    assert k["revoked_at"] and k["tenant"] is None
+    wait_until(lambda: usage_rows(cp, "gone"), timeout_s=5, what="gone's usage row")  # written within a second
+    report = admin(cp, "GET", "/admin/v1/usage?tenant=gone&since=1h").json()
+    assert report["rows"][0]["requests"] == 2, report  # its use (both answers) is history, kept
+
+    r = admin(cp, "POST", "/admin/v1/keys", {"name": "late", "tenant": "gone"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "tenant_not_found", r.text
+    assert cp.ctl("tenants", "create", "gone").returncode == 0  # the name is free again
+    assert admin(cp, "DELETE", "/admin/v1/tenants/gone", {}).status_code == 200  # no keys: no flag needed
+    for bad in ("Gone", "x" * 300, "..", "%2e%2e"):
+        r = admin(cp, "DELETE", f"/admin/v1/tenants/{bad}", {})
+        assert r.status_code in (400, 404) and "error" in r.json(), (bad, r.status_code, r.text)

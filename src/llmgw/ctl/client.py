@@ -66,6 +66,10 @@ class Admin:
     def post(self, path: str, body: dict | None = None) -> Any:
         return self._call("POST", path, json=body if body is not None else {})
 
+    def delete(self, path: str, **params: Any) -> Any:
+        # A change, so sent as JSON like every other (security/admin_guard.py), though it carries nothing.
+        return self._call("DELETE", path, params=params or None, json={})
+
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         try:
             with httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers) as c:

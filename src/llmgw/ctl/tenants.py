@@ -1,4 +1,4 @@
-"""`llmgw ctl tenants create | list | set` and `llmgw ctl usage` (issue 15): teams, their limits, what
+"""`llmgw ctl tenants create | list | set | delete` and `llmgw ctl usage` (issue 15): teams, their limits, what
 they used.
 
 Limit options take an integer (`60`, or with a suffix: `10k`, `2M`, `1G`), or `none` to remove the limit
@@ -15,11 +15,11 @@ from typing import Any, Optional
 
 import typer
 
-from llmgw.ctl.client import Admin, fail, seg
+from llmgw.ctl.client import Admin, confirm, fail, seg
 from llmgw.ctl.output import Output, age, dump, output_option, show, table
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
-                  help="Tenants (teams) and their limits: create, list, set.")
+                  help="Tenants (teams) and their limits: create, list, set, delete.")
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _NUMBER = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)([kKmMgGtT]?)")
@@ -122,6 +122,25 @@ def set_(name: str = typer.Argument(..., help="The tenant"), rpm: Optional[str] 
     view = Admin().post(f"/admin/v1/tenants/{seg(name)}", {"limits": body})
     typer.echo(f"tenant {view['name']}: {limits_text(view['limits'])}")
     _notes(view)
+
+
+@app.command("delete")
+def delete(name: str = typer.Argument(..., help="The tenant"),
+           revoke_keys: bool = typer.Option(False, "--revoke-keys", help="Revoke its active keys with it"),
+           yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking")):
+    """Delete a tenant. While it has active keys it is refused, naming them, unless `--revoke-keys`
+    revokes them with it (every gateway refuses them within a moment). Its usage stays in `ctl usage`."""
+    admin = Admin()
+    found = [t for t in admin.get("/admin/v1/tenants") if t["name"] == name]
+    if found:
+        t = found[0]
+        typer.echo(f"  {t['name']}  {limits_text(t['limits'])}  {t['keys']} active key(s)")
+        if t["keys"] and revoke_keys:
+            typer.echo(f"  its {t['keys']} active key(s) are revoked with it")
+    if found and not yes and not confirm("delete?"):
+        raise typer.Exit(1)
+    done = admin.delete(f"/admin/v1/tenants/{seg(name)}", revoke_keys=str(revoke_keys).lower())
+    typer.echo(f"deleted tenant {done['name']}" + (f"; revoked {', '.join(done['revoked'])}" if done["revoked"] else ""))
 
 
 def _tenants_table(tenants: list[dict], now: datetime, wide: bool):

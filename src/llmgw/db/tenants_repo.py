@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -43,6 +43,31 @@ async def create_tenant(conn: AsyncConnection, name: str, limits: dict) -> Tenan
 async def get_tenant(conn: AsyncConnection, name: str) -> TenantRow | None:
     r = (await conn.execute(_listed().where(tenants.c.name == name))).first()
     return _row(r) if r else None
+
+
+async def tenant_exists(conn: AsyncConnection, name: str) -> bool:
+    """Whether tenant `name` exists, holding it (FOR KEY SHARE) until the transaction ends: a key created
+    for it in this transaction and a concurrent `delete_tenant` wait on each other, never both go ahead."""
+    return (await conn.execute(select(tenants.c.name).where(tenants.c.name == name).with_for_update(key_share=True))
+            ).first() is not None
+
+
+async def delete_tenant(conn: AsyncConnection, name: str, revoke_keys: bool) -> tuple[bool, list[dict]]:
+    """Delete tenant `name`: (whether it existed, its active keys). With active keys and not
+    `revoke_keys` nothing is changed; else its active keys are revoked, every key of it keeps no tenant
+    (a revoked key lists as one of no tenant), and the tenant goes. Its usage rows stay (`ctl usage`)."""
+    if (await conn.execute(select(tenants.c.name).where(tenants.c.name == name).with_for_update())).first() is None:
+        return False, []
+    active = [dict(r) for r in (await conn.execute(
+        select(api_keys.c.id, api_keys.c.name).where(and_(api_keys.c.tenant == name, api_keys.c.revoked_at.is_(None)))
+        .order_by(api_keys.c.created_at, api_keys.c.id))).mappings().all()]
+    if active and not revoke_keys:
+        return True, active
+    await conn.execute(update(api_keys).where(and_(api_keys.c.tenant == name, api_keys.c.revoked_at.is_(None)))
+                       .values(revoked_at=func.now()))
+    await conn.execute(update(api_keys).where(api_keys.c.tenant == name).values(tenant=None))
+    await conn.execute(delete(tenants).where(tenants.c.name == name))
+    return True, active
 
 
 async def list_tenants(conn: AsyncConnection) -> list[TenantRow]:

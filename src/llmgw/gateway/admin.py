@@ -24,7 +24,7 @@ from llmgw.schemas.api import (
     ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LiveReplicaView, LogsView, ModelView,
     NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView, RetryResult,
 )
-from llmgw.schemas.tenants import LimitsChange, TenantCreate, TenantView, UsageReport
+from llmgw.schemas.tenants import LimitsChange, TenantCreate, TenantDeleted, TenantView, UsageReport
 from llmgw.workflows import attributes
 from llmgw.schemas.payloads import (
     LivenessFacts, NodeSnap, ReclaimInput, ReclaimResult, ReplicaSnap, ShardPlacement, Snapshot,
@@ -237,6 +237,11 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     async def set_tenant(name: str, req: LimitsChange) -> TenantView:
         """Change a tenant's limits: only the fields given; null removes one."""
         return await tenant_service.set(name, req.limits)
+
+    @app.delete("/admin/v1/tenants/{name}", response_model=TenantDeleted)
+    async def delete_tenant(name: str, revoke_keys: bool = False) -> TenantDeleted:
+        """Delete a tenant (409 while it has active keys, unless `revoke_keys`); its usage stays."""
+        return await tenant_service.delete(name, revoke_keys)
 
     @app.get("/admin/v1/usage", response_model=UsageReport)
     async def usage(tenant: str | None = Query(None, max_length=200), since: str = Query("7d", max_length=40),

@@ -17,7 +17,7 @@ from llmgw.gateway.errors import APIError
 from llmgw.gateway.quotas import NO_TENANT, model_allowed
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.tenants import (
-    MAX_TENANTS, USAGE_BY, Limits, TenantCreate, TenantView, UsageReport, UsageRow, tenant_name_problem,
+    MAX_TENANTS, USAGE_BY, Limits, TenantCreate, TenantDeleted, TenantView, UsageReport, UsageRow, tenant_name_problem,
 )
 from llmgw.spelling import did_you_mean
 
@@ -86,6 +86,24 @@ class TenantService:
             catalog = await catalog_repo.get_catalog(conn)
         assert row is not None
         return _view(row, unmatched(limits, catalog))
+
+    async def delete(self, name: str, revoke_keys: bool) -> TenantDeleted:
+        """Delete a tenant: 409 `tenant_has_keys` naming them while it has active keys, unless
+        `revoke_keys`, which revokes them in the same transaction (every gateway hears it through NOTIFY)."""
+        check_tenant_name(name, "name")
+        async with self.engine.begin() as conn:
+            found, active = await tenants_repo.delete_tenant(conn, name, revoke_keys)
+            if not found:
+                known = [r.name for r in await tenants_repo.list_tenants(conn)]
+                raise APIError(404, f"no tenant named {name!r}{did_you_mean(name, known)}; `llmgw ctl tenants list` "
+                               "shows them", param="name", code="not_found")
+        if active and not revoke_keys:
+            shown = ", ".join(f"{k['id']} ({k['name']})" if k["name"] else k["id"] for k in active[:10])
+            more = f" and {len(active) - 10} more" if len(active) > 10 else ""
+            raise APIError(409, f"tenant {name!r} has {len(active)} active key(s): {shown}{more}; revoke them "
+                           f"(`llmgw ctl keys revoke ID`), or `llmgw ctl tenants delete {name} --revoke-keys` revokes "
+                           "them with it", param="name", code="tenant_has_keys")
+        return TenantDeleted(name=name, revoked=[k["id"] for k in active])
 
     async def usage(self, tenant: str | None, since: str, by: str) -> UsageReport:
         """Use over the last `since` (`7d`), per tenant and per `by` (tenant, model, key, day)."""

@@ -190,6 +190,13 @@ class TenantView(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
+class TenantDeleted(BaseModel):
+    """A tenant deleted, and the ids of the keys revoked with it (`revoke_keys`)."""
+
+    name: str
+    revoked: list[str] = Field(default_factory=list)
+
+
 USAGE_BY = ("tenant", "model", "key", "day")
 
 

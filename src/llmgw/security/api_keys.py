@@ -113,7 +113,7 @@ class ApiKeyService:
         must exist (400 `tenant_not_found` naming the field otherwise); `limits` are the key's own."""
         key = new_key()
         async with self.engine.begin() as conn:
-            if tenant is not None and await tenants_repo.get_tenant(conn, tenant) is None:
+            if tenant is not None and not await tenants_repo.tenant_exists(conn, tenant):
                 raise APIError(400, f"no tenant named {tenant!r}; `llmgw ctl tenants create {tenant}` first",
                                param="tenant", code="tenant_not_found")
             row = await keys_repo.create_key(conn, uuid.uuid4().hex[:12], name, key[: len(KEY_PREFIX) + 4],

@@ -397,3 +397,53 @@ def test_an_answer_without_usage_is_charged_an_estimate_and_one_never_answered_n
     whole.body(b'{"choices": []}')
     q.settle(whole)
     assert q.pending[("team", "k1", "llama-8b")] == [3, 103, 62]
+
+
+def test_what_requests_in_flight_may_use_is_held_and_released_whatever_becomes_of_them():
+    """Admission holds a token for each 4 characters of prompt plus max_tokens in every quota of the
+    account; the token limits judge used + held; settling releases the hold, answered or not, and a
+    request refused by its key's quota holds nothing in its tenant's."""
+    q, acct = quotas_with({"tokens_per_day": 100}, key_limits={"rpm": 2})
+    tenant, own = acct.quotas
+    q.clock = lambda: T0
+    req = {**REQ, "max_tokens": 40}
+    a, _, _ = q.admit(acct, MODEL, req, b"{}", prompt_chars=8)  # holds 2 + 40
+    b, _, _ = q.admit(acct, MODEL, req, b"{}", prompt_chars=8)
+    assert tenant.held == own.held == 84 and a.held == b.held == 42
+    with pytest.raises(APIError) as e:  # the key's rpm refuses it: nothing held, nothing counted for it
+        q.admit(acct, MODEL, req, b"{}", prompt_chars=8)
+    assert "key `k1`" in e.value.message and tenant.held == 84
+    q.settle(a)  # answered with no usage and never sent: charged nothing, its hold released
+    assert tenant.held == own.held == 42 and tenant.day.used == 0
+    b.body(json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 40}}).encode())
+    q.settle(b)
+    q.settle(b)  # (settled twice by mistake: the hold is not released twice)
+    assert tenant.held == own.held == 0 and tenant.day.used == 84
+
+
+def test_a_budget_filled_by_holds_is_a_rate_limit_for_a_second_not_a_spent_quota():
+    q, acct = quotas_with({"tokens_per_day": 100, "tpm": 1000})
+    q.clock = lambda: T0
+    held = []
+    for _ in range(3):  # 41 each: 0, 41 and 82 are under 100, so three are admitted
+        held.append(q.admit(acct, MODEL, {**REQ, "max_tokens": 40}, b"{}", prompt_chars=2)[0])
+    with pytest.raises(APIError) as e:
+        q.admit(acct, MODEL, REQ, b"{}", prompt_chars=2)
+    err = e.value
+    assert (err.status, err.code) == (429, "rate_limit_exceeded") and err.headers["Retry-After"] == "1"
+    assert "0 of 100 tokens used, 123 held by requests in flight" in err.message, err.message
+    for m in held:
+        m.body(json.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 40}}).encode())
+        q.settle(m)
+    with pytest.raises(APIError) as e:  # now spent, until the day turns
+        q.admit(acct, MODEL, REQ, b"{}", prompt_chars=2)
+    assert e.value.code == "insufficient_quota"
+
+
+def test_a_request_whose_prompt_reached_an_engine_is_charged_it_though_no_answer_came():
+    q, acct = quotas_with({"tokens_per_month": 10**6})
+    q.clock = lambda: T0
+    m, _, _ = q.admit(acct, MODEL, {**REQ, "max_tokens": 60}, b"{}", prompt_chars=8000)
+    m.sent = True  # the proxy: the engine (or a guard's judge) has it; then the client left
+    q.settle(m)
+    assert q.pending[("team", "k1", "llama-8b")] == [1, 2000, 0]

@@ -508,3 +508,91 @@ def test_ctl_tenants_delete_refuses_while_keys_are_active_then_revokes_them_with
     for bad in ("Gone", "x" * 300, "..", "%2e%2e"):
         r = admin(cp, "DELETE", f"/admin/v1/tenants/{bad}", {})
         assert r.status_code in (400, 404) and "error" in r.json(), (bad, r.status_code, r.text)
+
+
+async def test_a_burst_admitted_at_once_cannot_pass_a_budget_by_more_than_a_request(plane):
+    """20 requests at once under a budget of 100 tokens, each able to use 41 (a prompt of 1 token, max_tokens
+    40): tokens are known only as answers end, so before, all 20 were admitted and used 820. Now each holds
+    what it may use until it ends: 3 are admitted (41, 82, 123: the last passes the figure, never further),
+    the rest get 429 rate_limit_exceeded with Retry-After 1 (not insufficient_quota: the budget is not
+    spent yet), and once they are counted the budget is spent."""
+    cp = plane
+    create_tenant(cp, "burst", tokens_per_month=100)
+    key = create_key(cp, "burst-1", "burst")
+    wait_key(cp, key)
+    async with aiohttp.ClientSession() as s:
+        async def ask() -> tuple[int, dict, dict]:
+            async with s.post(cp.gateway + "/v1/chat/completions", headers=auth(key),
+                              json=chat("slow", text="hi", max_tokens=40)) as r:
+                return r.status, dict(r.headers), await r.json()
+        answers = await asyncio.gather(*[ask() for _ in range(20)])
+        ok = [a for a in answers if a[0] == 200]
+        refused = [a for a in answers if a[0] != 200]
+        assert len(ok) == 3, [a[0] for a in answers]
+        for status, headers, body in refused:
+            assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+            assert "held by requests in flight" in body["error"]["message"] and headers["Retry-After"] == "1", body
+        status, _, body = await ask()
+        assert status == 429 and body["error"]["code"] == "insufficient_quota", body
+    rows = await asyncio.to_thread(wait_until, lambda: usage_rows(cp, "burst"), timeout_s=5, what="burst's usage")
+    [(_, _, requests, prompt, completion)] = rows
+    assert requests == 3 and prompt + completion <= 3 * 41, rows
+
+
+async def test_a_client_that_leaves_before_the_answer_is_charged_the_prompt_the_engine_read(plane):
+    """The engine reads a long prompt, the client gives up before the answer: the engine's work (its
+    prefill) was free before, limited only by the rpm. Now the prompt is charged, a token for each 4
+    characters, once the request has reached an engine; one that never did (a 400 from the engine) is not."""
+    cp = plane
+    create_tenant(cp, "leaver", tokens_per_month=10**9)
+    key = create_key(cp, "leaver-1", "leaver")
+    wait_key(cp, key)
+    async with httpx.AsyncClient(timeout=1.0) as c:
+        with pytest.raises(httpx.TimeoutException):  # `slow` takes 3 s for 60 tokens
+            await c.post(cp.gateway + "/v1/chat/completions", headers=auth(key),
+                         json=chat("slow", text="x" * 8000, max_tokens=60))
+    rows = await asyncio.to_thread(wait_until, lambda: [r for r in usage_rows(cp, "leaver") if r[3]], timeout_s=8,
+                                   what="the left request's usage row")
+    [(_, model, requests, prompt, completion)] = rows
+    assert model == "slow" and requests == 1 and prompt >= 2000 and completion == 0, rows
+
+
+async def test_a_stream_whose_engine_reports_no_usage_is_charged_the_events_it_relayed(plane):
+    """The fake engine streams 3 events and no usage chunk, all of it in one read: the events were counted
+    only inside the relay's loop, which a stream read whole never enters, so it was charged nothing."""
+    cp = plane
+    create_tenant(cp, "nousage", tokens_per_month=10**9)
+    key = create_key(cp, "nousage-1", "nousage")
+    wait_key(cp, key)
+    async with httpx.AsyncClient(timeout=10) as c:  # (the fake engine answers on this event loop)
+        r = await c.post(cp.gateway + "/v1/chat/completions", headers=auth(key),
+                         json=chat("echo", text="one two", stream=True))
+    assert r.status_code == 200 and r.text.count("data:") == 4, r.text  # 3 events and [DONE]
+    rows = await asyncio.to_thread(wait_until, lambda: usage_rows(cp, "nousage"), timeout_s=5, what="its usage row")
+    [(_, _, requests, prompt, completion)] = rows
+    assert requests == 1 and prompt >= 1 and completion == 3, rows
+
+
+async def test_an_error_answer_to_an_accounted_request_carries_its_rate_limit_headers(plane):
+    """A request admitted and counted, whose engine then refused it (400) or could not be reached (502),
+    is answered with the `x-ratelimit-*` headers as every other answer of a key with limits is."""
+    cp = plane
+    dead = f"http://127.0.0.1:{free_port()}"
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+              if m["name"] not in ("refuse", "dead")]
+    models += [{"name": "refuse", "endpoints": [cp.fake.url("refuse400")]},  # type: ignore[attr-defined]
+               {"name": "dead", "endpoints": [dead]}]
+    assert cp.apply({"models": models}).status_code == 200
+    create_tenant(cp, "headers", rpm=1000, tpm=10**6)
+    key = create_key(cp, "headers-1", "headers")
+    wait_key(cp, key)
+    async with httpx.AsyncClient(timeout=10) as c:  # (the fake engine answers on this event loop)
+        for model, status in (("echo", 200), ("refuse", 400), ("dead", 502)):
+            deadline = time.monotonic() + 10
+            while (r := await c.post(cp.gateway + "/v1/chat/completions", headers=auth(key),
+                                     json=chat(model))).status_code == 404 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)  # until the route table has the new catalog
+            assert r.status_code == status, (model, r.text)
+            assert r.headers["x-ratelimit-limit-requests"] == "1000", (model, r.headers)
+            assert r.headers["x-ratelimit-limit-tokens"] == "1000000", (model, r.headers)
+            assert int(r.headers["x-ratelimit-remaining-requests"]) < 1000, (model, r.headers)

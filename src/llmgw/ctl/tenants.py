@@ -10,6 +10,7 @@ printed as its one-line error.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from datetime import datetime
 from typing import Any, Optional
 
@@ -32,7 +33,7 @@ def limit_value(text: str, option: str = "the limit") -> Any:
         return None
     m = _NUMBER.fullmatch(text.strip())
     if m:
-        n = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+        n = Decimal(m.group(1)) * _SUFFIX[m.group(2).lower()]  # (4.1M in floats is 4099999.9999999995)
         if n == int(n) and n >= 1:
             return int(n)
         if n < 1:

@@ -14,8 +14,10 @@ minute's count, weighted by the share of it still inside the last 60 s, plus the
 
 which needs no more than the per-minute rows every gateway writes, never admits a burst of twice the limit
 across a minute boundary as fixed windows do, and refills smoothly as the previous minute fades. A request
-is admitted while `used + 1 ≤ limit` (requests) or `used < limit` (tokens: they are known only once the
-answer is, so a request is admitted while the bucket is not exhausted, and what it uses is counted after).
+is admitted while `used + 1 ≤ limit` (requests) or `used + held < limit` (tokens: they are known only once
+the answer is, so a request is admitted while the bucket is not exhausted, and what it uses is counted
+after; `held` is what the requests in flight on this gateway may still use, reserved at admission, so
+that many requests admitted at once cannot all pass a budget before the first of them is counted).
 
 Budgets count tokens over a UTC day or month (`period_bounds`, from the database clock); a spent one is
 refused until the period turns. Times are seconds since the epoch on the database's clock.
@@ -195,13 +197,14 @@ class Budget:
         self.used += n
         self.unsynced += n
 
-    def room(self, now: float) -> bool:
-        """Not spent yet (a request is admitted while any of the budget is left)."""
+    def room(self, now: float, held: int = 0) -> bool:
+        """Not spent yet, counting `held` (what requests in flight may use): a request is admitted while any
+        of the budget is left."""
         if self.limit is None:
             return True
         if not self.start <= now < self.end:  # (the common case, inside the period, without a call)
             self._roll(now)
-        return self.used < self.limit
+        return self.used + held < self.limit
 
     def used_now(self, now: float) -> int:
         self._roll(now)

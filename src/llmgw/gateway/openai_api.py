@@ -67,10 +67,14 @@ async def read_body(receive: Receive, limit: int = MAX_BODY) -> bytes:
             return b"".join(chunks)
 
 
-async def send_error(send: Send, err: APIError) -> None:
+async def send_error(send: Send, err: APIError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """`err` as the answer; `extra`: headers to send with it (an accounted request's rate-limit headers)."""
     body = err.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    if extra:
+        have = {k for k, _ in headers}
+        headers += [(k, v) for k, v in extra if k not in have]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

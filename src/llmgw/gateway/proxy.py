@@ -186,17 +186,16 @@ class Proxy:
             if route.text_only and path == CHAT and (part := media_part(req)) is not None:
                 raise errors.text_only(label, part)
             if account is not None and self.quotas is not None:
-                x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body)
+                x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
-                x.meter.prompt_chars = chars
             self.metrics.begin(label)
             counted = True
             x.watch(receive)
             status, ttft = await self._serve(route, path, req, req_body, send, x, started)
         except APIError as err:
             status = err.status
-            if not x.started:
-                await send_error(send, err)
+            if not x.started:  # an accounted request's answer carries its rate-limit headers, errors too
+                await send_error(send, err, x.meter.headers if x.meter is not None else None)
             elif x.held and not x.finished:  # held while loading: the stream ends with the error event
                 x.finished = True  # and `[DONE]`, as every stream does (gateway/sse.py)
                 await send({"type": "http.response.body", "body": sse_error(err) + DONE, "more_body": False})
@@ -226,6 +225,8 @@ class Proxy:
                      started: float) -> tuple[int, float | None]:
         policy = route.model.guard if path in GUARDED else None
         if policy is not None and "request" in policy.check:
+            if x.meter is not None:
+                x.meter.sent = True  # the judge reads the prompt: charged, even if it is refused
             await self._judge(route.model.name, policy, "request", conversation(path, req),
                               "messages" if path.endswith("chat/completions") else "prompt")
 
@@ -237,7 +238,7 @@ class Proxy:
             return await self._relay(resp, req.get("stream") is True, send, x, started)
 
         hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
-        return await self._exchange(route, path, req, body, consume, hold)
+        return await self._exchange(route, path, req, body, consume, hold, x.meter)
 
     @staticmethod
     def _holder(name: str, send: Send, x: _Exchange) -> Hold:
@@ -260,7 +261,8 @@ class Proxy:
         return [r for r in (route, *self.routes.fallbacks(route)) if r.endpoints]
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
-                        consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None) -> Any:
+                        consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None,
+                        meter: Meter | None = None) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
         replica the request is held for a load (`hold` is called while it waits)."""
@@ -274,7 +276,7 @@ class Proxy:
         usage = self.demand.usage
         usage.begin(name)
         try:
-            resp, ep = await self._open(plan, path, req, body)
+            resp, ep = await self._open(plan, path, req, body, meter)
             healthy: bool | None = None
             try:
                 result = await consume(resp)
@@ -300,9 +302,12 @@ class Proxy:
         else:
             ep.trial = False  # cancelled: no verdict on the endpoint
 
-    async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes) -> tuple[Response, Endpoint]:
+    async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
+                    meter: Meter | None = None) -> tuple[Response, Endpoint]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
-        client. Returns an answer with a status below 400, its endpoint counted as outstanding."""
+        client. Returns an answer with a status below 400, its endpoint counted as outstanding. An
+        accounted request's `meter.sent` says whether an engine has it (so a client that leaves before the
+        answer is still charged its prompt): set as it is sent, cleared when no engine took it."""
         loop = asyncio.get_running_loop()
         tried: set[str] = set()
         last: APIError | None = None
@@ -317,9 +322,13 @@ class Proxy:
                     self.metrics.retries.labels(plan[0].model.name).inc()
                 tried.add(ep.replica_id)
                 ep.outstanding += 1
+                if meter is not None:
+                    meter.sent = True
                 try:
                     resp = await self.upstream.post(ep.target, path, data)
                 except ConnectFailed as exc:
+                    if meter is not None:
+                        meter.sent = False
                     self._done(ep, False)
                     log.warning("%s at %s failed before answering (%s); trying another", ep.replica_id, ep.url, exc)
                     last = errors.upstream_failed(str(exc))
@@ -336,6 +345,8 @@ class Proxy:
                 status = resp.status
                 if status < 400:
                     return resp, ep
+                if meter is not None:
+                    meter.sent = False  # the engine refused it: nothing to charge
                 try:
                     err = engine_error(status, await resp.read(64 << 10))
                 except UpstreamError as exc:
@@ -391,13 +402,15 @@ class Proxy:
                 if meter is not None:
                     if USAGE in out:
                         out = meter.events(out)
-                    meter.relayed += out.count(b"data:")  # what a stream left early is charged (Quotas.settle)
+                    meter.relayed += out.count(b"data: {")  # what a stream left early is charged (Quotas.settle)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()
             out = frames.feed(chunk)
-            if meter is not None and USAGE in out:
-                out = meter.events(out)
+            if meter is not None:
+                if USAGE in out:
+                    out = meter.events(out)
+                meter.relayed += out.count(b"data: {")  # the last events too (not [DONE])
         except (UpstreamError, StreamBroken) as exc:
             err = (errors.upstream_timeout(self.upstream.read_timeout_s) if isinstance(exc, UpstreamTimeout)
                    else errors.upstream_failed(str(exc)))
@@ -429,6 +442,7 @@ class Proxy:
             data += frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
             if x.meter is not None:
                 data = x.meter.events(data)
+                x.meter.relayed = data.count(b"data: {")
         elif x.meter is not None:
             x.meter.body(data)
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]

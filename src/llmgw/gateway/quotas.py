@@ -9,16 +9,21 @@ no task per request). A key of neither kind, or no key at all, takes the path it
   `model_not_allowed`), then for the tenant and for the key: requests per minute with room for one more,
   tokens per minute not exhausted, the day's and the month's budgets not spent; else 429
   `rate_limit_exceeded` / `insufficient_quota` with Retry-After and OpenAI's `x-ratelimit-*` headers. The
-  request is counted at once, so this gateway's next request sees it.
+  request is counted at once, so this gateway's next request sees it, and what it may use (a token per 4
+  characters of prompt, plus its max_tokens, as OpenAI counts it) is held in its quotas until it ends: the
+  token limits judge what was used plus what requests in flight hold, so a burst admitted at once cannot
+  all pass a budget before the first answer is counted.
 - The answer's `usage` is read as it passes (`Meter`), and counted once when the request ends (`settle`),
   under the model the client asked for (its catalog name). A request that ends without usage (the engine
-  broke off, the client left mid-stream) counts as a request with no tokens, and in
-  `llmgw_usage_missing_total`.
+  broke off, the client left) is charged an estimate once its prompt reached an engine or a guard's
+  judge (`settle`), and counted in `llmgw_usage_missing_total`.
 - Every `sync_s` (`sync`): this gateway's counts since the last sync are added to Postgres (one usage row
   per minute, tenant, key and model; one per budget period and key), and the fleet's totals for the last
   two minutes, the day and the month are read back in the same transaction, from the database clock. If
-  Postgres cannot be reached, the counts are kept and written at the next sync, and limits are judged by
-  the last fleet totals plus this gateway's own traffic.
+  Postgres cannot be reached, the counts are kept, each batch under the minute it was counted in, and
+  written to those minutes and their budget periods at the next sync (not all into the minute Postgres
+  came back in, which would have shut every tenant that kept working out of its rpm); limits are judged
+  meanwhile by the last fleet totals plus this gateway's own traffic.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ _UNSEEN = object()  # a model not judged yet for an account
 class Quota:
     """One scope's limits and its fleet-wide counts: a tenant's (shared by every key of it) or a key's own."""
 
-    __slots__ = ("scope", "name", "limits", "metered", "requests", "tokens", "day", "month", "requests_left",
+    __slots__ = ("scope", "name", "limits", "metered", "requests", "tokens", "day", "month", "held", "requests_left",
                  "requests_reset", "tokens_left", "tokens_reset")
 
     def __init__(self, scope: str, name: str, day_s: float | None):
@@ -67,6 +72,9 @@ class Quota:
         self.tokens = Window()
         self.day = Budget("day", lambda now: period_bounds("day", now, day_s))
         self.month = Budget("month", lambda now: period_bounds("month", now))
+        # Tokens the requests in flight on this gateway may still use (`Meter.held`, reserved at admission,
+        # released when each settles): judged with the tokens already counted, in the window and both budgets.
+        self.held = 0
         # As of this scope's last admission (`take`): what the `x-ratelimit-*` headers say.
         self.requests_left = self.tokens_left = 0
         self.requests_reset = self.tokens_reset = 0.0
@@ -99,12 +107,12 @@ class Quota:
                 if now >= t.start + WINDOW_S:
                     t.report(now)  # rolls the window forward
                 te = now - t.start
-                tused = t.prev * (1.0 - te / WINDOW_S) + t.cur
+                tused = t.prev * (1.0 - te / WINDOW_S) + t.cur + self.held
                 if tused >= t._limit:
                     return False
                 self.tokens_left = int(t._limit - tused)
                 self.tokens_reset = 2 * WINDOW_S - te if t.cur else WINDOW_S - te if t.prev else 0.0
-            if not (self.day.room(now) and self.month.room(now)):
+            if not (self.day.room(now, self.held) and self.month.room(now, self.held)):
                 return False
         r.cur += 1
         r.unsynced += 1
@@ -135,6 +143,10 @@ class Quota:
     def restore(self, t: tuple[int, int, int, int]) -> None:
         for part, n in zip((self.requests, self.tokens, self.day, self.month), t):
             part.restore(n)
+
+
+def _held_text(q: Quota) -> str:
+    return f", {q.held} held by requests in flight (prompt / 4 + max_tokens each)" if q.held else ""
 
 
 _requests_left = attrgetter("requests_left")
@@ -189,23 +201,25 @@ class Meter:
     response, and whether the usage chunk it did not ask for must be dropped (`strip`)."""
 
     __slots__ = ("account", "row", "strip", "head", "lines", "counts", "prompt_chars", "cap", "stream", "relayed",
-                 "whole")
+                 "whole", "sent", "held")
 
     def __init__(self, account: Account, row: usage_repo.RowKey, strip: bool, head: bytes, cap: int = 0,
-                 stream: bool = False):
+                 stream: bool = False, prompt_chars: int = 0, held: int = 0):
         self.account = account
         self.row = row  # its usage row's key: (tenant or '', key id, the model the client asked for)
         self.strip = strip
         self.head = head  # the rate-limit headers as header lines (llmgw/response_head.py)
         self.lines = False  # the server writes `head` as it is (the proxy sets it from the scope)
         self.counts: Counts | None = None
-        # What an answer without usage is charged from (`Quotas.settle`): the prompt's characters (the proxy
-        # sets them), the request's max_tokens, and the events relayed of a stream (the proxy counts them).
-        self.prompt_chars = 0
+        # What an answer without usage is charged from (`Quotas.settle`): the prompt's characters, the
+        # request's max_tokens, and the events relayed of a stream (the proxy counts them).
+        self.prompt_chars = prompt_chars
         self.cap = cap
         self.stream = stream
         self.relayed = 0
         self.whole = False  # an answer not streamed was read whole
+        self.sent = False  # the prompt reached an engine or a guard's judge, which read it (the proxy sets it)
+        self.held = held  # tokens reserved in its quotas at admission (`Quota.held`), released as it settles
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -239,6 +253,8 @@ class Quotas:
         self.scopes: dict[tuple[str, str], Quota] = {}
         self.accounts: dict[str, Account] = {}
         self.pending: dict[usage_repo.RowKey, list[int]] = {}  # counted since the last sync: [requests, prompt, completion]
+        # Counted but not written yet (Postgres away), by the minute it was counted in -> rows as `pending`.
+        self.backlog: dict[float, dict[usage_repo.RowKey, list[int]]] = {}
         self.offset = 0.0  # database clock - this host's clock, as of the last sync
         self.clock = time.time  # this host's clock (tests set their own)
 
@@ -280,10 +296,14 @@ class Quotas:
         return self.clock() + self.offset
 
     # ---- one request -------------------------------------------------------------------------------
-    def admit(self, account: Account, model: Model, req: dict, body: bytes) -> tuple[Meter, dict, bytes]:
+    def admit(self, account: Account, model: Model, req: dict, body: bytes,
+              prompt_chars: int = 0) -> tuple[Meter, dict, bytes]:
         """Admit one request of `account` for `model` (the catalog model the client named), or raise the
         403/429 `APIError`. Returns its meter and the request to send (asking for usage when it streams).
-        Every answer of a key with limits goes through here: a few compares and additions per quota."""
+        Every answer of a key with limits goes through here: a few compares and additions per quota.
+
+        What it may use is held in its quotas until it settles, as OpenAI counts a request against a
+        limit: a token for every 4 characters of prompt, plus its max_tokens."""
         refusing = account._allowed.get(model.name, _UNSEEN)
         if refusing is not None:
             if refusing is _UNSEEN:
@@ -310,7 +330,12 @@ class Quotas:
             row = self.pending[key] = [0, 0, 0]
         row[0] += 1
         cap = req.get("max_completion_tokens") or req.get("max_tokens")
-        return Meter(account, key, strip, self._head(account, now), cap if type(cap) is int else 0, stream), req, body
+        if type(cap) is not int:
+            cap = 0
+        held = -(-prompt_chars // CHARS_PER_TOKEN) + cap
+        for q in quotas:
+            q.held += held
+        return Meter(account, key, strip, self._head(account, now), cap, stream, prompt_chars, held), req, body
 
     def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
         """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""
@@ -323,13 +348,18 @@ class Quotas:
                 f"Rate limit reached for {q.who} on requests per minute (RPM): limit {w.limit}, used "
                 f"{w.used(now):.0f}, requested 1. Please try again in {duration_text(wait)}.", wait, headers)
         w = q.tokens
-        if not w.room(now, 0):
+        if not w.room(now, 0) or (w.limit is not None and w.used(now) + q.held >= w.limit):
             self.metrics.refused(account.label, "tpm")
-            wait = w.wait_s(now, 0)
+            wait = w.wait_s(now, 0) or 1.0  # 0: what is held by requests in flight fills it; they end soon
             return errors.rate_limited(
                 f"Rate limit reached for {q.who} on tokens per minute (TPM): limit {w.limit}, used "
-                f"{w.used(now):.0f}. Please try again in {duration_text(wait)}.", wait, headers)
-        b, period = (q.day, "day") if not q.day.room(now) else (q.month, "month")
+                f"{w.used(now):.0f}{_held_text(q)}. Please try again in {duration_text(wait)}.", wait, headers)
+        b, period = (q.day, "day") if not q.day.room(now, q.held) else (q.month, "month")
+        if b.room(now):  # not spent: what requests in flight may use fills it, until they are counted
+            self.metrics.refused(account.label, f"tokens_per_{period}")
+            return errors.rate_limited(
+                f"Rate limit reached for {q.who} on its token budget for the {period}: {b.used_now(now)} of "
+                f"{b.limit} tokens used{_held_text(q)}. Please try again in 1s.", 1.0, headers)
         self.metrics.refused(account.label, f"tokens_per_{period}")
         wait = b.wait_s(now)
         renews = datetime.fromtimestamp(b.end, timezone.utc).isoformat().replace("+00:00", "Z")
@@ -375,19 +405,25 @@ class Quotas:
         so that leaving early is no way around a budget: a token for each 4 characters of prompt, and a
         token for each event relayed of a stream, or the request's max_tokens for an answer not streamed.
         A request the engine never answered (refused, failed, held through a load that failed) is charged
-        nothing: an estimate is made only for a body read whole or a stream that relayed events."""
+        nothing; one whose prompt reached an engine or a guard's judge, which read it, is charged at least
+        that. What it held in its quotas since admission is released first, whatever happened."""
+        quotas = meter.account.quotas
+        if meter.held:
+            for q in quotas:
+                q.held -= meter.held
+            meter.held = 0
         if meter.counts is None:
             self.metrics.usage_missing.labels(meter.row[2]).inc()
-            if not (meter.relayed or meter.whole):
+            if not (meter.relayed or meter.whole or meter.sent):
                 return
             prompt = -(-meter.prompt_chars // CHARS_PER_TOKEN)
-            completion = meter.relayed if meter.stream else meter.cap
+            completion = meter.relayed if meter.stream else meter.cap if meter.whole else 0
             if not prompt and not completion:
                 return
         else:
             prompt, completion = meter.counts
         now = self.clock() + self.offset
-        for q in meter.account.quotas:
+        for q in quotas:
             q.spend(prompt + completion, now)
         row = self.pending.get(meter.row)
         if row is None:
@@ -399,34 +435,45 @@ class Quotas:
     async def sync(self) -> None:
         """Add this gateway's counts since the last sync to Postgres and read back the fleet's."""
         quotas = list(self.scopes.values())
-        if not quotas and not self.pending:
+        if not quotas and not self.pending and not self.backlog:
             return  # no accounted key: nothing to write, nothing to read
         rows, self.pending = self.pending, {}
         taken = [(q, q.taken()) for q in quotas]
-        t0 = self.clock()
         try:
             async with self.engine.begin() as conn:
+                t0 = self.clock()  # (once connected: a slow reconnect is not the clocks' difference)
                 now = await usage_repo.db_now(conn)
                 minute = now // WINDOW_S * WINDOW_S
                 day = period_bounds("day", now, self.day_s)
                 month = period_bounds("month", now)
                 periods = {"day": day[0], "month": month[0]}
-                await usage_repo.add(conn, minute, periods, rows)
+                for at in sorted(self.backlog):  # each minute's counts to it and to its own day and month
+                    await usage_repo.add(conn, at, {"day": period_bounds("day", at, self.day_s)[0],
+                                                    "month": period_bounds("month", at)[0]}, self.backlog[at])
+                await usage_repo.add(conn, minute, periods, rows)  # the last second's
                 minutes, spent = await usage_repo.totals(conn, minute - WINDOW_S, periods)
         except BaseException:
             for q, t in taken:
                 q.restore(t)
+            # Kept for the next sync under the minute they were counted in, as this gateway reckons the
+            # database clock (its last offset): not under whichever minute Postgres comes back in.
+            into = self.backlog.setdefault(self.now() // WINDOW_S * WINDOW_S, {})
             for k, (r, p, c) in rows.items():
-                row = self.pending.setdefault(k, [0, 0, 0])
-                row[0] += r
-                row[1] += p
-                row[2] += c
+                row = into.get(k)
+                if row is None:
+                    into[k] = [r, p, c]
+                else:
+                    row[0] += r
+                    row[1] += p
+                    row[2] += c
             raise
+        written, self.backlog = self.backlog, {}
         self.offset = now - t0
         self._apply(minute, day, month, minutes, spent)
-        for (tenant, _, model), (_, prompt, completion) in rows.items():  # counted once, when written
-            if prompt or completion:
-                self.metrics.count_tokens(tenant or NO_TENANT, model, prompt, completion)
+        for batch in (*written.values(), rows):
+            for (tenant, _, model), (_, prompt, completion) in batch.items():  # counted once, when written
+                if prompt or completion:
+                    self.metrics.count_tokens(tenant or NO_TENANT, model, prompt, completion)
 
     def _apply(self, minute: float, day: tuple[float, float], month: tuple[float, float],
                minutes: list[usage_repo.MinuteTotal], spent: list[usage_repo.PeriodTotal]) -> None:
@@ -465,4 +512,5 @@ class Quotas:
         try:
             await self.sync()
         except Exception:  # noqa: BLE001 - the process is going; say what is lost
-            log.warning("could not write the last second of token usage (%d rows) on the way out", len(self.pending))
+            log.warning("could not write the token usage not yet written (%d rows) on the way out",
+                        len(self.pending) + sum(len(r) for r in self.backlog.values()))

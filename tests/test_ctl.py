@@ -260,6 +260,8 @@ def test_a_limit_is_shown_as_the_options_take_it_and_reads_back_the_same():
                      1_000_000_000_000: "1T", 1234567: "1234567"}
     assert all(limit_value(text) == n for n, text in shown.items())
     assert limit_number(None) == "-"
+    # Decimal, not float: 4.1 * 10**6 is 4099999.9999999995 in floats, which had been refused as not whole.
+    assert [limit_value(t) for t in ("4.1M", "0.3k", "2.675G", "1.1T")] == [4_100_000, 300, 2_675_000_000, 1_100_000_000_000]
     assert limits_text({"rpm": 60, "tpm": 20_000_000, "tokens_per_day": 10**6, "models": None}) == "rpm 60, tpm 20M, 1M/day"
 
 

@@ -154,3 +154,43 @@ def test_the_hold_queue_is_bounded_and_its_settings_are_checked(control_plane):
         assert "3 requests are already waiting" in r.json()["error"]["message"], r.text
         assert took < 3, took  # answered at once, not held
     assert all(took > 3 for _, took, _ in served)  # held through the engine's start
+
+
+def test_a_request_held_for_a_model_that_leaves_the_catalog_is_told_at_once(control_plane):
+    """A request waits for a model's load (its engine takes 30 s to start); the model is then switched off
+    (`max: 0`) or removed. Before, the held request waited out its whole `load_wait` and got 503
+    "loading" or "pending" (a control plane asked for a replica it will never place); now it is answered
+    within a hold tick: 503 switched off, or 404 for a model that no longer exists."""
+    cp = control_plane
+    cp.start()
+    cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
+    cp.wait_nodes("n1")
+
+    def model(name: str, mx: int = 1) -> dict:
+        return {"name": name, "scaling": {"min": 0, "max": mx, "load_wait": "60s"},
+                "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "0", "--startup-delay", "30"]}]}
+
+    assert cp.apply({"models": [model("off"), model("gone")]}).status_code == 200
+    wait_until(lambda: {"off", "gone"} <= {m["id"] for m in httpx.get(cp.gateway + "/v1/models").json()["data"]},
+               timeout_s=10, what="both listed")
+
+    async def held(name: str) -> tuple[float, httpx.Response]:
+        async with httpx.AsyncClient(timeout=90) as c:
+            t = time.monotonic()
+            r = await c.post(cp.gateway + "/v1/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+            return time.monotonic() - t, r
+
+    async def run():
+        waiting = [asyncio.create_task(held("off")), asyncio.create_task(held("gone"))]
+        await asyncio.sleep(3)  # both held: their engines take 30 s
+        assert not any(w.done() for w in waiting), [w.result()[1].text for w in waiting if w.done()]
+        assert cp.apply({"models": [model("off", mx=0)]}).status_code == 200
+        changed = time.monotonic()
+        out = await asyncio.gather(*waiting)
+        return changed, out
+
+    changed, [(off_took, off), (gone_took, gone)] = asyncio.run(run())
+    assert off.status_code == 503 and "switched off in the catalog" in off.json()["error"]["message"], off.text
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
+    assert time.monotonic() - changed < 8, (off_took, gone_took)  # a hold tick and a route refresh, not 60 s

@@ -123,3 +123,70 @@ def test_a_rollout_whose_new_replica_keeps_failing_is_said_while_the_old_one_ser
     r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
                    json={"model": "roll", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def _live(cp, model: str) -> list[dict]:
+    return [r for r in cp.replicas(all=False) if r["model"] == model and r["status"] in ("starting", "ready")]
+
+
+def test_a_new_profile_no_node_can_hold_leaves_the_old_replicas_serving(control_plane):
+    """A profile changed to need 1000 GB on a 64 GB node. Before, each rollout step found no room for a
+    surge and retired one more old replica "to place into its room", until both were stopped and the model
+    answered 503 unplaceable. Now the old replicas keep serving and the rollout says why it waits."""
+    cp = control_plane
+    cp.start()
+    cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
+    cp.wait_nodes("n1")
+    m = {"name": "roll", "scaling": {"min": 2, "max": 2}, "profiles": [{"engine": "sim", "memory_gb": 1}]}
+    assert cp.apply({"models": [m]}).status_code == 200
+    cp.wait_replicas("roll", count=2, timeout_s=60)
+    wait_until(lambda: all(r.get("profile_hash") for r in _live(cp, "roll")), timeout_s=15, what="their hashes")
+    before = sorted(r["id"] for r in _live(cp, "roll"))
+    assert cp.apply({"models": [{**m, "profiles": [{"engine": "sim", "memory_gb": 1000}]}]}).status_code == 200
+    time.sleep(12)  # six rollout steps (one every 2 s): the two old replicas were gone within this before
+    assert sorted(r["id"] for r in _live(cp, "roll") if r["status"] == "ready") == before
+    r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
+                   json={"model": "roll", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_a_rollout_under_traffic_surges_by_one_replica(control_plane):
+    """min 2, max 5, one client sending requests one after another (load 1). The surge replica was the
+    newest, the scale-down delay held the count for it, so that count became the want and the rollout
+    surged again: it reached 6 live replicas and placed 5 new ones. Now it never has more than 3 live
+    and ends with 2 of the new profile, with no failed request."""
+    cp = control_plane
+    cp.env["LLMGW_REPLICA_DRAIN_TIMEOUT_S"] = "2"
+    cp.start()
+    cp.agent("n1", simulate=sim_spec(gpus=0, memory_gb=64))
+    cp.wait_nodes("n1")
+    m = {"name": "roll", "scaling": {"min": 2, "max": 5, "scale_down_delay": "120s", "target_in_flight": 8},
+         "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "40"]}]}
+    assert cp.apply({"models": [m]}).status_code == 200
+    cp.wait_replicas("roll", count=2, timeout_s=60)
+    wait_until(lambda: all(r.get("profile_hash") for r in _live(cp, "roll")), timeout_s=15, what="their hashes")
+    old = {r["id"] for r in _live(cp, "roll")}
+
+    async def run() -> tuple[int, list]:
+        stop, results = asyncio.Event(), []
+        client = asyncio.create_task(client_loop(cp.gateway, stop, results))
+        await asyncio.sleep(2)
+        assert cp.apply({"models": [{**m, "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "30"]}]}]}
+                        ).status_code == 200
+        most, deadline = 0, time.monotonic() + 90
+        while time.monotonic() < deadline:
+            live = await asyncio.to_thread(_live, cp, "roll")
+            most = max(most, len(live))
+            if len(live) == 2 and not {r["id"] for r in live} & old and all(r["status"] == "ready" for r in live):
+                break
+            await asyncio.sleep(0.5)
+        stop.set()
+        await client
+        return most, results
+
+    most, results = asyncio.run(run())
+    live = _live(cp, "roll")
+    assert len(live) == 2 and not {r["id"] for r in live} & old, live
+    assert most <= 3, f"a 2-replica model surged to {most} live replicas"
+    assert len([r for r in cp.replicas() if r["model"] == "roll"]) == 4  # 2 old, 2 new: nothing built to throw away
+    assert results and all(r == 200 for r in results), [r for r in results if r != 200][:5]

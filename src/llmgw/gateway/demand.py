@@ -95,6 +95,7 @@ class Demand:
         self._reported_busy = False
         self._asked: dict[str, float] = {}
         self._conditions: dict[str, tuple[float, ModelCondition]] = {}
+        self._reading: dict[str, asyncio.Future] = {}  # model -> the status read in flight (`condition`)
         self._woke: dict[str, float] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -160,6 +161,14 @@ class Demand:
         unplaceable_since: float | None = None
         try:
             while True:
+                # The catalog may change while it waits: a model removed is unknown now (404), one switched
+                # off will not load; either is said at once rather than after the whole wait.
+                current = self.routes.resolve(name)
+                if current is None:
+                    raise errors.model_not_found(name)
+                if current.model.effective_scaling.off:
+                    raise errors.unavailable(name, "it was switched off in the catalog (scaling max 0) while this "
+                                             "request waited for it", retry_after_s=60)
                 cond = await self.condition(name)
                 now = loop.time()
                 if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
@@ -217,11 +226,20 @@ class Demand:
 
     async def condition(self, name: str, fresh: bool = False) -> ModelCondition | None:
         """`name`'s status now (kept `CONDITION_TTL_S`, so a burst of requests for a failing model costs one
-        read), or None when it cannot be read (then the answer is "loading", and the next request asks again)."""
+        read), or None when it cannot be read (then the answer is "loading", and the next request asks again).
+        Requests asking at once share one read (200 requests held together had made 200 reads at each
+        tick, queueing the gateway's load reports and route refreshes behind them in the pool)."""
         now = asyncio.get_running_loop().time()
         cached = self._conditions.get(name)
         if cached is not None and not fresh and now - cached[0] < CONDITION_TTL_S:
             return cached[1]
+        reading = self._reading.get(name)
+        if reading is None:
+            reading = self._reading[name] = asyncio.ensure_future(self._read_condition(name, now))
+            reading.add_done_callback(lambda _: self._reading.pop(name, None))
+        return await asyncio.shield(reading)  # one waiter leaving does not cancel the others' read
+
+    async def _read_condition(self, name: str, now: float) -> ModelCondition | None:
         try:
             cond = (await self.status.conditions(self.routes.catalog, [name])).get(name)
         except Exception:  # noqa: BLE001 - cannot tell: logged, and the caller says loading

@@ -34,7 +34,7 @@ from llmgw.placement.fit import HOLDING
 from llmgw.placement.liveness import FleetLiveness, TeardownBudget, fleet_liveness, held_decision
 from llmgw.placement.place import Probe, place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
-from llmgw.placement.rollout import next_step, plan_rules
+from llmgw.placement.rollout import is_outdated, next_step, plan_rules
 from llmgw.placement.scale import wanted
 from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model
@@ -82,8 +82,9 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
                                            reason=f"node {', '.join(lost_nodes)} is lost"))
         elif overdue is not None:
             plan.decisions.append(overdue)
-        elif (r.model, r.profile) not in wanted:
-            what = "model" if r.model not in catalog else f"profile {r.profile!r}"
+        elif (r.model, r.profile) not in wanted and not (r.model in catalog and catalog[r.model].profiles):
+            # (a profile that left a model which still has profiles is rolled: placement/rollout.py)
+            what = "model" if r.model not in catalog else "model's profiles"
             plan.decisions.append(Decision(kind="stop", model=r.model, replica_id=r.id,
                                            reason=f"its {what} left the catalog"))
         else:
@@ -111,16 +112,25 @@ def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
     if model is None:
         return next_step(None, mine, 0, False, None)
     st = next((s for s in snapshot.model_states if s.name == name), None)
-    newest = max((r.created_at for r in mine if r.created_at is not None), default=None)
-    want, _ = desired_replicas(model, st, snapshot.now, len(mine),
-                               (snapshot.now - newest).total_seconds() if newest is not None else None)
-    want = max(1, min(want, model.effective_scaling.max))  # a rollout never takes a model to zero itself
+    # Without the scale-down hold: the surge replica is the newest, and holding for it would surge again.
+    want, _ = desired_replicas(model, st, snapshot.now, len(mine), None)
+    want = min(want, model.effective_scaling.max)
     backoff = None
     if st and st.backoff_until and st.backoff_until > snapshot.now:
         backoff = (f"backing off {(st.backoff_until - snapshot.now).total_seconds():.0f}s after "
                    f"{st.failures} failed start(s)")
-    room = place_one(model, FleetView(_with_status(snapshot), snapshot.replicas, snapshot.models)).kind == "place"
-    return next_step(model, mine, want, room, backoff)
+    nodes = _with_status(snapshot)
+    ready_nodes = {n.id for n in nodes if n.status == "ready"}
+    unrouted = frozenset(r.id for r in mine if not all(s.node_id in ready_nodes for s in r.shards))
+    room = place_one(model, FleetView(nodes, snapshot.replicas, snapshot.models)).kind == "place"
+    fits_after = None
+    if not room:
+        old = sorted((r for r in mine if is_outdated(r, model)),
+                     key=lambda r: (r.status != "starting", r.created_at.timestamp() if r.created_at else 0))
+        if old:  # would the new profile fit where the replica retired first was?
+            d = place_one(model, FleetView(nodes, [r for r in snapshot.replicas if r.id != old[0].id], snapshot.models))
+            fits_after = None if d.kind == "place" else (d.reason or "no node fits it")
+    return next_step(model, mine, want, room, backoff, fits_after, unrouted)
 
 
 MAX_PLACEMENTS = 64  # per pass: each costs the workflow a record_placement and a child start (history events)
@@ -170,10 +180,18 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
         want, why = desired_replicas(model, st, now, serving,
                                      (now - newest).total_seconds() if newest is not None else None)
         want = min(want, model.effective_scaling.max)
+        if any(is_outdated(r, model) for r in mine):  # a rollout: its surge is no scale-up to hold for
+            want, why = desired_replicas(model, st, now, serving, None)
+            want = min(want, model.effective_scaling.max)
         rolling, surge = plan_rules(model, mine, want, why)
         if rolling:
             plan.decisions.extend(rolling)
             if not surge:
+                continue
+            if model.name in failed_unsettled:  # as below: the surge waits until that failure is counted
+                plan.decisions.append(Decision(kind="wait", model=model.name, reason=(
+                    f"{rolling[0].reason}; replica {failed_unsettled[model.name][:8]} just failed: waiting until "
+                    "its failure is counted against the backoff")))
                 continue
             if st and st.backoff_until and st.backoff_until > now:
                 plan.decisions.append(Decision(kind="wait", model=model.name, reason=(

@@ -11,7 +11,13 @@ The work is split so that nothing races for GPUs:
 - the `RolloutWorkflow` retires old ones, one at a time, through `next_step`: when a new replica is Ready
   and the model has more replicas than it wants (the surge arrived), drain and stop the oldest outdated one;
   when no node has room for a surge, retire one first so the planner can place into the room it frees
-  (fewer Ready replicas for a while: only when capacity leaves no other way).
+  (fewer Ready replicas for a while: only when capacity leaves no other way), and only if the new profile
+  fits in that room: one that fits no node leaves every old replica serving.
+- `want` during a rollout is the model's want without the scale-down hold (placement/scale.py): the surge
+  replica is the newest, and holding the count for it would make it the new want and surge again, up to
+  `max`. A model wanted by no one (idle, off) is scaled down as any model is, not rolled.
+- A replica whose profile left a model that still has profiles (renamed, replaced) is outdated: rolled one
+  at a time like a changed one, not stopped with all the others at once.
 So there are never fewer Ready replicas than before when capacity allows, and a new profile that fails to
 start leaves the old replicas serving (the model backs off as after any failed start).
 """
@@ -26,8 +32,12 @@ LIVE = ("starting", "ready")
 
 
 def is_outdated(r: ReplicaSnap, model: Model) -> bool:
+    """Its profile changed, or left a model that still has profiles (renamed, replaced): rolled, not
+    stopped at once with every other replica of it."""
     profile = model.profile(r.profile)
-    return profile is not None and r.profile_hash is not None and r.profile_hash != profile.spec_hash()
+    if profile is None:
+        return bool(model.profiles)
+    return r.profile_hash is not None and r.profile_hash != profile.spec_hash()
 
 
 def hashes(model: Model) -> str:
@@ -38,7 +48,7 @@ def plan_rules(model: Model, mine: list[ReplicaSnap], want: int, why: str) -> tu
     """The planner's part for a model with outdated replicas. Returns (decisions, place): `place` is True
     when the planner should place one replica of the current profile now (the surge), without eviction."""
     old = [r for r in mine if is_outdated(r, model)]
-    if not old:
+    if not old or want == 0:  # nothing wanted (idle, off): scaled down as any model is, not rolled
         return [], False
     new_starting = [r for r in mine if r not in old and r.status == "starting"]
     head = (f"rolling replacement to {hashes(model)}: {len(old)} of {len(mine)} replica(s) run an older profile "
@@ -55,12 +65,18 @@ def plan_rules(model: Model, mine: list[ReplicaSnap], want: int, why: str) -> tu
     return decisions, True
 
 
-def next_step(model: Model | None, replicas: list[ReplicaSnap], want: int, room: bool, backoff: str | None) -> RolloutStep:
-    """What the `RolloutWorkflow` does next for `model`. `replicas` are the model's; `want` is what the
-    planner wants now; `room` whether a node can take one more replica; `backoff` the reason the model is
-    held (failed starts) or None."""
+def next_step(model: Model | None, replicas: list[ReplicaSnap], want: int, room: bool, backoff: str | None,
+              fits_after: str | None = None, unrouted: frozenset[str] = frozenset()) -> RolloutStep:
+    """What the `RolloutWorkflow` does next for `model`. `replicas` are the model's; `unrouted` the ids of
+    those on a node that is not Ready (out of routing: not counted as serving, so a new replica there
+    never lets an old one go); `want` is what the planner wants now; `room` whether a node can take one more replica; `backoff` the reason the model is
+    held (failed starts) or None; `fits_after`, when there is no room, None if a replica of the new profile
+    would fit once the oldest outdated replica is gone, else why it would not (then nothing is retired:
+    a new profile that fits no node must not take the old replicas down one by one)."""
     if model is None:
         return RolloutStep(kind="done", reason="the model left the catalog; the reconciler stops its replicas")
+    if want == 0:
+        return RolloutStep(kind="done", reason="no replica is wanted now (idle or off); the reconciler stops them")
     live = [r for r in replicas if r.status in LIVE]
     old = sorted((r for r in live if is_outdated(r, model)),
                  key=lambda r: (r.status != "starting", r.created_at.timestamp() if r.created_at else 0))
@@ -70,15 +86,20 @@ def next_step(model: Model | None, replicas: list[ReplicaSnap], want: int, room:
         return RolloutStep(kind="done", reason=f"every replica runs {hashes(model)}", **counts)
     if any(r.status == "starting" for r in new):
         return RolloutStep(kind="wait", reason="a replica of the new profile is starting", **counts)
-    if len(live) > want:
+    routed = sum(1 for r in live if r.id not in unrouted)
+    if routed > want:
         v = old[0]
         return RolloutStep(kind="retire", replica_id=v.id, **counts,
-                           reason=f"{len(live)} replicas, {want} wanted: retire {v.id[:8]} (older profile)")
+                           reason=f"{routed} replicas routed, {want} wanted: retire {v.id[:8]} (older profile)")
     if backoff:
         return RolloutStep(kind="wait", reason=f"the new profile is held: {backoff}; the old replicas keep serving",
                            **counts)
     if not room:
         v = old[0]
+        if fits_after is not None:
+            return RolloutStep(kind="wait", **counts, reason=(
+                f"the new profile does not fit even in the room {v.id[:8]} would free ({fits_after}); the old "
+                "replicas keep serving: correct the profile, or add capacity"))
         return RolloutStep(kind="retire", replica_id=v.id, **counts,
                            reason=f"no node has room for a surge replica: retire {v.id[:8]} first, then place into its room")
     return RolloutStep(kind="wait", reason="waiting for the reconciler to place a replica of the new profile", **counts)

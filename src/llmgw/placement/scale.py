@@ -81,7 +81,13 @@ def wanted(model: Model, state: ModelState | None, now: datetime, placed: int,
     floor, why = _floor(model, st, now, placed)
     target = model.target_in_flight
     if st.load == 0 and (st.peak == 0 or floor == 0):
-        # An on-demand model idle past idle_timeout goes to zero whatever the peak window remembers.
+        # An on-demand model idle past idle_timeout goes to zero whatever the peak window remembers. Above
+        # a floor of 1 or more, the newest replica's scale-down delay still holds: no load and no peak is
+        # also what a gateway's load row that stopped counting (a stall, a restart) looks like.
+        if floor and placed > floor and newest_age_s is not None and newest_age_s < sc.scale_down_delay:
+            return Want(placed, (f"{why}; no load reported: would scale down to {floor}, but the newest replica "
+                                 f"is {newest_age_s:.0f}s old (scale_down_delay {sc.scale_down_delay:g}s)"),
+                        holding_down=True)
         return Want(min(floor, sc.max), why)
     load_line = (f"load {st.load} ({st.in_flight} in flight, {st.queued} queued), peak {st.peak} over "
                  f"{sc.scale_down_delay:g}s, target {target} per replica")

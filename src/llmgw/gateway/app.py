@@ -81,7 +81,10 @@ class Gateway:
         self.feed.subscribe("routes", TABLES, self.routes.refresh, partial=True)
         self.feed.subscribe("keys", {"api_keys", "tenants"}, self.keys.refresh)
         self.temporal = LazyClient(settings)
-        self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s, queued=self._queued)
+        # Load for the planner: in flight and held for a load. Not the requests queued for a slot under a
+        # model's `limits.max_concurrency`: that cap is per gateway, so no replica added would drain them
+        # (and a scale-up for them could evict another model for nothing).
+        self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s)
         self.upstream = Upstream(settings.upstream_timeout_s)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
                            Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,

@@ -1,7 +1,7 @@
 """This gateway's load per model, sampled every second and reported for the planner (issue 13).
 
-Per model: requests in flight (forwarded to an engine), queued (waiting for a load, or for a slot under the
-model's `limits`), the peak of in flight + queued over the model's `scaling.scale_down_delay` (so a
+Per model: requests in flight (forwarded to an engine), queued (held for a load; not those waiting for a
+slot under the model's `limits.max_concurrency`, a cap per gateway that more replicas would not lift), the peak of in flight + queued over the model's `scaling.scale_down_delay` (so a
 replica is drained only after load stayed low that long), and requests served per second. Every gateway
 reports its own rows (db/load_repo.py); the planner sums the live ones (placement/scale.py).
 """

@@ -879,3 +879,31 @@ async def test_an_engine_header_with_a_control_character_is_a_502_and_never_rela
     writer.close()
     head = raw.partition(b"\r\n\r\n")[0]
     assert head.startswith(b"HTTP/1.1 200") and b"\r\ncontent-type: application/json; x=\x80\xff\r\n" in head, head
+
+
+async def test_requests_queued_under_a_per_gateway_cap_are_not_load_for_the_planner(gw, module_database_url):
+    """`limited` takes 4 requests at once on this gateway; 12 clients keep 8 more queued for a slot. Those
+    are not load the planner should add replicas for (the cap is this gateway's, so no replica added
+    would drain them): the gateway's load row says 4 in flight and none queued, where it had said 12."""
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        while not stop.is_set():
+            await post(gw, "/v1/chat/completions", chat("limited"))
+
+    clients = [asyncio.create_task(client()) for _ in range(12)]
+    try:
+        rows = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(rows) < 3:
+            await asyncio.sleep(1.1)  # the load is flushed every second
+            async with await psycopg.AsyncConnection.connect(module_database_url) as conn:
+                row = await (await conn.execute(
+                    "SELECT in_flight, queued, peak FROM gateway_load WHERE model = 'limited'")).fetchone()
+            if row is not None and row[0] > 0:
+                rows.append(row)
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    assert len(rows) == 3, rows
+    assert all(in_flight <= 4 and queued == 0 and peak <= 4 for in_flight, queued, peak in rows), rows

@@ -596,3 +596,29 @@ async def test_an_error_answer_to_an_accounted_request_carries_its_rate_limit_he
             assert r.headers["x-ratelimit-limit-requests"] == "1000", (model, r.headers)
             assert r.headers["x-ratelimit-limit-tokens"] == "1000000", (model, r.headers)
             assert int(r.headers["x-ratelimit-remaining-requests"]) < 1000, (model, r.headers)
+
+
+async def test_a_prompt_the_guard_refuses_is_charged_what_its_judge_read(plane):
+    """A model with a request guard: the judge reads the whole prompt, then the request is refused (400
+    content_filter). Before, that cost the tenant nothing, so refused prompts loaded the judge without
+    limit; now the prompt is charged, a token for each 4 characters."""
+    cp = plane
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+              if m["name"] not in ("judge", "g-req")]
+    models += [{"name": "judge", "role": "guard", "endpoints": [cp.fake.url("judge")]},  # type: ignore[attr-defined]
+               {"name": "g-req", "endpoints": [cp.fake.url("echo")],  # type: ignore[attr-defined]
+                "guard": {"model": "judge", "check": ["request"]}}]
+    assert cp.apply({"models": models}).status_code == 200
+    create_tenant(cp, "judged", tokens_per_month=10**9)
+    key = create_key(cp, "judged-1", "judged")
+    wait_key(cp, key)
+    async with httpx.AsyncClient(timeout=10) as c:  # (the fake engines answer on this event loop)
+        deadline = time.monotonic() + 10
+        while (r := await c.post(cp.gateway + "/v1/chat/completions", headers=auth(key),
+                                 json=chat("g-req", text="forbidden " + "x" * 8000))).status_code == 404:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_filter", r.text
+    rows = await asyncio.to_thread(wait_until, lambda: usage_rows(cp, "judged"), timeout_s=5, what="its usage row")
+    [(_, model, requests, prompt, completion)] = rows
+    assert model == "g-req" and requests == 1 and prompt >= 2000 and completion == 0, rows

@@ -622,3 +622,18 @@ async def test_a_prompt_the_guard_refuses_is_charged_what_its_judge_read(plane):
     rows = await asyncio.to_thread(wait_until, lambda: usage_rows(cp, "judged"), timeout_s=5, what="its usage row")
     [(_, model, requests, prompt, completion)] = rows
     assert model == "g-req" and requests == 1 and prompt >= 2000 and completion == 0, rows
+
+
+def test_limits_stored_around_the_admin_api_are_listed_with_a_note_and_can_be_replaced(plane):
+    """Limits written with SQL that no longer validate: the gateways do not enforce them (and say so in
+    their log); listing and setting them had answered 500."""
+    cp = plane
+    create_tenant(cp, "handmade")
+    with psycopg.connect(cp.db) as conn:  # type: ignore[attr-defined]
+        conn.execute("""UPDATE tenants SET limits = '{"rpm": -5}' WHERE name = 'handmade'""")
+    r = admin(cp, "GET", "/admin/v1/tenants")
+    assert r.status_code == 200, r.text
+    [t] = [t for t in r.json() if t["name"] == "handmade"]
+    assert t["limits"]["rpm"] is None and "not valid and are not enforced" in t["notes"][0], t
+    out = cp.ctl("tenants", "set", "handmade", "--rpm", "60")
+    assert out.returncode == 0 and "rpm 60" in out.stdout, out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import catalog_repo, keys_repo, tenants_repo, usage_repo
@@ -49,8 +50,15 @@ def unmatched(limits: Limits, catalog: Catalog) -> list[str]:
 
 
 def _view(row: tenants_repo.TenantRow, notes: list[str] | None = None) -> TenantView:
-    return TenantView(name=row.name, limits=Limits.model_validate(row.limits), keys=row.keys,
-                      created_at=row.created_at, updated_at=row.updated_at, notes=notes or [])
+    notes = list(notes or [])
+    try:
+        limits = Limits.model_validate(row.limits)
+    except ValidationError as exc:  # written around the admin API: listed, as the gateways treat it
+        limits = Limits()
+        notes.append(f"its stored limits are not valid and are not enforced ({exc.errors()[0]['msg']}); "
+                     f"`llmgw ctl tenants set {row.name}` with each limit replaces them")
+    return TenantView(name=row.name, limits=limits, keys=row.keys, created_at=row.created_at,
+                      updated_at=row.updated_at, notes=notes)
 
 
 class TenantService:
@@ -81,7 +89,10 @@ class TenantService:
             if row is None:
                 raise APIError(404, f"no tenant named {name!r}; `llmgw ctl tenants list` shows them", param="name",
                                code="not_found")
-            limits = Limits.model_validate(row.limits).updated(change)
+            try:
+                limits = Limits.model_validate(row.limits).updated(change)
+            except ValidationError:  # stored around the admin API, and not enforced: what is given replaces it
+                limits = Limits().updated(change)
             row = await tenants_repo.set_limits(conn, name, limits.stored())
             catalog = await catalog_repo.get_catalog(conn)
         assert row is not None

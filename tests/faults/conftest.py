@@ -195,7 +195,8 @@ class FaultFleet:
 
     def launches(self, replica_id: str) -> int:
         """How many times any agent launched a shard of `replica_id` (its log line per launch)."""
-        return sum(p.log().count(f"launched shard {replica_id}-r") for p in self.cp.procs if p.name.startswith("agent"))
+        logs = {p.log_path for p in self.cp.procs if p.name.startswith("agent")}  # a restarted agent appends to its log
+        return sum(path.read_text(errors="replace").count(f"launched shard {replica_id}-r") for path in logs)
 
     def db_now_and_last_pass(self):
         """Postgres's clock now, and when the reconciler last completed a pass (None: never)."""

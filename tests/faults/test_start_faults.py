@@ -313,3 +313,44 @@ def test_an_agent_restarted_while_temporal_is_down_registers_at_once_and_keeps_i
         after = fleet.steady(["steady"], timeout_s=120)
     assert after["steady"] == before["steady"]  # the same replica, node and engine pid
     assert t.count("steady") > 10 and t.failures("steady") == [], t.failures("steady")
+
+
+def test_an_agent_killed_mid_download_resumes_on_its_next_boot_and_nothing_is_rebuilt(fleet, source):
+    """A node's agent is SIGKILLed while a replica downloads its weights, and started again. Before, its
+    registration marked the replica lost (its shard was not reported), a new replica was placed, and the
+    dead attempt stayed open until its heartbeat timeout (60 s). Now the shard, which no boot had reported
+    launching, is kept; the new boot ends the attempt its predecessor left (workers/attempts.py) and
+    Temporal retries it at once: the same replica resumes the download where it was and is launched once,
+    well inside that minute, never lost; the replica already serving is not touched."""
+    source.hold()
+    before = fleet.serving()["steady"]
+    nu = sim_model("nu", source=source.url("nu.bin"))
+    assert fleet.cp.apply({"models": [STEADY, nu]}).status_code == 200
+    rep = only_replica(fleet, "nu", "starting")
+    assert source.served_head.wait(60), "the download never started"
+    node = rep["shards"][0]["node_id"]
+
+    def downloaded() -> int:  # the partial file in the node's cache (as a separate machine has its own)
+        parts = [f for f in (fleet.cp.state / "cache" / node).rglob("*") if f.is_file() and "part" in f.name]
+        return max([f.stat().st_size for f in parts] or [0])
+    wait_until(lambda: downloaded() >= source.head, timeout_s=30, what="the first MiB on the node's disk")
+    relays = fleet.relays[node]
+    fleet.proc(f"agent-{node}").kill()
+    again = fleet.cp.agent(node, simulate=sim_spec(gpus=2), LLMGW_NODE_API_URL=f"https://127.0.0.1:{relays['api'].port}",
+                           LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{relays['temporal'].port}")
+    restarted = time.monotonic()
+    try:
+        ended = f"ended the start_shard of replica/{rep['id']}/start attempt a previous boot left running"
+        wait_until(lambda: ended in again.log(), timeout_s=30,
+                   what="the new boot ending the attempt its predecessor left", why=again.log)
+    finally:
+        source.release()
+    ready = only_replica(fleet, "nu", "ready", timeout_s=60)
+    assert time.monotonic() - restarted < 40, "waited for the dead attempt's heartbeat timeout"
+    assert ready["id"] == rep["id"] and fleet.launches(rep["id"]) == 1
+    assert [r["status"] for r in fleet.replicas("nu")] == ["ready"]  # never lost, never placed again
+    asked = [rng for path, rng in source.requests if path == "/nu.bin"]
+    assert asked[0] is None and asked[-1] == f"bytes={source.head}-", asked  # resumed, not started over
+    assert fleet.steady(["steady", "nu"])["steady"] == before
+    assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
+    fleet.steady(["steady"])

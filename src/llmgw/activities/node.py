@@ -75,7 +75,8 @@ class NodeActivities:
     @activity.defn(name="fetch_weights")
     async def fetch_weights(self, inp: FetchWeightsInput) -> FetchWeightsResult:
         """Fetch the profile's source into the cache, heartbeating progress (bytes, total)."""
-        return await self._fetch(inp)
+        with self.agent.attempts.running():  # a crash's next boot retries it at once (workers/attempts.py)
+            return await self._fetch(inp)
 
     async def _fetch(self, inp: FetchWeightsInput) -> FetchWeightsResult:
         self._check_fence(inp.replica_id, inp.generation, "fetch weights")
@@ -115,7 +116,12 @@ class NodeActivities:
         after a fetch that downloaded anything or took longer than `RECHECK_AFTER_S`, so a replica stopped
         while it fetched is not launched even when the cancellation of this activity has not reached the
         node yet (heartbeats carry it, throttled); the fence refuses the rest. A retry finds the weights
-        cached and the shard already running (adopted)."""
+        cached and the shard already running (adopted). A crash's next boot retries it at once
+        (workers/attempts.py), and the download resumes where it was."""
+        with self.agent.attempts.running():
+            return await self._start_shard(inp)
+
+    async def _start_shard(self, inp: StartShardInput) -> LaunchShardResult:
         la, sup = inp.launch, self.agent.supervisor
         existing = sup.get(la.shard_id)
         if existing is not None and sup.poll(existing) is None:
@@ -208,7 +214,8 @@ class NodeActivities:
     async def wait_shard_ready(self, inp: WaitShardReadyInput) -> WaitShardReadyResult:
         """Wait until the engine is ready (its node watches from the launch on: `_watch`). Fails at once if
         the engine exits."""
-        shard = await self._await_ready(inp.shard_id, inp.timeout_s, "exited before it was ready", "not ready after")
+        with self.agent.attempts.running():
+            shard = await self._await_ready(inp.shard_id, inp.timeout_s, "exited before it was ready", "not ready after")
         return WaitShardReadyResult(shard_id=inp.shard_id, endpoint=shard.endpoint)
 
     async def _await_ready(self, shard_id: str, timeout_s: float, exited: str, late: str) -> "Shard":

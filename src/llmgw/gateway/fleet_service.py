@@ -2,7 +2,9 @@
 
 - a shard the node does not report is not running (a registration follows a fresh start or reconnect, so
   nothing dispatched before it is running unless reported); its replica is marked lost, including when
-  the node reports nothing at all (seeds 001, "An agent reporting nothing is reporting something");
+  the node reports nothing at all (seeds 001, "An agent reporting nothing is reporting something").
+  Not a starting shard that no boot has reported launching (no pid): it was fetching its weights, and its
+  start is retried on the new boot (workers/attempts.py), so an agent restart mid-download rebuilds nothing;
 - a shard the node reports that belongs to a live replica is kept (adopted after a worker restart);
 - a Ready shard we have no record of (the control plane lost its database) is adopted as a replica when
   it runs exactly what the catalog asks for: its model and profile are in the catalog, its profile hash
@@ -154,8 +156,10 @@ class FleetService:
             for row in await fleet_repo.shards_on_node(conn, req.node_id):
                 if row["id"] in reported and row["id"] not in foreign:
                     continue
-                # A starting shard of the same boot may be mid-launch; any other unreported shard is gone.
-                if row["status"] == "starting" and prev_boot == req.boot_id:
+                # A starting shard of the same boot may be mid-launch, and one no boot has reported launching
+                # (no pid: fetching its weights, or not begun) is still its start's to launch: the new boot
+                # retries that start at once (workers/attempts.py). Any other unreported shard is gone.
+                if row["status"] == "starting" and (prev_boot == req.boot_id or row["pid"] is None):
                     continue
                 applied, _ = await fleet_repo.mark_replica(
                     conn, row["replica_id"], "lost",

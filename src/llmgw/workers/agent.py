@@ -37,6 +37,7 @@ from llmgw.schemas.simulate import SimulatedNode
 from llmgw.temporal import connect
 from llmgw.weights.download import Limits
 from llmgw.weights.fetcher import Fetcher
+from llmgw.workers.attempts import Attempts, end_left
 from llmgw.workers.discovery import discover, discover_gpus
 from llmgw.workers.errors import ReportRefused
 from llmgw.workers.fences import Fences
@@ -64,6 +65,7 @@ class Agent:
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit)
         self.fences = Fences(node_dir / "fences")
+        self.attempts = Attempts(node_dir / "attempts")  # long activities running, for the next boot to end
         self._post_lock = asyncio.Lock()
         self.api = settings.resolved_node_api_url.rstrip("/")
         self.http: aiohttp.ClientSession | None = None
@@ -307,6 +309,10 @@ class Agent:
             except SystemExit as exc:
                 log.warning("%s; still trying (the node API is served meanwhile: this node registers and "
                             "heartbeats)", exc)
+        try:  # what a crashed predecessor left running is retried now, not after its heartbeat timeout
+            await end_left(client, self.attempts, self.node_id)
+        except Exception:  # noqa: BLE001 - only the quick retry is lost; the worker must poll
+            log.exception("ending the attempts a previous boot left failed; they wait for their heartbeat timeout")
         worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
                         max_concurrent_activities=64)
         started.append(worker)

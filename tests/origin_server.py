@@ -12,7 +12,10 @@ no fault applies. `config` (JSON, keyed by URL path unless said otherwise):
 - `lie_416`: {path: total}: every ranged request gets 416 claiming `bytes */total`;
 - `drip`: {path: seconds}: one byte every `seconds`;
 - `redirect`: {path: location};  `html`: [paths]: a web page;  `gzip`: [paths]: `Content-Encoding: gzip`;
-- `documents`: {path: JSON value}: served as `application/json` (a version manifest, say).
+- `documents`: {path: JSON value}: served as `application/json` (a version manifest, say);
+- `no_length`: [paths]: no Content-Length (the body ends when the connection closes, as a cut one does);
+- `declare_sha`: [paths]: `X-Llmgw-Sha256` of the file on 200 and 206, as the mirror sends it;
+- `drip_head`: {path: seconds}: the status line and headers one byte every `seconds`.
 Every response is recorded (`/_log`, and appended to the file `log_file` names when set, which survives a
 restart): path, status, range start, bytes sent.
 """
@@ -93,10 +96,26 @@ class _Handler(BaseHTTPRequestHandler):
             if path in cfg.get("bad_range", []):
                 start, end = 0, size - 1
         length = end - start + 1
+        if path in cfg.get("drip_head", {}):
+            for b in b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx":
+                try:
+                    self.connection.sendall(bytes([b]))
+                except OSError:
+                    break
+                time.sleep(cfg["drip_head"][path])
+            self.close_connection = True
+            return self._record(path, 200, 0, 0)
         self.send_response(status)
         ctype = "application/json" if path.endswith(".json") else "application/octet-stream"
         self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(length))
+        if path in cfg.get("no_length", []):
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(length))
+        if path in cfg.get("declare_sha", []):
+            import hashlib
+            self.send_header("X-Llmgw-Sha256", hashlib.sha256(file.read_bytes()).hexdigest())
         self.send_header("Accept-Ranges", "bytes")
         if path in cfg.get("gzip", []):
             self.send_header("Content-Encoding", "gzip")

@@ -138,6 +138,9 @@ BAD_MANIFESTS = {
     "slash": ({"name": "../etc/passwd", "size": 10, "sha256": SHA}, "name"),
     "backslash": ({"name": "a\\b", "size": 10, "sha256": SHA}, "name"),
     "partial name": ({"name": "a.part", "size": 10, "sha256": SHA}, "name"),
+    # The fetch of `w.bin` locks `w.bin.lock` beside it and removes that when done: a file of that name was
+    # deleted from the version it came in, which was then half-served.
+    "a lock's name": ({"name": "w.bin.lock", "size": 10, "sha256": SHA}, "name"),
     "unknown field": ({"name": "a.safetensors", "size": 10, "sha256": SHA, "path": "/etc"}, "path"),
 }
 
@@ -273,3 +276,68 @@ async def test_signed_tokens_never_reach_errors_or_logs(origin, tmp_path, caplog
     assert "missing.gguf?<redacted>" in str(exc.value)
     assert redact("https://u:p@h:8443/a/b?sig=1#f") == "https://h:8443/a/b?<redacted>"
 
+
+
+# ---- bodies that do not say how long they are ------------------------------------------------------
+
+async def test_a_body_with_no_length_cut_half_way_is_never_taken_for_the_file(origin, tmp_path):
+    """No Content-Length, not chunked: the body ends when the connection closes, and so does a cut one.
+    Before, the half file was cached (and, in the mirror, published with its sha256 recorded). Now the end
+    is confirmed by asking for the bytes after it: the cut download resumes, and a whole one is confirmed
+    by the server's 416."""
+    data = put(origin, "n.gguf", 1_000_000)
+    whole = put(origin, "w.gguf", 300_000)
+    origin.config["no_length"] = ["/n.gguf", "/w.gguf"]
+    origin.config["drop"] = {"/n.gguf": 400_000}
+    f = Fetcher(tmp_path / "cache", None)
+    got = await fetch_with_retries(f, f"{origin.url}/n.gguf")
+    assert Path(got.path).read_bytes() == data
+    assert [(e["status"], e["range"]) for e in origin.log("/n.gguf")][:2] == [(200, None), (206, "bytes=400000-")]
+    got = await f.fetch(f"{origin.url}/w.gguf")
+    assert Path(got.path).read_bytes() == whole
+    assert [e["status"] for e in origin.log("/w.gguf")] == [200, 416, 206]  # (the last asks for its declared sha256)
+
+
+async def test_a_body_with_no_length_from_a_server_that_ignores_ranges_is_refused(origin, tmp_path):
+    put(origin, "r.gguf", 200_000)
+    origin.config["no_length"] = ["/r.gguf"]
+    origin.config["ignore_range"] = ["/r.gguf"]
+    f = Fetcher(tmp_path / "cache", None)
+    with pytest.raises(FetchError, match="states no length for it and does not confirm one") as exc:
+        await f.fetch(f"{origin.url}/r.gguf")
+    assert not exc.value.retryable
+    assert not [p for p in (tmp_path / "cache").rglob("r.gguf")]
+
+
+async def test_a_whole_length_partial_is_checked_against_the_sha256_the_server_declares(origin, tmp_path):
+    """A partial as long as the file but with wrong bytes (a torn write, an older file): the 416 that says
+    it is complete carries no sha256, so it had been cached unchecked. Now the declared sha256 (the
+    mirror's `X-Llmgw-Sha256`) is asked for and compared; the file is fetched again, right."""
+    data = put(origin, "t.gguf", 100_000)
+    origin.config["declare_sha"] = ["/t.gguf"]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "t.gguf.0123456789ab.part").write_bytes(b"\0" * 100_000)
+    with pytest.raises(FetchError, match="sha256 mismatch"):
+        await download(f"{origin.url}/t.gguf", work / "t.gguf", work)
+    assert not (work / "t.gguf").exists()
+    got = await download(f"{origin.url}/t.gguf", work / "t.gguf", work)
+    assert (work / "t.gguf").read_bytes() == data and got.sha256 == hashlib.sha256(data).hexdigest()
+
+
+async def test_headers_dripped_a_byte_at_a_time_are_cut_off(origin, tmp_path):
+    """The stall limit held only once the body began: a server sending its status line and headers a byte
+    a second kept the fetch "connecting" without end (its activity heartbeating all along)."""
+    put(origin, "h.gguf", 10)
+    origin.config["drip_head"] = {"/h.gguf": 0.3}
+    f = Fetcher(tmp_path / "cache", None, Limits(stall_s=1.5, stall_bytes=1))
+    with pytest.raises(FetchError, match="no answer within"):
+        await asyncio.wait_for(f.fetch(f"{origin.url}/h.gguf"), 10)
+
+
+@pytest.mark.parametrize("host", ["a..b", "x" * 300 + ".example"])
+async def test_a_host_name_that_cannot_be_one_is_refused_in_words(tmp_path, host):
+    f = Fetcher(tmp_path / "cache", None)
+    with pytest.raises(FetchError, match="is not a host name") as exc:
+        await f.fetch(f"http://{host}/m.gguf")
+    assert not exc.value.retryable

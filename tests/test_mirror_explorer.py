@@ -209,3 +209,28 @@ def test_progress_lines():
     assert p.line() == "downloading 3.0 GiB so far, 0 of 3 file(s) done"
     p.total = 6 << 30
     assert "3.0 GiB of 6.0 GiB (50%)" in p.line()
+
+
+def test_the_listing_skips_what_no_one_can_fetch_instead_of_a_500(mirror):
+    """A dangling link in the mirror's directory (a file removed by hand) made `GET /files`, the listing
+    `llmgw dev` prints, answer 500."""
+    root, url = mirror
+    (root / "real.gguf").write_bytes(b"GGUF" + b"\0" * 10)
+    (root / "gone.gguf").symlink_to(root / "nowhere.gguf")
+    r = httpx.get(url + "/files")
+    assert r.status_code == 200, r.text
+    assert [f["name"] for f in r.json()["files"]] == ["real.gguf"]
+
+
+async def test_a_file_still_being_mirrored_is_a_retryable_wait_for_a_node(mirror, tmp_path):
+    """`mirror:big.gguf` while the mirror stages it answers 409 "not ready yet": a node's fetch of it had
+    failed for good (any 4xx), so a replica started a moment early failed its start."""
+    from llmgw.weights.download import FetchError
+    from llmgw.weights.fetcher import Fetcher
+
+    root, url = mirror
+    open_staging(root, "big.gguf", "v1", "file")
+    f = Fetcher(tmp_path / "cache", url)
+    with pytest.raises(FetchError, match="409") as exc:
+        await f.fetch("mirror:big.gguf")
+    assert exc.value.retryable

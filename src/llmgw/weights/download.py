@@ -253,6 +253,7 @@ class _Transfer:
             abort(conn)
 
     def run(self) -> tuple[int, str, int]:
+        unconfirmed = False
         for _ in range(3):
             have = self.partial.stat().st_size
             if self.expect_size is not None and have > self.expect_size:
@@ -262,6 +263,12 @@ class _Transfer:
             except _Restart as why:
                 log.warning("%s: %s; fetching %s again from the start", redact(self.url), why, self.partial.name)
                 _truncate(self.partial)
+            except _Unconfirmed:  # asked again from its end: a 416 stating that size confirms it is whole
+                unconfirmed = True
+        if unconfirmed:
+            raise FetchError(f"{redact(self.url)}: the server states no length for it and does not confirm one when "
+                             "asked for the bytes after its end, so a cut download cannot be told from the whole "
+                             "file; serve it with a Content-Length or give its sha256", retryable=False)
         raise FetchError(f"{redact(self.url)}: the server does not answer ranges consistently; gave up")
 
     def _attempt(self, have: int) -> tuple[int, str, int]:
@@ -283,8 +290,13 @@ class _Transfer:
         try:
             r = opened.response
             total = _check_response(r.status, r.headers, self.url, have, self.expect_size, lim, self.refuse_html)
-            if r.status == 416:
-                return (*_verify(have, hasher.hexdigest(), self.expect_size, self.expect_sha, self.url), have)
+            if r.status == 416:  # the partial is the whole file: its sha256 is checked as any file's is
+                opened.close()
+                declared = self.expect_sha or self._declared_sha_at(have - 1)
+                return (*_verify(have, hasher.hexdigest(), self.expect_size, declared, self.url), have)
+            # A body with no stated length (not chunked either) ends when the connection closes, which is also
+            # what a connection cut half-way looks like.
+            framed = total is not None or "chunked" in (r.headers.get("Transfer-Encoding") or "").lower()
             if r.status == 200 and have:
                 log.info("%s ignored the range request; fetching from the start", redact(self.url))
                 have = n = _truncate(self.partial)
@@ -301,7 +313,25 @@ class _Transfer:
             opened.close()
         if total is not None and n != total:
             raise FetchError(f"{redact(self.url)}: connection ended at {n} of {total} bytes")
+        if not framed:
+            if self.expect_size is not None and n < self.expect_size:  # cut: kept, and resumed by the retry
+                raise FetchError(f"{redact(self.url)}: connection ended at {n} of {self.expect_size} bytes")
+            if self.expect_size is None and not expect_sha:
+                raise _Unconfirmed()
         return (*_verify(n, hasher.hexdigest(), self.expect_size, expect_sha, self.url), have)
+
+    def _declared_sha_at(self, offset: int) -> str | None:
+        """The sha256 the server declares for the file (`X-Llmgw-Sha256`: the mirror does), asked with a range
+        from `offset`: a 416 carries none, and a partial that is whole is checked like any file."""
+        try:
+            opened = open_url(self.url, self.policy, {"Range": f"bytes={offset}-"}, timeout_s=self.limits.stall_s,
+                              on_conn=self._on_conn)
+        except OSError as exc:
+            raise FetchError(f"{redact(self.url)}: {scrub(str(exc), self.url)}") from None
+        try:
+            return _declared_sha(opened.response.headers, self.url)
+        finally:
+            opened.close()
 
     def _body(self, opened, n: int, total: int | None, cap: int, hasher, deadline: float) -> int:
         """Read the body into the partial from byte `n`; returns the bytes the partial holds after.
@@ -436,7 +466,7 @@ def _check_response(status: int, headers, url: str, have: int, expect_size: int 
             (headers.get("Transfer-Encoding") or "").lower() else None
     elif status in (404, 410):
         raise FetchError(f"{redact(url)}: HTTP {status} (no such file)", retryable=False)
-    elif 400 <= status < 500 and status not in (408, 425, 429):
+    elif 400 <= status < 500 and status not in (408, 409, 425, 429):  # 409: the mirror's "not ready yet"
         raise FetchError(f"{redact(url)}: HTTP {status}", retryable=False)
     else:
         raise FetchError(f"{redact(url)}: HTTP {status}")
@@ -468,6 +498,10 @@ def _verify(size: int, sha: str, expect_size: int | None, expect_sha: str | None
         # Retryable: bytes corrupted on the way are fetched again, from zero (the partial is removed).
         raise _ShaMismatch(f"{redact(url)}: sha256 mismatch (got {sha}, expected {expect_sha})")
     return size, sha
+
+
+class _Unconfirmed(Exception):
+    """A body with no stated length ended: whole, or cut? Asked again from its end to know."""
 
 
 class _ShaMismatch(FetchError):

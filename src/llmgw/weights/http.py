@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
+import threading
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
@@ -69,6 +70,8 @@ def resolve(host: str, port: int, policy: AddressPolicy | None) -> list[str]:
         if policy is not None:
             raise URLRefused(f"{host}: cannot be resolved ({exc.strerror})") from None
         raise OSError(f"{host}: cannot be resolved ({exc.strerror})") from None
+    except (UnicodeError, ValueError):  # `a..b`, a label over 63 characters: IDNA refuses to encode it
+        raise URLRefused(f"{host[:100]!r} is not a host name (an empty or over-long label)") from None
     addresses = list(dict.fromkeys(info[4][0] for info in infos))
     if policy is not None:
         policy.check_addresses(host, addresses)
@@ -133,8 +136,9 @@ def open_url(url: str, policy: AddressPolicy | None, headers: dict[str, str] | N
              timeout_s: float = 60.0, max_redirects: int = MAX_REDIRECTS, on_conn=None) -> Opened:
     """GET `url` (blocking), following redirects: http(s) only, never https to http, at most
     `max_redirects`, every host through the policy. `timeout_s` bounds connecting and each read until the
-    caller sets another. `on_conn(conn)` learns each connection as it opens (to `abort` it from elsewhere).
-    Raises `URLRefused`; network errors are `OSError`/`http.client.HTTPException`."""
+    caller sets another, and the whole of each answer's status line and headers (a server dripping them a
+    byte a second is cut off: `socket.timeout`). `on_conn(conn)` learns each connection as it opens (to
+    `abort` it from elsewhere). Raises `URLRefused`; network errors are `OSError`/`http.client.HTTPException`."""
     hops: list = []
     current = url
     for _ in range(max_redirects + 1):
@@ -145,17 +149,32 @@ def open_url(url: str, policy: AddressPolicy | None, headers: dict[str, str] | N
         p = urlsplit(current)
         target = (p.path or "/") + (f"?{p.query}" if p.query else "")
         opened = None
+        late = threading.Event()
+
+        def too_late(conn=conn) -> None:
+            late.set()
+            abort(conn)
+
+        timer = threading.Timer(timeout_s, too_late)
+        timer.daemon = True
         try:
             conn.connect()
             if on_conn is not None:
                 on_conn(conn)
+            timer.start()
             conn.putrequest("GET", target, skip_accept_encoding=True)
             for k, v in {"Accept-Encoding": "identity", "User-Agent": "llmgw", **(headers or {})}.items():
                 conn.putheader(k, v)
             conn.endheaders()
-            r = conn.getresponse()
+            try:
+                r = conn.getresponse()
+            except (OSError, http.client.HTTPException):
+                if late.is_set():
+                    raise socket.timeout(f"no status line and headers within {timeout_s:g}s") from None
+                raise
             opened = Opened(r, conn, current, hops)
         finally:
+            timer.cancel()
             if opened is None:
                 conn.close()
         if r.status in REDIRECTS and r.getheader("Location"):

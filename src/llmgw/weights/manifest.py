@@ -49,6 +49,9 @@ def check_file_name(name: object, what: str = "file name") -> str:
             "(no path separator, no control or lookalike characters), starting with a letter or digit")
     if name.endswith(".part"):
         raise ManifestError(f"{what} {name!r} is not allowed: names ending in .part are files being written")
+    if name.endswith(".lock"):  # the fetch of file X locks X.lock beside it, and removes that lock when X is done
+        raise ManifestError(f"{what} {name!r} is not allowed: names ending in .lock are the locks of files being "
+                            "fetched")
     return name
 
 

@@ -104,7 +104,12 @@ def create_mirror_app(root: Path, metrics=None) -> Starlette:
                 for n in names:
                     if not n.endswith(".part") and not n.startswith("."):
                         p = Path(dirpath) / n
-                        out.append({"name": str(p.relative_to(root)), "size": p.stat().st_size})
+                        try:  # a dangling link, a name that is not UTF-8: not a file anyone can fetch
+                            name = str(p.relative_to(root))
+                            name.encode("utf-8")
+                            out.append({"name": name, "size": p.stat().st_size})
+                        except (OSError, UnicodeError):
+                            continue
             return sorted(out, key=lambda f: f["name"])
 
         return JSONResponse({"files": await asyncio.to_thread(walk), "pending": sorted(pending(root))})

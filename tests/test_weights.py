@@ -92,9 +92,11 @@ async def test_interrupted_download_resumes_with_range(mirror, tmp_path):
 async def test_checksum_mismatch_is_refused_and_partial_removed(mirror, tmp_path):
     root, url, _ = mirror
     write(root / "x.gguf", 100_000)
-    with pytest.raises(FetchError, match="sha256 mismatch"):
+    with pytest.raises(FetchError, match="sha256 mismatch") as exc:
         await download(url + "/files/x.gguf", tmp_path / "x.gguf", tmp_path, expect_sha="0" * 64)
     assert not list(tmp_path.glob("*.part")) and not (tmp_path / "x.gguf").exists()
+    # The whole file in one answer, and other bytes: fetching it again (20 times, in the mirror) only confirms it.
+    assert not exc.value.retryable and "the server has other bytes than expected" in str(exc.value)
 
 
 async def test_version_is_fetched_whole_from_its_manifest(mirror, tmp_path):

@@ -318,7 +318,7 @@ class _Transfer:
                 raise FetchError(f"{redact(self.url)}: connection ended at {n} of {self.expect_size} bytes")
             if self.expect_size is None and not expect_sha:
                 raise _Unconfirmed()
-        return (*_verify(n, hasher.hexdigest(), self.expect_size, expect_sha, self.url), have)
+        return (*_verify(n, hasher.hexdigest(), self.expect_size, expect_sha, self.url, from_zero=not have), have)
 
     def _declared_sha_at(self, offset: int) -> str | None:
         """The sha256 the server declares for the file (`X-Llmgw-Sha256`: the mirror does), asked with a range
@@ -491,11 +491,17 @@ def _declared_sha(headers, url: str) -> str | None:
     return sha
 
 
-def _verify(size: int, sha: str, expect_size: int | None, expect_sha: str | None, url: str) -> tuple[int, str]:
+def _verify(size: int, sha: str, expect_size: int | None, expect_sha: str | None, url: str,
+            from_zero: bool = False) -> tuple[int, str]:
     if expect_size is not None and size != expect_size:
         raise FetchError(f"{redact(url)}: got {size} bytes where {expect_size} were expected", retryable=False)
     if expect_sha and sha != expect_sha:
-        # Retryable: bytes corrupted on the way are fetched again, from zero (the partial is removed).
+        if from_zero:  # every byte from this one answer: the server has other bytes (the origin changed since
+            # it was planned), which fetching it whole again, up to 20 times, would only confirm
+            raise _ShaMismatch(f"{redact(url)}: sha256 mismatch (got {sha}, expected {expect_sha}) for the whole "
+                               "file fetched in one answer: the server has other bytes than expected", retryable=False)
+        # Retryable: a resumed file whose earlier part was corrupt or stale is fetched again, from zero
+        # (the partial is removed).
         raise _ShaMismatch(f"{redact(url)}: sha256 mismatch (got {sha}, expected {expect_sha})")
     return size, sha
 
@@ -505,5 +511,5 @@ class _Unconfirmed(Exception):
 
 
 class _ShaMismatch(FetchError):
-    def __init__(self, message: str):
-        super().__init__(message, retryable=True)
+    def __init__(self, message: str, retryable: bool = True):
+        super().__init__(message, retryable=retryable)

@@ -71,3 +71,27 @@ def test_weights_in_use_are_kept_when_the_cache_is_reached_through_a_symlink(tmp
     r = reclaim("n1", cache, wanted=set(), in_use={str(busy), str(version / "model.gguf")}, collect=True)
     assert sorted(r.kept_in_use) == sorted([busy.name, version.name]) and r.removed == [], r
     assert busy.exists() and (version / "model.gguf").exists()
+
+
+def test_weights_a_start_just_fetched_are_not_reclaimed_before_its_engine_holds_them(control_plane, tmp_path):
+    """Between a start's fetch and its launch (an await; a workflow step on the two-step path) no engine
+    holds the weights yet, and only running shards counted as in use: a source that had just left the
+    catalog could be deleted under the launch. Here the engine never holds them (it exits at once), the
+    model leaves the catalog, and a collecting reclaim keeps what the start fetched a moment ago."""
+    cp = control_plane.start(mirror=True)
+    (cp.mirror_dir / "fresh.gguf").write_bytes(b"GGUF" + b"f" * 1000)
+    dies = tmp_path / "llama-server"
+    dies.write_text("#!/bin/sh\nexit 1\n")
+    dies.chmod(0o755)
+    agent = cp.agent("n1", LLMGW_LLAMA_SERVER=str(dies))
+    wait_until(lambda: "registered node n1" in agent.log(), timeout_s=30, what="agent registered")
+    catalog = {"models": [{"name": "fresh", "scaling": {"min": 1, "max": 1},
+                           "profiles": [{"engine": "llamacpp", "source": "mirror:fresh.gguf", "memory_gb": 0.1}]}]}
+    assert cp.apply(catalog).status_code == 200
+    fetched = cp.state / "cache" / "n1" / cache_name_for("mirror:fresh.gguf")
+    wait_until(fetched.exists, timeout_s=60, what="the weights fetched", why=cp.logs)
+    assert cp.apply({"models": []}).status_code == 200
+    collected = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": True}, timeout=120).json()
+    [n] = collected["nodes"]
+    assert n["kept_in_use"] == [fetched.name] and n["removed"] == [], n
+    assert fetched.exists()

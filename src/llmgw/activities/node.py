@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from llmgw.workers.supervisor import Shard
 
 log = logging.getLogger(__name__)
+FETCHED_IN_USE_S = 600.0  # weights a start fetched are not reclaimed for this long, launched or not
 RECHECK_AFTER_S = 0.25  # a fetch longer than this (or one that downloaded) is followed by "still wanted?" again
 
 
@@ -58,6 +59,7 @@ class NodeActivities:
     def __init__(self, agent: "Agent"):
         self.agent = agent
         self._watches: dict[str, asyncio.Task] = {}  # shard id -> the task watching it become ready
+        self._fetched: dict[str, float] = {}  # weights path -> when a start last fetched (or found) it
 
     def all(self) -> list:
         return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.start_shard, self.wait_shard_joined,
@@ -100,6 +102,7 @@ class NodeActivities:
         if got.fetched:
             self.agent.inventory_dirty = True
             self.agent.metrics.fetched.inc(got.bytes)
+        self._fetched[got.path] = time.monotonic()  # in use from here: its launch is a moment (or a step) away
         return FetchWeightsResult(path=got.path, bytes=got.bytes, fetched=got.fetched)
 
     @activity.defn(name="launch_shard")
@@ -344,6 +347,14 @@ class NodeActivities:
     async def reclaim_cache(self, inp: NodeReclaimInput) -> NodeReclaimResult:
         """List or delete cache entries llmgw fetched that the catalog no longer wants; this node decides."""
         in_use = {s.spec.weights_path for s in self.agent.supervisor.running() if s.spec.weights_path}
+        # And what a start fetched lately: between its fetch and its launch (an await, or a workflow step
+        # on the two-step path) the engine does not hold it yet, and its source may just have left the catalog.
+        now = time.monotonic()
+        for path, at in list(self._fetched.items()):
+            if now - at < FETCHED_IN_USE_S:
+                in_use.add(path)
+            else:
+                del self._fetched[path]
         result = await asyncio.to_thread(reclaim, self.agent.node_id, self.agent.settings.resolved_cache_dir,
                                          set(inp.wanted), in_use, inp.collect)
         if result.removed:

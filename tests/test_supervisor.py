@@ -147,3 +147,57 @@ async def test_a_pid_reused_by_another_process_is_not_adopted(tmp_path):
     finally:
         shard.proc.kill()
         shard.proc.wait()
+
+
+CHILD_STAYS = ("import os, signal, subprocess, sys, time\n"
+               "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
+               "signal.SIG_IGN); time.sleep(600)'])\n"
+               "open(sys.argv[1], 'w').write(str(child.pid))\n"
+               "{leader}")
+
+
+async def _with_a_child(tmp_path, leader: str):
+    sup = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    child_file = tmp_path / "child.pid"
+    plan = LaunchPlan(argv=[sys.executable, "-c", CHILD_STAYS.format(leader=leader), str(child_file)],
+                      env=dict(os.environ), endpoint="http://127.0.0.1:1")
+    sup.launch(sim_spec(), plan)
+    for _ in range(100):
+        if child_file.exists() and child_file.read_text():
+            break
+        await asyncio.sleep(0.05)
+    return sup, int(child_file.read_text())
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_stopped_engine_s_children_are_stopped_with_it(tmp_path):
+    """The leader exits on SIGTERM; a child it started ignores SIGTERM (vLLM's EngineCore hung in CUDA).
+    Before, the leader's exit ended the stop and the spec file was removed: the child kept its GPUs, and
+    nothing would ever find it again. Now the stop goes on until the group is empty (SIGKILL after the grace)."""
+    sup, child = await _with_a_child(tmp_path, "time.sleep(600)")
+    try:
+        running, _ = await sup.stop("rep1-r0", grace_s=1.0)
+        assert running and _gone(child), psutil.Process(child).status()
+    finally:
+        if not _gone(child):
+            os.kill(child, 9)
+
+
+async def test_an_engine_whose_leader_dies_does_not_leave_its_children_running(tmp_path):
+    """The leader crashes (exit 1) while its child lives on (a `ray_launch` leader dying while Ray's
+    processes live): the exit is reported and the rest of its group is stopped, not forgotten."""
+    sup, child = await _with_a_child(tmp_path, "time.sleep(0.5); sys.exit(1)")
+    watcher = asyncio.create_task(sup.watch(0.05))
+    try:
+        for _ in range(200):
+            if _gone(child):
+                break
+            await asyncio.sleep(0.05)
+        assert _gone(child) and not sup.shards
+    finally:
+        watcher.cancel()
+        if not _gone(child):
+            os.kill(child, 9)

@@ -55,8 +55,9 @@ class EngineHealth:
         self.engines = engines
         self.interval_s = interval_s
         self.failures = failures
-        self.report = report  # (shard, cause): say it failed, before it is stopped
+        self.report = report  # (shard, cause): say it failed (in the background, while it is stopped)
         self.missed: dict[str, int] = {}
+        self._reports: set[asyncio.Task] = set()
 
     async def run(self) -> None:
         """Check every Ready engine each interval, until cancelled (with `failures` 0: only wait)."""
@@ -113,10 +114,20 @@ class EngineHealth:
                                 "(frozen or hung); stopped so that its replica is replaced")
 
     async def _fail(self, shard: Shard, cause: str) -> None:
+        """Report the failure and stop the engine. The report goes in the background: a safety action of
+        this node never waits on the control plane (a report retried for a minute against an unreachable
+        one had kept a runaway engine growing, and every other engine's check waiting, that long)."""
         log.error("shard %s (pid %d) %s", shard.shard_id, shard.pid, cause)
         shard.stopping = True  # its exit is this stop, not news for the exit watch
+        task = asyncio.create_task(self.report(shard, cause))
+        self._reports.add(task)
+        task.add_done_callback(self._reported)
         try:
-            await self.report(shard, cause)
-        finally:
             await self.supervisor.stop(shard.shard_id, STOP_GRACE_S)
+        finally:
             self.missed.pop(shard.shard_id, None)
+
+    def _reported(self, task: asyncio.Task) -> None:
+        self._reports.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("reporting a failed health check: %s", task.exception())

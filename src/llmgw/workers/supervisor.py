@@ -127,6 +127,7 @@ class Supervisor:
         self.log_dir = log_dir
         self.on_exit = on_exit
         self.shards: dict[str, Shard] = {}
+        self._clearing: set[asyncio.Task] = set()  # a dead engine's report, and the rest of its process group
         shard_dir.mkdir(parents=True, exist_ok=True)
         shard_dir.chmod(0o700)  # spec files hold engine keys
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -231,6 +232,7 @@ class Supervisor:
             return False, None
         shard.stopping = True
         if self.poll(shard) is not None:
+            await self._clear_group(shard, grace_s)
             self._forget(shard_id)
             return False, shard.exit_code
         self._signal(shard, signal.SIGTERM)
@@ -244,8 +246,27 @@ class Supervisor:
                 if self.poll(shard) is not None:
                     break
                 await asyncio.sleep(0.1)
+        await self._clear_group(shard, grace_s)
         self._forget(shard_id)
         return True, shard.exit_code
+
+    async def _clear_group(self, shard: Shard, grace_s: float) -> None:
+        """Once the engine's leader has exited, the rest of its process group too: vLLM's API server may exit
+        while its EngineCore or tensor-parallel workers hang on, a `ray_launch` leader die while Ray's
+        processes live, and a forgotten shard's children kept GPUs and ports that placement handed out
+        again. SIGTERM, then SIGKILL after `grace_s`, until the group is empty (a group id is not reused
+        while any member lives, so this never signals another group)."""
+        if not _group_alive(shard.pid):
+            return
+        log.warning("shard %s's leader exited but its process group lives on; stopping the rest", shard.shard_id)
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            self._signal(shard, sig)
+            deadline = time.monotonic() + wait_s
+            while _group_alive(shard.pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if not _group_alive(shard.pid):
+                return
+        log.error("shard %s's process group would not die (a process in uninterruptible sleep?)", shard.shard_id)
 
     def _signal(self, shard: Shard, sig: int) -> None:
         try:
@@ -268,16 +289,53 @@ class Supervisor:
                     tail = self.tail(shard)
                     log.warning("shard %s exited with code %s", shard.shard_id, shard.exit_code)
                     shard.state = "exited"
+                    if _group_alive(shard.pid):  # its leader died: what it started goes too (in the background)
+                        task = asyncio.create_task(self._clear_group(shard, 5.0))
+                        self._clearing.add(task)
+                        task.add_done_callback(self._clearing.discard)
                     # Reported before it is forgotten: until then heartbeats still list it (as exited), so
-                    # the control plane hears why it exited rather than only that it is gone.
-                    if self.on_exit is not None:
-                        try:
-                            await self.on_exit(shard, tail)
-                        except Exception:  # noqa: BLE001 - keep watching the others; the error is logged
-                            log.exception("reporting the exit of shard %s failed", shard.shard_id)
-                    if self.shards.get(shard.shard_id) is shard:
-                        self._forget(shard.shard_id)
+                    # the control plane hears why it exited rather than only that it is gone. In the
+                    # background: a report retried against an unreachable control plane must not keep the
+                    # other engines' exits unnoticed meanwhile.
+                    task = asyncio.create_task(self._report_exit(shard, tail))
+                    self._clearing.add(task)
+                    task.add_done_callback(self._clearing.discard)
             await asyncio.sleep(interval_s)
+
+    async def _report_exit(self, shard: Shard, tail: str) -> None:
+        if self.on_exit is not None:
+            try:
+                await self.on_exit(shard, tail)
+            except Exception:  # noqa: BLE001 - the error is logged; the shard is forgotten all the same
+                log.exception("reporting the exit of shard %s failed", shard.shard_id)
+        if self.shards.get(shard.shard_id) is shard:
+            self._forget(shard.shard_id)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process that is not a zombie is left in process group `pgid` (a zombie holds nothing, and
+    one whose parent never reaps it, as under a container's PID 1 that is not an init, would never go)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 def kill_leftover_engines(shard_root: Path, node_id: str = "*") -> int:

@@ -223,3 +223,30 @@ def test_workflows_start_without_registered_search_attributes(tmp_path, database
                    why=cp.logs)
     finally:
         cp.stop()
+
+
+def test_an_engine_that_prints_its_key_never_has_it_shown_and_its_log_is_not_world_readable(control_plane, tmp_path):
+    """SGLang logs its `server_args`, engine key included. That key is what the gateway sends to the engine;
+    its log was 0644 (any local user could read it) and its last words went to the control plane as they
+    were. Here an engine prints its key and exits: the failure `ctl replicas` shows says `<engine key>`,
+    the key itself appears nowhere the admin API gives out, and the log is 0600 in a 0700 directory."""
+    cp = control_plane
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"GGUF")
+    leaky = tmp_path / "llama-server"
+    leaky.write_text(f"#!{sys.executable}\nimport os, sys\nprint('server_args: api_key=' + os.environ['LLAMA_API_KEY'])\n"
+                     "sys.exit(2)\n")
+    leaky.chmod(0o755)
+    cp.env.update(LLMGW_START_BACKOFF_BASE_S="120")
+    cp.start()
+    cp.agent("n1", LLMGW_LLAMA_SERVER=str(leaky))
+    cp.wait_nodes("n1")
+    assert cp.apply({"models": [{"name": "m", "scaling": {"min": 1, "max": 1},
+                                 "profiles": [{"engine": "llamacpp", "source": str(weights)}]}]}).status_code == 200
+    failed = wait_until(lambda: next((r for r in cp.replicas() if r["model"] == "m" and r["status"] == "failed"), None),
+                        timeout_s=60, what="m's replica failed", why=cp.logs)
+    assert "server_args: api_key=<engine key>" in failed["failure"], failed["failure"]
+    [log] = list((cp.state / "logs" / "n1").glob(f"{failed['id']}-r0.log"))
+    key = log.read_text().split("api_key=")[1].split()[0]
+    assert len(key) > 16 and key not in json.dumps(cp.replicas()), "the engine key reached the admin API"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600 and stat.S_IMODE(log.parent.stat().st_mode) == 0o700

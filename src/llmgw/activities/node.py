@@ -37,6 +37,7 @@ from llmgw.workers.errors import ReportRefused
 from llmgw.workers.logs import BadShardId, read_log
 from llmgw.workers.readiness import ReadinessCues
 from llmgw.workers.reclaim import reclaim
+from llmgw.workers.supervisor import ENGINE_KEY_SHOWN
 
 if TYPE_CHECKING:
     from llmgw.workers.agent import Agent
@@ -341,6 +342,9 @@ class NodeActivities:
             raise ApplicationError(str(exc), type="BadShardId", non_retryable=True) from None
         shard = self.agent.supervisor.get(inp.shard_id)
         out.running = shard is not None and self.agent.supervisor.poll(shard) is None
+        key = shard.spec.api_key if shard is not None else None
+        if key and out.data:  # an engine that prints its key (SGLang logs its server_args): never sent on
+            out.data = out.data.replace(key, ENGINE_KEY_SHOWN)
         return out
 
     @activity.defn(name="reclaim_cache")

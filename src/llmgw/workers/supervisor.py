@@ -131,6 +131,7 @@ class Supervisor:
         shard_dir.mkdir(parents=True, exist_ok=True)
         shard_dir.chmod(0o700)  # spec files hold engine keys
         log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.chmod(0o700)  # engine logs may hold engine keys and prompts
 
     # ---- spec files -----------------------------------------------------------------------------
     def _spec_path(self, shard_id: str) -> Path:
@@ -182,7 +183,9 @@ class Supervisor:
         """Start `plan.argv` in a new process group with `plan.env`; output goes to the shard's log.
         `shown_argv` is what the log line says (the argv with any engine key redacted)."""
         log_path = self.log_dir / f"{spec.shard_id}.log"
-        with open(log_path, "ab") as out:
+        # 0600 in a 0700 directory, as the spec files: an engine may print its key (SGLang logs its
+        # `server_args`, api_key included) and, with request logging on, prompts.
+        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             proc = subprocess.Popen(
                 plan.argv, env=plan.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
@@ -216,13 +219,16 @@ class Supervisor:
         return code
 
     def tail(self, shard: Shard, size: int = TAIL_BYTES) -> str:
+        """The end of the shard's log, its engine key replaced (SGLang logs its `server_args`, key included):
+        every exit report and failure text is made from this."""
         try:
             with open(shard.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - size))
-                return f.read().decode("utf-8", "replace")
+                text = f.read().decode("utf-8", "replace")
         except OSError:
             return ""
+        return text.replace(shard.spec.api_key, ENGINE_KEY_SHOWN) if shard.spec.api_key else text
 
     async def stop(self, shard_id: str, grace_s: float = 10.0) -> tuple[bool, int | None]:
         """SIGTERM the shard's process group, SIGKILL after `grace_s`. Returns (was running, exit code)."""
@@ -310,6 +316,9 @@ class Supervisor:
                 log.exception("reporting the exit of shard %s failed", shard.shard_id)
         if self.shards.get(shard.shard_id) is shard:
             self._forget(shard.shard_id)
+
+
+ENGINE_KEY_SHOWN = "<engine key>"  # what an engine's log shows where it printed its key
 
 
 def _group_alive(pgid: int) -> bool:

@@ -79,6 +79,11 @@ def source(engine: str) -> dict:
     # More than a C int: llama-server's `std::stoi` throws, and it exits at every start.
     ("llamacpp", ["--parallel", "4294967296"], "--parallel takes an integer from -2147483648 to 2147483647"),
     ("llamacpp", ["--seed", "4294967296"], "--seed takes an integer from -1 to 4294967295"),
+    # A pull request's ref, which anyone may open on a public repository: a stranger's weights under our name.
+    ("vllm", ["--revision", "refs/pr/1"], "--revision 'refs/pr/1' is a pull request of the repository"),
+    ("vllm", ["--tokenizer-revision=refs/pr/7"], "--tokenizer-revision 'refs/pr/7' is a pull request"),
+    ("sglang", ["--revision", "REFS/PR/2"], "is a pull request of the repository, which anyone may open"),
+    ("vllm", ["--revision"], "--revision takes a revision (a branch, a tag or a commit sha); write it as the next item"),
 ])
 def test_what_got_through_is_refused_at_apply_naming_the_flag_and_what_is_allowed(engine, args, says):
     with pytest.raises(PolicyError, match=re.escape(says)):
@@ -142,6 +147,8 @@ def test_tuning_that_the_engines_parse_the_same_way_passes():
     check_args(["--max-model-len", "auto"], "vllm")
     check_args(["--max-model-len", "16M"], "vllm")
     check_args(["--context-length", "10000000"], "sglang")
+    check_args(["--revision", "main", "--tokenizer-revision", "v1.2"], "vllm")
+    check_args(["--revision", "0123456789abcdef0123456789abcdef01234567"], "sglang")
     check_args(["--tokens-per-second", "0", "--startup-delay", "-.5"], "sim")
     check_env({"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "VLLM_ATTENTION_BACKEND": "FLASHINFER"}, "vllm")
     check_env({"LLAMA_ARG_CTX_SIZE": "4096", "OMP_NUM_THREADS": "2"}, "llamacpp")

@@ -52,7 +52,9 @@ VALUES: dict[str, dict[str, str]] = {
 
 
 def value_kind(engine: str, flag: str) -> str | None:
-    """What `flag` of `engine` takes ("an integer", ...), when it takes a number; else None."""
+    """What `flag` of `engine` takes ("an integer", ..., "a revision"), when its value is checked; else None."""
+    if (engine, flag) in REVISIONS:
+        return "a revision (a branch, a tag or a commit sha)"
     return VALUES.get(engine, {}).get(flag)
 
 
@@ -66,8 +68,20 @@ C_INT_MAX = (1 << 31) - 1  # llama.cpp reads integers with `std::stoi`: a larger
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
+# A hub revision: a branch, a tag or a commit of the repository, never a pull request's ref, which anyone
+# may open on a public repository: `--revision refs/pr/1` would serve a stranger's weights (and code) under
+# the catalog's model name.
+REVISIONS = {("vllm", "--revision"), ("vllm", "--tokenizer-revision"), ("vllm", "--code-revision"),
+             ("sglang", "--revision")}
+
+
 def value_problem(engine: str, flag: str, value: str) -> str | None:
-    """Why `value` is not a value `flag` takes, or None when it is (or the flag takes no number)."""
+    """Why `value` is not a value `flag` takes, or None when it is (or the flag takes no checked value)."""
+    if (engine, flag) in REVISIONS:
+        if "refs/pr/" in value.strip().lower():
+            return (f"{flag} {value[:60]!r} is a pull request of the repository, which anyone may open; give a "
+                    "branch, a tag or a commit sha")
+        return None
     kind = value_kind(engine, flag)
     v = value.strip()
     if kind is None:

@@ -201,3 +201,28 @@ async def test_an_engine_whose_leader_dies_does_not_leave_its_children_running(t
         watcher.cancel()
         if not _gone(child):
             os.kill(child, 9)
+
+
+async def test_an_engine_whose_spec_file_another_version_wrote_is_adopted_not_abandoned(tmp_path):
+    """A restarted agent of another version (a profile field added, or one it no longer knows) could not
+    parse a spec file, deleted it and went on: the engine ran on, unsupervised and never stopped, holding
+    its GPUs. Now it is adopted from what the file still says, and can be stopped; a file that names no
+    process it can read is kept aside (`.bad`), never deleted."""
+    first = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    spec = sim_spec()
+    shard = first.launch(spec, SimAdapter().build(spec))
+    await wait_ready(shard.endpoint)
+    path = tmp_path / "shards" / "rep1-r0.json"
+    d = json.loads(path.read_text())
+    d["profile"]["speculative_decoding"] = {"draft": "x"}  # a field from a newer llmgw
+    path.write_text(json.dumps(d))
+    (tmp_path / "shards" / "garbled-r0.json").write_text("{not json")
+
+    second = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    adopted, dead = second.adopt_all()
+    assert [s.shard_id for s in adopted] == ["rep1-r0"] and adopted[0].spec.profile.engine == "sim"
+    assert dead == ["garbled-r0"] and (tmp_path / "shards" / "garbled-r0.json.bad").exists()
+    was, _ = await second.stop("rep1-r0", grace_s=5)
+    assert was
+    first.poll(shard)
+    assert not psutil.pid_exists(shard.pid) or psutil.Process(shard.pid).status() == psutil.STATUS_ZOMBIE

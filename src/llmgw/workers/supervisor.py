@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 import psutil
+from pydantic import ValidationError
 
 from llmgw.engines.base import LaunchPlan, ShardSpec
 from llmgw.schemas.catalog import Profile
@@ -80,13 +81,30 @@ class Shard:
     @classmethod
     def from_json(cls, d: dict) -> "Shard":
         spec = ShardSpec(shard_id=d["shard_id"], replica_id=d["replica_id"], model=d["model"],
-                         profile=Profile.model_validate(d["profile"]), rank=d["rank"], gpus=d["gpus"],
+                         profile=_profile_as_written(d["profile"], d["shard_id"]), rank=d["rank"], gpus=d["gpus"],
                          weights_path=d["weights_path"], host=d["host"], port=d["port"],
                          rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None,
                          api_key=d.get("api_key"))
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", "starting"), adopted=True,
                    started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"))
+
+
+def _profile_as_written(raw: object, shard_id: str) -> Profile:
+    """The profile a spec file holds. One written by another version of llmgw (a field added or removed, a
+    stricter rule since) is read for what it still says: the engine it describes runs, and must be adopted
+    and supervised, not forgotten while it holds its GPUs (a rollout replaces it if its profile is not the
+    catalog's)."""
+    try:
+        return Profile.model_validate(raw)
+    except ValidationError as exc:
+        known = {k: v for k, v in raw.items() if k in Profile.model_fields} if isinstance(raw, dict) else {}
+        log.warning("shard %s's spec file holds a profile this version reads differently (%s); adopting it as "
+                    "written", shard_id, exc.errors()[0]["msg"])
+        try:
+            return Profile.model_validate(known)
+        except ValidationError:
+            return Profile.model_construct(**known)
 
 
 def proc_start_ticks(pid: int) -> int | None:
@@ -158,9 +176,11 @@ class Supervisor:
             try:
                 shard = Shard.from_json(json.loads(path.read_text()))
             except (ValueError, KeyError, TypeError) as exc:
-                log.warning("unreadable shard spec %s (%s); ignoring it", path, exc)
+                # Kept aside, not deleted: it is the only record of a process that may still run.
+                log.error("unreadable shard spec %s (%s); moved to %s.bad: if its engine still runs, stop it by "
+                          "hand", path, exc, path.name)
                 dead.append(path.stem)
-                path.unlink(missing_ok=True)
+                path.replace(path.with_name(path.name + ".bad"))
                 continue
             if alive(shard.pid, shard.create_time, shard.start_ticks):
                 log.info("adopting shard %s (pid %d); its earlier output is in %s", shard.shard_id, shard.pid, shard.log_path)

@@ -25,7 +25,7 @@ from temporalio.exceptions import ApplicationError
 
 from llmgw.activities.expected import expected_failure
 from llmgw.catalog.policy import PolicyError, check_profile
-from llmgw.engines.base import EngineError, ShardSpec, new_api_key, reserve_port
+from llmgw.engines.base import EngineError, Ports, ShardSpec, new_api_key
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
     NOT_WANTED, UNREACHABLE, FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput,
@@ -61,6 +61,7 @@ class NodeActivities:
         self.agent = agent
         self._watches: dict[str, asyncio.Task] = {}  # shard id -> the task watching it become ready
         self._fetched: dict[str, float] = {}  # weights path -> when a start last fetched (or found) it
+        self._ports = Ports()  # engine ports handed out: never one a live shard has, or given lately
 
     def all(self) -> list:
         return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.start_shard, self.wait_shard_joined,
@@ -174,7 +175,8 @@ class NodeActivities:
             serving = inp.rank == 0
             spec = ShardSpec(shard_id=inp.shard_id, replica_id=inp.replica_id, model=inp.model, profile=inp.profile,
                              rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host,
-                             port=reserve_port(host) if serving else 0, rendezvous=inp.rendezvous,
+                             port=self._ports.take(host, {s.spec.port for s in sup.shards.values()}) if serving else 0,
+                             rendezvous=inp.rendezvous,
                              api_key=new_api_key() if serving else None)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:

@@ -19,7 +19,9 @@ import ipaddress
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
@@ -131,6 +133,28 @@ def reserve_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Ports:
+    """The ports this node handed to engines: one free now (`reserve_port`) that no live shard has and none
+    handed out in the last `hold_s` (an engine binds its port only once it has loaded its model, minutes
+    later for SGLang: meanwhile the kernel hands the same free port out again, a few times in a thousand
+    here, and two shards started together could get one port and each other's readiness)."""
+
+    def __init__(self, hold_s: float = 900.0, reserve: Callable[[str], int] = reserve_port):
+        self.hold_s = hold_s
+        self.reserve = reserve
+        self.handed: dict[int, float] = {}
+
+    def take(self, host: str, in_use: set[int]) -> int:
+        now = time.monotonic()
+        self.handed = {p: t for p, t in self.handed.items() if now - t < self.hold_s}
+        for _ in range(100):
+            port = self.reserve(host)
+            if port not in in_use and port not in self.handed:
+                self.handed[port] = now
+                return port
+        raise EngineError(f"no free port on {host} that no engine of this node holds or was given lately")
 
 
 class EngineAdapter:

@@ -226,3 +226,26 @@ async def test_an_engine_whose_spec_file_another_version_wrote_is_adopted_not_ab
     assert was
     first.poll(shard)
     assert not psutil.pid_exists(shard.pid) or psutil.Process(shard.pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_an_engine_that_floods_its_log_is_held_to_the_cap_and_keeps_writing(tmp_path):
+    """An engine in an error loop (or logging every request) appended to its log without bound and filled
+    the disk. Past the cap its last MiB is kept aside and the log starts again; the engine, writing with
+    O_APPEND, carries on at the new end."""
+    sup = Supervisor(tmp_path / "shards", tmp_path / "logs", log_max_bytes=1 << 20)
+    flood = "import sys, time\nwhile True:\n    sys.stdout.write('x' * 4095 + '\\n'); sys.stdout.flush(); time.sleep(0.0005)\n"
+    plan = LaunchPlan(argv=[sys.executable, "-c", flood], env=dict(os.environ), endpoint="http://127.0.0.1:1")
+    shard = sup.launch(sim_spec(), plan)
+    try:
+        for _ in range(100):
+            if shard.log_path.stat().st_size > 2 << 20:
+                break
+            await asyncio.sleep(0.05)
+        sup.cap_logs()
+        kept = shard.log_path.with_name(shard.log_path.name + ".1")
+        assert kept.stat().st_size == 1 << 20 and shard.log_path.stat().st_size < 1 << 20
+        await asyncio.sleep(0.3)
+        assert shard.log_path.stat().st_size > 0  # still writing, at the new end
+        assert oct(kept.stat().st_mode & 0o777) == "0o600"
+    finally:
+        await sup.stop("rep1-r0", grace_s=1)

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # its profile's memory_gb (workers/health.py). 0 failures: both off.
     engine_probe_interval_s: float = Field(5.0, gt=0)
     engine_probe_failures: int = Field(3, ge=0)
+    # An engine's log is kept under this many MiB: past it, its last MiB is kept as `<shard>.log.1` and the
+    # log starts again (an engine in an error loop, or logging every request, had filled the disk).
+    engine_log_max_mb: float = Field(256.0, gt=0)
     # InfiniBand fabrics this node is on, as the operator declares them: {"fabric": ["mlx5_0", ...]}.
     # Checked against sysfs before anything is advertised (workers/infiniband.py).
     fabrics: dict[str, list[str]] = Field(default_factory=dict)

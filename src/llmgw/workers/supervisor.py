@@ -140,10 +140,12 @@ class Supervisor:
     `on_exit(shard, tail)` is awaited when a shard exits without being asked to stop.
     """
 
-    def __init__(self, shard_dir: Path, log_dir: Path, on_exit: Callable[[Shard, str], Awaitable[None]] | None = None):
+    def __init__(self, shard_dir: Path, log_dir: Path, on_exit: Callable[[Shard, str], Awaitable[None]] | None = None,
+                 log_max_bytes: int = 256 << 20):
         self.shard_dir = shard_dir
         self.log_dir = log_dir
         self.on_exit = on_exit
+        self.log_max_bytes = log_max_bytes
         self.shards: dict[str, Shard] = {}
         self._clearing: set[asyncio.Task] = set()  # a dead engine's report, and the rest of its process group
         shard_dir.mkdir(parents=True, exist_ok=True)
@@ -305,9 +307,34 @@ class Supervisor:
     async def stop_all(self, grace_s: float = 10.0) -> None:
         await asyncio.gather(*(self.stop(sid, grace_s) for sid in list(self.shards)))
 
+    def cap_logs(self) -> None:
+        """Keep every engine's log under `log_max_bytes`: past it, its last MiB goes to `<shard>.log.1` and
+        the log is emptied. The engine writes with O_APPEND, so it carries on at the new end."""
+        for shard in list(self.shards.values()):
+            try:
+                if shard.log_path.stat().st_size <= self.log_max_bytes:
+                    continue
+                keep = min(1 << 20, self.log_max_bytes)
+                with open(shard.log_path, "rb") as f:
+                    f.seek(-keep, os.SEEK_END)
+                    last = f.read(keep)
+                kept = shard.log_path.with_name(shard.log_path.name + ".1")
+                with os.fdopen(os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                    f.write(last)
+                os.truncate(shard.log_path, 0)
+                log.warning("shard %s's log passed %d MiB; its last MiB is in %s and the log starts again",
+                            shard.shard_id, self.log_max_bytes >> 20, kept.name)
+            except OSError as exc:
+                log.warning("could not cap shard %s's log: %s", shard.shard_id, exc)
+
     async def watch(self, interval_s: float = 0.5) -> None:
-        """Notice shards that exit on their own and report them through `on_exit`; runs until cancelled."""
+        """Notice shards that exit on their own and report them through `on_exit`, and keep their logs
+        bounded (`cap_logs`, every 10 s); runs until cancelled."""
+        capped = time.monotonic()
         while True:
+            if time.monotonic() - capped >= 10:
+                capped = time.monotonic()
+                self.cap_logs()
             for shard in list(self.shards.values()):
                 if shard.stopping or shard.exit_code is not None and shard.state == "exited":
                     continue

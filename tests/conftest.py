@@ -67,7 +67,7 @@ def module_database_url(postgres):
     yield from _fresh_database(postgres)
 
 
-NAMESPACES = [f"test-{i}" for i in range(64)]
+NAMESPACES = [f"test-{i}" for i in range(96)]
 
 
 @pytest.fixture(scope="session")

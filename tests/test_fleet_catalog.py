@@ -118,3 +118,31 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     assert out.returncode == 2
     assert "models[0] (g).profiles[0] (default).nodes: llama.cpp runs a replica on one node; remove `nodes`" in out.stderr
     assert [m["name"] for m in httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]] == ["small"]
+
+
+def test_a_stored_profile_too_big_to_travel_does_not_wedge_the_reconciler(control_plane, database_url):
+    """A profile written around the admin API (SQL, an older llmgw) with a 3 MiB flag: every reconcile
+    pass had failed to return its result (Temporal's 2 MiB payload limit), so no other model was ever
+    placed. It is left out when read, and said so; the model after it is placed and served."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for i, spec in enumerate([
+                {"name": "huge", "scaling": {"min": 1, "max": 1},
+                 "profiles": [{"engine": "sim", "args": ["--x", "a" * (3 << 20)]}]},
+                {"name": "after", "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "sim"}]}]):
+            conn.execute("INSERT INTO catalog_models (name, position, spec) VALUES (%s, %s, %s)",
+                         (spec["name"], i, json.dumps(spec)))
+    cp = control_plane.start()
+    cp.agent("node-a", simulate=sim_spec(gpus=0))
+    cp.wait_nodes("node-a")
+    cp.wait_replicas("after", timeout_s=60)
+    r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
+                   json={"model": "after", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert all(rep["model"] != "huge" for rep in cp.replicas())
+    # A model added later is placed by a later pass (every pass had failed after the one that met `huge`).
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO catalog_models (name, position, spec) VALUES (%s, %s, %s)",
+                     ("later", 2, json.dumps({"name": "later", "scaling": {"min": 1, "max": 1},
+                                              "profiles": [{"engine": "sim"}]})))
+    cp.wait_replicas("later", timeout_s=60)
+    assert any("stored catalog model 'huge' cannot be read and is skipped" in p.log() for p in cp.procs)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.catalog.rules import check_arithmetic, check_source
 from llmgw.catalog.upgrade import upgrade_document
-from llmgw.schemas.catalog import Catalog, Model, Profile
+from llmgw.schemas.catalog import Catalog, Model, Profile, fold_name
 from llmgw.spelling import did_you_mean
 
 
@@ -193,13 +193,21 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
     aliases of those, which exist as far as the others are concerned."""
     problems: list[str] = []
     seen: dict[str, str] = {n: n for n in unread}
+    # Two names that differ only in case or `_`/`-` are one name to the people who type them (and the 404's
+    # "did you mean" folds them so): `Llama-3` beside `llama_3` would route a typo to the other model.
+    folded: dict[str, tuple[str, str]] = {fold_name(n): (n, n) for n in unread}
     at = indices or range(len(catalog.models))
     for i, m in zip(at, catalog.models):
         for n in [m.name, *m.aliases]:
             if n in seen:
                 problems.append(f"models[{i}] ({m.name}): name {n!r} is already used by model {seen[n]!r}")
+            elif fold_name(n) in folded and folded[fold_name(n)][1] != m.name:  # its own alias may fold to it
+                other, owner = folded[fold_name(n)]
+                problems.append(f"models[{i}] ({m.name}): name {n!r} differs from {other!r} (model {owner!r}) only "
+                                "in case or '_'/'-'; names must differ in more than that: rename one")
             else:
                 seen[n] = m.name
+                folded.setdefault(fold_name(n), (n, m.name))
     for i, m in zip(at, catalog.models):
         resolved: list[str] = []
         for f in m.fallbacks:

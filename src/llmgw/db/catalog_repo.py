@@ -15,7 +15,7 @@ from llmgw.catalog.upgrade import upgrade_model_spec
 from llmgw.db import load_repo
 from llmgw.db.tables import catalog_models, model_state
 from llmgw.schemas.api import ApplyResponse
-from llmgw.schemas.catalog import Catalog, Model
+from llmgw.schemas.catalog import Catalog, Model, name_problem
 from llmgw.schemas.payloads import ModelState
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ async def get_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) ->
     models = []
     for i, r in enumerate(rows):
         spec, _, problems = upgrade_model_spec(r.spec, i)
+        spec = _without_bad_aliases(spec)
         try:
             if problems:
                 raise ValueError("; ".join(problems))
@@ -54,6 +55,20 @@ async def get_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) ->
     if memo is not None:
         memo.key, memo.catalog = key, catalog
     return catalog
+
+
+def _without_bad_aliases(spec: object) -> object:
+    """A stored model with an alias an older llmgw took (empty, `x/../y`, a newline) keeps serving under its
+    name and its other aliases: the alias is left out and logged, not the whole model."""
+    aliases = spec.get("aliases") if isinstance(spec, dict) else None
+    if not isinstance(aliases, list):
+        return spec
+    bad = [a for a in aliases if name_problem(a)]
+    if not bad:
+        return spec
+    log.error("stored catalog model %r: aliases %r are not names any more and are left out; apply a corrected "
+              "catalog", spec.get("name"), bad)
+    return {**spec, "aliases": [a for a in aliases if a not in bad]}
 
 
 def _spec(m: Model) -> dict:

@@ -25,6 +25,39 @@ ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "sim")
 # Model ids may contain "/" (for example "Qwen/Qwen2.5-7B-Instruct" used as a model name).
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
+# What one profile may hold. A profile travels whole in the reconcile pass's result (up to
+# `reconcile_max_placements`, 64, placements) and in each start workflow's input, both Temporal payloads
+# limited to 2 MiB: a 3 MiB argument had made every pass fail to complete, and no later model was placed.
+# 64 x 16 KiB stays well inside; an engine's longest real values (an inline chat template, a JSON config)
+# fit in 8 KiB, and longer ones belong in a file the engine reads.
+MAX_ARG_CHARS = 8192
+MAX_ARGS = 256
+MAX_ENV = 128
+MAX_PROFILE_BYTES = 16384
+MAX_ALIASES = 32
+MAX_FALLBACKS = 16
+MAX_REPLICAS = 4096  # scaling.min/max; no fleet runs more replicas of one model
+MAX_DURATION_S = 366 * 86400.0  # a year: longer is a typo (or infinity), and timers overflow
+MAX_COUNT = 1_000_000  # requests in flight, queued, concurrent
+
+
+def name_problem(v: object, what: str = "model name") -> str | None:
+    """Why `v` cannot be a model name or alias (None if it can). A name is a URL path in the admin API and
+    /v1/models/{id}: `x/../y` would be normalised to `y` by the clients that send it, `x//y` to something
+    else again, and a fullwidth or accented look-alike would be a second name for what reads the same."""
+    if not isinstance(v, str) or not MODEL_NAME_RE.fullmatch(v):
+        return (f"{what} {v!r} is not allowed: use letters, digits and . _ : / @ + - (up to 128), starting "
+                "with a letter or digit")
+    if any(part in ("", ".", "..") for part in v.split("/")):
+        return f"{what} {v!r} is not allowed: no part between '/' may be empty, '.' or '..' (write org/model)"
+    return None
+
+
+def fold_name(name: str) -> str:
+    """The form two names must not share: the same letters in another case, `_` for `-` (clients and
+    operators type either, and `similar` answers a 404 with the other)."""
+    return name.casefold().replace("_", "-")
+
 
 class _Strict(BaseModel):
     """Unknown fields refused; numbers finite; a boolean is not a number (`min: true` had been read as 1)."""
@@ -84,13 +117,13 @@ class Scaling(_Strict):
       gateway's `LLMGW_LOAD_WAIT_S`); `load_queue`: how many may wait at once on one gateway.
     """
 
-    min: int = Field(0, ge=0)
-    max: int = Field(0, ge=0)
-    idle_timeout: float = Field(600.0, gt=0)
-    target_in_flight: int | None = Field(None, ge=1)
-    scale_down_delay: float = Field(60.0, ge=0)
-    load_wait: float = Field(120.0, ge=0)
-    load_queue: int = Field(256, ge=0)
+    min: int = Field(0, ge=0, le=MAX_REPLICAS)
+    max: int = Field(0, ge=0, le=MAX_REPLICAS)
+    idle_timeout: float = Field(600.0, gt=0, le=MAX_DURATION_S)
+    target_in_flight: int | None = Field(None, ge=1, le=MAX_COUNT)
+    scale_down_delay: float = Field(60.0, ge=0, le=MAX_DURATION_S)
+    load_wait: float = Field(120.0, ge=0, le=MAX_DURATION_S)
+    load_queue: int = Field(256, ge=0, le=MAX_COUNT)
 
     @field_validator("idle_timeout", "scale_down_delay", "load_wait", mode="before")
     @classmethod
@@ -141,24 +174,50 @@ class Profile(_Strict):
     The arithmetic and the upgrade repairs are checked by `llmgw.catalog` (see docs/catalog.md).
     """
 
-    name: str = "default"
+    name: str = Field("default", min_length=1, max_length=128)
     engine: EngineName
-    source: str | None = None
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int | None = Field(None, ge=0)
-    gpu_memory_gb: float | None = Field(None, ge=0)
-    memory_gb: float | None = Field(None, ge=0)
-    disk_gb: float | None = Field(None, ge=0)
-    args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    start_timeout: float | None = Field(None, gt=0)
+    source: str | None = Field(None, max_length=4096)
+    tp: int = Field(1, ge=1, le=1024)
+    pp: int = Field(1, ge=1, le=1024)
+    nodes: int = Field(1, ge=1, le=1024)
+    gpus_per_node: int | None = Field(None, ge=0, le=64)
+    gpu_memory_gb: float | None = Field(None, ge=0, le=1e6)
+    memory_gb: float | None = Field(None, ge=0, le=1e6)
+    disk_gb: float | None = Field(None, ge=0, le=1e9)
+    args: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
+    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV)
+    start_timeout: float | None = Field(None, gt=0, le=MAX_DURATION_S)
 
     @field_validator("start_timeout", mode="before")
     @classmethod
     def _duration(cls, v: object) -> object:
         return parse_duration_s(v)
+
+    @field_validator("args")
+    @classmethod
+    def _arg_sizes(cls, v: list[str]) -> list[str]:
+        for i, a in enumerate(v):
+            if len(a) > MAX_ARG_CHARS:
+                raise ValueError(f"args[{i}] ({a[:40]!r}...) holds {len(a)} characters, more than {MAX_ARG_CHARS}; "
+                                 "put a long value in a file on the node and pass its path")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_sizes(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if len(k) > 256 or len(val) > MAX_ARG_CHARS:
+                raise ValueError(f"env {k[:40]!r}: a name may hold 256 characters and a value {MAX_ARG_CHARS}; "
+                                 "put a long value in a file on the node and pass its path")
+        return v
+
+    @model_validator(mode="after")
+    def _size(self) -> "Profile":
+        size = len(self.model_dump_json().encode())
+        if size > MAX_PROFILE_BYTES:
+            raise ValueError(f"profile {self.name!r} is {size} bytes as JSON, more than {MAX_PROFILE_BYTES} "
+                             "(it travels in every start of a replica); put long values in files on the node")
+        return self
 
     @property
     def simulated(self) -> bool:
@@ -218,10 +277,10 @@ class Limits(_Strict):
       else the setting `max_prompt_chars` (catalog/context.py).
     """
 
-    max_concurrency: int | None = Field(None, ge=1)
-    max_queue: int = Field(0, ge=0)
-    queue_timeout_s: float = Field(30.0, gt=0)
-    max_prompt_chars: int | None = Field(None, ge=1)
+    max_concurrency: int | None = Field(None, ge=1, le=MAX_COUNT)
+    max_queue: int = Field(0, ge=0, le=MAX_COUNT)
+    queue_timeout_s: float = Field(30.0, gt=0, le=MAX_DURATION_S)
+    max_prompt_chars: int | None = Field(None, ge=1, le=1 << 30)
 
 
 class GuardPolicy(_Strict):
@@ -239,29 +298,33 @@ class Model(_Strict):
     """
 
     name: str
-    aliases: list[str] = Field(default_factory=list)
-    fallbacks: list[str] = Field(default_factory=list)
+    aliases: list[str] = Field(default_factory=list, max_length=MAX_ALIASES)
+    fallbacks: list[str] = Field(default_factory=list, max_length=MAX_FALLBACKS)
     scaling: Scaling | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000)
     role: Literal["chat", "guard", "embedding"] = "chat"
-    profiles: list[Profile] = Field(default_factory=list)
-    endpoints: list[str] = Field(default_factory=list)
+    profiles: list[Profile] = Field(default_factory=list, max_length=32)
+    endpoints: list[str] = Field(default_factory=list, max_length=64)
     limits: Limits | None = None
     guard: GuardPolicy | None = None
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not MODEL_NAME_RE.fullmatch(v):
-            raise ValueError(
-                f"model name {v!r} is not allowed: use letters, digits and . _ : / @ + - (up to 128), "
-                "starting with a letter or digit"
-            )
-        # A name is a URL path in the admin API and /v1/models/{id}: `x/../y` would be normalised to `y`
-        # by the clients that send it, and `x//y` to something else again.
-        if any(part in ("", ".", "..") for part in v.split("/")):
-            raise ValueError(f"model name {v!r} is not allowed: no part between '/' may be empty, '.' or '..' "
-                             "(write org/model)")
+        problem = name_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: list[str]) -> list[str]:
+        """An alias is a name clients send, held to the same rule (an empty, blank or `x/../y` one had been
+        taken, and a newline in one broke `ctl models`)."""
+        for i, a in enumerate(v):
+            problem = name_problem(a, f"aliases[{i}]")
+            if problem:
+                raise ValueError(problem)
         return v
 
     @model_validator(mode="after")
@@ -298,7 +361,7 @@ class Model(_Strict):
 class Catalog(_Strict):
     """The whole desired state: a list of models."""
 
-    models: list[Model] = Field(default_factory=list)
+    models: list[Model] = Field(default_factory=list, max_length=10_000)
 
     def get(self, name: str) -> Model | None:
         return next((m for m in self.models if m.name == name), None)

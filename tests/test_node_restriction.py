@@ -236,7 +236,7 @@ def test_launch_check_answers_a_node_about_its_own_shards_only(server):
     """`POST /node/v1/launch-check`: a node asks whether its shard's replica is still `starting` before it
     fetches for or launches it. It hears the truth about its own shards (here an adopted, Ready replica:
     not wanted, with its fencing generation), "unknown" for a shard nobody placed, 403 for another node's
-    shard or another node's name, and 422 for ids longer than any llmgw makes."""
+    shard or another node's name, and 400 for ids longer than any llmgw makes."""
     with node_client(server, "lc-a") as a:
         assert register(a, "lc-a", shard("rep-lc"))["adopted"] == ["rep-lc-r0"]
         r = a.post("/node/v1/launch-check", json={"node_id": "lc-a", "shard_id": "rep-lc-r0", "replica_id": "rep-lc"})
@@ -247,7 +247,7 @@ def test_launch_check_answers_a_node_about_its_own_shards_only(server):
         r = a.post("/node/v1/launch-check", json={"node_id": "lc-b", "shard_id": "rep-lc-r0", "replica_id": "rep-lc"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "node_identity"
         r = a.post("/node/v1/launch-check", json={"node_id": "lc-a", "shard_id": "x" * 5000, "replica_id": "x"})
-        assert r.status_code == 422
+        assert r.status_code == 400 and r.json()["error"]["param"] == "shard_id", r.text
     with node_client(server, "lc-b") as b:
         r = b.post("/node/v1/launch-check", json={"node_id": "lc-b", "shard_id": "rep-lc-r0", "replica_id": "rep-lc"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "node_restriction"
@@ -261,7 +261,7 @@ def test_launch_check_answers_a_node_about_its_own_shards_only(server):
 def test_a_node_may_say_goodbye_only_for_itself_and_only_for_its_current_boot(server):
     """`POST /node/v1/leave`: a node cannot make another node leave (403 for another node's name), a
     goodbye from a boot that is not the registered one changes nothing (a late one from before a restart),
-    oversized or unknown fields are 422, and the node's own goodbye loses its replicas and marks it left
+    oversized or unknown fields are 400, and the node's own goodbye loses its replicas and marks it left
     until it registers again."""
     with node_client(server, "lv-a") as a, node_client(server, "lv-b") as b:
         assert register(a, "lv-a", shard("rep-lv"))["adopted"] == ["rep-lv-r0"]
@@ -270,7 +270,7 @@ def test_a_node_may_say_goodbye_only_for_itself_and_only_for_its_current_boot(se
         assert r.status_code == 403 and r.json()["error"]["code"] == "node_identity"
         for body in ({"node_id": "lv-a", "boot_id": "x" * 5000}, {"node_id": "lv-a"},
                      {"node_id": "lv-a", "boot_id": "b1", "shards": ["rep-lv-r0"]}):
-            assert a.post("/node/v1/leave", json=body).status_code == 422, body
+            assert a.post("/node/v1/leave", json=body).status_code == 400, body
         r = a.post("/node/v1/leave", json={"node_id": "lv-a", "boot_id": "an-old-boot"})
         assert r.status_code == 200 and r.json() == {"known": False, "lost": []}
 
@@ -287,3 +287,38 @@ def test_a_node_may_say_goodbye_only_for_itself_and_only_for_its_current_boot(se
         assert node("lv-a")["status"] == "unreachable" and node("lv-b")["status"] == "ready"
         register(a, "lv-a")
         assert node("lv-a")["status"] == "ready"
+
+
+
+# ---- what a node may report: bounded, refused with 400 naming the field --------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("pid", 2**31), ("pid", 0), ("pid", -5), ("rank", 2**40), ("rank", -1), ("exit_code", 10**12),
+    ("exit_code", -(2**40)), ("shard_id", "x" * 5000), ("model", "m" * 300), ("output_tail", "t" * 200_000),
+    ("gpus", list(range(100))),
+])
+def test_a_shard_report_out_of_range_is_400_naming_the_field_and_the_registration_is_kept(server, field, value):
+    """Out-of-range numbers had reached int32 columns: 500 with a traceback, and the node's registration
+    rolled back with it. Now the report is refused naming the field, and a good one still registers."""
+    with node_client(server, "abuse-a") as c:
+        body = RegisterRequest(node_id="abuse-a", boot_id="b1", inventory=Inventory(cpus=1),
+                               shards=[shard("rep-abuse")]).model_dump(mode="json")
+        body["shards"][0][field] = value
+        r = c.post("/node/v1/register", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "bad_request" and err["param"] == f"shards.0.{field}", err
+        assert "Traceback" not in r.text
+        assert register(c, "abuse-a")["adopted"] == []  # the node API still answers this node
+
+
+def test_an_inventory_with_a_gpu_twice_or_a_node_id_too_long_is_refused(server):
+    with node_client(server, "abuse-b") as c:
+        inv = {"cpus": 1, "gpus": [{"index": 0}, {"index": 0}]}
+        r = c.post("/node/v1/register", json={"node_id": "abuse-b", "boot_id": "b1", "inventory": inv})
+        assert r.status_code == 400 and "name a GPU twice" in r.json()["error"]["message"], r.text
+        r = c.post("/node/v1/heartbeat", json={"node_id": "n" * 300, "boot_id": "b1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "node_id", r.text
+        r = c.post("/node/v1/heartbeat", json={"node_id": "abuse-b", "boot_id": "b1",
+                                               "downloads": [{"replica_id": "r", "source": "s", "bytes": -1}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "downloads.0.bytes", r.text

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.catalog.rules import apply_warnings
-from llmgw.gateway.errors import APIError, http_exception_error, json_error
+from llmgw.gateway.errors import APIError, http_exception_error, json_error, validation_error
 from llmgw.gateway.jsonbody import BoundedJSON
 from llmgw.gateway.mirror_check import mirror_warnings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
@@ -80,12 +80,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        fields = [".".join(str(p) for p in e["loc"][1:]) for e in exc.errors()]
-        problems = [f"{f}: {e['msg'].removeprefix('Value error, ')}" for f, e in zip(fields, exc.errors())]
-        return JSONResponse(status_code=400, content={"error": {"message": "; ".join(problems),
-                                                                "type": "invalid_request_error",
-                                                                "param": fields[0] if fields else None,
-                                                                "code": "bad_request", "problems": problems}})
+        return validation_error(exc.errors())
 
     @app.get("/admin/v1/catalog")
     async def get_catalog():

@@ -218,3 +218,16 @@ def json_error(err: APIError):
 
     return JSONResponse(status_code=err.status, content={"error": {"message": err.message, "type": err.type,
                         "param": err.param, "code": err.code}}, headers=err.headers)
+
+
+def validation_error(errors: list[dict]):
+    """A request body off its schema (FastAPI's `RequestValidationError.errors()`) as 400 `bad_request`,
+    one problem per field (`shard.pid: Input should be less than or equal to 4194304`), in the envelope."""
+    from starlette.responses import JSONResponse
+
+    fields = [".".join(str(p) for p in e["loc"][1:]) for e in errors]
+    problems = [f"{f}: {str(e['msg']).removeprefix('Value error, ')}" for f, e in zip(fields, errors)]
+    return JSONResponse(status_code=400, content={"error": {"message": "; ".join(problems[:20]),
+                                                            "type": "invalid_request_error",
+                                                            "param": fields[0] if fields else None,
+                                                            "code": "bad_request", "problems": problems[:100]}})

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from llmgw.gateway.errors import APIError, json_error
+from fastapi.exceptions import RequestValidationError
+
+from llmgw.gateway.errors import APIError, json_error, validation_error
 
 from llmgw.gateway.fleet_service import FleetService, NodeRestricted
 from llmgw.gateway.jsonbody import BoundedJSON
@@ -60,6 +62,10 @@ def create_node_api(fleet: FleetService, require_identity: bool):
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return json_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):  # 400 in the envelope, not FastAPI's 422
+        return validation_error(exc.errors())
 
     @app.exception_handler(NodeRestricted)
     async def _restricted(request: Request, exc: NodeRestricted):

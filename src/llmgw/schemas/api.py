@@ -25,10 +25,10 @@ class _NodeReads(BaseModel):
 class RegisterRequest(_Strict):
     """Sent by a node worker on every start and reconnect, with every shard it runs (possibly none)."""
 
-    node_id: str
-    boot_id: str
+    node_id: str = Field(min_length=1, max_length=253)
+    boot_id: str = Field(min_length=1, max_length=200)
     inventory: Inventory
-    shards: list[ShardReport] = Field(default_factory=list)
+    shards: list[ShardReport] = Field(default_factory=list, max_length=1024)
 
 
 class RegisterResponse(_NodeReads):
@@ -40,11 +40,11 @@ class RegisterResponse(_NodeReads):
 class HeartbeatRequest(_Strict):
     """Liveness. `inventory` is sent when it changed (weights fetched, disk used) or every so often."""
 
-    node_id: str
-    boot_id: str
-    shards: list[ShardReport] = Field(default_factory=list)
+    node_id: str = Field(min_length=1, max_length=253)
+    boot_id: str = Field(min_length=1, max_length=200)
+    shards: list[ShardReport] = Field(default_factory=list, max_length=1024)
     inventory: Inventory | None = None
-    downloads: list[DownloadProgress] = Field(default_factory=list)
+    downloads: list[DownloadProgress] = Field(default_factory=list, max_length=1024)
 
 
 class HeartbeatResponse(_NodeReads):
@@ -58,8 +58,8 @@ class HeartbeatResponse(_NodeReads):
 class ShardStatusRequest(_Strict):
     """One shard transition (starting, ready, failed with its output tail, stopped)."""
 
-    node_id: str
-    boot_id: str
+    node_id: str = Field(min_length=1, max_length=253)
+    boot_id: str = Field(min_length=1, max_length=200)
     shard: ShardReport
 
 

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# What a node may report (the node API stores it in int32 columns and text the operator reads): a pid
+# or rank past int32 had been a 500 with the registration rolled back.
+MAX_GPUS = 64  # per node; no machine has more
+PID_MAX = 2**22  # Linux's pid_max ceiling
+TEXT_MAX = 65536  # an exit's words, an output tail (the agent sends the last few KiB)
+
+
+def _id():
+    return Field(max_length=200)
+
+
 class GPU(_Strict):
     """One GPU. `memory_mb` is total memory in MiB; `nvlink_peers` are indices on the same node."""
 
-    index: int
-    uuid: str = ""
-    name: str = ""
-    memory_mb: int = 0
-    nvlink_peers: list[int] = Field(default_factory=list)
+    index: int = Field(ge=0, lt=MAX_GPUS)
+    uuid: str = Field("", max_length=200)
+    name: str = Field("", max_length=200)
+    memory_mb: int = Field(0, ge=0, le=2**31 - 1)
+    nvlink_peers: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
 
 
 class HCAPort(_Strict):
@@ -59,15 +70,24 @@ class Fabric(_Strict):
 class Inventory(_Strict):
     """A node's hardware. Memory and disk in MiB; `disk_free_mb` is free space under the weight cache."""
 
-    cpus: int = 0
-    memory_mb: int = 0
-    disk_free_mb: int = 0
-    gpus: list[GPU] = Field(default_factory=list)
-    fabrics: list[Fabric] = Field(default_factory=list)
-    cached_sources: list[str] = Field(default_factory=list)  # cache names of weights already on disk
-    engines: list[str] = Field(default_factory=list)  # engines this node can launch
+    cpus: int = Field(0, ge=0, le=1 << 20)
+    memory_mb: int = Field(0, ge=0, le=1 << 40)
+    disk_free_mb: int = Field(0, ge=0, le=1 << 50)
+    gpus: list[GPU] = Field(default_factory=list, max_length=MAX_GPUS)
+    fabrics: list[Fabric] = Field(default_factory=list, max_length=64)
+    cached_sources: list[str] = Field(default_factory=list, max_length=100_000)  # cache names of weights on disk
+    engines: list[str] = Field(default_factory=list, max_length=16)  # engines this node can launch
     simulated: bool = False
-    notes: list[str] = Field(default_factory=list)  # discovery remarks (no NVIDIA driver, adapter missing, ...)
+    notes: list[str] = Field(default_factory=list, max_length=100)  # discovery remarks (no NVIDIA driver, ...)
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, v: list[GPU]) -> list[GPU]:
+        """Each GPU once: two with one index had both been handed to shards, one device twice."""
+        seen = [g.index for g in v]
+        if len(seen) != len(set(seen)):
+            raise ValueError(f"GPU indices {seen} name a GPU twice; report each GPU once")
+        return v
 
 
 ShardState = Literal["starting", "ready", "draining", "stopped", "failed"]
@@ -76,19 +96,19 @@ ShardState = Literal["starting", "ready", "draining", "stopped", "failed"]
 class ShardReport(_Strict):
     """One shard as the node sees it. Sent on register (every running shard) and on each transition."""
 
-    shard_id: str
-    replica_id: str
-    model: str
-    profile: str
-    rank: int = 0
-    gpus: list[int] = Field(default_factory=list)
+    shard_id: str = _id()
+    replica_id: str = _id()
+    model: str = Field(max_length=200)  # empty in a `stopped` report of a shard the agent no longer knows
+    profile: str = Field(max_length=200)
+    rank: int = Field(0, ge=0, le=4096)
+    gpus: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
     state: ShardState
-    pid: int | None = None
-    endpoint: str | None = None
-    exit_code: int | None = None
-    exit_reason: str | None = None  # the exit in words, from the engine's adapter ("killed by SIGILL ...")
-    output_tail: str | None = None
-    profile_hash: str | None = None  # `profile_hash()` of the profile it was launched with (adoption)
+    pid: int | None = Field(None, ge=1, le=PID_MAX)
+    endpoint: str | None = Field(None, max_length=2048)
+    exit_code: int | None = Field(None, ge=-255, le=255)  # a negative one is the signal (Popen.returncode)
+    exit_reason: str | None = Field(None, max_length=TEXT_MAX)  # the exit in words ("killed by SIGILL ...")
+    output_tail: str | None = Field(None, max_length=TEXT_MAX)
+    profile_hash: str | None = Field(None, max_length=200)  # `profile_hash()` it was launched with (adoption)
     # The engine's key (serving shards), which the gateway sends; sent on registration and transitions,
     # stored with the shard, never logged (repr) nor shown by the admin API.
     api_key: str | None = Field(None, repr=False, pattern=r"^[A-Za-z0-9_-]{16,256}$")
@@ -98,7 +118,7 @@ class DownloadProgress(_Strict):
     """Weights being fetched for a replica on this node. `total` is None when the server sent no length:
     no percentage is invented (seeds 001, "Carry a download's progress to where somebody is looking")."""
 
-    replica_id: str
-    source: str
-    bytes: int
-    total: int | None = None
+    replica_id: str = _id()
+    source: str = Field(max_length=4096)
+    bytes: int = Field(ge=0, le=2**62)
+    total: int | None = Field(None, ge=0, le=2**62)

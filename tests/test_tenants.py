@@ -395,6 +395,33 @@ async def test_a_key_may_use_only_the_models_its_tenant_allows(plane):
     assert {m["id"] for m in every} == {"sim", "sim-b", "echo", "slow"}
 
 
+
+async def test_a_fallback_serves_only_a_key_that_may_use_the_fallback_model(plane):
+    """A model whose engine is down falls back to another: for a key whose tenant allows only the asked
+    model, the fallback must not answer (it had served `sim-b` to a key refused `sim-b`); a key of no
+    tenant is served by the fallback."""
+    cp = plane
+    dead = f"http://127.0.0.1:{free_port()}"
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+              if m["name"] != "down"]
+    models.append({"name": "down", "endpoints": [dead], "fallbacks": ["sim-b"]})
+    assert cp.apply({"models": models}).status_code == 200
+    create_tenant(cp, "no-fallback", models=["down"])
+    key = create_key(cp, "no-fallback-1", "no-fallback")
+    wait_key(cp, key)
+    async with httpx.AsyncClient(timeout=10) as c:
+        deadline = time.monotonic() + 10
+        while (r := await c.post(cp.gateway + "/v1/chat/completions", headers=auth(cp.plain_key),
+                                 json=chat("down", max_tokens=1))).status_code == 404 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # until the route table has the new catalog
+        assert r.status_code == 200 and r.json()["model"] == "sim-b", r.text  # the fallback works
+        before = cp.sims["sim-b"].counters()  # type: ignore[attr-defined]
+        r = await c.post(cp.gateway + "/v1/chat/completions", headers=auth(key), json=chat("down", max_tokens=1))
+        assert r.status_code in (502, 503), r.text  # the engine is down (or its breaker open), and no fallback
+        assert cp.sims["sim-b"].counters() == before  # type: ignore[attr-defined]  # sim-b never saw it
+        r = await c.post(cp.gateway + "/v1/chat/completions", headers=auth(key), json=chat("sim-b", max_tokens=1))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+
 BAD_LIMITS = [({"rpm": -1}, "limits.rpm"), ({"rpm": 0}, "limits.rpm"), ({"rpm": 1.5}, "limits.rpm"),
               ({"rpm": "60"}, "limits.rpm"), ({"rpm": True}, "limits.rpm"), ({"rpm": 10**12}, "limits.rpm"),
               ({"tpm": 10**15}, "limits.tpm"), ({"tokens_per_day": -1}, "limits.tokens_per_day"),

@@ -252,13 +252,18 @@ class Proxy:
                         "more_body": True})
         return hold
 
-    def _plan(self, route: ModelRoute) -> list[ModelRoute]:
-        """The models to try in order: the asked one if it has endpoints, then its fallbacks that do."""
+    def _plan(self, route: ModelRoute, meter: Meter | None = None) -> list[ModelRoute]:
+        """The models to try in order: the asked one if it has endpoints, then its fallbacks that do and
+        that the request's key may use (`models` of its tenant or key: a fallback had served a key the
+        model it was refused)."""
         if route.endpoints and not route.model.fallbacks:
             return [route]
         if not route.endpoints:
             self.demand.ask(route)  # load it for next time even while a fallback serves
-        return [r for r in (route, *self.routes.fallbacks(route)) if r.endpoints]
+        fallbacks = self.routes.fallbacks(route)
+        if meter is not None:
+            fallbacks = [r for r in fallbacks if meter.account.refusing(r.model) is None]
+        return [r for r in (route, *fallbacks) if r.endpoints]
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
                         consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None,
@@ -266,7 +271,7 @@ class Proxy:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
         replica the request is held for a load (`hold` is called while it waits)."""
-        plan = self._plan(route)
+        plan = self._plan(route, meter)
         if not plan:
             plan = [await self.demand.wait(route, hold)]
         name = plan[0].model.name

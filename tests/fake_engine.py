@@ -255,6 +255,32 @@ class FakeEngines:
         return web.Response(status=501, text="Traceback (most recent call last):\n  File \"/srv/secret/engine.py\"\n"
                             "NotImplementedError")
 
+    async def _afterdone(self, request, body, kind):
+        """A stream that says [DONE] and then keeps its connection open with keep-alive comments."""
+        resp = await self._sse(request)
+        await resp.write(chunk("said ") + b"data: [DONE]\n\n")
+        self.state["afterdone_open"] = True
+        try:
+            for _ in range(600):
+                await asyncio.sleep(0.1)
+                await resp.write(b": ping\n\n")
+        finally:
+            self.state["afterdone_open"] = False
+        return resp
+
+    async def _huge(self, request, body, kind):
+        """An answer as long as the request asks (`huge` in the prompt: 17 MiB, past what is held for a
+        response check), else the echo."""
+        if "huge" not in last_user_text(body):
+            return await self._echo(request, body, kind)
+        return web.json_response(answer("x" * (17 << 20), body))
+
+    async def _auth401(self, request, body, kind):  # an engine whose key is not the one the gateway sends
+        return web.json_response({"error": {"message": "Invalid API key", "type": "invalid_request_error"}}, status=401)
+
+    async def _busy429(self, request, body, kind):
+        return web.json_response({"error": {"message": "too many requests", "type": "rate_limit"}}, status=429)
+
     async def _busy503(self, request, body, kind):
         return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=503)
 

@@ -82,6 +82,16 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "dead-judge", "role": "guard", "endpoints": [dead2]},
         {"name": "judged-by-the-dead", "endpoints": [e.url("echo")], "guard": {"model": "dead-judge"}},
         {"name": "guarded", "endpoints": [e.url("trigger")], "guard": {"model": "judge", "check": ["request", "response"]}},
+        {"name": "answer-judged", "endpoints": [e.url("trigger")], "guard": {"model": "judge", "check": ["response"]}},
+        {"name": "small-judge", "role": "guard", "endpoints": [e.url("judge")], "limits": {"max_prompt_chars": 50}},
+        {"name": "judged-small", "endpoints": [e.url("echo")], "guard": {"model": "small-judge"}},
+        {"name": "huge-judged", "endpoints": [e.url("huge")], "guard": {"model": "judge", "check": ["response"]}},
+        {"name": "after-done", "endpoints": [e.url("afterdone")]},
+        {"name": "key-mismatch", "endpoints": [e.url("auth401"), e.url("echo")]},
+        {"name": "only-401", "endpoints": [e.url("auth401")]},
+        {"name": "engine-429", "endpoints": [e.url("busy429")]},
+        {"name": "primary-to-short", "fallbacks": ["short-prompts"], **sim_off},
+        {"name": "dead-to-limited", "endpoints": [dead], "fallbacks": ["limited"]},
         {"name": "primary", "fallbacks": ["echo"], **sim_off},
         {"name": "fleet-model", **sim_off},
         {"name": "sim-on-demand", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
@@ -907,3 +917,89 @@ async def test_requests_queued_under_a_per_gateway_cap_are_not_load_for_the_plan
         await asyncio.gather(*clients)
     assert len(rows) == 3, rows
     assert all(in_flight <= 4 and queued == 0 and peak <= 4 for in_flight, queued, peak in rows), rows
+
+
+
+# ---- checks a fallback, a judge or an engine's answer had skipped (review of the request path) ----------
+
+async def test_a_guarded_prompt_of_token_ids_is_refused_before_any_engine_sees_it(gw, engines):
+    """The judge read token ids as an empty message and allowed them; the engine decoded and served them."""
+    before = engines.state["hits"]["trigger"]
+    for model in ("guarded", "answer-judged"):
+        for prompt in ([5519, 656, 12], [[5519, 656]], ["text", 12]):
+            status, _, out = await post(gw, "/v1/completions", {"model": model, "prompt": prompt})
+            err = assert_envelope(out, status)
+            assert status == 400 and err["code"] == "invalid_prompt" and err["param"] == "prompt", out
+    assert engines.state["hits"]["trigger"] == before
+    status, _, out = await post(gw, "/v1/completions", {"model": "guarded", "prompt": ["a harmless", "question"]})
+    assert status == 200, out
+
+
+async def test_a_prompt_too_long_for_the_judge_is_400_not_a_retry_forever_503(gw, engines):
+    before = engines.state["hits"]["judge"]
+    status, headers, out = await post(gw, "/v1/chat/completions", chat("judged-small", "y" * 500))
+    err = assert_envelope(out, status)
+    assert status == 400 and err["code"] == "context_length_exceeded" and "Retry-After" not in headers, out
+    assert engines.state["hits"]["judge"] == before  # never sent to the judge
+    status, _, out = await post(gw, "/v1/chat/completions", chat("judged-small", "short"))
+    assert status == 200, out
+
+
+async def test_answers_too_long_to_hold_never_open_the_breaker_for_everyone(gw):
+    """A client asking for an answer past what the gateway holds gets 502 `answer_too_large`, saying what to
+    ask instead; more of them than the breaker's threshold leave the replica routed for everyone else."""
+    for _ in range(BREAKER_FAILURES + 2):
+        status, _, out = await post(gw, "/v1/chat/completions", chat("huge-judged", "make it huge"))
+        err = assert_envelope(out, status)
+        assert status == 502 and err["code"] == "answer_too_large" and "ask for less" in err["message"], out
+    status, _, out = await post(gw, "/v1/chat/completions", chat("huge-judged", "small please"))
+    assert status == 200, out
+
+
+async def test_a_stream_ends_at_its_done_even_when_the_engine_keeps_the_connection_open(gw, engines):
+    async with aiohttp.ClientSession() as s:
+        started = time.monotonic()
+        async with s.post(gw.gateway + "/v1/chat/completions", json=chat("after-done", stream=True)) as r:
+            raw = await asyncio.wait_for(r.content.read(), 5)
+        assert raw.endswith(b"data: [DONE]\n\n") and b"ping" not in raw, raw
+        assert time.monotonic() - started < 3
+    deadline = time.monotonic() + 5
+    while engines.state.get("afterdone_open") and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert engines.state.get("afterdone_open") is False  # the engine's connection was dropped
+
+
+async def test_an_engine_refusing_the_gateways_key_is_another_replicas_turn_and_never_the_clients_401(gw):
+    for _ in range(3):
+        status, _, out = await post(gw, "/v1/chat/completions", chat("key-mismatch", "through"))
+        assert status == 200 and out["choices"][0]["message"]["content"] == "echo: through", out
+    status, _, out = await post(gw, "/v1/chat/completions", chat("only-401"))
+    err = assert_envelope(out, status)
+    assert status == 502 and err["code"] == "engine_refused_gateway", out  # not the client's key: not a 401
+
+
+async def test_a_busy_engines_429_carries_retry_after(gw):
+    status, headers, out = await post(gw, "/v1/chat/completions", chat("engine-429"))
+    err = assert_envelope(out, status)
+    assert status == 429 and headers["Retry-After"] == "1" and err["code"] == "engine_busy", (headers, out)
+
+
+async def test_a_fallback_serves_only_what_it_would_take_when_asked_directly(gw, engines):
+    """`primary-to-short` is off and falls back to `short-prompts` (100 characters): a longer prompt had been
+    served by the fallback; asked directly, the fallback refuses it."""
+    status, _, out = await post(gw, "/v1/chat/completions", chat("short-prompts", "z" * 500))
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded"
+    status, _, out = await post(gw, "/v1/chat/completions", chat("primary-to-short", "z" * 500))
+    assert status == 503, out  # the model is off and no fallback takes the prompt
+    status, _, out = await post(gw, "/v1/chat/completions", chat("primary-to-short", "short"))
+    assert status == 200 and out["model"] == "short-prompts", out  # the fallback still serves what it takes
+
+
+async def test_a_fallback_keeps_its_own_concurrency_limit(gw, engines):
+    """`limited` takes 4 at once: as the fallback of `dead-to-limited` (whose engine refuses connections),
+    12 at once had all reached it. The fallback's slot is taken without queueing (the request has queued once)."""
+    engines.state["max_active"] = 0
+    results = await asyncio.gather(*[post(gw, "/v1/chat/completions", chat("dead-to-limited")) for _ in range(12)])
+    statuses = sorted(r[0] for r in results)
+    assert engines.state["max_active"] <= 4, engines.state["max_active"]
+    assert statuses.count(200) >= 4 and set(statuses) <= {200, 429}, statuses

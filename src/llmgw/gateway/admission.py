@@ -60,6 +60,13 @@ class Gate:
         finally:
             timer.cancel()
 
+    def try_acquire(self) -> bool:
+        """Take a free slot now, without queueing: False when there is none."""
+        if self.active < self.max_concurrency and not self.waiters:
+            self.active += 1
+            return True
+        return False
+
     def release(self) -> None:
         """Give the slot to the longest waiter, or free it."""
         while self.waiters:

@@ -91,6 +91,22 @@ def unavailable(name: str, why: str, retry_after_s: int = 5) -> APIError:
                     code="model_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
+def answer_too_large(limit: int) -> APIError:
+    """502: the engine's answer to this request is longer than the gateway holds whole. The request asked for
+    it (thousands of embedding inputs, `n: 128`), so it says what to ask instead, and the replica is not
+    counted as failing (any client could take a model's replicas out of routing this way)."""
+    return APIError(502, f"the answer is longer than {limit >> 20} MiB, the most the gateway reads whole; ask for "
+                    "less in one request (fewer inputs, a smaller n or max_tokens, or stream it)",
+                    type="upstream_error", code="answer_too_large")
+
+
+def not_text(param: str) -> APIError:
+    """400: a guarded model's prompt the guard cannot read (token ids): it would reach the engine unjudged."""
+    return APIError(400, f"`{param}` must be text for this model: its guard judges every prompt, and token ids "
+                    "cannot be judged; send the prompt as a string or a list of strings", param=param,
+                    code="invalid_prompt")
+
+
 def upstream_failed(why: str) -> APIError:
     return APIError(502, f"the engine failed: {why}", type="upstream_error", code="engine_error")
 
@@ -172,11 +188,18 @@ def circuit_open(name: str, retry_after_s: int) -> APIError:
 
 
 def engine_error(status: int, why: str) -> APIError:
-    """An engine's error answer turned into our envelope: 4xx kept, 503 kept (with Retry-After), 501 (the engine
-    cannot do this request) as 400 `engine_unsupported`, other 5xx as 502."""
+    """An engine's error answer turned into our envelope: 4xx kept (429 with Retry-After), 401 and 403 as 502
+    (the engine refused the gateway, not the client: its key, its configuration), 503 kept (with
+    Retry-After), 501 (the engine cannot do this request) as 400 `engine_unsupported`, other 5xx as 502."""
     if status == 503:
         return APIError(503, f"the engine is unavailable: {why}", type="service_unavailable", code="engine_unavailable",
                         headers={"Retry-After": "5"})
+    if status in (401, 403):
+        return APIError(502, f"the engine refused the gateway's credentials (HTTP {status}); the operator has been "
+                        "told", type="upstream_error", code="engine_refused_gateway")
+    if status == 429:
+        return APIError(429, f"the engine is busy: {why}", type="rate_limit_error", code="engine_busy",
+                        headers={"Retry-After": "1"})
     if 400 <= status < 500:
         return APIError(status, why, code="engine_refused")
     if status == 501:

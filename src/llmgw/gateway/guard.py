@@ -23,6 +23,8 @@ from llmgw.schemas.catalog import GuardPolicy
 # (model, path, payload) -> (status, decoded JSON body or None); routes like any request.
 Call = Callable[[str, str, dict], Awaitable[tuple[int, Any]]]
 VERDICT_TOKENS = 16
+# What the gateway itself refuses to send the judge (Proxy.call): the client's request is wrong, not the judge away.
+JUDGE_REFUSES = ("context_length_exceeded", "unsupported_content")
 
 
 def conversation(path: str, req: dict) -> list[dict]:
@@ -31,8 +33,12 @@ def conversation(path: str, req: dict) -> list[dict]:
         return list(req.get("messages") or [])
     prompt = req.get("prompt")
     if isinstance(prompt, list):
-        prompt = "\n".join(p for p in prompt if isinstance(p, str))
-    return [{"role": "user", "content": prompt if isinstance(prompt, str) else json.dumps(prompt)}]
+        if not all(isinstance(p, str) for p in prompt):  # token ids: the judge would read nothing of them
+            raise errors.not_text("prompt")
+        prompt = "\n".join(prompt)
+    if not isinstance(prompt, str):
+        raise errors.not_text("prompt")
+    return [{"role": "user", "content": prompt}]
 
 
 def choice_text(obj: Any) -> str:
@@ -92,6 +98,8 @@ class Guard:
         try:
             status, body = await self.call(policy.model, "/v1/chat/completions", payload)
         except errors.APIError as exc:
+            if exc.code in JUDGE_REFUSES:  # the prompt cannot be judged as sent: retrying will not help
+                raise
             raise errors.guard_unavailable(policy.model, exc.message,
                                            int(exc.headers.get("Retry-After", "10"))) from None
         if status != 200 or not isinstance(body, dict):

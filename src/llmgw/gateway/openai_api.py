@@ -211,9 +211,12 @@ def engine_error(status: int, body: bytes) -> APIError:
     elif not message:
         message = " ".join(body.decode("utf-8", "replace").split())[:300] or f"HTTP {status}"
     out = errors.engine_error(status, message)
+    if status in (401, 403):
+        log.warning("engine answered HTTP %d to the gateway (its key or configuration): %s", status, printable(body))
+        return out
     if says_why:
         out.param = param
-        if status < 500:
+        if status < 500 and status != 429:
             out.code = code or out.code
     return out
 

@@ -49,7 +49,9 @@ from llmgw.gateway.quotas import Account, Meter, Quotas
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.sse import DONE, SSEFrames, StreamBroken
 from llmgw.gateway.tokens import USAGE
-from llmgw.gateway.upstream import ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout
+from llmgw.gateway.upstream import (
+    AnswerTooLarge, ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout,
+)
 from llmgw.response_head import EXTENSION as HEAD
 from llmgw.schemas.catalog import GuardPolicy
 from llmgw.security.logtext import printable
@@ -63,7 +65,8 @@ MAX_HELD = 16 << 20  # an answer held for a response check
 MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
 SSE = b"text/event-stream"
 STREAM_HEADERS = [(b"content-type", SSE), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-RETRYABLE = (502, 503, 504)
+RETRYABLE = (401, 403, 429, 502, 503, 504)  # engine answers another replica may not give
+GATEWAY_FAULTS = (401, 403, 502, 503, 504)
 JSON_OPEN, JSON_CLOSE = (b"{", b"["), (b"}", b"]")
 WATCH_AFTER_S = 0.05
 
@@ -191,7 +194,7 @@ class Proxy:
             self.metrics.begin(label)
             counted = True
             x.watch(receive)
-            status, ttft = await self._serve(route, path, req, req_body, send, x, started)
+            status, ttft = await self._serve(route, path, req, req_body, send, x, started, chars)
         except APIError as err:
             status = err.status
             if not x.started:  # an accounted request's answer carries its rate-limit headers, errors too
@@ -222,13 +225,15 @@ class Proxy:
 
     # ---- one request -----------------------------------------------------------------------------
     async def _serve(self, route: ModelRoute, path: str, req: dict, body: bytes, send: Send, x: _Exchange,
-                     started: float) -> tuple[int, float | None]:
+                     started: float, chars: int = 0) -> tuple[int, float | None]:
         policy = route.model.guard if path in GUARDED else None
-        if policy is not None and "request" in policy.check:
-            if x.meter is not None:
-                x.meter.sent = True  # the judge reads the prompt: charged, even if it is refused
-            await self._judge(route.model.name, policy, "request", conversation(path, req),
-                              "messages" if path.endswith("chat/completions") else "prompt")
+        if policy is not None:
+            convo = conversation(path, req)  # 400 for a prompt its guard cannot read (token ids)
+            if "request" in policy.check:
+                if x.meter is not None:
+                    x.meter.sent = True  # the judge reads the prompt: charged, even if it is refused
+                await self._judge(route.model.name, policy, "request", convo,
+                                  "messages" if path.endswith("chat/completions") else "prompt")
 
         judged = policy is not None and "response" in policy.check
 
@@ -238,7 +243,7 @@ class Proxy:
             return await self._relay(resp, req.get("stream") is True, send, x, started)
 
         hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
-        return await self._exchange(route, path, req, body, consume, hold, x.meter)
+        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars)
 
     @staticmethod
     def _holder(name: str, send: Send, x: _Exchange) -> Hold:
@@ -252,26 +257,28 @@ class Proxy:
                         "more_body": True})
         return hold
 
-    def _plan(self, route: ModelRoute, meter: Meter | None = None) -> list[ModelRoute]:
-        """The models to try in order: the asked one if it has endpoints, then its fallbacks that do and
-        that the request's key may use (`models` of its tenant or key: a fallback had served a key the
-        model it was refused)."""
+    def _plan(self, route: ModelRoute, path: str, req: dict, chars: int, meter: Meter | None = None) -> list[ModelRoute]:
+        """The models to try in order: the asked one if it has endpoints, then its fallbacks that do, that
+        the request's key may use (`models` of its tenant or key) and that take the request as the asked
+        one did (its prompt bound, text only): a fallback had served what it refuses when asked directly."""
         if route.endpoints and not route.model.fallbacks:
             return [route]
         if not route.endpoints:
             self.demand.ask(route)  # load it for next time even while a fallback serves
-        fallbacks = self.routes.fallbacks(route)
+        fallbacks = [r for r in self.routes.fallbacks(route) if r.endpoints and chars <= r.bound.chars
+                     and not (r.text_only and path == CHAT and media_part(req) is not None)]
         if meter is not None:
             fallbacks = [r for r in fallbacks if meter.account.refusing(r.model) is None]
         return [r for r in (route, *fallbacks) if r.endpoints]
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
                         consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None,
-                        meter: Meter | None = None) -> Any:
+                        meter: Meter | None = None, chars: int = 0) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
-        replica the request is held for a load (`hold` is called while it waits)."""
-        plan = self._plan(route, meter)
+        replica the request is held for a load (`hold` is called while it waits). A fallback that serves
+        takes a slot under its own limits (or is passed over when it has none free) and its own use."""
+        plan = self._plan(route, path, req, chars, meter)
         if not plan:
             plan = [await self.demand.wait(route, hold)]
         name = plan[0].model.name
@@ -280,15 +287,16 @@ class Proxy:
             await gate.acquire()
         usage = self.demand.usage
         usage.begin(name)
+        fallback: list[str] = []  # the fallback serving, once `_open` has taken its slot
         try:
-            resp, ep = await self._open(plan, path, req, body, meter)
+            resp, ep = await self._open(plan, path, req, body, meter, fallback)
             healthy: bool | None = None
             try:
                 result = await consume(resp)
                 healthy = True
                 return result
             except APIError as err:
-                healthy = err.status not in (502, 504)
+                healthy = None if err.code == "answer_too_large" else err.status not in (502, 504)
                 raise
             finally:
                 self._done(ep, healthy)
@@ -297,6 +305,24 @@ class Proxy:
             usage.end(name)
             if gate is not None:
                 gate.release()
+            for other in fallback:
+                usage.end(other)
+                if (g := self.gates.get(other)) is not None:
+                    g.release()
+
+    def _take_fallback(self, name: str, taken: list[str]) -> bool:
+        """Move the request to fallback `name`: a free slot under its limits (no waiting: the request
+        already waited once), and its use for the idle clock. False when it has no free slot."""
+        gate = self.gates.get(name)
+        if gate is not None and not gate.try_acquire():
+            return False
+        for other in taken:  # the previous fallback, which could not answer
+            self.demand.usage.end(other)
+            if (g := self.gates.get(other)) is not None:
+                g.release()
+        taken[:] = [name]
+        self.demand.usage.begin(name)
+        return True
 
     def _done(self, ep: Endpoint, healthy: bool | None) -> None:
         ep.outstanding -= 1
@@ -308,7 +334,7 @@ class Proxy:
             ep.trial = False  # cancelled: no verdict on the endpoint
 
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
-                    meter: Meter | None = None) -> tuple[Response, Endpoint]:
+                    meter: Meter | None = None, fallback: list[str] | None = None) -> tuple[Response, Endpoint]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
         client. Returns an answer with a status below 400, its endpoint counted as outstanding. An
         accounted request's `meter.sent` says whether an engine has it (so a client that leaves before the
@@ -316,8 +342,11 @@ class Proxy:
         loop = asyncio.get_running_loop()
         tried: set[str] = set()
         last: APIError | None = None
-        for mr in plan:
+        for i, mr in enumerate(plan):
             name = mr.model.name
+            if i and fallback is not None and name != plan[0].model.name and not self._take_fallback(name, fallback):
+                last = errors.overloaded(name)
+                continue
             data = body if req["model"] == name else json.dumps({**req, "model": name}).encode()
             while True:
                 ep = self.balancer.pick(mr.endpoints, tried, loop.time())
@@ -361,10 +390,12 @@ class Proxy:
                     self._done(ep, None)
                     raise
                 resp.release()  # (resets the response for the connection's next use)
-                # Only a gateway failure (502, 503, 504; a refused connection or a timeout above) counts
-                # against the endpoint: a 500 or 501 may be the engine's answer to a malformed request, and
-                # counting it would let any client open the breaker of a model for everyone.
-                self._done(ep, True if status < 500 else None if status in (500, 501) else False)
+                # Only a gateway failure (502, 503, 504, an engine refusing the gateway's key: 401, 403; a
+                # refused connection or a timeout above) counts against the endpoint: a 500 or 501 may be the
+                # engine's answer to a malformed request, and counting it would let any client open the
+                # breaker of a model for everyone. A busy engine (429) is neither: another replica may not be.
+                self._done(ep, False if status in GATEWAY_FAULTS else True if status < 500 and status != 429
+                           else None)
                 if status not in RETRYABLE:
                     raise err
                 log.warning("%s at %s answered HTTP %d before anything was relayed; trying another",
@@ -408,14 +439,17 @@ class Proxy:
                     if USAGE in out:
                         out = meter.events(out)
                     meter.relayed += out.count(b"data: {")  # what a stream left early is charged (Quotas.settle)
+                if frames.done:  # its [DONE]: the answer ends here, whatever the engine sends after (or keeps
+                    break        # open); the connection is dropped, not pooled (Response.release)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()
-            out = frames.feed(chunk)
-            if meter is not None:
-                if USAGE in out:
-                    out = meter.events(out)
-                meter.relayed += out.count(b"data: {")  # the last events too (not [DONE])
+            else:
+                out = frames.feed(chunk)
+                if meter is not None:
+                    if USAGE in out:
+                        out = meter.events(out)
+                    meter.relayed += out.count(b"data: {")  # the last events too (not [DONE])
         except (UpstreamError, StreamBroken) as exc:
             err = (errors.upstream_timeout(self.upstream.read_timeout_s) if isinstance(exc, UpstreamTimeout)
                    else errors.upstream_failed(str(exc)))
@@ -468,6 +502,8 @@ class Proxy:
             data = await resp.read_whole(limit)
         except UpstreamTimeout:
             raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
+        except AnswerTooLarge:
+            raise errors.answer_too_large(limit) from None
         except UpstreamBroken as exc:
             raise errors.upstream_failed(str(exc)) from None
         if not stream and not looks_like_json(data):
@@ -490,6 +526,11 @@ class Proxy:
         route = self.routes.resolve(model)
         if route is None:
             raise errors.model_not_found(model, self.routes.similar(model))
+        chars = prompt_chars(path, payload)
+        if chars > route.bound.chars:  # 400 as a request to it would get, not a retryable 503 after it refused
+            raise errors.prompt_too_long(route.model.name, chars, route.bound, REQUIRED[path])
+        if route.text_only and path == CHAT and (part := media_part(payload)) is not None:
+            raise errors.text_only(route.model.name, part)
 
         async def consume(resp: Response) -> tuple[int, Any]:
             data = await self._read_whole(resp, stream=False, limit=MAX_HELD)

@@ -61,6 +61,10 @@ class UpstreamBroken(UpstreamError):
     """The answer started and then broke off (or was not HTTP)."""
 
 
+class AnswerTooLarge(UpstreamBroken):
+    """The answer is longer than the reader's limit: the request's doing, not the engine failing."""
+
+
 @dataclass(frozen=True)
 class Target:
     """Where an endpoint URL points: `http://host:port/prefix`. A trailing `/v1` in the URL is dropped,
@@ -319,7 +323,7 @@ class Response(asyncio.Protocol):
             size += len(chunk)
             if size > limit:
                 self.abort()
-                raise UpstreamBroken(f"the engine's answer is longer than {limit} bytes")
+                raise AnswerTooLarge(f"the engine's answer is longer than {limit} bytes")
             if chunk:
                 parts.append(chunk)
             if not chunk or self.complete:  # (usually the first chunk is the whole answer)

@@ -134,3 +134,67 @@ def test_unknown_routes_and_methods_get_the_error_envelope_on_both_apis(cp):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
     r = httpx.put(cp.gateway + "/v1/models", timeout=10)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+
+
+def test_a_nul_character_is_400_in_a_dry_run_and_an_apply_alike_and_in_a_path(cp):
+    """Postgres stores no NUL: a catalog holding one passed the dry run (so `ctl apply` showed the diff and
+    asked) and then failed the apply with a 500; a NUL in a key id or model name in the path was a 500."""
+    before = httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()
+    for profile in ({"engine": "sim", "source": "/models/a\u0000b"}, {"engine": "sim", "name": "p\u0000"},
+                    {"engine": "sim", "env": {"X": "a\u0000"}}):
+        for dry_run in (True, False):
+            r = httpx.post(cp.admin + "/admin/v1/catalog", timeout=10, json={"dry_run": dry_run, "catalog": {
+                "models": [{"name": "nul", "scaling": {"max": 1}, "profiles": [profile]}]}})
+            assert r.status_code == 400, (profile, dry_run, r.text)
+            assert any("NUL" in p or "control characters" in p or "not allowed" in p
+                       for p in r.json()["error"]["problems"]), r.json()
+    assert httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json() == before
+    for method, path in (("POST", "/admin/v1/keys/a%00b"), ("POST", "/admin/v1/keys/a%00b/revoke"),
+                         ("GET", "/admin/v1/explain/a%00b"), ("GET", "/admin/v1/usage?tenant=a%00b")):
+        r = httpx.request(method, cp.admin + path, json={} if method == "POST" else None, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (path, r.text)
+
+
+def test_a_profile_name_with_a_newline_or_an_escape_is_refused(cp):
+    """It became `replicas.profile` and reached `ctl replicas` as it was: a forged row, a raw escape."""
+    for name in ("p\n\u001b[31mX", "\u001b[2K", "   "):
+        r = httpx.post(cp.admin + "/admin/v1/catalog", timeout=10, json={"catalog": {"models": [
+            {"name": "esc", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "name": name}]}]}})
+        assert r.status_code == 400, r.text
+        assert any(p.startswith("models[0] (esc).profiles[0]") and "profile name" in p
+                   for p in r.json()["error"]["problems"]), r.json()
+
+
+def test_ctl_given_an_argument_that_is_not_utf8_says_so_in_one_line(cp):
+    for args in (("explain", "\udcff"), ("tenants", "set", "\udcff", "--rpm", "5"), ("usage", "--tenant", "\udcff"),
+                 ("keys", "create", "--name", "a\udcff")):
+        out = cp.ctl(*args)
+        assert out.returncode == 1, (args, out.stdout, out.stderr)
+        assert "is not UTF-8 text" in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+async def test_a_mirror_whose_listing_is_not_an_object_is_a_warning_not_a_500(tmp_path):
+    """The warnings run after the catalog is stored: an AttributeError there answered 500 for an applied
+    catalog and skipped waking the reconciler."""
+    from aiohttp import web
+
+    from llmgw.catalog import read_catalog
+    from llmgw.gateway.mirror_check import mirror_warnings
+
+    async def listing(request):
+        return web.json_response([])
+
+    app = web.Application()
+    app.router.add_get("/files", listing)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        catalog = read_catalog({"models": [{"name": "g", "scaling": {"max": 1},
+                                            "profiles": [{"engine": "llamacpp", "source": "mirror:x.gguf"}]}]}).catalog
+        [warning] = await mirror_warnings(catalog, f"http://127.0.0.1:{port}")
+        assert warning.startswith(f"could not ask the mirror at http://127.0.0.1:{port} whether it holds x.gguf")
+    finally:
+        await runner.cleanup()

@@ -220,6 +220,13 @@ def test_the_listing_skips_what_no_one_can_fetch_instead_of_a_500(mirror):
     r = httpx.get(url + "/files")
     assert r.status_code == 200, r.text
     assert [f["name"] for f in r.json()["files"]] == ["real.gguf"]
+    # A link out of the mirror's directory is refused when fetched, so it is not listed (with the size of a
+    # file outside the root) either: `ctl apply` read the listing as holding it.
+    outside = root.parent / "outside.bin"
+    outside.write_bytes(b"x" * 1286)
+    (root / "link.gguf").symlink_to(outside)
+    assert [f["name"] for f in httpx.get(url + "/files").json()["files"]] == ["real.gguf"]
+    assert httpx.get(url + "/files/link.gguf").status_code == 400
 
 
 async def test_a_file_still_being_mirrored_is_a_retryable_wait_for_a_node(mirror, tmp_path):

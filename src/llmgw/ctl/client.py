@@ -20,8 +20,17 @@ def seg(value: str) -> str:
     """`value` as one path segment of an admin URL: every '/', '?', '#' and '%' encoded, and a segment of only
     dots too, so an argument such as `../keys/ID/revoke?` names a thing that does not exist instead of
     reaching another endpoint (URL normalisation removes dot segments before the request is sent)."""
-    out = quote(value, safe="")
+    try:
+        out = quote(value, safe="")
+    except UnicodeEncodeError:
+        not_utf8(value)
     return out.replace(".", "%2E") if set(value) <= {"."} else out
+
+
+def not_utf8(value: str) -> NoReturn:
+    """An argument the terminal sent in another encoding (Python holds its bytes as lone surrogates)."""
+    shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    fail(f"the argument {shown!r} is not UTF-8 text (the terminal sent another encoding); type it again in UTF-8")
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -84,6 +93,8 @@ class Admin:
         except httpx.InvalidURL as exc:
             fail(f"the admin API's address {self.url!r} is not a URL ({exc}); set LLMGW_ADMIN_URL to one such as "
                  "http://127.0.0.1:8081")
+        except UnicodeEncodeError as exc:
+            not_utf8(exc.object if isinstance(exc.object, str) else str(exc.object))
         self._clock(r)
         try:
             body = r.json()

@@ -96,10 +96,10 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             else:
                 diff = await catalog_repo.apply_catalog(conn, loaded.catalog)
         diff.notes = loaded.notes
+        if not req.dry_run:
+            await temporal.wake("catalog applied")  # before the warnings: they are advice, the catalog is in
         diff.warnings = apply_warnings(loaded.catalog, diff.removed) + await mirror_warnings(
             loaded.catalog, temporal.settings.resolved_mirror_url)
-        if not req.dry_run:
-            await temporal.wake("catalog applied")
         return diff
 
     @app.get("/admin/v1/models", response_model=list[ModelView])

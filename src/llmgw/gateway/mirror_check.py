@@ -52,6 +52,8 @@ async def mirror_warnings(catalog: Catalog, mirror_url: str) -> list[str]:
             r = await client.get(mirror_url.rstrip("/") + "/files")
             r.raise_for_status()
             listing = r.json()
+            if not isinstance(listing, dict):
+                raise ValueError("its listing is not a JSON object")
     except (httpx.HTTPError, ValueError) as exc:
         return [f"could not ask the mirror at {mirror_url} whether it holds {', '.join(sorted(names))} "
                 f"({type(exc).__name__}); a start fails if it does not"]

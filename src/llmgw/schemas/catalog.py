@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import typing
+import unicodedata
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -72,7 +73,21 @@ class _Strict(BaseModel):
                 field = cls.model_fields.get(name) if isinstance(value, bool) else None
                 if field is not None and _numeric(field.annotation):
                     raise ValueError(f"`{name}` takes a number, not {str(value).lower()}")
+                if _has_nul(value):  # Postgres stores no NUL: a dry run passed what the apply then failed on
+                    raise ValueError(f"`{name}` holds a NUL character (\\u0000); remove it")
         return data
+
+
+def _has_nul(value: object) -> bool:
+    """A NUL in a string, or in a list's strings or a mapping's keys and values (one level: deeper ones are
+    models of their own, checked as they are read)."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(isinstance(v, str) and "\x00" in v for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(v, str) and "\x00" in v for kv in value.items() for v in kv)
+    return False
 
 
 def _numeric(annotation: object) -> bool:
@@ -192,6 +207,16 @@ class Profile(_Strict):
     @classmethod
     def _duration(cls, v: object) -> object:
         return parse_duration_s(v)
+
+    @field_validator("name")
+    @classmethod
+    def _plain(cls, v: str) -> str:
+        """Plain text: a newline or a terminal escape in a profile's name reached `ctl replicas` (a forged row)
+        and the operator's terminal as it was."""
+        if not v.strip() or any(unicodedata.category(c).startswith("C") for c in v):
+            raise ValueError(f"profile name {v!r} is not allowed: write letters, digits and punctuation, without "
+                             "control characters (newlines, escapes)")
+        return v
 
     @field_validator("args")
     @classmethod

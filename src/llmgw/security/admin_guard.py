@@ -78,4 +78,9 @@ class AdminGuard:
                     "LLMGW_ADMIN_TOKEN, or the token file in the server's state directory)", type="unauthorized",
                     code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"}))
                 return
+            if "\x00" in scope["path"] or b"%00" in scope.get("query_string", b""):
+                # No name llmgw stores holds one (Postgres text cannot): a 500 from the driver, before.
+                await send_error(send, APIError(400, "the path or query holds a NUL character (%00); no name has one",
+                                                code="bad_request"))
+                return
         await self.app(scope, receive, send)

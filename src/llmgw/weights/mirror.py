@@ -107,6 +107,8 @@ def create_mirror_app(root: Path, metrics=None) -> Starlette:
                         try:  # a dangling link, a name that is not UTF-8: not a file anyone can fetch
                             name = str(p.relative_to(root))
                             name.encode("utf-8")
+                            if resolve(root, name) is None:  # a link out of the mirror: served to nobody
+                                continue
                             out.append({"name": name, "size": p.stat().st_size})
                         except (OSError, UnicodeError):
                             continue

@@ -42,6 +42,10 @@ def test_a_failed_on_demand_model_is_started_again_only_when_a_request_asks(cont
     cp.wait_nodes("n1")
     assert cp.apply({"models": [{"name": "m", "scaling": {"min": 0, "max": 1, "idle_timeout": 600},
                                  "profiles": [{"engine": "llamacpp", "source": str(weights)}]}]}).status_code == 200
+    # The gateway learns of the catalog by NOTIFY, asynchronously: a request sent the instant apply answers
+    # could be a 404 under load (listing the models asks for no load).
+    wait_until(lambda: any(m["id"] == "m" for m in httpx.get(cp.gateway + "/v1/models", timeout=10).json()["data"]),
+               timeout_s=10, what="the gateway routing m")
 
     r = chat(cp)
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_failing", r.text

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -64,30 +64,38 @@ class ControlActivities:
 
     @activity.defn(name="read_snapshot")
     async def read_snapshot(self) -> Snapshot:
-        """Catalog, model state, nodes, active replicas and unsettled ended ones, read in one transaction;
-        the second liveness witness (pollers on node queues) is read meanwhile and kept (`nodes.polled_at`)
-        before the nodes are read."""
+        """Catalog, model state, nodes, active replicas and unsettled ended ones, read as one consistent view
+        (REPEATABLE READ: in READ COMMITTED each statement saw the commits made since the one before, so a
+        node registering between the replicas' read and the nodes' was seen without the replica its
+        registration adopted, and a second one was placed beside it); the second liveness witness (pollers
+        on node queues) is read meanwhile, then kept (`nodes.polled_at`) in a transaction of its own with
+        the liveness facts (writes in the view's transaction would conflict with every heartbeat)."""
         # The pollers are RPCs to Temporal: asked while the database is read, not before (issue 13: a
         # pass is on the path from a request to its load).
         pollers = asyncio.ensure_future(read_pollers(self.engine, self.client))
         try:
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="REPEATABLE READ")
+                async with conn.begin():
+                    catalog = await catalog_repo.get_catalog(conn, self._catalog_memo)
+                    states = await catalog_repo.model_states(conn)
+                    reps = await fleet_repo.active_replicas_with_shards(conn)
+                    nodes = await fleet_repo.list_nodes(conn)
+            ages, pollers_error = await pollers
             async with self.engine.begin() as conn:
-                catalog = await catalog_repo.get_catalog(conn, self._catalog_memo)
-                states = await catalog_repo.model_states(conn)
-                reps = await fleet_repo.active_replicas_with_shards(conn)
-                ages, pollers_error = await pollers
-                # The transaction's start (`now()`), a few ms before the pollers answered: their ages are
-                # counted back from it, so a kept `polled_at` is that much older (ms, against thresholds of seconds).
+                # The transaction's start (`now()`), a few ms after the pollers answered: their ages are
+                # counted back from it (ms, against thresholds of seconds).
                 now = await fleet_repo.db_now(conn)
                 facts = await record_and_read_liveness(conn, now, ages, pollers_error, self.settings)
-                nodes = await fleet_repo.list_nodes(conn)  # with the `polled_at` just kept
         finally:
             pollers.cancel()
+        polled = {n: now - timedelta(seconds=a) for n, a in ages.items()}  # as just kept (never backwards)
         snapshot = Snapshot(
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
             liveness=facts, start_budget_s=self.settings.start_budget_s,
             models=catalog.models, model_states=states,
-            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
+            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat,
+                            polled_at=max(filter(None, (n.polled_at, polled.get(n.id))), default=None),
                             inventory=n.inventory, left_at=n.left_at) for n in nodes],
             replicas=[
                 ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],

@@ -26,7 +26,7 @@ from llmgw.catalog.context import MAX_PROMPT_CHARS, PromptBound, prompt_bound, t
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
-from llmgw.schemas.catalog import Catalog, Model
+from llmgw.schemas.catalog import Catalog, Model, fold_name
 
 log = logging.getLogger(__name__)
 TABLES = {"replicas", "catalog_models", "nodes"}  # what the route table is read from
@@ -88,9 +88,9 @@ class RouteTable:
         the 404 path (a linear scan of the catalog's names); a name longer than any a catalog holds gets none."""
         if len(name) > SIMILAR_MAX:
             return None
-        folded = {n.casefold().replace("_", "-"): n for n, canonical in self.names.items()
+        folded = {fold_name(n): n for n, canonical in self.names.items()
                   if usable is None or (canonical in self.models and usable(self.models[canonical].model))}
-        asked = name.strip().casefold().replace("_", "-")
+        asked = fold_name(name.strip())
         if asked in folded:
             return folded[asked]
         close = difflib.get_close_matches(asked, list(folded), n=1, cutoff=0.75)

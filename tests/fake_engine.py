@@ -281,6 +281,16 @@ class FakeEngines:
     async def _busy429(self, request, body, kind):
         return web.json_response({"error": {"message": "too many requests", "type": "rate_limit"}}, status=429)
 
+    async def _busy429wait(self, request, body, kind):  # says how long to wait, in seconds
+        return web.json_response({"error": {"message": "too many requests"}}, status=429, headers={"Retry-After": "7"})
+
+    async def _busy429odd(self, request, body, kind):  # a Retry-After the gateway cannot pass on as it is
+        value = ["Wed, 21 Oct 2015 07:28:00 GMT", "99999999999", "-3", "soon"][self.state["hits"]["busy429odd"] % 4]
+        return web.json_response({"error": {"message": "too many requests"}}, status=429, headers={"Retry-After": value})
+
+    async def _busy503wait(self, request, body, kind):
+        return web.json_response({"error": {"message": "loading"}}, status=503, headers={"Retry-After": "12"})
+
     async def _busy503(self, request, body, kind):
         return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=503)
 

@@ -90,6 +90,9 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "key-mismatch", "endpoints": [e.url("auth401"), e.url("echo")]},
         {"name": "only-401", "endpoints": [e.url("auth401")]},
         {"name": "engine-429", "endpoints": [e.url("busy429")]},
+        {"name": "engine-429-wait", "endpoints": [e.url("busy429wait")]},
+        {"name": "engine-429-odd", "endpoints": [e.url("busy429odd")]},
+        {"name": "engine-503-wait", "endpoints": [e.url("busy503wait")]},
         {"name": "primary-to-short", "fallbacks": ["short-prompts"], **sim_off},
         {"name": "dead-to-limited", "endpoints": [dead], "fallbacks": ["limited"]},
         {"name": "primary", "fallbacks": ["echo"], **sim_off},
@@ -982,6 +985,15 @@ async def test_a_busy_engines_429_carries_retry_after(gw):
     status, headers, out = await post(gw, "/v1/chat/completions", chat("engine-429"))
     err = assert_envelope(out, status)
     assert status == 429 and headers["Retry-After"] == "1" and err["code"] == "engine_busy", (headers, out)
+    # The engine's own Retry-After (in seconds) reaches the client, within bounds; one the gateway cannot
+    # read as seconds (an HTTP date, a negative number, a word) becomes 1, and a huge one 300.
+    status, headers, out = await post(gw, "/v1/chat/completions", chat("engine-429-wait"))
+    assert status == 429 and headers["Retry-After"] == "7", headers
+    status, headers, out = await post(gw, "/v1/chat/completions", chat("engine-503-wait"))
+    assert status == 503 and headers["Retry-After"] == "12" and assert_envelope(out, status)["code"] == "engine_unavailable"
+    for _ in range(4):
+        status, headers, out = await post(gw, "/v1/chat/completions", chat("engine-429-odd"))
+        assert status == 429 and headers["Retry-After"] in ("1", "300"), headers
 
 
 async def test_a_fallback_serves_only_what_it_would_take_when_asked_directly(gw, engines):

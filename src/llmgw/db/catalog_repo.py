@@ -7,8 +7,8 @@ import logging
 from datetime import datetime
 
 from pydantic import ValidationError
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import Text, bindparam, delete, func, select, update
+from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw.catalog.upgrade import upgrade_model_spec
@@ -55,6 +55,20 @@ async def get_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) ->
     if memo is not None:
         memo.key, memo.catalog = key, catalog
     return catalog
+
+
+async def stored_names(conn: AsyncConnection, names: list[str]) -> set[str]:
+    """Which of `names` the stored catalog holds as a model's name or alias (gateway/misses.py)."""
+    aliases = catalog_models.c.spec["aliases"]
+    rows = (await conn.execute(select(catalog_models.c.name, aliases).where(
+        catalog_models.c.name.in_(names)
+        | ((func.jsonb_typeof(aliases) == "array")
+           & func.jsonb_exists_any(aliases, bindparam("names", names, type_=ARRAY(Text))))))).all()
+    wanted = set(names)
+    found = set()
+    for name, stored_aliases in rows:
+        found |= ({name} | {a for a in stored_aliases or [] if isinstance(a, str)}) & wanted
+    return found
 
 
 def _without_bad_aliases(spec: object) -> object:

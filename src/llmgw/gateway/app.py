@@ -79,6 +79,7 @@ class Gateway:
         self.routes.on_refresh.append(lambda catalog: self.metrics.forget({m.name for m in catalog.models}))
         self.feed = ChangeFeed(settings.require_database_url(), settings.route_refresh_s)
         self.feed.subscribe("routes", TABLES, self.routes.refresh, partial=True)
+        self.routes.ask_refresh = lambda: self.feed.changed("catalog_models")
         self.feed.subscribe("keys", {"api_keys", "tenants"}, self.keys.refresh)
         self.temporal = LazyClient(settings)
         # Load for the planner: in flight and held for a load. Not the requests queued for a slot under a
@@ -171,7 +172,7 @@ def create_gateway_app(gw: Gateway):
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
-        route = gw.routes.resolve(model_id)
+        route = await gw.routes.lookup(model_id)
         account = request.scope.get(ACCOUNT)
         if route is None:
             usable = (lambda m: account.refusing(m) is None) if account is not None else None

@@ -101,6 +101,19 @@ def looks_like_json(data: bytes) -> bool:
     return data[:64].lstrip()[:1] in JSON_OPEN and data[-64:].rstrip()[-1:] in JSON_CLOSE
 
 
+RETRY_AFTER_MAX_S = 300  # an engine's Retry-After passed on at most this long (a client may sleep on it)
+
+
+def _carry_retry_after(err: APIError, headers: list[tuple[bytes, bytes]]) -> None:
+    """Pass an engine's Retry-After in seconds on to the client, at most `RETRY_AFTER_MAX_S`; any other form
+    (an HTTP date, garbage) leaves the gateway's own value."""
+    for name, value in headers:
+        if name.lower() == b"retry-after":
+            if value.isdigit() and len(value) <= 12:
+                err.headers = {**(err.headers or {}), "Retry-After": str(max(1, min(int(value), RETRY_AFTER_MAX_S)))}
+            return
+
+
 class _Exchange:
     """One client request's state, shared with its disconnect watcher.
 
@@ -178,7 +191,7 @@ class Proxy:
             path = scope["path"]
             req_body = await read_body(receive, self.max_body)
             req = parse_request(path, req_body)
-            route = self.routes.resolve(req["model"])
+            route = await self.routes.lookup(req["model"])
             if route is None:
                 usable = (lambda m: account.refusing(m) is None) if account is not None else None
                 raise errors.model_not_found(req["model"], self.routes.similar(req["model"], usable))
@@ -389,6 +402,8 @@ class Proxy:
                     resp.abort()
                     self._done(ep, None)
                     raise
+                if status in (429, 503):
+                    _carry_retry_after(err, resp.headers)
                 resp.release()  # (resets the response for the connection's next use)
                 # Only a gateway failure (502, 503, 504, an engine refusing the gateway's key: 401, 403; a
                 # refused connection or a timeout above) counts against the endpoint: a 500 or 501 may be the
@@ -523,7 +538,7 @@ class Proxy:
     async def call(self, model: str, path: str, payload: dict) -> tuple[int, Any]:
         """POST `payload` to `model` like a client request (routing, load on demand, limits, breaker).
         Returns (status, decoded JSON or None). Raises `APIError` when it cannot be served."""
-        route = self.routes.resolve(model)
+        route = await self.routes.lookup(model)
         if route is None:
             raise errors.model_not_found(model, self.routes.similar(model))
         chars = prompt_chars(path, payload)

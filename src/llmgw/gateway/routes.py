@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.context import MAX_PROMPT_CHARS, PromptBound, prompt_bound, text_only
 from llmgw.db import catalog_repo, fleet_repo
+from llmgw.gateway.misses import MissCheck
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
 from llmgw.schemas.catalog import Catalog, Model, fold_name
@@ -77,10 +78,38 @@ class RouteTable:
         self._catalog_memo = catalog_repo.CatalogMemo()  # an unchanged catalog is not parsed again per refresh
         self._loaded = False  # a refresh has read the catalog
         self.on_refresh: list[Callable[[Catalog], None]] = []
+        # Read-your-writes for `ctl apply` (gateway/misses.py): the gateway sets `ask_refresh` (mark the
+        # catalog changed in its feed); `lookup` waits for a refresh begun after a miss was found stored.
+        self.misses = MissCheck(engine)
+        self.ask_refresh: Callable[[], None] | None = None
+        self._begun = 0  # refreshes begun
+        self._finished = 0  # the latest finished refresh, by the number it began with
+        self._unreadable: set[str] = set()  # stored names the catalog read leaves out (until it changes)
 
     def resolve(self, name: str) -> ModelRoute | None:
         canonical = self.names.get(name)
         return self.models.get(canonical) if canonical else None
+
+    async def lookup(self, name: str, wait_s: float = 2.0) -> ModelRoute | None:
+        """`resolve`, and on a miss make sure the name is not in the stored catalog by now: a model applied a
+        moment ago is served, not 404 (gateway/misses.py). Waits at most `wait_s` for the refresh."""
+        route = self.resolve(name)
+        if route is not None or self.ask_refresh is None or not self._loaded or name in self._unreadable:
+            return route
+        if not await self.misses.stored(name):
+            return None
+        begun = self._begun
+        self.ask_refresh()
+        try:
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(lambda: self._finished > begun), wait_s)
+        except TimeoutError:
+            log.warning("model %r is in the stored catalog but the route table did not refresh in %.1f s", name, wait_s)
+            return self.resolve(name)
+        route = self.resolve(name)
+        if route is None:
+            self._unreadable.add(name)
+        return route
 
     def similar(self, name: str, usable: Callable[[Model], bool] | None = None) -> str | None:
         """The model name or alias a caller who asked for the unknown `name` most likely meant, among those
@@ -124,6 +153,8 @@ class RouteTable:
         that changed since the last refresh (gateway/feed.py; None: unknown), so a change of replicas only
         does not read the catalog again."""
         reuse = changed is not None and "catalog_models" not in changed and self._loaded
+        self._begun += 1
+        number = self._begun
         async with self.engine.connect() as conn:
             catalog = self.catalog if reuse else await catalog_repo.get_catalog(conn, self._catalog_memo)
             rows = await fleet_repo.routable_replicas(conn, self.unreachable_after_s)
@@ -156,12 +187,15 @@ class RouteTable:
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)
+        if catalog is not self.catalog:
+            self._unreadable.clear()
         self.catalog, self.models, self.names, self._endpoints = catalog, models, names, seen
         self._loaded = True
         self.unreachable = {m: sorted(set(ns)) for m, ns in unreachable.items()}
         for hook in self.on_refresh:
             hook(catalog)
         async with self.changed:
+            self._finished = max(self._finished, number)
             self.changed.notify_all()
 
     async def wait_for_endpoint(self, name: str, timeout_s: float) -> ModelRoute | None:

@@ -191,7 +191,7 @@ class Proxy:
             path = scope["path"]
             req_body = await read_body(receive, self.max_body)
             req = parse_request(path, req_body)
-            route = await self.routes.lookup(req["model"])
+            route = self.routes.resolve(req["model"]) or await self.routes.lookup(req["model"])  # (no await when known)
             if route is None:
                 usable = (lambda m: account.refusing(m) is None) if account is not None else None
                 raise errors.model_not_found(req["model"], self.routes.similar(req["model"], usable))

@@ -5,6 +5,8 @@ llmgw is repaired when read; a bad catalog is refused whole, with an error namin
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import httpx
 import psycopg
@@ -146,3 +148,44 @@ def test_a_stored_profile_too_big_to_travel_does_not_wedge_the_reconciler(contro
                                               "profiles": [{"engine": "sim"}]})))
     cp.wait_replicas("later", timeout_s=60)
     assert any("stored catalog model 'huge' cannot be read and is skipped" in p.log() for p in cp.procs)
+
+
+def test_a_stored_model_this_version_cannot_read_keeps_its_running_engine(control_plane, database_url, tmp_path):
+    """An upgrade whose rules are stricter (here: an argument longer than a value may be) makes a stored model
+    unreadable. Its replicas had been stopped as "its model left the catalog": a deploy tore down a healthy
+    engine. Now the replica and its engine (same pid) keep running; `ctl models` and `ctl catalog` name
+    the model and why; a catalog that writes it again is a change, not an addition, and keeps the replica."""
+    keep = {"name": "keep", "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "sim"}]}
+    cp = control_plane.start()
+    cp.agent("node-a", simulate=sim_spec(gpus=0))
+    cp.wait_nodes("node-a")
+    assert cp.apply({"models": [keep]}).status_code == 200
+    [rep] = cp.wait_replicas("keep", timeout_s=60)
+    pid = cp.shard_pid("node-a", f"{rep['id']}-r0")
+    # What a stricter version finds stored (written as an older one took it): unreadable now.
+    bad = {**keep, "profiles": [{"engine": "sim", "args": ["--note", "x" * 9000]}]}
+    third = {"name": "third", "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "sim"}]}
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE catalog_models SET spec = %s WHERE name = 'keep'", (json.dumps(bad),))
+        conn.execute("INSERT INTO catalog_models (name, position, spec) VALUES ('third', 9, %s)", (json.dumps(third),))
+    cp.wait_replicas("third", timeout_s=60)  # placed by a pass whose snapshot could not read `keep`
+    time.sleep(1.0)  # and a few passes more
+    [still] = [r for r in cp.replicas(all=False) if r["model"] == "keep"]
+    assert still["id"] == rep["id"] and still["status"] == "ready", cp.replicas()
+    assert cp.shard_pid("node-a", f"{rep['id']}-r0") == pid
+    os.kill(pid, 0)  # the engine runs
+    out = cp.ctl("models")
+    assert out.returncode == 0 and "keep" in out.stdout and "unreadable" in out.stdout, out.stdout
+    [view] = [m for m in httpx.get(cp.admin + "/admin/v1/models").json() if m["name"] == "keep"]
+    assert view["status"] == "unreadable" and "8192" in view["reason"], view
+    out = cp.ctl("catalog")
+    assert out.returncode == 0 and "# NOT IN THIS FILE: keep:" in out.stdout, out.stdout
+    # Writing it again is a change of `keep`, and its replica is the one that serves it.
+    dry = httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": [keep]}, "dry_run": True}).json()
+    assert "keep" in dry["changed"] and "keep" not in dry["added"] and dry["removed"] == ["third"], dry
+    assert cp.apply({"models": [keep, third]}).status_code == 200
+    r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
+                   json={"model": "keep", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert [x["id"] for x in cp.replicas(all=False) if x["model"] == "keep"] == [rep["id"]]
+    assert cp.shard_pid("node-a", f"{rep['id']}-r0") == pid

@@ -74,6 +74,15 @@ def test_model_removed_from_catalog_is_stopped():
     assert d.kind == "stop" and "left the catalog" in d.reason
 
 
+def test_a_model_whose_stored_entry_cannot_be_read_keeps_its_replicas():
+    s = snap([], [node("n1")], [replica("r1", "unread", "n1")]).model_copy(update={"unreadable_models": ["unread"]})
+    [d] = plan_pass(s).decisions
+    assert d.kind == "keep" and d.replica_id == "r1" and "cannot be read" in d.reason
+    # A model the catalog does hold is judged as ever, whatever the list says.
+    s = snap([model("a")], [node("n1")], [replica("r1", "a", "n1")]).model_copy(update={"unreadable_models": ["a"]})
+    assert acting(plan_pass(s)) == []
+
+
 def test_backoff_holds_a_failing_model():
     st = ModelState(name="a", failures=3, backoff_until=NOW + timedelta(seconds=40))
     [d] = plan_pass(snap([model("a")], [node("n1")], states=[st])).decisions

@@ -77,7 +77,7 @@ class ControlActivities:
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="REPEATABLE READ")
                 async with conn.begin():
-                    catalog = await catalog_repo.get_catalog(conn, self._catalog_memo)
+                    catalog, unreadable = await catalog_repo.read_catalog(conn, self._catalog_memo)
                     states = await catalog_repo.model_states(conn)
                     reps = await fleet_repo.active_replicas_with_shards(conn)
                     nodes = await fleet_repo.list_nodes(conn)
@@ -105,6 +105,7 @@ class ControlActivities:
                 for r, shards in reps
             ],
             search_attributes=await self.attributes.registered(self.client) if self.attributes else False,
+            unreadable_models=sorted(unreadable),
         )
         await remember_doubt(self.engine, snapshot)
         self.metrics.snapshot(snapshot)

@@ -64,11 +64,18 @@ def catalog(output: Output = typer.Option(Output.yaml, "--output", "-o", help="y
     """The live catalog as YAML: `ctl catalog > c.yaml`, edit, `ctl apply -f c.yaml`."""
     admin = Admin()
     data = admin.get("/admin/v1/catalog")
+    # Stored models this version cannot read are not in it: applying it would remove them (and stop their
+    # replicas), so they are named, on stderr for JSON and as comments in the YAML.
+    unreadable = [m for m in admin.get("/admin/v1/models") if m.get("status") == "unreadable"]
+    lost = [f"# NOT IN THIS FILE: {m['name']}: {m['reason']}" for m in unreadable]
     if output == Output.json:
+        for line in lost:
+            typer.echo(line.removeprefix("# "), err=True)
         console().print(dump(data, Output.json), markup=False)
         return
     if output != Output.yaml:
         fail("error: ctl catalog prints yaml or json (-o yaml, -o json)", 2)
     head = (f"# The live catalog at {admin.url}, {admin.now.astimezone().strftime('%Y-%m-%d %H:%M:%S %Z')}.\n"
-            "# Edit and apply it whole: llmgw ctl apply -f <this file> (models left out are removed).\n")
+            "# Edit and apply it whole: llmgw ctl apply -f <this file> (models left out are removed).\n"
+            + "".join(" ".join(line.split()) + "\n" for line in lost))
     typer.echo(head + dump(data, Output.yaml), nl=False)

@@ -52,7 +52,7 @@ def _models_table(models: list[dict], now: datetime, wide: bool):
     rows = []
     for m in models:
         ready = f"{m['ready']}/{m['min']}" if m["min"] else str(m["ready"])
-        engine = ",".join(m["engines"]) or "static"
+        engine = ",".join(m["engines"]) or ("?" if m["status"] == "unreadable" else "static")
         # RESTARTS: replicas that ended failed or lost, ever (a server from before `replaced`: in a row).
         row = [m["name"], m["status"], ready, m.get("replaced", m["restarts"]), engine, m["mode"], age(m.get("created_at"), now),
                _model_message(m)]

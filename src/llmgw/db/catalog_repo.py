@@ -29,18 +29,28 @@ class CatalogMemo:
     def __init__(self) -> None:
         self.key: str | None = None
         self.catalog: Catalog | None = None
+        self.unreadable: dict[str, str] = {}
 
 
 async def get_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) -> Catalog:
     """The stored catalog, with the upgrade repairs applied to what an older llmgw stored (seeds 003,
     "Let the upgrade repair"). A stored model that no rule can read any more is left out and logged:
-    it could not be placed either way, and the rest of the catalog must keep working. With `memo`, an
-    unchanged catalog is not parsed again."""
-    rows = (await conn.execute(select(catalog_models.c.spec).order_by(catalog_models.c.position, catalog_models.c.name))).all()
-    key = json.dumps([r.spec for r in rows], sort_keys=True, separators=(",", ":")) if memo is not None else None
+    it could not be placed either way, and the rest of the catalog must keep working (`read_catalog`
+    says which). With `memo`, an unchanged catalog is not parsed again."""
+    return (await read_catalog(conn, memo))[0]
+
+
+async def read_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) -> tuple[Catalog, dict[str, str]]:
+    """`get_catalog`, and the stored models it left out: name -> why this version cannot read it. Their
+    replicas are kept running and they are shown to the operator (`ctl models`), not taken for removed:
+    an upgrade whose rules are stricter must not stop a healthy engine (placement/plan.py)."""
+    rows = (await conn.execute(select(catalog_models.c.name, catalog_models.c.spec)
+                               .order_by(catalog_models.c.position, catalog_models.c.name))).all()
+    key = json.dumps([[r.name, r.spec] for r in rows], sort_keys=True, separators=(",", ":")) if memo is not None else None
     if memo is not None and memo.catalog is not None and key == memo.key:
-        return memo.catalog
+        return memo.catalog, memo.unreadable
     models = []
+    unreadable: dict[str, str] = {}
     for i, r in enumerate(rows):
         spec, _, problems = upgrade_model_spec(r.spec, i)
         spec = _without_bad_aliases(spec)
@@ -49,12 +59,23 @@ async def get_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) ->
                 raise ValueError("; ".join(problems))
             models.append(Model.model_validate(spec))
         except (ValidationError, ValueError) as exc:
+            why = _why_unreadable(exc)
+            unreadable[r.name] = why
             log.error("stored catalog model %r cannot be read and is skipped; apply a corrected catalog: %s",
-                      r.spec.get("name") if isinstance(r.spec, dict) else r.spec, exc)
+                      r.spec.get("name") if isinstance(r.spec, dict) else r.spec, why)
     catalog = Catalog(models=models)
     if memo is not None:
-        memo.key, memo.catalog = key, catalog
-    return catalog
+        memo.key, memo.catalog, memo.unreadable = key, catalog, unreadable
+    return catalog, unreadable
+
+
+def _why_unreadable(exc: Exception) -> str:
+    """One line per problem, without pydantic's links and input echoes (a 3 MiB flag would be echoed)."""
+    if isinstance(exc, ValidationError):
+        lines = [f"{'.'.join(str(p) for p in e['loc']) or 'model'}: {e['msg']}" for e in exc.errors()[:5]]
+        more = len(exc.errors()) - len(lines)
+        return "; ".join(lines) + (f"; and {more} more" if more > 0 else "")
+    return str(exc)[:2000]
 
 
 async def stored_names(conn: AsyncConnection, names: list[str]) -> set[str]:
@@ -115,19 +136,25 @@ def field_changes(old: Model, new: Model) -> list[str]:
 
 
 async def diff_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyResponse:
-    """What applying `catalog` would change, by model name, with the fields of each changed model."""
-    current = {m.name: m for m in (await get_catalog(conn)).models}
+    """What applying `catalog` would change, by model name, with the fields of each changed model. A stored
+    model this version cannot read is `changed` when `catalog` names it, `removed` when it does not."""
+    stored, unreadable = await read_catalog(conn)
+    current = {m.name: m for m in stored.models}
     out = ApplyResponse()
     for m in catalog.models:
         old = current.pop(m.name, None)
-        if old is None:
+        if old is None and m.name in unreadable:
+            out.changed.append(m.name)
+            out.changes[m.name] = [f"(the stored entry, which this version cannot read: {unreadable.pop(m.name)}) "
+                                   "-> as written"]
+        elif old is None:
             out.added.append(m.name)
         elif _spec(old) != _spec(m):
             out.changed.append(m.name)
             out.changes[m.name] = field_changes(old, m)
         else:
             out.unchanged.append(m.name)
-    out.removed = sorted(current)
+    out.removed = sorted(set(current) | set(unreadable))
     return out
 
 

@@ -21,6 +21,7 @@ from llmgw.placement.model_status import ModelCondition, ModelFacts, ModelStatus
 from llmgw.schemas.api import LogsView, ModelView, ReplicaView, RetryResult, ShardView
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.payloads import ReadShardLogInput, ReadShardLogResult, ShardLogInput
+from llmgw.security.logtext import printable
 from llmgw.spelling import did_you_mean
 from llmgw.temporal import LazyClient
 from llmgw.workflows import attributes
@@ -67,7 +68,7 @@ class StatusService:
 
     async def models(self) -> list[ModelView]:
         async with self.engine.connect() as conn:
-            catalog = await catalog_repo.get_catalog(conn)
+            catalog, unreadable = await catalog_repo.read_catalog(conn)
             now, facts = await status_repo.model_facts(conn)
             created = await status_repo.catalog_created(conn)
         out = []
@@ -82,6 +83,13 @@ class StatusService:
                 replicas=dict(sorted(f.replicas.items())), status=c.status.value, reason=c.reason, ready=c.ready,
                 restarts=c.restarts, replaced=f.replaced, retry_in_s=c.retry_in_s, on_request=c.on_request,
                 last_failure=c.last_failure, created_at=created.get(m.name)))
+        for name, why in unreadable.items():  # stored, but this version cannot read it: its replicas are kept
+            f = facts.get(name, ModelFacts())
+            out.append(ModelView(
+                name=name, replicas=dict(sorted(f.replicas.items())), status="unreadable", replaced=f.replaced,
+                reason=(f"this version cannot read its stored entry ({printable(why, 600)}); its replicas keep running, not "
+                        "routed: apply a catalog that writes it the way `ctl apply` takes, or leaves it out"),
+                created_at=created.get(name)))
         return out
 
     async def retry(self, name: str) -> RetryResult:

@@ -64,6 +64,7 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
     budget = TeardownBudget.of(snapshot)
     status = plan.node_status
     wanted = {(m.name, p.name) for m in catalog.values() for p in m.profiles}
+    unreadable = set(snapshot.unreadable_models) - set(catalog)
     for r in snapshot.replicas:
         if r.status not in HOLDING:
             if not r.settled:
@@ -82,6 +83,10 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
                                            reason=f"node {', '.join(lost_nodes)} is lost"))
         elif overdue is not None:
             plan.decisions.append(overdue)
+        elif r.model in unreadable:
+            plan.decisions.append(Decision(kind="keep", model=r.model, replica_id=r.id, reason=(
+                "its stored catalog entry cannot be read by this version (`ctl models` says why): kept running, "
+                "not routed, until a catalog that names the model again, or leaves it out, is applied")))
         elif (r.model, r.profile) not in wanted and not (r.model in catalog and catalog[r.model].profiles):
             # (a profile that left a model which still has profiles is rolled: placement/rollout.py)
             what = "model" if r.model not in catalog else "model's profiles"

@@ -121,6 +121,9 @@ class Snapshot(_Strict):
     # The Temporal namespace has llmgw's search attributes registered: the reconciler sets them on the
     # workflows it starts (workflows/attributes.py). False in histories recorded before they existed.
     search_attributes: bool = False
+    # Stored models this version cannot read (catalog_repo.read_catalog), by name: their replicas are kept,
+    # neither stopped as "left the catalog" nor placed. Empty in snapshots recorded before it existed.
+    unreadable_models: list[str] = Field(default_factory=list)
 
 
 # ---- reconciler ---------------------------------------------------------------------------------

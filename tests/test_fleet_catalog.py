@@ -189,3 +189,28 @@ def test_a_stored_model_this_version_cannot_read_keeps_its_running_engine(contro
     assert r.status_code == 200, r.text
     assert [x["id"] for x in cp.replicas(all=False) if x["model"] == "keep"] == [rep["id"]]
     assert cp.shard_pid("node-a", f"{rep['id']}-r0") == pid
+
+
+def test_a_node_whose_stored_inventory_this_version_refuses_does_not_wedge_the_reconciler(control_plane, database_url):
+    """A node registered by an older llmgw with two GPUs of one index (refused since): reading the nodes
+    raised in every pass, so nothing was placed or stopped anywhere. Now that node reads as empty, with a
+    note, and the rest of the fleet is placed and served."""
+    cp = control_plane.start()
+    cp.agent("node-a", simulate=sim_spec(gpus=0))
+    cp.wait_nodes("node-a")
+    gpu = {"index": 0, "name": "H100", "memory_mb": 81920}
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO nodes (id, boot_id, inventory, last_heartbeat) VALUES ('old-node', 'b1', %s, now())",
+                     (json.dumps({"gpus": [gpu, gpu], "cpus": 8, "memory_mb": 65536, "engines": ["sim"]}),))
+    assert cp.apply({"models": [{"name": "after", "scaling": {"min": 1, "max": 1},
+                                 "profiles": [{"engine": "sim"}]}]}).status_code == 200
+
+    def placed():  # read from the database: the admin API's replica list had failed the same way
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            return conn.execute("SELECT s.node_id FROM replicas r JOIN shards s ON s.replica_id = r.id "
+                                "WHERE r.model = 'after' AND r.status = 'ready'").fetchall()
+    assert wait_until(placed, timeout_s=60, what="`after` placed and ready", why=cp.logs) == [("node-a",)]
+    out = cp.ctl("nodes")
+    assert out.returncode == 0 and "old-node" in out.stdout, out.stdout + out.stderr
+    [old] = [n for n in httpx.get(cp.admin + "/admin/v1/nodes").json() if n["id"] == "old-node"]
+    assert old["inventory"]["gpus"] == [] and "cannot be read" in " ".join(old["inventory"]["notes"]), old

@@ -8,9 +8,11 @@ has asked every one of its shards to stop and counted its failure; until then th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from pydantic import ValidationError
 from sqlalchemy import DateTime, String, and_, case, column, delete, func, select, update, values
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -18,6 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from llmgw.db.tables import ENDED_STATUSES, model_state, nodes, observers, replicas, shards
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement
+
+log = logging.getLogger(__name__)
 
 # Allowed transitions: target status -> statuses it may come from.
 _TRANSITIONS: dict[str, tuple[str, ...]] = {
@@ -85,9 +89,29 @@ async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
     rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
-    return [NodeRow(r.id, r.boot_id, Inventory.model_validate(r.inventory), r.last_heartbeat, float(r.age),
+    return [NodeRow(r.id, r.boot_id, _stored_inventory(r.id, r.inventory), r.last_heartbeat, float(r.age),
                     r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at)
             for r in rows]
+
+
+_told: set[tuple[str, str]] = set()  # (node, why) already logged: a pass every few seconds would repeat it
+
+
+def _stored_inventory(node_id: str, raw: object) -> Inventory:
+    """A node's stored inventory; one this version's rules refuse (stored by an older llmgw: two GPUs with
+    one index, say) reads as an empty one with a note, so that nothing is placed there until the node
+    registers again. It had been an exception in every reconcile pass (no placement, no stop anywhere in
+    the fleet) and in `ctl nodes`. The node's replicas are judged by its heartbeats as ever."""
+    try:
+        return Inventory.model_validate(raw)
+    except ValidationError as exc:
+        why = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'inventory'}: {e['msg']}" for e in exc.errors()[:3])[:300]
+        if (node_id, why) not in _told and len(_told) < 10_000:
+            _told.add((node_id, why))
+            log.error("node %s: its stored inventory cannot be read (%s); nothing is placed there until it "
+                      "registers again", node_id, why)
+        return Inventory(notes=[f"its stored inventory cannot be read by this version ({why}); nothing is placed "
+                                "here until the node registers again"])
 
 
 async def set_polled(conn: AsyncConnection, polled: dict[str, datetime]) -> None:

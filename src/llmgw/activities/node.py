@@ -212,8 +212,9 @@ class NodeActivities:
         """Wait until a worker shard (rank > 0) has joined rank 0; then it is Ready (it serves no HTTP of
         its own). Fails at once if the worker exits, so one dead shard fails the replica's start."""
         started = time.monotonic()
-        await self._await_ready(inp.shard_id, inp.timeout_s, "exited before it joined rank 0",
-                                "had not joined rank 0 after")
+        with self.agent.attempts.running():  # an agent restart fails it at once (a retry resumes the wait)
+            await self._await_ready(inp.shard_id, inp.timeout_s, "exited before it joined rank 0",
+                                    "had not joined rank 0 after")
         return WaitShardJoinedResult(shard_id=inp.shard_id, waited_s=round(time.monotonic() - started, 2))
 
     @activity.defn(name="wait_shard_ready")
@@ -295,25 +296,35 @@ class NodeActivities:
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, inp: WaitShardReadyInput) -> int:
-        """Wait until the engine has no request in flight (or `timeout_s`). Returns those still in flight."""
+        """Wait until the engine has no request in flight (or `timeout_s`). Returns those still in flight. A
+        retry (the agent restarted, Temporal was away) resumes the drain where its heartbeat left it
+        (`draining_s`), not the whole timeout again nor the engine's stop early."""
+        with self.agent.attempts.running():
+            return await self._drain(inp)
+
+    async def _drain(self, inp: WaitShardReadyInput) -> int:
         sup = self.agent.supervisor
         shard = sup.get(inp.shard_id)
         if shard is None or sup.poll(shard) is not None:
             return 0
         sup.set_state(shard, "draining")
         adapter = self.agent.engines.get(shard.spec.profile.engine)
-        deadline = time.monotonic() + inp.timeout_s
+        before = _heartbeat_number("draining_s")
+        started = time.monotonic() - before
+        deadline = started + inp.timeout_s
         n: int | None = 0
         async with aiohttp.ClientSession() as session:
             # The gateways stop routing to a draining replica within their refresh interval; give them that.
-            await asyncio.sleep(min(2.0, inp.timeout_s))
+            if not before:
+                activity.heartbeat({"draining_s": 0})
+                await asyncio.sleep(min(2.0, inp.timeout_s))
             while time.monotonic() < deadline:
                 if sup.poll(shard) is not None:
                     return 0  # the engine is gone: nothing is in flight any more
                 n = await adapter.in_flight(session, shard.endpoint, shard.spec.api_key)
                 if not n:
                     return 0
-                activity.heartbeat({"in_flight": n})
+                activity.heartbeat({"in_flight": n, "draining_s": round(time.monotonic() - started, 1)})
                 await asyncio.sleep(0.5)
         return n or 0
 
@@ -376,11 +387,16 @@ def _retrieve(task: asyncio.Task) -> None:
 
 def _waited_before() -> float:
     """Seconds an earlier attempt of this activity had waited, from its last heartbeat (`waiting_s`)."""
+    return _heartbeat_number("waiting_s")
+
+
+def _heartbeat_number(key: str) -> float:
+    """`key` of this activity's last heartbeat (an earlier attempt's), as seconds; 0 when there is none."""
     if not activity.in_activity():
         return 0.0
     details = activity.info().heartbeat_details
     try:
-        return max(0.0, float(details[0]["waiting_s"])) if details else 0.0
+        return max(0.0, float(details[0][key])) if details else 0.0
     except (KeyError, TypeError, ValueError, IndexError):
         return 0.0
 

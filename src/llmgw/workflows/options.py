@@ -51,21 +51,35 @@ STOP = dict(
 )
 
 
+# Waiting on a node for as long as an engine takes (readiness, a drain). An attempt ends without the engine
+# having done anything wrong when its agent restarts (the new boot fails its predecessor's attempts:
+# workers/attempts.py) or when Temporal is away longer than the heartbeat timeout; each retry resumes the
+# wait from its heartbeat (`waiting_s`, `draining_s`). So attempts are not counted: the whole wait is
+# bounded instead (schedule-to-close), and the activity fails for good on its own deadline or when the
+# engine exits. Two such interruptions had failed a healthy loading replica (maximum_attempts=2) and one
+# had cut a drain short (maximum_attempts=1). A node that never picks an attempt up still fails it at
+# NODE_PICKUP (a schedule-to-start timeout is not retried).
+WAIT_MARGIN = timedelta(seconds=120)
+WAIT_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5))
+
+
 def ready(timeout_s: float) -> dict:
     return dict(
         start_to_close_timeout=timedelta(seconds=timeout_s),
+        schedule_to_close_timeout=timedelta(seconds=timeout_s) + WAIT_MARGIN,
         heartbeat_timeout=timedelta(seconds=30),
         schedule_to_start_timeout=NODE_PICKUP,
-        retry_policy=RetryPolicy(maximum_attempts=2),
+        retry_policy=WAIT_RETRY,
     )
 
 
 def drain(timeout_s: float) -> dict:
     return dict(
         start_to_close_timeout=timedelta(seconds=timeout_s + 30),
+        schedule_to_close_timeout=timedelta(seconds=timeout_s + 30) + WAIT_MARGIN,
         heartbeat_timeout=timedelta(seconds=30),
         schedule_to_start_timeout=timedelta(seconds=30),
-        retry_policy=RetryPolicy(maximum_attempts=1),
+        retry_policy=WAIT_RETRY,
     )
 
 

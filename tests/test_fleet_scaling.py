@@ -6,6 +6,7 @@ decisions and in `llmgw ctl explain`."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timezone
 
 import httpx
@@ -115,3 +116,14 @@ def test_an_on_demand_model_loads_when_asked_and_stops_when_idle(control_plane):
                what="od stopped when idle")
     ended = next(r for r in cp.replicas() if r["id"] == rep["id"])
     assert ended["ended_reason"].startswith("1 running, 0 wanted (on demand, idle for")
+    # A larger idle_timeout applied now does not start it again without a request (it had: "used 20s ago
+    # (idle_timeout 300s)" with nothing asking); the next request does.
+    od["models"][0]["scaling"]["idle_timeout"] = "300s"
+    assert cp.apply(od).status_code == 200
+    wait_until(lambda: "stopped" in "\n".join(cp.explain("od")["decisions"])
+               and "for want of requests" in "\n".join(cp.explain("od")["decisions"]), timeout_s=20,
+               what="a pass with the new idle_timeout that leaves od stopped")
+    time.sleep(1.5)  # and a few passes more
+    assert [r["id"] for r in cp.replicas() if r["model"] == "od" and r["status"] in ("starting", "ready")] == []
+    assert ask() in (200, 503)
+    cp.wait_replicas("od", timeout_s=30, exclude={rep["id"]})

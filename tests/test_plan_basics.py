@@ -110,6 +110,17 @@ def test_on_demand_runs_while_used_and_stops_when_idle():
     assert d.kind == "stop" and "idle" in d.reason
     busy = ModelState(name="od", last_used_at=NOW - timedelta(seconds=61), in_flight=2)
     assert acting(plan_pass(snap([m], [node("n1")], [replica("r1", "od", "n1")], [busy]))) == []
+    assert d.to_zero  # (decide records it: `idle_stopped_at`)
+    # Stopped for idleness, then a larger idle_timeout: it stays stopped until a request asks.
+    bigger = m.model_copy(update={"scaling": Scaling(min=0, max=1, idle_timeout=600)})
+    stopped = ModelState(name="od", last_used_at=NOW - timedelta(seconds=61), idle_stopped_at=NOW - timedelta(seconds=1))
+    [d] = plan_pass(snap([bigger], [node("n1")], states=[stopped])).decisions
+    assert d.kind == "keep" and "for want of requests" in d.reason
+    asked = stopped.model_copy(update={"demand_at": NOW})
+    assert plan_pass(snap([bigger], [node("n1")], states=[asked])).decisions[0].kind == "place"
+    # A replica lost while in use (no stop for idleness since) is brought back within the idle_timeout.
+    lost_in_use = ModelState(name="od", last_used_at=NOW - timedelta(seconds=5), idle_stopped_at=NOW - timedelta(hours=1))
+    assert plan_pass(snap([m], [node("n1")], states=[lost_in_use])).decisions[0].kind == "place"
 
 
 def test_backoff_is_exponential_and_jittered():

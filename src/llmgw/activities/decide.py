@@ -170,6 +170,8 @@ class DecideActivities:
         places = [a for a in actions if a.kind == "place"]
         async with self.engine.begin() as conn:
             await catalog_repo.save_decisions(conn, explanations)
+            await catalog_repo.record_idle_stops(conn, sorted({d.model for d in plan.decisions
+                                                               if d.kind == "stop" and d.to_zero}))
             await reconciler_repo.record_pass(conn, reasons)
             if inp.record_placements and places:
                 for a in places:

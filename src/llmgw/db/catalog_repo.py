@@ -237,6 +237,12 @@ async def reset_failures(conn: AsyncConnection, name: str) -> None:
                        .values(failures=0, backoff_until=None, failed_at=None))
 
 
+async def record_idle_stops(conn: AsyncConnection, names: list[str]) -> None:
+    """The models a pass stops to zero for want of requests (placement/scale.py `_floor` reads it back)."""
+    if names:
+        await conn.execute(update(model_state).where(model_state.c.name.in_(names)).values(idle_stopped_at=func.now()))
+
+
 async def save_decisions(conn: AsyncConnection, decisions: dict[str, list[str]]) -> None:
     """Keep the latest pass's lines per model, with the time of the pass, for `llmgw ctl explain`."""
     if not decisions:

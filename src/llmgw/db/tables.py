@@ -28,6 +28,8 @@ model_state = Table(
     Column("failed_at", DateTime(timezone=True)),  # when its latest failed start was counted (0008_model_failed_at)
     # Its replicas that ended failed or lost, ever (0009_model_replaced): `ctl models` RESTARTS.
     Column("replaced", Integer, nullable=False, server_default="0"),
+    # When a pass last stopped its last replicas for want of requests (0010_model_idle_stopped).
+    Column("idle_stopped_at", DateTime(timezone=True)),
     Column("decisions", JSONB),  # the latest reconcile pass's reasons for this model (ctl explain)
     Column("decided_at", DateTime(timezone=True)),  # when that pass ran (0003_fleet)
 )

@@ -48,6 +48,7 @@ class Decision(BaseModel):
     shards: list[ShardPlacement] = Field(default_factory=list)
     refusals: list[str] = Field(default_factory=list)
     drain: bool = True
+    to_zero: bool = False  # a `stop` of a model wanted at zero now (idle, not asked for): it waits for a request
     final_status: str = "stopped"  # what a stop/evict/lost/cleanup leaves the replica as
     for_model: str | None = None  # evict: the model the room is made for
 

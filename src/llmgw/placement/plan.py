@@ -222,7 +222,7 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
             # Stop the newest first: the oldest have warm caches and proven health.
             extra = sorted(mine, key=lambda r: (r.status != "starting", -(r.created_at or now).timestamp()))
             for r in extra[: serving - want]:
-                plan.decisions.append(Decision(kind="stop", model=model.name, replica_id=r.id,
+                plan.decisions.append(Decision(kind="stop", model=model.name, replica_id=r.id, to_zero=want == 0,
                                                reason=f"{serving} running, {want} wanted ({why})"))
             continue
         if serving == want:

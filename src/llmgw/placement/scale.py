@@ -64,6 +64,10 @@ def _floor(model: Model, st: ModelState, now: datetime, placed: int) -> tuple[in
     last = max([t for t in (st.demand_at, st.last_used_at) if t is not None], default=None)
     if last is None:
         return 0, "on demand, not asked for"
+    if placed == 0 and st.idle_stopped_at is not None and st.idle_stopped_at >= last:
+        # Stopped for want of requests after its last use: a larger idle_timeout since does not start it.
+        return 0, (f"on demand, stopped {(now - st.idle_stopped_at).total_seconds():.0f}s ago for want of "
+                   "requests and not asked for since")
     idle = (now - last).total_seconds()
     if idle < sc.idle_timeout:
         return 1, f"on demand, used {idle:.0f}s ago (idle_timeout {sc.idle_timeout:g}s)"

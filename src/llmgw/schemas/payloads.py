@@ -30,6 +30,7 @@ class ModelState(_Strict):
     demand_at: datetime | None = None  # last time a request asked for the model while none was Ready
     last_used_at: datetime | None = None  # last time a request for it ended
     failed_at: datetime | None = None  # when its latest failed start was counted (cleared when one is Ready)
+    idle_stopped_at: datetime | None = None  # when a pass last stopped it to zero for want of requests
     # Load, summed over the gateways heard from in the last LOAD_FRESH_S (db/load_repo.py):
     in_flight: int = 0  # requests being served now
     queued: int = 0  # requests waiting: for a load, or for a slot under the model's limits

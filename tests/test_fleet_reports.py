@@ -46,6 +46,9 @@ def test_agents_that_stop_their_engines_on_exit_take_their_replicas_out_at_once(
     assert time.monotonic() - stopped < 15  # LLMGW_NODE_UNREACHABLE_AFTER_S: not judged by silence
     failure = next(r for r in cp.replicas() if r["id"] == one["id"])["failure"]
     assert "left: its agent stopped its engines" in failure, failure
+    # An agent stopped on purpose is no restart: `one` (lost because its node left) counts no RESTARTS.
+    [view] = [m for m in httpx.get(cp.admin + "/admin/v1/models").json() if m["name"] == "one"]
+    assert view["replaced"] == 0, view
     listed = cp.ctl("replicas").stdout
     assert not any(line.startswith(rid[:8]) and " ready " in line for rid in (big["id"], one["id"])
                    for line in listed.splitlines()), listed

@@ -242,18 +242,22 @@ _FENCING = ("draining", *ENDED_STATUSES)
 
 async def mark_replica(
     conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
-    reason: str | None = None,
+    reason: str | None = None, replaced: bool = True,
 ) -> tuple[bool, str | None]:
     """Move a replica to `status` if the transition is allowed. Returns (applied, status after)."""
-    t = await transition_replica(conn, replica_id, status, endpoint, failure, reason)
+    t = await transition_replica(conn, replica_id, status, endpoint, failure, reason, replaced)
     return t.applied, t.status
 
 
 async def transition_replica(
     conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
-    reason: str | None = None,
+    reason: str | None = None, replaced: bool = True,
 ) -> Transition:
     """Move a replica to `status` if the transition is allowed (`_TRANSITIONS`).
+
+    A replica that ends failed or lost counts in its model's `replaced` (`ctl models` RESTARTS), unless
+    `replaced` is False: lost because its node's agent left on purpose and stopped its engines (an
+    operator stopping `llmgw dev` or a node), which is no failure of the engine.
 
     `reason` is kept as `ended_reason` when `status` ends the replica (why it stopped). A step towards
     stopping (draining, stopped, failed, lost) bumps the fencing generation."""
@@ -282,7 +286,7 @@ async def transition_replica(
         if status in ENDED_STATUSES:
             await conn.execute(update(shards).where(and_(shards.c.replica_id == replica_id, shards.c.status.not_in(ENDED_STATUSES)))
                                .values(status="stopped" if status == "stopped" else status, updated_at=func.now()))
-        if status in ("failed", "lost"):  # counted with the transition: a retried one is not applied again
+        if status in ("failed", "lost") and replaced:  # counted with the transition: a retry is not applied again
             stmt = insert(model_state).values(name=row.model, replaced=1)
             await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name],
                                                           set_={"replaced": model_state.c.replaced + 1}))

@@ -214,7 +214,8 @@ class FleetService:
             replica_ids = await fleet_repo.leave_node(conn, req.node_id, req.boot_id)
             for replica_id in replica_ids or []:
                 applied, _ = await fleet_repo.mark_replica(
-                    conn, replica_id, "lost", failure=f"node {req.node_id} left: its agent stopped its engines as it exited")
+                    conn, replica_id, "lost", failure=f"node {req.node_id} left: its agent stopped its engines as it exited",
+                    replaced=False)  # an agent that says it leaves was stopped on purpose: no restart to count
                 if applied:
                     lost.append(replica_id)
         if replica_ids is None:

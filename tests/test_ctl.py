@@ -147,6 +147,12 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     broken.write_text("models:\n  - name: a\n    scaling: {min: 1\n")
     out = cp.ctl("apply", "-f", str(broken), "--yes")
     assert out.returncode == 2 and f"{broken}:4:1: not valid YAML" in out.stderr, out.stderr
+    # An empty file (or only comments) is refused locally, saying what to write; it had reached the server
+    # as "catalog: Input should be a valid dictionary".
+    for text in ("", "# nothing yet\n"):
+        broken.write_text(text)
+        out = cp.ctl("apply", "-f", str(broken), "--yes")
+        assert out.returncode == 2 and "is empty (or only comments); write `models: [...]`" in out.stderr, out.stderr
 
     # A file with no models would remove every model: said before asking; answered no, nothing changes.
     empty = tmp_path / "empty.yaml"

@@ -507,9 +507,10 @@ def test_ctl_tenants_delete_refuses_while_keys_are_active_then_revokes_them_with
     assert r.status_code == 200, r.text
     key_id = next(k["id"] for k in admin(cp, "GET", "/admin/v1/keys").json() if k["name"] == "gone-1")
 
-    out = cp.ctl("tenants", "delete", "gone", "--yes")
-    assert out.returncode == 1 and out.stderr.count("\n") == 1, out
-    assert f"has 1 active key(s): {key_id} (gone-1)" in out.stderr and "--revoke-keys" in out.stderr, out.stderr
+    for yes in (["--yes"], []):  # refused without asking first "delete?" (it would be refused anyway)
+        out = cp.ctl("tenants", "delete", "gone", *yes)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1 and "delete?" not in out.stdout, out
+        assert f"has 1 active key(s): {key_id} (gone-1)" in out.stderr and "--revoke-keys" in out.stderr, out.stderr
     assert httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sim", max_tokens=1), headers=auth(key),
                       timeout=10).status_code == 200  # nothing was changed
     assert "gone" in {t["name"] for t in admin(cp, "GET", "/admin/v1/tenants").json()}

@@ -34,6 +34,9 @@ def apply(
         fail(f"error: {file}: no such file; give the catalog YAML with -f", 2)
     try:
         raw = read_yaml(file)
+        if raw is None:  # an empty file (a redirect that failed, say) must not read as "remove every model"
+            fail(f"error: {file} is empty (or only comments); write `models: [...]`, or `models: []` to remove "
+                 "every model", 2)
         parse_catalog(raw)  # refuse locally first, with the same errors the server gives
     except OSError as exc:
         fail(f"error: {file}: {exc}", 2)

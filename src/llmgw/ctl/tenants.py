@@ -138,7 +138,8 @@ def delete(name: str = typer.Argument(..., help="The tenant"),
         typer.echo(f"  {t['name']}  {limits_text(t['limits'])}  {t['keys']} active key(s)")
         if t["keys"] and revoke_keys:
             typer.echo(f"  its {t['keys']} active key(s) are revoked with it")
-    if found and not yes and not confirm("delete?"):
+    # With active keys and no --revoke-keys the server refuses, naming them: say so without asking first.
+    if found and not (found[0]["keys"] and not revoke_keys) and not yes and not confirm("delete?"):
         raise typer.Exit(1)
     done = admin.delete(f"/admin/v1/tenants/{seg(name)}", revoke_keys=str(revoke_keys).lower())
     typer.echo(f"deleted tenant {done['name']}" + (f"; revoked {', '.join(done['revoked'])}" if done["revoked"] else ""))

@@ -173,3 +173,11 @@ def test_a_node_whose_agent_left_is_unreachable_at_once_and_nothing_is_placed_th
     gone = fleet_snapshot(["a"], ["b"])
     gone.nodes[0] = gone.nodes[0].model_copy(update={"left_at": NOW - timedelta(seconds=1000)})
     assert plan_pass(gone).node_status == {"a": "lost", "b": "ready"}
+
+
+def test_a_witness_heard_within_a_couple_of_heartbeats_reads_fresh():
+    from llmgw.placement.liveness import witness_status
+    healthy = witness_status(1.4, 0.0, 100.0, 100.0, 15.0, 300.0, 60.0)
+    assert healthy.status == "ready" and healthy.describe() == "heartbeats fresh, pollers fresh"
+    quiet = witness_status(9.0, 0.0, 100.0, 100.0, 15.0, 300.0, 60.0)
+    assert quiet.describe().startswith("heartbeats silent 9s")

@@ -60,12 +60,16 @@ class NodeLiveness:
                 return f"{name} {blind}"
             if math.isinf(s):
                 return f"{name} never seen"
-            return f"{name} silent {s:.0f}s" if s > 0 else f"{name} fresh"
+            # Within a couple of heartbeat intervals (2 s) is how a healthy node reads: "silent 1s" looked ill.
+            return f"{name} silent {s:.0f}s" if s >= FRESH_S else f"{name} fresh"
         text = ", ".join([one("heartbeats", self.heartbeat_silent_s, "not observable"),
                           one("pollers", self.poller_silent_s, "not readable")])
         if self.left_s is not None:
             text = f"its agent left {self.left_s:.0f}s ago (stopping its engines); " + text
         return text + (f"; {self.held}" if self.held else "")
+
+
+FRESH_S = 5.0  # a witness heard from this recently is described as fresh (what it decides is unchanged)
 
 
 def witness_status(heartbeat_age_s: float | None, poll_age_s: float | None, observer_age_s: float | None,

@@ -129,6 +129,30 @@ def test_worker_killed_after_decide_committed_a_placement_the_replica_starts_onc
     assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
 
 
+def test_a_placement_whose_pass_was_closed_before_its_start_gets_one_later(fleet, tmp_path):
+    """As above, but the reconciler's run is terminated before the worker comes back (an operator, or the
+    control worker replacing a run it found wedged), so no retry of that `decide` ever comes. The placement
+    had sat `starting` with no start workflow, holding its GPU, until the start budget (an hour) failed it.
+    A later pass finds it (activities/starts.py) and starts it: the same replica becomes Ready, launched
+    once, nothing placed again."""
+    with fleet.traffic(["steady"]) as t:
+        crash_worker_after(fleet, tmp_path / "crashed-after-decide", "decide:place", "iota")
+        placed = only_replica(fleet, "iota")  # committed before the kill
+
+        async def terminate():
+            client = await Client.connect(fleet.infra.temporal.address)
+            await client.get_workflow_handle("reconciler").terminate(reason="replaced (test)")
+        asyncio.run(terminate())
+        assert start_status(fleet, placed["id"]) is None  # no start workflow
+        fleet.restart_worker()
+        ready = only_replica(fleet, "iota", "ready", timeout_s=120)
+        fleet.steady(["steady", "iota"])
+    assert ready["id"] == placed["id"] and len(fleet.replicas("iota")) == 1
+    assert "has no start workflow" in worker_log(fleet)
+    assert fleet.launches(ready["id"]) == 1
+    assert t.count("steady") > 20 and t.failures("steady") == [], t.failures("steady")
+
+
 def test_readiness_is_pushed_by_the_node_a_frozen_control_worker_does_not_hold_a_ready_replica_back(fleet):
     """Issue 13: the node reports its engine ready to the control plane, which routes the replica at once.
     The control worker (where the start workflow would mark it Ready) is frozen with SIGSTOP once the engine

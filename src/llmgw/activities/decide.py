@@ -23,23 +23,20 @@ from opentelemetry import trace
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.common import WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError
+from temporalio.exceptions import ApplicationError
 
 from llmgw.activities.idempotent import CrashHook, may_have_committed, store, stored
+from llmgw.activities.starts import StrandedStarts, start_replica
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.liveness import fleet_liveness
 from llmgw.placement.plan import plan_pass
 from llmgw.schemas.payloads import (
-    MAX_PASS_LINES, DecideInput, DecideResult, PassAction, RecordPlacementsInput, ReplicaSnap, ReplicaStartInput,
+    MAX_PASS_LINES, DecideInput, DecideResult, PassAction, RecordPlacementsInput, ReplicaSnap,
     Snapshot,
 )
 from llmgw.telemetry import ControlMetrics
-from llmgw.workflows import attributes
-from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id
 
 log = logging.getLogger(__name__)
 ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout")
@@ -70,6 +67,8 @@ class DecideActivities:
         self.metrics = metrics or ControlMetrics()
         self.hook = load_hook(settings.planner_hook)
         self.crash = CrashHook(settings.test_crash_after_commit, settings.test_crash_marker)
+        self.stranded = StrandedStarts(client) if client is not None else None
+        self._snapshot: Snapshot | None = None  # the latest pass's (passes run one at a time)
 
     def all(self) -> list:
         return [self.decide, self.record_placements]
@@ -80,7 +79,13 @@ class DecideActivities:
         try:
             result = await self._decide(inp)
             if inp.start_replicas and inp.record_placements and self.client is not None:
-                result = result.model_copy(update={"started": await self._start_placed(result)})
+                # Shielded: a run closed now (terminated) cancels this activity, and the placements it just
+                # committed would be left without a start (`activities/starts.py` finds those later).
+                started = await asyncio.shield(self._start_placed(result))
+                result = result.model_copy(update={"started": started})
+                if self._snapshot is not None:
+                    placed = {a.replica_id for a in result.actions if a.kind == "place"}
+                    await self.stranded.repair(self._snapshot, placed, result.ready_timeout_s)
             return result
         finally:
             beat.cancel()
@@ -94,25 +99,9 @@ class DecideActivities:
 
         async def start(a: PassAction) -> str | None:
             async with sem:
-                try:
-                    await self.client.start_workflow(
-                        "ReplicaStartWorkflow",
-                        ReplicaStartInput(replica_id=a.replica_id, model=a.model, profile=a.profile_spec, shards=a.shards,
-                                          ready_timeout_s=result.ready_timeout_s),
-                        id=replica_start_id(a.replica_id), task_queue=CONTROL_QUEUE,
-                        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                        memo=attributes.memo(a.model, a.profile or "default"),
-                        search_attributes=attributes.lifecycle("start", a.model, a.replica_id,
-                                                               [x.node_id for x in a.shards])
-                        if result.search_attributes else None,
-                        request_eager_start=True,
-                    )
-                except WorkflowAlreadyStartedError:
-                    pass  # started by an earlier attempt of this pass
-                except RPCError as exc:
-                    log.warning("could not start replica %s's start workflow (%s); the reconciler will", a.replica_id, exc)
-                    return None
-                return a.replica_id
+                ok = await start_replica(self.client, a.replica_id, a.model, a.profile_spec, a.shards,
+                                         result.ready_timeout_s, result.search_attributes)
+                return a.replica_id if ok else None
 
         places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
         return [rid for rid in await asyncio.gather(*[start(a) for a in places]) if rid is not None]
@@ -129,7 +118,7 @@ class DecideActivities:
         started = time.monotonic()
         s = self.settings
         forget_after_s = max(s.node_forget_after_s, s.node_lost_after_s)  # never a node that is not yet Lost
-        snapshot = await self.read_snapshot()
+        snapshot = self._snapshot = await self.read_snapshot()
         # Only nodes the planner judges Lost (both witnesses silent, the observer not in doubt: issue 9)
         # and silent for `forget_after_s`; the snapshot is read again when one was forgotten.
         candidates = forgettable(snapshot, forget_after_s)
@@ -140,7 +129,7 @@ class DecideActivities:
                 log.info("forgot node %s: lost and silent for longer than %gs (node_forget_after_s)", node_id,
                          forget_after_s)
             if forgotten:
-                snapshot = await self.read_snapshot()
+                snapshot = self._snapshot = await self.read_snapshot()
         try:
             plan = plan_pass(snapshot, max_placements=s.reconcile_max_placements)
             if self.hook is not None:

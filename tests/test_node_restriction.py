@@ -14,6 +14,7 @@ from __future__ import annotations
 import ssl
 
 import httpx
+import psycopg
 import pytest
 
 from llmgw.catalog import read_catalog
@@ -254,6 +255,26 @@ def test_launch_check_answers_a_node_about_its_own_shards_only(server):
         assert "rep-lc-r0 is placed on node lc-a" in r.json()["error"]["message"]
         r = b.post("/node/v1/launch-check", json={"node_id": "lc-b", "shard_id": "rep-lc-r0", "replica_id": "other"})
         assert r.status_code == 403
+
+
+def test_a_late_report_never_moves_a_shard_back(server, module_database_url):
+    """A report that arrives late (an agent's retry of one sent before) had set the shard row back:
+    `starting` after `ready`, `ready` after `stopped`. Now a shard's status only moves forward; the
+    report's other facts (its exit code) are still kept."""
+    def row() -> tuple:
+        with psycopg.connect(module_database_url) as conn:
+            return conn.execute("SELECT status, exit_code FROM shards WHERE id = 'rep-fw-r0'").fetchone()
+    with node_client(server, "fw-a") as a:
+        assert register(a, "fw-a", shard("rep-fw"))["adopted"] == ["rep-fw-r0"]
+        assert row()[0] == "ready"
+        assert report(a, "fw-a", shard("rep-fw", state="starting")).status_code == 200
+        assert row()[0] == "ready"
+        stopped = shard("rep-fw", state="stopped").model_copy(update={"exit_code": 0})
+        assert report(a, "fw-a", stopped).status_code == 200
+        assert row() == ("stopped", 0)
+        late = shard("rep-fw", state="ready").model_copy(update={"exit_code": -9})
+        assert report(a, "fw-a", late).status_code == 200
+        assert row() == ("stopped", -9)
 
 
 # ---- a node's goodbye (its agent stops its engines on exit) ----------------------------------------

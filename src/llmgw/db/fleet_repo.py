@@ -385,10 +385,19 @@ async def active_replicas_with_shards(conn: AsyncConnection):
     return [(r, by_rep.get(r["id"], [])) for r in reps]
 
 
+# Where a shard's status may go from a report: forward only; once ended, ended (the first end is the cause).
+SHARD_ORDER = {"starting": 0, "ready": 1, "draining": 2, "stopped": 3, "failed": 3, "lost": 3}
+
+
 async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> str | None:
     """Apply a node's report about one of its shards (the caller has checked it is placed on `node_id`).
-    Returns the replica's status (None if unknown)."""
-    values: dict = {"status": report.state, "updated_at": func.now(), "progress": None}  # a transition ends a download
+    Returns the replica's status (None if unknown). A shard's status only moves forward (`SHARD_ORDER`): a
+    late retry of an earlier report (`starting` after `ready`, `ready` after `stopped`) keeps the row where
+    it is; its other facts (pid, exit code, output) are still kept."""
+    step = SHARD_ORDER.get(report.state, 0)
+    current = case(*((shards.c.status == s, n) for s, n in SHARD_ORDER.items()), else_=0)
+    values: dict = {"status": case((current < step, report.state), else_=shards.c.status),
+                    "updated_at": func.now(), "progress": None}  # a transition ends a download
     for field in ("pid", "endpoint", "exit_code", "output_tail", "api_key", "exit_reason"):
         v = getattr(report, field)
         if v is not None:

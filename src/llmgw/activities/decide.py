@@ -68,7 +68,6 @@ class DecideActivities:
         self.hook = load_hook(settings.planner_hook)
         self.crash = CrashHook(settings.test_crash_after_commit, settings.test_crash_marker)
         self.stranded = StrandedStarts(client) if client is not None else None
-        self._snapshot: Snapshot | None = None  # the latest pass's (passes run one at a time)
 
     def all(self) -> list:
         return [self.decide, self.record_placements]
@@ -77,15 +76,15 @@ class DecideActivities:
     async def decide(self, inp: DecideInput) -> DecideResult:
         beat = asyncio.create_task(_heartbeats())
         try:
-            result = await self._decide(inp)
+            result, snapshot = await self._decide(inp)
             if inp.start_replicas and inp.record_placements and self.client is not None:
                 # Shielded: a run closed now (terminated) cancels this activity, and the placements it just
                 # committed would be left without a start (`activities/starts.py` finds those later).
                 started = await asyncio.shield(self._start_placed(result))
                 result = result.model_copy(update={"started": started})
-                if self._snapshot is not None:
+                if snapshot is not None:  # (None: a retry that returned what its first attempt stored)
                     placed = {a.replica_id for a in result.actions if a.kind == "place"}
-                    await self.stranded.repair(self._snapshot, placed, result.ready_timeout_s)
+                    await self.stranded.repair(snapshot, placed, result.ready_timeout_s)
             return result
         finally:
             beat.cancel()
@@ -106,7 +105,7 @@ class DecideActivities:
         places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
         return [rid for rid in await asyncio.gather(*[start(a) for a in places]) if rid is not None]
 
-    async def _decide(self, inp: DecideInput) -> DecideResult:
+    async def _decide(self, inp: DecideInput) -> tuple[DecideResult, Snapshot | None]:
         """One pass. With `inp.record_placements`, the replicas it places are created in the transaction
         that saves its decisions, with its result stored beside them: a retry after that commit returns the
         same actions (the same replica ids), so each placed replica gets its start workflow exactly once."""
@@ -114,11 +113,11 @@ class DecideActivities:
             async with self.engine.begin() as conn:
                 found, result = await stored(conn, "decide", DecideResult)
             if found and result is not None:
-                return result
+                return result, None
         started = time.monotonic()
         s = self.settings
         forget_after_s = max(s.node_forget_after_s, s.node_lost_after_s)  # never a node that is not yet Lost
-        snapshot = self._snapshot = await self.read_snapshot()
+        snapshot = await self.read_snapshot()
         # Only nodes the planner judges Lost (both witnesses silent, the observer not in doubt: issue 9)
         # and silent for `forget_after_s`; the snapshot is read again when one was forgotten.
         candidates = forgettable(snapshot, forget_after_s)
@@ -129,7 +128,7 @@ class DecideActivities:
                 log.info("forgot node %s: lost and silent for longer than %gs (node_forget_after_s)", node_id,
                          forget_after_s)
             if forgotten:
-                snapshot = self._snapshot = await self.read_snapshot()
+                snapshot = await self.read_snapshot()
         try:
             plan = plan_pass(snapshot, max_placements=s.reconcile_max_placements)
             if self.hook is not None:
@@ -176,7 +175,7 @@ class DecideActivities:
             trace.get_tracer("llmgw.reconciler").start_span("reconcile pass", attributes={
                 "llmgw.decisions": [d.line() for d in plan.decisions],
                 "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]}).end()
-        return result
+        return result, snapshot
 
     @activity.defn(name="record_placements")
     async def record_placements(self, inp: RecordPlacementsInput) -> None:

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from llmgw.catalog.upgrade import upgrade_model_spec
 from llmgw.db import load_repo
 from llmgw.db.tables import catalog_models, model_state
+from llmgw.schemas import problems_line
 from llmgw.schemas.api import ApplyResponse
 from llmgw.schemas.catalog import Catalog, Model, name_problem
 from llmgw.schemas.payloads import ModelState
@@ -70,12 +71,7 @@ async def read_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) -
 
 
 def _why_unreadable(exc: Exception) -> str:
-    """One line per problem, without pydantic's links and input echoes (a 3 MiB flag would be echoed)."""
-    if isinstance(exc, ValidationError):
-        lines = [f"{'.'.join(str(p) for p in e['loc']) or 'model'}: {e['msg']}" for e in exc.errors()[:5]]
-        more = len(exc.errors()) - len(lines)
-        return "; ".join(lines) + (f"; and {more} more" if more > 0 else "")
-    return str(exc)[:2000]
+    return problems_line(exc, "model", limit=2000) if isinstance(exc, ValidationError) else str(exc)[:2000]
 
 
 async def stored_names(conn: AsyncConnection, names: list[str]) -> set[str]:

@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw.db.tables import ENDED_STATUSES, model_state, nodes, observers, replicas, shards
+from llmgw.schemas import problems_line
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement
 
@@ -105,7 +106,7 @@ def _stored_inventory(node_id: str, raw: object) -> Inventory:
     try:
         return Inventory.model_validate(raw)
     except ValidationError as exc:
-        why = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'inventory'}: {e['msg']}" for e in exc.errors()[:3])[:300]
+        why = problems_line(exc, "inventory", first=3, limit=300)
         if (node_id, why) not in _told and len(_told) < 10_000:
             _told.add((node_id, why))
             log.error("node %s: its stored inventory cannot be read (%s); nothing is placed there until it "

@@ -8,7 +8,7 @@ table that began after the answer.
 
 A flood of unknown names must not become a flood of queries: misses are batched, one query at a time per
 gateway (the misses that arrive during one wait for the next), and a name that cannot be a model name
-(catalog/schemas name rule) is never asked about. A name that is stored but that the route table still
+(`schemas.catalog.name_problem`) is never asked about. A name that is stored but that the route table still
 does not hold after a refresh (a stored model this version cannot read; `catalog_repo.get_catalog` logs
 it) is not asked about again until the catalog changes.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import catalog_repo
@@ -57,4 +58,3 @@ class MissCheck:
                 for f in futs:
                     if not f.done():
                         f.set_result(n in found)
-

@@ -199,7 +199,7 @@ class ControlPlane:
 
 def sweep_engines(state: Path, node_id: str = "*") -> None:
     """Kill any engine a test left behind (spec files under the state dir), on one node or all."""
-    from llmgw.workers.supervisor import kill_leftover_engines
+    from llmgw.node.supervisor import kill_leftover_engines
 
     kill_leftover_engines(state / "shards", node_id)
 

@@ -1,4 +1,4 @@
-"""The admin API's guard through a real `llmgw server` (security/admin_guard.py, security/admin_token.py):
+"""The admin API's guard through a real `llmgw server` (control/admin_guard.py, security/admin_token.py):
 Host must be an address or localhost, cross-site requests are refused, changes come only as JSON, the
 bearer token is required beyond loopback (and `llmgw ctl` sends it), and bodies are bounded like the
 gateway's. Also: docker-compose.yml never publishes the admin API without its token."""
@@ -180,7 +180,7 @@ async def test_a_mirror_whose_listing_is_not_an_object_is_a_warning_not_a_500(tm
     from aiohttp import web
 
     from llmgw.catalog import read_catalog
-    from llmgw.gateway.mirror_check import mirror_warnings
+    from llmgw.control.mirror_check import mirror_warnings
 
     async def listing(request):
         return web.json_response([])

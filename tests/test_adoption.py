@@ -20,7 +20,7 @@ from llmgw.engines.base import ShardSpec, new_api_key
 from llmgw.engines.sim import SimAdapter
 from llmgw.dev.procs import free_port
 from llmgw.schemas.catalog import Profile
-from llmgw.workers.supervisor import Supervisor
+from llmgw.node.supervisor import Supervisor
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration

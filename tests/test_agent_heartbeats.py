@@ -14,8 +14,8 @@ from aiohttp import web
 
 from llmgw.config import Settings
 from llmgw.dev.procs import free_port
-from llmgw.workers.agent import Agent
-from llmgw.workers.simulate import load_spec
+from llmgw.node.agent import Agent
+from llmgw.node.simulate import load_spec
 from tests.fleet import sim_spec
 
 ANSWERS = [

@@ -14,7 +14,7 @@ import yaml
 from llmgw.catalog.loader import load_catalog
 from llmgw.cli import app
 from llmgw.config import Settings
-from llmgw.workers.simulate import load_spec
+from llmgw.node.simulate import load_spec
 from llmgw.workflows.attributes import REGISTRY
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 from temporalio.testing import ActivityEnvironment
 
-from llmgw.activities.control import ControlActivities
+from llmgw.control.activities import ControlActivities
 from llmgw.db import catalog_repo
 from llmgw.db.engine import async_engine
 from llmgw.db.tables import replicas

@@ -1,5 +1,5 @@
 """A Ready engine that stops answering while its process lives on (frozen with SIGSTOP here; a hung driver
-or a deadlock on a GPU) is found by the node's liveness checks (workers/health.py), reported failed with
+or a deadlock on a GPU) is found by the node's liveness checks (node/health.py), reported failed with
 the cause, stopped, and replaced: before, it stayed Ready and every request routed to it waited out the
 gateway's upstream timeout. Through a real control plane, agent and sim engines, with the checks scaled
 down (every 0.5 s, 3 in a row)."""

@@ -1,5 +1,5 @@
 """A node refuses to fetch for or launch a shard of a replica it has been told to stop, across a restart of
-its worker (workers/fences.py). Node activities run as Temporal runs them (`ActivityEnvironment`) on a real
+its worker (node/fences.py). Node activities run as Temporal runs them (`ActivityEnvironment`) on a real
 `Agent`; the whole path, through the control plane, is tests/faults/test_start_faults.py. Also the other
 promises of the node's stop and wait activities under retry: a fence that cannot be written, a retried
 wait for readiness."""
@@ -13,12 +13,12 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from llmgw.activities.node import NodeActivities
+from llmgw.node.activities import NodeActivities
 from llmgw.config import Settings
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import FetchWeightsInput, LaunchShardInput, StopShardInput, WaitShardReadyInput
-from llmgw.workers.agent import Agent
-from llmgw.workers.fences import FENCE_ALL, Fences
+from llmgw.node.agent import Agent
+from llmgw.node.fences import FENCE_ALL, Fences
 from tests.helpers import sweep_engines
 
 
@@ -104,7 +104,7 @@ async def test_start_shard_asks_before_fetching_and_after_a_long_fetch(tmp_path,
     starts nothing unless it is; the fencing generation comes from the answer. A retry finds the shard
     running instead of starting a second one. The whole path, through the control plane:
     tests/faults/test_start_faults.py."""
-    import llmgw.activities.node as node_activities
+    import llmgw.node.activities as node_activities
     from llmgw.schemas.api import LaunchCheckResponse
     from llmgw.schemas.payloads import NOT_WANTED, StartShardInput
 

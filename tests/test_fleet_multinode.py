@@ -15,7 +15,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from llmgw.workers.control import WORKFLOWS
+from llmgw.control.worker import WORKFLOWS
 from tests.fleet import sim_spec
 from tests.helpers import wait_until
 

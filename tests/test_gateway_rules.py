@@ -11,7 +11,7 @@ import pytest
 from llmgw.catalog.loader import CatalogError, parse_catalog
 from llmgw.gateway.admission import Gate
 from llmgw.gateway.balancer import Balancer
-from llmgw.gateway.errors import APIError
+from llmgw.http.errors import APIError
 from llmgw.gateway.guard import answer_text, conversation, verdict
 from llmgw.gateway.openai_api import engine_error
 from llmgw.gateway.routes import Endpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmgw.workers.infiniband import discover_fabrics, parse_rate
+from llmgw.node.infiniband import discover_fabrics, parse_rate
 
 
 def hca(root: Path, name: str, *ports: tuple[str, str]) -> None:

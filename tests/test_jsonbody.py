@@ -1,4 +1,4 @@
-"""Bounded JSON bodies (gateway/jsonbody.py): the out-of-range number search, small bodies and large ones.
+"""Bounded JSON bodies (http/jsonbody.py): the out-of-range number search, small bodies and large ones.
 
 The real path (the gateway's listener answering 400 naming the field) is
 tests/test_gateway_api.py::test_abusive_json_gets_400_naming_the_field; this checks the search itself,
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from llmgw.gateway.jsonbody import SMALL, JSONRefused, _suspect, decode
+from llmgw.http.jsonbody import SMALL, JSONRefused, _suspect, decode
 
 DEFINITION = re.compile(rb"NaN|Infinity|\d{19,}|[eE][+-]?\d{3,}")
 

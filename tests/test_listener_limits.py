@@ -1,4 +1,4 @@
-"""Every listener's limits (serving.py), through a real `llmgw server` and raw sockets: half-open and
+"""Every listener's limits (http/serving.py), through a real `llmgw server` and raw sockets: half-open and
 slow clients, oversized headers and bodies, a client that stops reading, more connections than allowed;
 and the node API's own process, which keeps answering heartbeats while the gateway process is frozen.
 
@@ -317,7 +317,7 @@ async def test_at_the_connection_limit_idle_connections_make_way_and_busy_ones_d
 
 
 def test_the_node_api_answers_heartbeats_while_the_gateway_process_is_frozen(control_plane):
-    """The node API runs in a process of its own (gateway/server.py): with the gateway's process stopped
+    """The node API runs in a process of its own (server.py): with the gateway's process stopped
     (SIGSTOP: the public port accepts but nothing answers), nodes still register and heartbeat."""
     cp = control_plane
     server = cp.spawn("server", "server")

@@ -146,7 +146,7 @@ def test_snapshots_recorded_before_liveness_are_judged_by_heartbeats_alone():
 
 def test_only_nodes_judged_lost_by_both_witnesses_are_forgotten():
     # decide forgets nodes the planner judges Lost and silent for node_forget_after_s (issue 10 + issue 9).
-    from llmgw.activities.decide import forgettable
+    from llmgw.control.decide import forgettable
 
     s = fleet_snapshot(["a"], ["b"])
     assert forgettable(s, LOST) == ["a"] and forgettable(s, 2000) == []

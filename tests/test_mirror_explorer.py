@@ -14,11 +14,11 @@ import uvicorn
 
 from llmgw.dev.procs import free_port, wait_port
 from llmgw.schemas.mirror import ExploreInput, MirroredFile, MirrorProgress, MirrorState, PublishInput
-from llmgw.weights.explorer import ExploreError, Explorer, canonical_sources, default_name, version_of, web_page_hint
+from llmgw.mirror.explorer import ExploreError, Explorer, canonical_sources, default_name, version_of, web_page_hint
 from llmgw.weights.manifest import check_weights_file, file_sha256, missing_parts
-from llmgw.weights.mirror import create_mirror_app
+from llmgw.mirror.server import create_mirror_app
 from llmgw.weights.naming import SourceError, check_mirror_name
-from llmgw.weights.staging import PublishError, open_staging, publish, published_version, staging_dir
+from llmgw.mirror.staging import PublishError, open_staging, publish, published_version, staging_dir
 from llmgw.weights.urls import AddressPolicy
 from tests.origin_server import Origin
 

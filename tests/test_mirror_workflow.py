@@ -22,7 +22,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 from llmgw.dev.procs import free_port, wait_port
 from llmgw.weights.fetcher import Fetcher
-from llmgw.weights.staging import STAGING
+from llmgw.mirror.staging import STAGING
 from tests.helpers import REPO, Proc, wait_until
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,8 @@ from llmgw.schemas.mirror import (
 )
 from llmgw.temporal import workflow_runner
 from llmgw.workflows.mirror import MirrorWorkflow
-from llmgw.workflows.queues import MIRROR_QUEUE, mirror_workflow_id
+from llmgw.workflows.queues import MIRROR_QUEUE
+from llmgw.workflows.ids import mirror_workflow_id
 from tests.helpers import await_until
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from llmgw.db import fleet_repo
 from llmgw.db.engine import async_engine
 from llmgw.db.tables import replicas
-from llmgw.gateway.fleet_service import FleetService
+from llmgw.control.fleet_service import FleetService
 from llmgw.schemas.api import RegisterRequest, ShardStatusRequest
 from llmgw.schemas.inventory import Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement

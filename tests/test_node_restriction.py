@@ -5,7 +5,7 @@
 - an endpoint a node reports must be at its own address (its connection's, or one its certificate names),
   else it is not adopted and its transition report is refused: the gateway proxies clients there;
 - adoption of an engine the control plane has no record of is refused for a profile-hash mismatch, for a
-  shard of a multi-node replica, and for a shard that is not ready (gateway/fleet_service.py,
+  shard of a multi-node replica, and for a shard that is not ready (control/fleet_service.py,
   `unidentifiable`), and done when all is right (the control that shows the refusals are not vacuous).
 """
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from llmgw.db.keys_repo import ActiveKey
 from llmgw.db.usage_repo import MinuteTotal, PeriodTotal
 from llmgw.gateway.buckets import Budget, Window, duration_text, period_bounds, reset_header
-from llmgw.gateway.errors import APIError
+from llmgw.http.errors import APIError
 from llmgw.gateway.quotas import Quotas
 from llmgw.gateway.tokens import ask_usage, counts, read_events, usage_of_body
 from llmgw.schemas.catalog import Model

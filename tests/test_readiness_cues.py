@@ -1,4 +1,4 @@
-"""The node checks a starting engine's readiness as soon as the engine's output grows (workers/readiness.py),
+"""The node checks a starting engine's readiness as soon as the engine's output grows (node/readiness.py),
 not only on its backoff."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from llmgw.workers.readiness import ReadinessCues
+from llmgw.node.readiness import ReadinessCues
 
 
 def test_output_from_the_engine_prompts_a_check_long_before_the_backoff(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from llmgw.workers.reclaim import reclaim
+from llmgw.node.reclaim import reclaim
 from llmgw.weights.naming import cache_name_for
 from tests.helpers import wait_until
 

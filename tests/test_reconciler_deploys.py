@@ -25,7 +25,8 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID
+from llmgw.workflows.queues import CONTROL_QUEUE
+from llmgw.workflows.ids import RECONCILER_ID
 from tests.fleet import sim_spec
 from tests.helpers import wait_until
 

@@ -31,7 +31,7 @@ from llmgw.schemas.payloads import (
     DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, ShardPlacement,
     Snapshot,
 )
-from llmgw.workers.control import workflow_runner
+from llmgw.control.worker import workflow_runner
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.workflows.reconciler import MAX_PASSES, ReconcilerWorkflow
 from tests.stand_workflows import FailingStart

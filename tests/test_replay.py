@@ -17,8 +17,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from llmgw.temporal import workflow_runner
-from llmgw.workers.control import WORKFLOWS as CONTROL_WORKFLOWS
-from llmgw.workers.mirror import WORKFLOWS as MIRROR_WORKFLOWS
+from llmgw.control.worker import WORKFLOWS as CONTROL_WORKFLOWS
+from llmgw.mirror.worker import WORKFLOWS as MIRROR_WORKFLOWS
 
 WORKFLOWS = CONTROL_WORKFLOWS + MIRROR_WORKFLOWS  # every workflow some llmgw worker runs
 

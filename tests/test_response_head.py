@@ -1,4 +1,4 @@
-"""llmgw/response_head.py: `HeadCycle` writes every response head byte for byte as uvicorn's cycle does and
+"""llmgw/http/response_head.py: `HeadCycle` writes every response head byte for byte as uvicorn's cycle does and
 keeps the same state, refuses what uvicorn refuses, and writes the `llmgw.head` lines; through a real
 listener, an answer carries them, and a request's scope offers the extension."""
 
@@ -12,8 +12,8 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from llmgw.dev.procs import free_port
-from llmgw.response_head import EXTENSION, HeadCycle, head_lines
-from llmgw.serving import Listener, serve
+from llmgw.http.response_head import EXTENSION, HeadCycle, head_lines
+from llmgw.http.serving import Listener, serve
 
 DATE = [(b"date", b"Tue, 01 Dec 2026 23:59:59 GMT"), (b"server", b"uvicorn")]
 

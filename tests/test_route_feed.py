@@ -1,4 +1,4 @@
-"""The route table's refreshes from Postgres's notifications (gateway/feed.py, gateway/routes.py), with a
+"""The route table's refreshes from Postgres's notifications (db/feed.py, gateway/routes.py), with a
 real database: a change of replicas only (a replica turning Ready, on the cold-start path) refreshes the
 routes without reading the catalog again; a change of the catalog, a refresh whose cause is unknown (the
 timer) and one after a failed refresh read it in full."""
@@ -10,7 +10,7 @@ import asyncio
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.db.engine import async_engine
 from llmgw.gateway import routes as routes_module
-from llmgw.gateway.feed import ChangeFeed
+from llmgw.db.feed import ChangeFeed
 from llmgw.gateway.routes import TABLES, RouteTable
 from llmgw.schemas.catalog import Catalog, Model
 from llmgw.schemas.inventory import Inventory, ShardReport

@@ -13,8 +13,8 @@ import pytest
 from llmgw.dev.procs import free_port, stop_process
 from llmgw.schemas.inventory import HCA, HCAPort
 from llmgw.weights.naming import cache_name_for
-from llmgw.workers.fabric import advertise_fabrics
-from llmgw.workers.simulate import SimulateError, load_spec, simulated_inventory
+from llmgw.node.fabric import advertise_fabrics
+from llmgw.node.simulate import SimulateError, load_spec, simulated_inventory
 from tests.helpers import wait_until
 
 

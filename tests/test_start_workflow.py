@@ -27,7 +27,7 @@ from llmgw.schemas.payloads import (
     LaunchShardResult, MarkReplicaInput, MarkReplicaResult, ReplicaStartInput, ShardPlacement, StartShardInput,
     StopShardInput, StopShardResult, WaitShardReadyInput, WaitShardReadyResult,
 )
-from llmgw.workers.control import workflow_runner
+from llmgw.control.worker import workflow_runner
 from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
 from llmgw.workflows.replica import ReplicaStartWorkflow
 

@@ -12,7 +12,7 @@ from llmgw.placement.model_status import ModelFacts, ModelStatus, failure_cause,
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, ReadShardLogInput, ReplicaSnap, Snapshot
 from llmgw.telemetry import REFUSAL_REASONS, ControlMetrics, refusal_reason
-from llmgw.workers.logs import BadShardId, read_log
+from llmgw.node.logs import BadShardId, read_log
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=timezone.utc)
 SIGILL = "killed by SIGILL (illegal instruction): the binary uses CPU instructions this machine cannot run"
@@ -131,7 +131,7 @@ def test_a_serving_model_whose_other_starts_fail_says_so():
 
 
 def test_a_failing_model_s_503_says_the_decoded_cause_and_not_the_engine_s_log():
-    from llmgw.gateway.errors import failing
+    from llmgw.http.errors import failing
 
     err = failing("m", "shard r-r0 on n1 killed by SIGKILL (terminated at once)\nlast output:\n"
                   "7.26.259.014 I slot launch_slot_: id 0 | loading /data/models/x.gguf", 5, 2)

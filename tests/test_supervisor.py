@@ -16,7 +16,7 @@ from llmgw.dev.procs import free_port
 from llmgw.engines.base import LaunchPlan, ShardSpec
 from llmgw.engines.sim import SimAdapter
 from llmgw.schemas.catalog import Profile
-from llmgw.workers.supervisor import Supervisor
+from llmgw.node.supervisor import Supervisor
 
 
 def sim_spec(shard_id: str = "rep1-r0") -> ShardSpec:

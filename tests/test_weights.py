@@ -15,7 +15,7 @@ import uvicorn
 from llmgw.dev.procs import free_port, wait_port
 from llmgw.weights.download import download
 from llmgw.weights.fetcher import FetchError, Fetcher
-from llmgw.weights.mirror import create_mirror_app
+from llmgw.mirror.server import create_mirror_app
 from llmgw.weights.naming import cache_name_for, parse_source
 
 

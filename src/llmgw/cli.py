@@ -46,7 +46,7 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def _run(coro_fn) -> None:
-    from llmgw.serving import install_stop_handlers
+    from llmgw.http.serving import install_stop_handlers
 
     async def main():
         stop = asyncio.Event()
@@ -117,7 +117,7 @@ def dev(
 @app.command()
 def server(migrate: bool = typer.Option(True, help="Apply database migrations at start")):
     """The gateway (OpenAI API), the admin API (loopback) and, in a child process, the node API."""
-    from llmgw.gateway.server import main as run_server
+    from llmgw.server import main as run_server
 
     settings = setup_process("llmgw-server")
     run_server(settings, migrate=migrate)
@@ -128,7 +128,7 @@ def server(migrate: bool = typer.Option(True, help="Apply database migrations at
 def node_api():
     """The node API alone (`llmgw server` runs it in a child process; set LLMGW_NODE_API_PORT=0 there to
     run it as a service of its own instead)."""
-    from llmgw.gateway.server import node_api_main
+    from llmgw.server import node_api_main
 
     settings = setup_process("llmgw-node-api")
     node_api_main(settings)
@@ -138,7 +138,7 @@ def node_api():
 @app.command()
 def worker():
     """The control worker: every workflow and the control-plane activities."""
-    from llmgw.workers.control import run_control_worker
+    from llmgw.control.worker import run_control_worker
 
     settings = setup_process("llmgw-worker")
     _run(lambda stop: run_control_worker(settings, stop))
@@ -156,8 +156,8 @@ def agent(
              "(docs/catalog.md, \"Simulated nodes\")"),
 ):
     """The node worker: discovers hardware (or simulates it), registers, runs engines for this node."""
-    from llmgw.workers.agent import Agent
-    from llmgw.workers.simulate import SimulateError, load_spec
+    from llmgw.node.agent import Agent
+    from llmgw.node.simulate import SimulateError, load_spec
 
     settings = setup_process("llmgw-agent", Settings.from_file(config))
     if node_id:
@@ -179,7 +179,7 @@ def mirror_serve(
     port: Optional[int] = typer.Option(None, help="Port (default $LLMGW_MIRROR_PORT or 8082)"),
 ):
     """Serve weight files and version manifests, and run the mirror worker (`mirror add` downloads)."""
-    from llmgw.workers.mirror import run_mirror
+    from llmgw.mirror.worker import run_mirror
 
     s = setup_process("llmgw-mirror")
     _run(lambda stop: run_mirror(s, directory or s.mirror_dir, port or s.mirror_port, stop))
@@ -214,7 +214,7 @@ def mirror_add(
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2)
         return
-    from llmgw.weights import mirror_client
+    from llmgw.mirror import client as mirror_client
 
     code = asyncio.run(mirror_client.add(Settings(), remote, name, detach))
     exit_now(code)
@@ -223,7 +223,7 @@ def mirror_add(
 @mirror_app.command("list")
 def mirror_list(all_: bool = typer.Option(False, "--all", help="Also versions that failed or were canceled long ago")):
     """Versions mirrored with `mirror add`: downloading (with progress), published, failed (with the reason)."""
-    from llmgw.weights import mirror_client
+    from llmgw.mirror import client as mirror_client
 
     exit_now(asyncio.run(mirror_client.list_versions(Settings(), all_)))
 
@@ -234,7 +234,7 @@ def mirror_cancel(
     version: Optional[str] = typer.Option(None, help="Only this version (default: every running one of NAME)"),
 ):
     """Stop a running `mirror add`: its downloads stop and its staging files are removed."""
-    from llmgw.weights import mirror_client
+    from llmgw.mirror import client as mirror_client
 
     exit_now(asyncio.run(mirror_client.cancel(Settings(), name, version)))
 

@@ -83,14 +83,14 @@ class Settings(BaseSettings):
     # A Ready engine is asked for its health every `engine_probe_interval_s`; after `engine_probe_failures`
     # checks in a row without an answer (frozen, hung: each check waits 2 s) it is reported failed and
     # stopped, so that its replica leaves routing and is replaced; the same pass holds each engine to 1.5 x
-    # its profile's memory_gb (workers/health.py). 0 failures: both off.
+    # its profile's memory_gb (node/health.py). 0 failures: both off.
     engine_probe_interval_s: float = Field(5.0, gt=0)
     engine_probe_failures: int = Field(3, ge=0)
     # An engine's log is kept under this many MiB: past it, its last MiB is kept as `<shard>.log.1` and the
     # log starts again (an engine in an error loop, or logging every request, had filled the disk).
     engine_log_max_mb: float = Field(256.0, gt=0)
     # InfiniBand fabrics this node is on, as the operator declares them: {"fabric": ["mlx5_0", ...]}.
-    # Checked against sysfs before anything is advertised (workers/infiniband.py).
+    # Checked against sysfs before anything is advertised (node/infiniband.py).
     fabrics: dict[str, list[str]] = Field(default_factory=dict)
     infiniband_sysfs: Path = Path("/sys/class/infiniband")
     agent_metrics_port: int = 9101  # Prometheus metrics of the node worker; 0 = off
@@ -149,7 +149,7 @@ class Settings(BaseSettings):
     # fleet's back this often (seconds); N gateways pass a limit by at most about this much of their traffic.
     usage_sync_s: float = Field(1.0, gt=0, le=60)
 
-    # Every listener (gateway, admin API, node API, mirror; serving.py, docs/security.md): a request's line
+    # Every listener (gateway, admin API, node API, mirror; http/serving.py, docs/security.md): a request's line
     # and headers must arrive within `header_timeout_s` and be at most `max_header_bytes`; its body within
     # `body_timeout_s`, at most `max_request_bytes` on the gateway (16 MiB on the admin and node APIs); a
     # client that reads nothing of its answer for `send_timeout_s` is dropped; at most `max_connections`
@@ -236,15 +236,6 @@ class Settings(BaseSettings):
         import socket
 
         return self.node_id or socket.gethostname()
-
-    def listener_limits(self, max_body_bytes: int | None = None):
-        """These settings as one listener's limits (serving.ListenerLimits)."""
-        from llmgw.serving import ListenerLimits
-
-        return ListenerLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
-                              send_timeout_s=self.send_timeout_s, max_header_bytes=self.max_header_bytes,
-                              max_body_bytes=max_body_bytes or self.max_request_bytes,
-                              max_connections=self.max_connections)
 
     @property
     def admin_token_path(self) -> Path:

@@ -56,7 +56,7 @@ async def connect(settings: Settings, attempts: int = 60) -> Client:
 async def wake_reconciler(client: Client | None, reason: str) -> bool:
     """Signal the reconciler to run a pass now. False (and logged) when it cannot be reached; the
     reconciler's own timer still runs, so a lost wake-up only delays a pass."""
-    from llmgw.workflows.queues import RECONCILER_ID
+    from llmgw.workflows.ids import RECONCILER_ID
 
     if client is None:
         return False

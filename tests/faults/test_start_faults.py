@@ -133,7 +133,7 @@ def test_a_placement_whose_pass_was_closed_before_its_start_gets_one_later(fleet
     """As above, but the reconciler's run is terminated before the worker comes back (an operator, or the
     control worker replacing a run it found wedged), so no retry of that `decide` ever comes. The placement
     had sat `starting` with no start workflow, holding its GPU, until the start budget (an hour) failed it.
-    A later pass finds it (activities/starts.py) and starts it: the same replica becomes Ready, launched
+    A later pass finds it (control/starts.py) and starts it: the same replica becomes Ready, launched
     once, nothing placed again."""
     with fleet.traffic(["steady"]) as t:
         crash_worker_after(fleet, tmp_path / "crashed-after-decide", "decide:place", "iota")
@@ -343,7 +343,7 @@ def test_an_agent_killed_mid_download_resumes_on_its_next_boot_and_nothing_is_re
     """A node's agent is SIGKILLed while a replica downloads its weights, and started again. Before, its
     registration marked the replica lost (its shard was not reported), a new replica was placed, and the
     dead attempt stayed open until its heartbeat timeout (60 s). Now the shard, which no boot had reported
-    launching, is kept; the new boot ends the attempt its predecessor left (workers/attempts.py) and
+    launching, is kept; the new boot ends the attempt its predecessor left (node/attempts.py) and
     Temporal retries it at once: the same replica resumes the download where it was and is launched once,
     well inside that minute, never lost; the replica already serving is not touched."""
     source.hold()

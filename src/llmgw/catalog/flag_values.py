@@ -60,7 +60,7 @@ def value_kind(engine: str, flag: str) -> str | None:
 
 # The context flags (catalog/context.py reads them too): a context of more tokens than any model has is a
 # typo, and the engine would try to hold its KV cache (`--ctx-size 999999999` grew llama-server to 10 GB
-# before the memory hold stopped it; workers/health.py). 2**24 tokens is above the longest context of any
+# before the memory hold stopped it; node/health.py). 2**24 tokens is above the longest context of any
 # released model (10M). 0 (llama.cpp) and -1 or auto (vLLM) mean the model's own.
 MAX_CONTEXT_TOKENS = 1 << 24
 CONTEXT = {("llamacpp", "--ctx-size"): 0, ("vllm", "--max-model-len"): -1, ("sglang", "--context-length"): 1}

@@ -23,7 +23,7 @@ node worker sets (`CUDA_VISIBLE_DEVICES`, the engine's API key, the collectives'
 with that reason, and the adapters merge the worker's environment last besides, so it wins anyway.
 
 Checked when the catalog is applied (`catalog/loader.py`: a 400 naming the field, the flag and what is
-allowed) and again on the node before an engine starts (`activities/node.py`), whatever sent the profile.
+allowed) and again on the node before an engine starts (`node/activities.py`), whatever sent the profile.
 The lists are in docs/catalog.md ("Engine flags and environment").
 """
 

@@ -76,7 +76,7 @@ class Admin:
         return self._call("POST", path, json=body if body is not None else {})
 
     def delete(self, path: str, **params: Any) -> Any:
-        # A change, so sent as JSON like every other (security/admin_guard.py), though it carries nothing.
+        # A change, so sent as JSON like every other (control/admin_guard.py), though it carries nothing.
         return self._call("DELETE", path, params=params or None, json={})
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:

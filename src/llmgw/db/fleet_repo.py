@@ -21,6 +21,7 @@ from llmgw.db.tables import ENDED_STATUSES, model_state, nodes, observers, repli
 from llmgw.schemas import problems_line
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement
+from llmgw.workflows.ids import shard_id
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +189,6 @@ def _observer_age(fresh_s: float, kind: str):
 
 # ---- replicas and shards ------------------------------------------------------------------------
 
-def shard_id(replica_id: str, rank: int) -> str:
-    return f"{replica_id}-r{rank}"
-
-
 async def create_replica(
     conn: AsyncConnection, replica_id: str, model: str, profile: str, placement: list[ShardPlacement], reason: str = ""
 ) -> bool:
@@ -296,15 +293,27 @@ async def transition_replica(
     return Transition(False, cur.status if cur else None, cur.generation if cur else 0)
 
 
+async def record_ready(conn: AsyncConnection, replica_id: str, endpoint: str | None) -> Transition:
+    """The one place a replica becomes Ready (routed), at `endpoint`. Two witnesses call it: its node,
+    the moment every shard's engine answered (`ready_if_every_shard_is`, pushed through the node API, so
+    it is routed at once), and its start workflow after its waits on the node succeeded (`mark_replica`,
+    which carries on when the push was lost). Whichever comes second finds it Ready and is told so as if
+    it had applied it: both mean the same start."""
+    t = await transition_replica(conn, replica_id, "ready", endpoint=endpoint)
+    if not t.applied and t.status == "ready":
+        return Transition(True, t.status, t.generation)
+    return t
+
+
 async def ready_if_every_shard_is(conn: AsyncConnection, replica_id: str) -> bool:
     """Mark a starting replica Ready, at rank 0's endpoint, once every one of its shards is reported ready by
-    its node (readiness pushed by the node, issue 13). True when this call marked it."""
+    its node (readiness pushed by the node, issue 13). True when it is Ready after this call."""
     rows = (await conn.execute(select(shards.c.rank, shards.c.status, shards.c.endpoint)
                                .where(shards.c.replica_id == replica_id))).all()
     rank0 = next((r for r in rows if r.rank == 0), None)
     if rank0 is None or not rank0.endpoint or any(r.status != "ready" for r in rows):
         return False
-    return (await transition_replica(conn, replica_id, "ready", endpoint=rank0.endpoint)).applied
+    return (await record_ready(conn, replica_id, rank0.endpoint)).applied
 
 
 async def replica_state(conn: AsyncConnection, replica_id: str) -> tuple[str | None, int]:

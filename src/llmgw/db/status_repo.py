@@ -11,9 +11,18 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw.db.tables import catalog_models, model_state, replicas, shards
 from llmgw.placement.decisions import refusal
-from llmgw.placement.model_status import ModelFacts, failure_cause
+from llmgw.placement.model_status import ModelCondition, ModelFacts, failure_cause, model_condition
+from llmgw.schemas.catalog import Catalog
 
 ACTIVE = ("starting", "ready", "draining")
+
+
+async def model_conditions(conn: AsyncConnection, catalog: Catalog, names: list[str] | None = None
+                           ) -> dict[str, ModelCondition]:
+    """Model name -> its condition now (database clock), for the catalog's models (or those in `names`)."""
+    now, facts = await model_facts(conn, names)
+    return {m.name: model_condition(m, facts.get(m.name, ModelFacts()), now)
+            for m in catalog.models if names is None or m.name in names}
 
 
 async def model_facts(conn: AsyncConnection, names: list[str] | None = None) -> tuple[datetime, dict[str, ModelFacts]]:

@@ -29,7 +29,7 @@ from llmgw.config import Settings
 from llmgw.dev.postgres import EmbeddedPostgres
 from llmgw.dev.procs import kill_pid_file, port_open, stop_process, wait_port
 from llmgw.dev.temporal_server import TemporalDevServer
-from llmgw.workers.supervisor import kill_leftover_engines
+from llmgw.node.supervisor import kill_leftover_engines
 
 log = logging.getLogger(__name__)
 DEFAULT_CATALOG = Path(__file__).parent / "default_catalog.yaml"

@@ -269,7 +269,7 @@ async def _serve(args: argparse.Namespace) -> None:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     # Said as it happens, as real engines do ("Application startup complete", "server is listening"): the
-    # node checks readiness when an engine's output grows (workers/readiness.py).
+    # node checks readiness when an engine's output grows (node/readiness.py).
     print(f"sim: serving {args.model} on {args.host}:{args.port}", flush=True)
     loop = asyncio.get_running_loop()
     if args.startup_delay > 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from llmgw.gateway import errors
+from llmgw.http import errors
 from llmgw.schemas.catalog import Catalog, Limits
 
 

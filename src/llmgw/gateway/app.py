@@ -6,7 +6,7 @@ everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastA
 checks the API key first (llmgw.security.api_keys); `/healthz`, `/metrics` and the chat page do not. A key
 that belongs to a tenant or has limits is accounted (gateway/quotas.py): the proxy admits, counts and
 limits its requests, and `/v1/models` lists only the models it may use.
-Every error, FastAPI's included, is rendered in the OpenAI envelope (gateway/errors.py).
+Every error, FastAPI's included, is rendered in the OpenAI envelope (http/errors.py).
 """
 
 from __future__ import annotations
@@ -17,26 +17,25 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmgw.config import Settings
-from llmgw.gateway import errors
+from llmgw.db import status_repo
+from llmgw.http import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
-from llmgw.gateway.errors import APIError, http_exception_error, json_error
-from llmgw.gateway.feed import ChangeFeed
-from llmgw.gateway.openai_api import REQUIRED, send_error
+from llmgw.http.errors import install_error_handlers, send_error
+from llmgw.db.feed import ChangeFeed
+from llmgw.gateway.openai_api import REQUIRED
 from llmgw.gateway.proxy import Proxy
 from llmgw.gateway.quotas import Quotas
 from llmgw.gateway.routes import TABLES, RouteTable
 from llmgw.gateway.upstream import Upstream
 from llmgw.placement.model_status import ModelCondition
 from llmgw.schemas.catalog import Model
-from llmgw.security.api_keys import KeyRing
+from llmgw.gateway.keys import KeyRing
 from llmgw.security.logtext import for_client
 from llmgw.telemetry import GatewayMetrics
 from llmgw.temporal import LazyClient
@@ -135,29 +134,14 @@ def create_gateway_app(gw: Gateway):
 
     api = FastAPI(title="llmgw gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @api.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return json_error(exc)
-
-    @api.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return json_error(http_exception_error(request.method, request.url.path, exc.status_code, exc.detail))
-
-    @api.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return json_error(errors.bad_request(first.get("msg", "invalid request"), param=param))
-
-    @api.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return json_error(errors.internal())
+    install_error_handlers(api, "the gateway")
 
     async def listing(names: list[str] | None = None) -> tuple[dict[str, ModelCondition], dict[str, int]]:
         """Each model's condition, and when it was first applied (Unix seconds)."""
         try:
-            conds, created = await gw.demand.status.listing(gw.routes.catalog, names)
+            async with gw.engine.connect() as conn:
+                conds = await status_repo.model_conditions(conn, gw.routes.catalog, names)
+                created = await status_repo.catalog_created(conn)
             return conds, {n: int(t.timestamp()) for n, t in created.items()}
         except Exception:  # noqa: BLE001 - the list without statuses is still the list
             log.exception("reading model statuses failed")

@@ -32,11 +32,10 @@ from typing import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.db import catalog_repo, load_repo
-from llmgw.gateway import errors
+from llmgw.db import catalog_repo, load_repo, status_repo
+from llmgw.http import errors
 from llmgw.gateway.load import LoadSampler
 from llmgw.gateway.routes import ModelRoute, RouteTable
-from llmgw.gateway.status_service import StatusService
 from llmgw.placement.model_status import ModelCondition, ModelStatus
 from llmgw.temporal import LazyClient
 
@@ -91,7 +90,6 @@ class Demand:
         self.waiting: dict[str, int] = {}  # model -> requests held here for a Ready replica
         self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.sampler = LoadSampler(self.usage, self.waiting, queued, self._window)
-        self.status = StatusService(engine)
         self._reported_busy = False
         self._asked: dict[str, float] = {}
         self._conditions: dict[str, tuple[float, ModelCondition]] = {}
@@ -241,7 +239,8 @@ class Demand:
 
     async def _read_condition(self, name: str, now: float) -> ModelCondition | None:
         try:
-            cond = (await self.status.conditions(self.routes.catalog, [name])).get(name)
+            async with self.engine.connect() as conn:
+                cond = (await status_repo.model_conditions(conn, self.routes.catalog, [name])).get(name)
         except Exception:  # noqa: BLE001 - cannot tell: logged, and the caller says loading
             log.exception("reading the status of %s failed", name)
             return None

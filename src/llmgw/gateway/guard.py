@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
-from llmgw.gateway import errors
+from llmgw.http import errors
 from llmgw.schemas.catalog import GuardPolicy
 
 # (model, path, payload) -> (status, decoded JSON body or None); routes like any request.

@@ -1,6 +1,6 @@
 """Names the route table does not know, asked of the stored catalog before a 404 (read-your-writes).
 
-`ctl apply` returns once the catalog is committed; the route table learns of it by NOTIFY (gateway/feed.py),
+`ctl apply` returns once the catalog is committed; the route table learns of it by NOTIFY (db/feed.py),
 a few milliseconds later on this gateway and on every other. A client that asks for the new model in
 between would get 404 `model_not_found` for a model the operator was just told exists. So a miss asks the
 database whether the name is stored (by name or alias) and, if it is, waits for a refresh of the route

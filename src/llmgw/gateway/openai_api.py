@@ -1,9 +1,9 @@
 """The OpenAI API on the wire, for the hot path: reading and checking a request, and writing errors.
 
-The body's shape is bounded before it is parsed whole (gateway/jsonbody.py: size, depth, element count,
+The body's shape is bounded before it is parsed whole (http/jsonbody.py: size, depth, element count,
 numbers JSON cannot carry). Then only what the gateway relies on is checked (`model`, the one field each
 path needs, a few types and ranges); the rest of the body is the engine's to judge and reaches it
-untouched. An engine's error answer is rewritten into the OpenAI envelope (gateway/errors.py).
+untouched. An engine's error answer is rewritten into the OpenAI envelope (http/errors.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import logging
 import re
 from typing import Any, Awaitable, Callable
 
-from llmgw.gateway import errors
-from llmgw.gateway.errors import APIError
-from llmgw.gateway.jsonbody import JSONRefused, decode
+from llmgw.http import errors
+from llmgw.http.errors import APIError
+from llmgw.http.jsonbody import JSONRefused, decode
 from llmgw.security.logtext import printable
 
 log = logging.getLogger(__name__)
@@ -65,18 +65,6 @@ async def read_body(receive: Receive, limit: int = MAX_BODY) -> bytes:
         chunks.append(chunk)
         if not msg.get("more_body"):
             return b"".join(chunks)
-
-
-async def send_error(send: Send, err: APIError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    """`err` as the answer; `extra`: headers to send with it (an accounted request's rate-limit headers)."""
-    body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-    if extra:
-        have = {k for k, _ in headers}
-        headers += [(k, v) for k, v in extra if k not in have]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _counts(req: dict) -> None:

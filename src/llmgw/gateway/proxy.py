@@ -35,24 +35,25 @@ import math
 import time
 from typing import Any, Awaitable, Callable
 
-from llmgw.gateway import errors
+from llmgw.http import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand, Hold
-from llmgw.gateway.errors import APIError
+from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
-    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, read_body, send_error,
+    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, read_body,
     sse_error,
 )
 from llmgw.gateway.quotas import Account, Meter, Quotas
+from llmgw.http.errors import send_error
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.sse import DONE, SSEFrames, StreamBroken
 from llmgw.gateway.tokens import USAGE
 from llmgw.gateway.upstream import (
     AnswerTooLarge, ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout,
 )
-from llmgw.response_head import EXTENSION as HEAD
+from llmgw.http.response_head import EXTENSION as HEAD
 from llmgw.schemas.catalog import GuardPolicy
 from llmgw.security.logtext import printable
 from llmgw.telemetry import GatewayMetrics
@@ -84,7 +85,7 @@ def _whole_headers(resp: Response, data: bytes) -> list[tuple[bytes, bytes]]:
 
 def _start(status: int, headers: list[tuple[bytes, bytes]], x: "_Exchange") -> dict:
     """The response's start message; an accounted answer's rate-limit headers go as the safe lines of
-    llmgw/response_head.py where the server takes them (every llmgw listener), else in the list."""
+    llmgw/http/response_head.py where the server takes them (every llmgw listener), else in the list."""
     m = x.meter
     if m is None:
         return {"type": "http.response.start", "status": status, "headers": headers}

@@ -32,7 +32,6 @@ import asyncio
 import logging
 import time
 from datetime import datetime, timezone
-from fnmatch import fnmatchcase
 from operator import attrgetter
 
 from pydantic import ValidationError
@@ -40,17 +39,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import usage_repo
 from llmgw.db.keys_repo import ActiveKey
-from llmgw.gateway import errors
+from llmgw.http import errors
 from llmgw.gateway.buckets import WINDOW_S, Budget, Window, duration_text, period_bounds, reset_header
 from llmgw.gateway.tokens import Counts, ask_usage, read_events, usage_of_body
-from llmgw.response_head import head_lines
+from llmgw.http.response_head import head_lines
 from llmgw.schemas.catalog import Model
-from llmgw.schemas.tenants import Limits
+from llmgw.schemas.tenants import NO_TENANT, Limits, model_allowed
 from llmgw.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 CHARS_PER_TOKEN = 4  # an answer without usage is charged a token for every 4 characters of its prompt
-NO_TENANT = "-"  # the tenant label, and what `ctl usage` shows, for a key of no tenant
 _REQUEST_LINES = b"x-ratelimit-limit-requests: %s\r\nx-ratelimit-remaining-requests: %d\r\nx-ratelimit-reset-requests: %s\r\n"
 _TOKEN_LINES = b"x-ratelimit-limit-tokens: %s\r\nx-ratelimit-remaining-tokens: %d\r\nx-ratelimit-reset-tokens: %s\r\n"
 _BOTH_LINES = _REQUEST_LINES + _TOKEN_LINES
@@ -153,11 +151,6 @@ _requests_left = attrgetter("requests_left")
 _tokens_left = attrgetter("tokens_left")
 
 
-def model_allowed(patterns: list[str], model: Model) -> bool:
-    """Whether a pattern matches the model's name or one of its aliases (so a pattern may name either)."""
-    return any(fnmatchcase(n, p) for p in patterns for n in (model.name, *model.aliases))
-
-
 class Account:
     """An accounted key as the proxy sees it: its id, tenant (None: none), metric label, and quotas (its
     tenant's, then its own when it has limits)."""
@@ -208,7 +201,7 @@ class Meter:
         self.account = account
         self.row = row  # its usage row's key: (tenant or '', key id, the model the client asked for)
         self.strip = strip
-        self.head = head  # the rate-limit headers as header lines (llmgw/response_head.py)
+        self.head = head  # the rate-limit headers as header lines (llmgw/http/response_head.py)
         self.lines = False  # the server writes `head` as it is (the proxy sets it from the scope)
         self.counts: Counts | None = None
         # What an answer without usage is charged from (`Quotas.settle`): the prompt's characters, the
@@ -383,7 +376,7 @@ class Quotas:
     @staticmethod
     def _head(account: Account, now: float) -> bytes:
         """OpenAI's `x-ratelimit-*` headers, from the tightest of the account's windows with a limit, as
-        header lines (llmgw/response_head.py: names of ours, values digits and durations)."""
+        header lines (llmgw/http/response_head.py: names of ours, values digits and durations)."""
         q = account.one_quota
         if q is not None:  # one quota with both limits (a tenant's rpm and tpm): one format
             return _BOTH_LINES % (q.requests.limit_text, q.requests_left, reset_header(q.requests_reset),

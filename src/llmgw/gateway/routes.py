@@ -1,6 +1,6 @@
 """The gateway's route table: which Ready replicas serve each model, read from Postgres.
 
-Refreshed by the `ChangeFeed` (gateway/feed.py) when replicas or the catalog change and on a short timer,
+Refreshed by the `ChangeFeed` (db/feed.py) when replicas or the catalog change and on a short timer,
 since a node going silent changes nothing in the tables. Only `ready` replicas are routed: Draining,
 Starting and ended ones get no new requests, nor do replicas on an Unreachable node: one whose heartbeats
 and pollers have both been silent for `unreachable_after_s` (placement/liveness.py; the pollers as the
@@ -150,7 +150,7 @@ class RouteTable:
 
     async def refresh(self, changed: set[str] | None = None) -> None:
         """Reload catalog and Ready replicas; keep each endpoint's counters and breaker. `changed`: the tables
-        that changed since the last refresh (gateway/feed.py; None: unknown), so a change of replicas only
+        that changed since the last refresh (db/feed.py; None: unknown), so a change of replicas only
         does not read the catalog again."""
         reuse = changed is not None and "catalog_models" not in changed and self._loaded
         self._begun += 1

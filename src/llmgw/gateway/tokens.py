@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from llmgw.gateway import errors
+from llmgw.http import errors
 
 USAGE = b'"usage"'
 MAX_COUNT = (1 << 31) - 1  # per request and kind: more than any engine's context; a wilder figure is capped

@@ -65,7 +65,7 @@ class ShardStatusRequest(_Strict):
 
 class LaunchCheckRequest(_Strict):
     """A node about to fetch for, or launch, a shard asks whether its replica is still wanted
-    (`activities/node.py`, `start_shard`): the "still wanted?" check made where the launch happens."""
+    (`node/activities.py`, `start_shard`): the "still wanted?" check made where the launch happens."""
 
     node_id: str = Field(max_length=253)
     shard_id: str = Field(max_length=200)

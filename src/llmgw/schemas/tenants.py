@@ -19,11 +19,15 @@ operator typed is the name stored, counted and shown.
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatchcase
 import unicodedata
 from datetime import datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    from llmgw.schemas.catalog import Model
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_TENANTS = 10_000  # the gateway holds them all in memory and labels metrics with their names
@@ -224,3 +228,11 @@ class UsageReport(BaseModel):
     by: str
     tenant: str | None = None
     rows: list[UsageRow] = Field(default_factory=list)
+
+
+NO_TENANT = "-"  # the tenant label, and what `ctl usage` shows, for a key of no tenant
+
+
+def model_allowed(patterns: list[str], model: "Model") -> bool:
+    """Whether a pattern matches the model's name or one of its aliases (so a pattern may name either)."""
+    return any(fnmatchcase(n, p) for p in patterns for n in (model.name, *model.aliases))

@@ -53,7 +53,7 @@ STOP = dict(
 
 # Waiting on a node for as long as an engine takes (readiness, a drain). An attempt ends without the engine
 # having done anything wrong when its agent restarts (the new boot fails its predecessor's attempts:
-# workers/attempts.py) or when Temporal is away longer than the heartbeat timeout; each retry resumes the
+# node/attempts.py) or when Temporal is away longer than the heartbeat timeout; each retry resumes the
 # wait from its heartbeat (`waiting_s`, `draining_s`). So attempts are not counted: the whole wait is
 # bounded instead (schedule-to-close), and the activity fails for good on its own deadline or when the
 # engine exits. Two such interruptions had failed a healthy loading replica (maximum_attempts=2) and one

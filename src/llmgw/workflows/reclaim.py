@@ -1,5 +1,5 @@
 """`ReclaimWorkflow`: compute the cache names the catalog wants, then ask every node to list (default)
-or, with `collect`, delete the rest. Each node re-checks every path itself (workers/reclaim.py).
+or, with `collect`, delete the rest. Each node re-checks every path itself (node/reclaim.py).
 Id: `reclaim/<time>`; its result lists, per node, what is unwanted, removed, kept in use, and ignored."""
 
 from __future__ import annotations

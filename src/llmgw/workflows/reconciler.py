@@ -1,7 +1,7 @@
 """`ReconcilerWorkflow`: the singleton loop that makes what runs match the catalog.
 
 Each pass runs the `decide` activity (snapshot, pure planner, decisions saved for `llmgw ctl explain`;
-`activities/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
+`control/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
 abandoned on close so they outlive a continue-as-new): each `place` action's replica, already created by
 `decide` in the transaction that decided it (issue 13: one step less between a request and its load;
 runs from before call `record_placements` for them), is started (since `issue13-decide-starts` by
@@ -41,7 +41,8 @@ with workflow.unsafe.imports_passed_through():
         RecordPlacementsInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput, RolloutInput, Snapshot,
     )
     from llmgw.workflows import attributes, options
-    from llmgw.workflows.queues import CONTROL_QUEUE, replica_start_id, replica_stop_id, rollout_id
+    from llmgw.workflows.queues import CONTROL_QUEUE
+    from llmgw.workflows.ids import replica_start_id, replica_stop_id, rollout_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
     from llmgw.workflows.rollout import RolloutWorkflow
 

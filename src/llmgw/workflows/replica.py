@@ -48,7 +48,8 @@ with workflow.unsafe.imports_passed_through():
         WaitShardReadyInput, WaitShardReadyResult,
     )
     from llmgw.workflows import options
-    from llmgw.workflows.queues import CONTROL_QUEUE, RECONCILER_ID, node_queue
+    from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
+    from llmgw.workflows.ids import RECONCILER_ID, shard_id
 
 # workflow.patched ids: each names a change to the commands these workflows issue (tests/test_replay.py).
 FENCED_START = "issue9-fenced-start"
@@ -60,10 +61,6 @@ SETTLE_COUNTS = "settle-counts-failure"  # settling a failed replica counts its 
 # that stop, which drains it first, instead of stopping it in the middle of the drain.
 DRAIN_OWNS = "drain-owns-the-engine"
 START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
-
-
-def shard_id(replica_id: str, rank: int) -> str:
-    return f"{replica_id}-r{rank}"
 
 
 def failure_text(exc: BaseException) -> str:

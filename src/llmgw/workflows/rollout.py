@@ -20,7 +20,8 @@ with workflow.unsafe.imports_passed_through():
         ReplicaStopInput, RolloutInput, RolloutResult, RolloutStep, RolloutStepInput,
     )
     from llmgw.workflows import options
-    from llmgw.workflows.queues import CONTROL_QUEUE, replica_stop_id
+    from llmgw.workflows.queues import CONTROL_QUEUE
+    from llmgw.workflows.ids import replica_stop_id
     from llmgw.workflows.replica import ReplicaStopWorkflow
 
 POLL_S = 2.0

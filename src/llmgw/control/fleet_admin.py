@@ -1,0 +1,116 @@
+"""Nodes, replicas and decisions for the admin API: the fleet as the planner judges it, forgetting a node,
+and `explain`. Routes (control/admin.py) validate and call this; the transactions and refusals are here."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from llmgw.control.status_service import StatusService
+from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
+from llmgw.http.errors import APIError
+from llmgw.placement.liveness import FleetLiveness, fleet_liveness
+from llmgw.schemas.api import LiveReplicaView, NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView
+from llmgw.schemas.payloads import LivenessFacts, NodeSnap, ReplicaSnap, ShardPlacement, Snapshot
+from llmgw.spelling import did_you_mean
+from llmgw.temporal import LazyClient
+
+
+class FleetAdmin:
+    """Bound to the database, the Temporal client (to wake the reconciler) and the liveness settings the
+    planner uses (`facts`: poller grace, silent share), so a node reads here as the planner judges it."""
+
+    def __init__(self, engine: AsyncEngine, temporal: LazyClient, status: StatusService, unreachable_after_s: float,
+                 lost_after_s: float, facts: LivenessFacts):
+        self.engine = engine
+        self.temporal = temporal
+        self.status = status
+        self.unreachable_after_s = unreachable_after_s
+        self.lost_after_s = lost_after_s
+        self.facts = facts
+
+    async def _fleet(self, conn) -> tuple[list, FleetLiveness]:
+        """Nodes and their liveness as the planner judges it (both witnesses, the blind observer)."""
+        rows = await fleet_repo.list_nodes(conn)
+        reps = await fleet_repo.active_replicas_with_shards(conn)
+        seen = await fleet_repo.liveness_reads(conn, self.unreachable_after_s, self.facts.lost_teardown_window_s)
+        snap = Snapshot(
+            now=await fleet_repo.db_now(conn), unreachable_after_s=self.unreachable_after_s,
+            lost_after_s=self.lost_after_s,
+            liveness=self.facts.model_copy(update={
+                "observer_since": seen.node_api_since, "pollers_since": seen.pollers_since,
+                "doubted_at": seen.doubted_at}),
+            nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
+                            left_at=n.left_at) for n in rows],
+            replicas=[ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
+                                  shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"]) for s in shards])
+                      for r, shards in reps])
+        return rows, fleet_liveness(snap)
+
+    async def nodes(self) -> list[NodeView]:
+        async with self.engine.connect() as conn:
+            rows, live = await self._fleet(conn)
+        return [NodeView(id=n.id, status=live.status(n.id), last_heartbeat=n.last_heartbeat, inventory=n.inventory,
+                         heartbeat_age_s=round(n.age_s, 1),
+                         polled_at=n.polled_at, poll_age_s=None if n.poll_age_s is None else round(n.poll_age_s, 1),
+                         liveness=live.nodes[n.id].describe(), notes=live.notes, registered_at=n.registered_at)
+                for n in rows]
+
+    async def replicas(self, include_ended: bool) -> list[ReplicaView]:
+        """`StatusService.replicas`, each with the nodes of its shards that are not Ready (`silent_nodes`)."""
+        views = await self.status.replicas(include_ended=include_ended)
+        async with self.engine.connect() as conn:
+            _, live = await self._fleet(conn)
+        return [_with_silent(v, live) for v in views]
+
+    async def remove_node(self, node_id: str, req: NodeRemoveRequest) -> NodeRemoveResponse:
+        """Forget a node now. 404 naming the nodes there are; 409 `node_in_use` while replicas still have a
+        shard on it, unless `force` (their replicas are marked lost and rebuilt elsewhere)."""
+        async with self.engine.begin() as conn:
+            rows, fleet_live = await self._fleet(conn)
+            row = next((n for n in rows if n.id == node_id), None)
+            if row is None:
+                raise APIError(404, f"no node named {node_id!r}{did_you_mean(node_id, [n.id for n in rows])}; "
+                               "`llmgw ctl nodes` lists them", param="node_id", code="not_found")
+            status = fleet_live.status(node_id)
+            live = [LiveReplicaView(id=s.replica_id, model=s.model, status=s.status)
+                    for s in await fleet_repo.live_shards_on(conn, node_id)]
+            note = (f"node {node_id} is {status} (heard from {row.age_s:.0f}s ago): unless its agent is stopped it "
+                    "will register again" if status != "lost" else "")
+            if live and not req.force and not req.dry_run:
+                names = ", ".join(f"{r.id[:8]} ({r.model}, {r.status})" for r in live)
+                raise APIError(
+                    409, f"node {node_id} still has {len(live)} live replica(s): {names}; stop them first (remove "
+                         "their models, or wait until the node is lost and they are rebuilt elsewhere), or pass "
+                         "--force (force: true) to mark them lost and rebuild them elsewhere now",
+                    param="force", code="node_in_use")
+            removed = False if req.dry_run else await fleet_repo.remove_node(conn, node_id)
+        if removed:
+            await self.temporal.wake(f"node {node_id} removed")
+        return NodeRemoveResponse(node_id=node_id, status=status, removed=removed, live_replicas=live, note=note)
+
+    async def explain(self, model: str) -> dict:
+        """The latest reconcile pass's lines about `model` (an alias: its model), when that pass ran, the
+        planner's own failure if it is failing, and its last 10 replicas. 404 for a name no model has."""
+        async with self.engine.connect() as conn:
+            catalog = await catalog_repo.get_catalog(conn)
+            model = next((m.name for m in catalog.models if model in m.aliases), model)
+            lines, at = await catalog_repo.get_decisions_at(conn, model)
+            rec = await reconciler_repo.get(conn)
+        rows = await self.status.replicas(include_ended=True, model=model, limit=10)
+        if lines is None and not rows:
+            names = [n for m in catalog.models for n in (m.name, *m.aliases)]
+            raise APIError(404, f"no model or alias named {model!r} in the catalog" + did_you_mean(model, names),
+                           param="model", code="model_not_found")
+        failing = None
+        if rec is not None and rec.failure:  # the planner itself failed: no pass has decided since
+            failing = {"failure": rec.failure, "failed_at": rec.failed_at, "attempt": rec.attempt,
+                       "last_pass_at": rec.pass_at}
+        return {"model": model, "decisions": lines or [], "decided_at": at, "reconciler_failure": failing,
+                "replicas": [r.model_dump(mode="json") for r in rows]}
+
+
+def _with_silent(v: ReplicaView, live: FleetLiveness) -> ReplicaView:
+    """`v` with the nodes of its shards that are not Ready, as "node status" (`silent_nodes`)."""
+    v.silent_nodes = sorted({f"{s.node_id} {live.status(s.node_id)}" for s in v.shards
+                             if live.status(s.node_id) != "ready"})
+    return v

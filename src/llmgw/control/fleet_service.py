@@ -1,0 +1,287 @@
+"""What the control plane does with node reports. The fleet is authoritative about what runs:
+
+- a shard the node does not report is not running (a registration follows a fresh start or reconnect, so
+  nothing dispatched before it is running unless reported); its replica is marked lost, including when
+  the node reports nothing at all (seeds 001, "An agent reporting nothing is reporting something").
+  Not a starting shard that no boot has reported launching (no pid): it was fetching its weights, and its
+  start is retried on the new boot (node/attempts.py), so an agent restart mid-download rebuilds nothing;
+- a shard the node reports that belongs to a live replica is kept (adopted after a worker restart);
+- a Ready shard we have no record of (the control plane lost its database) is adopted as a replica when
+  it runs exactly what the catalog asks for: its model and profile are in the catalog, its profile hash
+  matches, and the profile is a single-shard one;
+- anything else (unidentifiable, left the catalog, its replica ended) is stopped: a process holding
+  resources that nothing can describe is worse than no process, because placement hands them out again;
+- every heartbeat is compared too (issue 9): a shard the node had launched and no longer lists fails its
+  replica (out of routing within one heartbeat); a shard the node reports `stopped` while its replica is
+  live (its agent stopped its engines on exit) makes the replica lost. The agent sends one request at a
+  time, built when sent, so a heartbeat is never older than a report it follows.
+
+A node speaks only for itself (Kubernetes' NodeRestriction; issue 11). Its identity is proven by the
+node API (mTLS); here, whatever it says is checked against what is placed on it:
+- a report on a shard placed on another node, or naming another replica than the shard's, changes nothing:
+  a transition report is refused (403 `node_restriction`), and a registration asks the node to stop it;
+- a shard it runs that we have no record of is adopted only under a replica id nobody has, with the shard
+  id that replica's rank 0 has (`<replica>-r0`): a node cannot add itself to another node's replica;
+- every endpoint it reports must be at one of its own addresses (security/node_address.py), else the
+  report is refused as above: the gateway proxies clients to these endpoints.
+
+Readiness is pushed (issue 13): when a node reports the last of a starting replica's shards ready, the
+replica is marked Ready here, at rank 0's endpoint, and gateways route to it on the NOTIFY that follows.
+The start workflow's own `mark_replica(ready)` then finds it Ready and goes on as if it had marked it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from llmgw.db import catalog_repo, fleet_repo
+from llmgw.db.tables import ENDED_STATUSES
+from llmgw.engines.exits import describe_exit
+from llmgw.schemas.api import (
+    HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
+    RegisterRequest, RegisterResponse, ShardStatusRequest,
+)
+from llmgw.schemas.catalog import Catalog
+from llmgw.schemas.status import wanted_by_start
+from llmgw.schemas.inventory import ShardReport
+from llmgw.security.node_address import AddressUnknown, NodeAddresses, endpoint_not_own
+from llmgw.temporal import LazyClient
+
+log = logging.getLogger(__name__)
+
+
+class NodeRestricted(Exception):
+    """A node reported on something that is not its own; `str()` says what (the node API answers 403)."""
+
+
+def not_its_own(node_id: str, report: ShardReport | LaunchCheckRequest, known: fleet_repo.KnownShard | None) -> str | None:
+    """Why `node_id` may not report (or ask about) `report`'s shard, given its row `known` (None when it may,
+    or when the shard is unknown: that is for adoption to decide)."""
+    if known is None:
+        return None
+    if known.node_id != node_id:
+        return f"shard {report.shard_id} is placed on node {known.node_id}, not on {node_id}"
+    if report.replica_id != known.replica_id:
+        return f"shard {report.shard_id} belongs to replica {known.replica_id}, not {report.replica_id}"
+    return None
+
+
+def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
+    """Why a shard we have no record of cannot be adopted, or None when it can."""
+    if report.shard_id != fleet_repo.shard_id(report.replica_id, report.rank):
+        return f"its id is not rank {report.rank} of replica {report.replica_id}"
+    model = catalog.get(report.model)
+    if model is None:
+        return f"model {report.model!r} is not in the catalog"
+    profile = model.profile(report.profile)
+    if profile is None:
+        return f"model {report.model!r} has no profile {report.profile!r}"
+    if report.profile_hash != profile.spec_hash():
+        return "it runs a different profile than the catalog now asks for"
+    if profile.nodes > 1 or report.rank != 0:
+        return "a shard of a multi-node replica cannot be adopted alone"
+    if report.state != "ready" or not report.endpoint:
+        return f"it is {report.state}, not serving"
+    return None
+
+
+def launched(row) -> bool:
+    """Did the node say it launched this shard (a row from `fleet_repo.shards_on_node`)? Rows start as
+    `starting` with no pid at placement; the node's launch report sets the pid, readiness `ready`."""
+    return row["status"] in ("ready", "draining") or row["pid"] is not None
+
+
+class FleetService:
+    def __init__(self, engine: AsyncEngine, temporal: LazyClient):
+        self.engine = engine
+        self.temporal = temporal
+        self.observer_id = f"{fleet_repo.NODE_API}{uuid.uuid4().hex[:12]}"
+
+    async def observe_loop(self, interval_s: float, gap_s: float) -> None:
+        """Tick this process's observer row every `interval_s` while it runs (placement/liveness.py): a
+        node's heartbeats count as silent only while the node API was there to receive them. A tick after
+        a gap of more than `gap_s` (this process frozen, Postgres down) starts a new run of sight."""
+        while True:
+            try:
+                async with self.engine.begin() as conn:
+                    await fleet_repo.observer_tick(conn, self.observer_id, gap_s)
+            except Exception as exc:  # noqa: BLE001 - Postgres away: the gap is the point; keep ticking
+                log.warning("observer tick failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    async def register(self, req: RegisterRequest, node: NodeAddresses) -> RegisterResponse:
+        reported = {s.shard_id: s for s in req.shards}
+        resp = RegisterResponse(node_id=req.node_id)
+        lost: list[str] = []
+        foreign: dict[str, str] = {}
+        unverified: set[str] = set()  # its endpoint's name cannot be resolved now: neither kept anew nor stopped
+        for sid, report in reported.items():
+            try:
+                if why := await self._endpoint_refusal(report, node):
+                    foreign[sid] = why
+            except AddressUnknown as exc:
+                log.warning("node %s reports shard %s, whose endpoint cannot be checked now (%s); leaving it as "
+                            "it was until the node registers again", req.node_id, sid, exc)
+                unverified.add(sid)
+        async with self.engine.begin() as conn:
+            prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory)
+            known = await fleet_repo.known_shards(conn, list(reported))
+            catalog = None
+            for sid, report in reported.items():
+                if sid in unverified:
+                    continue  # its row, if any, is not marked lost below either
+                row = known.get(sid)
+                why = foreign.get(sid) or not_its_own(req.node_id, report, row)
+                if why is not None:
+                    log.warning("node %s reports %s; asking it to stop that engine", req.node_id, why)
+                    resp.stop.append(sid)
+                    continue
+                if row is not None and row.replica_status not in ENDED_STATUSES:
+                    await fleet_repo.update_shard(conn, req.node_id, report)
+                    resp.adopted.append(sid)
+                    continue
+                if row is None:
+                    catalog = catalog or await catalog_repo.get_catalog(conn)
+                    why = unidentifiable(report, catalog)
+                    if why is None and await fleet_repo.adopt_replica(conn, req.node_id, report):
+                        resp.adopted.append(sid)
+                        log.info("adopted shard %s on %s: it runs %s as the catalog asks", sid, req.node_id, report.model)
+                        continue
+                    log.warning("node %s runs shard %s, which cannot be adopted (%s); asking the node to stop it",
+                                req.node_id, sid, why or f"replica id {report.replica_id} is taken")
+                resp.stop.append(sid)
+            for row in await fleet_repo.shards_on_node(conn, req.node_id):
+                if row["id"] in reported and row["id"] not in foreign:
+                    continue
+                # A starting shard of the same boot may be mid-launch, and one no boot has reported launching
+                # (no pid: fetching its weights, or not begun) is still its start's to launch: the new boot
+                # retries that start at once (node/attempts.py). Any other unreported shard is gone.
+                if row["status"] == "starting" and (prev_boot == req.boot_id or row["pid"] is None):
+                    continue
+                applied, _ = await fleet_repo.mark_replica(
+                    conn, row["replica_id"], "lost",
+                    failure=f"node {req.node_id} registered without shard {row['id']}")
+                if applied:
+                    lost.append(row["replica_id"])
+        if lost:
+            log.warning("node %s does not run replicas %s any more; marked lost", req.node_id, ", ".join(lost))
+        self.temporal.wake_soon(f"node {req.node_id} registered")
+        return resp
+
+    async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatResponse:
+        gone: list[str] = []
+        stop: list[str] = []
+        async with self.engine.begin() as conn:
+            known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory)
+            if known:
+                await fleet_repo.set_progress(conn, req.node_id, req.downloads)
+                listed = {s.shard_id for s in req.shards}
+                live = await fleet_repo.shards_on_node(conn, req.node_id)
+                # A shard the node still runs whose replica has ended: its stop did not reach the node, or
+                # failed there, and was settled anyway (the GPUs count as free). The node stops it now,
+                # rather than only at its next registration. Only shards not live here are looked up: none,
+                # in a steady fleet.
+                live_ids = {row["id"] for row in live}
+                others = [s.shard_id for s in req.shards if s.state != "failed" and s.shard_id not in live_ids]
+                for sid, row in (await fleet_repo.known_shards(conn, others)).items() if others else ():
+                    if row.node_id == req.node_id and row.replica_status in ENDED_STATUSES:
+                        stop.append(sid)
+                for row in live:
+                    if row["id"] in listed or not launched(row):
+                        continue
+                    applied, _ = await fleet_repo.mark_replica(
+                        conn, row["replica_id"], "failed",
+                        failure=f"node {req.node_id} no longer runs shard {row['id']} (its heartbeat does not list it)")
+                    if applied:
+                        gone.append(row["replica_id"])
+        if gone:
+            log.warning("node %s no longer runs replicas %s; marked failed", req.node_id, ", ".join(gone))
+            self.temporal.wake_soon(f"node {req.node_id} no longer runs {', '.join(gone)}")
+        if stop:
+            log.warning("node %s still runs shards %s of ended replicas; asking it to stop them", req.node_id,
+                        ", ".join(sorted(stop)))
+        return HeartbeatResponse(ok=known, reregister=not known, stop=sorted(stop) or None)
+
+    async def leave(self, req: LeaveRequest) -> LeaveResponse:
+        """The node's agent is leaving and stops its engines on the way out: the node is Unreachable from
+        now until it registers again (nothing is placed on it), and every replica with a shard on it that
+        has not ended is lost, for this cause, before a peer rank elsewhere can fail it for another."""
+        lost: list[str] = []
+        async with self.engine.begin() as conn:
+            replica_ids = await fleet_repo.leave_node(conn, req.node_id, req.boot_id)
+            for replica_id in replica_ids or []:
+                applied, _ = await fleet_repo.mark_replica(
+                    conn, replica_id, "lost", failure=f"node {req.node_id} left: its agent stopped its engines as it exited",
+                    replaced=False)  # an agent that says it leaves was stopped on purpose: no restart to count
+                if applied:
+                    lost.append(replica_id)
+        if replica_ids is None:
+            return LeaveResponse(known=False)
+        log.warning("node %s left (its agent is stopping its engines)%s", req.node_id,
+                    f"; replicas {', '.join(lost)} marked lost" if lost else "")
+        self.temporal.wake_soon(f"node {req.node_id} left")
+        return LeaveResponse(known=True, lost=lost)
+
+    async def _endpoint_refusal(self, report: ShardReport, node: NodeAddresses) -> str | None:
+        if not report.endpoint:
+            return None
+        why = await endpoint_not_own(report.endpoint, node)
+        return f"shard {report.shard_id}: {why}" if why else None
+
+    async def launch_check(self, req: LaunchCheckRequest) -> LaunchCheckResponse:
+        """Is the shard's replica still `starting` (wanted by its start), and its fencing generation? Asked by
+        its node before a fetch and again before a launch that followed a long one; raises `NodeRestricted`
+        for a shard placed on another node."""
+        async with self.engine.connect() as conn:
+            row = (await fleet_repo.known_shards(conn, [req.shard_id])).get(req.shard_id)
+        if row is None:
+            return LaunchCheckResponse(wanted=False, status="unknown")
+        why = not_its_own(req.node_id, req, row)
+        if why is not None:
+            raise NodeRestricted(why)
+        return LaunchCheckResponse(wanted=wanted_by_start(row.replica_status), status=row.replica_status,
+                                   generation=row.generation)
+
+    async def shard_status(self, req: ShardStatusRequest, node: NodeAddresses) -> None:
+        """A shard changed state on its node. A failure takes its replica out of routing at once; so does a
+        stop the control plane did not ask for (the agent stopped its engines as it exited): lost. Raises
+        `NodeRestricted` for a report on a shard placed on another node, or with an endpoint elsewhere; a
+        report on a shard the control plane has no record of changes nothing."""
+        s = req.shard
+        failed_replica = None
+        why = await self._endpoint_refusal(s, node)  # AddressUnknown: the node API answers 503, the node retries
+        async with self.engine.begin() as conn:
+            row = (await fleet_repo.known_shards(conn, [s.shard_id])).get(s.shard_id)
+            why = why or not_its_own(req.node_id, s, row)
+            if why is not None:
+                log.warning("refused a report from node %s: %s", req.node_id, why)
+                raise NodeRestricted(why)
+            if row is None:
+                return
+            status = await fleet_repo.update_shard(conn, req.node_id, s)
+            if s.state == "ready" and status == "starting":
+                # Pushed by the node the moment the engine answered: routed now, not after the start
+                # workflow's next step (which then finds it Ready and carries on).
+                await fleet_repo.ready_if_every_shard_is(conn, row.replica_id)
+            elif s.state == "failed" and status is not None and status not in ENDED_STATUSES:
+                # First line: the cause, decoded; then the engine's own last words (what `ctl replicas` shows).
+                why = f"shard {s.shard_id} on {req.node_id} {s.exit_reason or describe_exit(s.exit_code)}"
+                if s.output_tail and s.output_tail.strip():
+                    why += "\nlast output:\n" + s.output_tail.strip()[-1500:]
+                applied, _ = await fleet_repo.mark_replica(conn, row.replica_id, "failed", failure=why)
+                if applied:
+                    failed_replica = row.replica_id
+            elif s.state == "stopped" and status is not None and status not in ENDED_STATUSES:
+                applied, _ = await fleet_repo.mark_replica(
+                    conn, row.replica_id, "lost", failure=f"node {req.node_id} stopped shard {s.shard_id} on its own "
+                    "(its agent stopped its engines as it exited)")
+                if applied:
+                    failed_replica = row.replica_id
+        if failed_replica:
+            log.warning("replica %s ended: shard %s %s", failed_replica, s.shard_id,
+                        "stopped by its node" if s.state == "stopped" else s.exit_reason or describe_exit(s.exit_code))
+            self.temporal.wake_soon(f"replica {failed_replica} {'lost' if s.state == 'stopped' else 'failed'}")

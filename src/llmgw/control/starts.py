@@ -1,0 +1,96 @@
+"""Starting a placed replica's start workflow from the control worker, and finding placements left without
+one (review F3).
+
+`decide` creates a placed replica (`starting`) in the transaction that saves its pass, then starts its
+start workflow. Between the two, only a retry of that same `decide` attempt closes the gap; if the
+reconciler's run is closed meanwhile (terminated by an operator, or by the control worker as wedged after a
+deploy that broke replay), no retry comes and the replica sat `starting`, holding its GPUs with nothing
+launched, until the start budget (an hour) failed it. So every pass looks at the `starting` replicas older
+than `STRANDED_AFTER_S` it has not yet seen a start workflow for, asks Temporal, and starts the missing
+ones (the id's `REJECT_DUPLICATE` policy makes a start already there, running or closed, a no-op).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from temporalio.client import Client
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from llmgw.schemas.catalog import Profile
+from llmgw.schemas.payloads import ReplicaStartInput, ShardPlacement, Snapshot
+from llmgw.workflows import attributes
+from llmgw.workflows.queues import CONTROL_QUEUE
+from llmgw.workflows.ids import replica_start_id
+
+log = logging.getLogger(__name__)
+STRANDED_AFTER_S = 20.0  # a placement this old with no start workflow was left behind (a start RPC takes ms)
+CHECKS_PER_PASS = 32  # describe RPCs one pass may spend on it
+
+
+async def start_replica(client: Client, replica_id: str, model: str, profile: Profile, shards: list[ShardPlacement],
+                        ready_timeout_s: float, search_attributes: bool) -> bool:
+    """Start `replica_id`'s start workflow; True when it runs or ran (started now or before), False when
+    Temporal could not be asked (the caller leaves it to a later attempt)."""
+    try:
+        await client.start_workflow(
+            "ReplicaStartWorkflow",
+            ReplicaStartInput(replica_id=replica_id, model=model, profile=profile, shards=shards,
+                              ready_timeout_s=ready_timeout_s),
+            id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            memo=attributes.memo(model, profile.name or "default"),
+            search_attributes=attributes.lifecycle("start", model, replica_id, [x.node_id for x in shards])
+            if search_attributes else None,
+            request_eager_start=True,
+        )
+    except WorkflowAlreadyStartedError:
+        pass  # started by an earlier attempt
+    except RPCError as exc:
+        log.warning("could not start replica %s's start workflow (%s)", replica_id, exc)
+        return False
+    return True
+
+
+class StrandedStarts:
+    """Per control worker: the starting replicas whose start workflow was seen (not asked about again)."""
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.seen: set[str] = set()
+
+    async def repair(self, snapshot: Snapshot, just_placed: set[str], ready_timeout_s: float) -> list[str]:
+        """Start the start workflow of every placement in `snapshot` left without one; returns their ids."""
+        starting = {r.id: r for r in snapshot.replicas if r.status == "starting"}
+        self.seen &= set(starting)
+        profiles = {(m.name, p.name): p for m in snapshot.models for p in m.profiles}
+        repaired: list[str] = []
+        checks = 0
+        for r in starting.values():
+            if r.id in self.seen or r.id in just_placed or r.created_at is None:
+                continue
+            if (snapshot.now - r.created_at).total_seconds() < STRANDED_AFTER_S:
+                continue
+            profile = profiles.get((r.model, r.profile))
+            if profile is None:  # its profile left the catalog: the planner stops or rolls it
+                continue
+            if checks >= CHECKS_PER_PASS:
+                break
+            checks += 1
+            try:
+                await self.client.get_workflow_handle(replica_start_id(r.id)).describe()
+                self.seen.add(r.id)
+                continue
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    continue  # Temporal is away: ask again next pass
+            log.warning("replica %s of %s was placed %.0fs ago and has no start workflow (its pass's run was "
+                        "closed before it started one); starting it now", r.id, r.model,
+                        (snapshot.now - r.created_at).total_seconds())
+            if await start_replica(self.client, r.id, r.model, profile, r.shards, ready_timeout_s,
+                                   snapshot.search_attributes):
+                self.seen.add(r.id)
+                repaired.append(r.id)
+        return repaired

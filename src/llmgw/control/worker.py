@@ -1,0 +1,113 @@
+"""The control worker (`llmgw worker`): runs the fleet's workflows and the control-plane activities.
+(`MirrorWorkflow` runs on the mirror worker, beside the mirror's directory: mirror/worker.py.)
+
+Several can run; Temporal shares the work. Every `reconciler_watch_s` it makes sure the singleton
+reconciler is running: started with a conflict policy that returns the running one (so a second worker
+never starts another), started again if it ever closed (completed, failed, terminated), and replaced if its
+workflow task keeps failing (a deploy that broke replay, a bug in workflow code). Replacing it is safe: the
+reconciler holds no state of its own (every pass reads a fresh snapshot; its children are abandoned, not
+cancelled, when it closes). docs/architecture.md, "Changing workflow code".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Worker
+
+from llmgw.control.activities import ControlActivities
+from llmgw.control.decide import DecideActivities
+from llmgw.config import Settings
+from llmgw.db.engine import async_engine
+from llmgw.schemas.payloads import ReconcilerInput
+from llmgw.telemetry import ControlMetrics
+from llmgw.temporal import SearchAttributeCheck, connect, workflow_runner
+from llmgw.workflows import attributes
+from llmgw.workflows.logs import ShardLogWorkflow
+from llmgw.workflows.queues import CONTROL_QUEUE
+from llmgw.workflows.ids import RECONCILER_ID
+from llmgw.workflows.reclaim import ReclaimWorkflow
+from llmgw.workflows.reconciler import ReconcilerWorkflow
+from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+from llmgw.workflows.rollout import RolloutWorkflow
+
+log = logging.getLogger(__name__)
+WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, ShardLogWorkflow,
+             RolloutWorkflow]
+__all__ = ["WORKFLOWS", "ensure_reconciler", "run_control_worker", "watch_reconciler", "workflow_runner"]
+
+
+# A reconciler whose workflow task has been tried this many times without completing is wedged.
+WEDGED_ATTEMPTS = 3
+
+
+async def ensure_reconciler(client: Client, search_attributes: bool = False) -> str | None:
+    """Start the reconciler unless it is running; replace it when its workflow task keeps failing.
+    Returns what was done ("started", "restarted after it was <status>", "replaced: ..."), None if nothing.
+    `search_attributes`: the namespace has llmgw's (workflows/attributes.py), so the run carries them."""
+    handle = client.get_workflow_handle(RECONCILER_ID)
+    done = "started"
+    try:
+        desc = await handle.describe()
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+    else:
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            attempt = desc.raw_description.pending_workflow_task.attempt
+            if attempt < WEDGED_ATTEMPTS:
+                return None
+            done = f"replaced: its workflow task failed {attempt - 1} times (non-determinism after a deploy?)"
+            await handle.terminate(reason=f"replaced by the control worker: {done}")
+        else:
+            done = f"restarted after it was {desc.status.name.lower() if desc.status else 'closed'}"
+    await client.start_workflow(
+        ReconcilerWorkflow.run, ReconcilerInput(),
+        id=RECONCILER_ID, task_queue=CONTROL_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        search_attributes=attributes.lifecycle("reconciler") if search_attributes else None,
+    )
+    return done
+
+
+async def watch_reconciler(client: Client, every_s: float, stop: asyncio.Event,
+                           check: SearchAttributeCheck | None = None) -> None:
+    """`ensure_reconciler` now and every `every_s` seconds until `stop`; errors are logged, never fatal."""
+    while not stop.is_set():
+        try:
+            done = await ensure_reconciler(client, await check.registered(client) if check else False)
+            if done == "started":
+                log.info("reconciler started")
+            elif done:
+                log.warning("reconciler %s", done)
+        except Exception:  # noqa: BLE001 - Temporal briefly away: the next round tries again
+            log.exception("could not check the reconciler")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
+    engine = async_engine(settings.require_database_url())
+    client = await connect(settings)
+    check = SearchAttributeCheck(settings.temporal_namespace, settings.temporal_search_attributes)
+    metrics = ControlMetrics()
+    if settings.control_metrics_port:
+        metrics.serve(settings.control_metrics_port, settings.host)
+    acts = ControlActivities(engine, settings.node_unreachable_after_s, settings.node_lost_after_s,
+                             client=client, settings=settings, attributes=check, metrics=metrics,
+                             backoff_base_s=settings.start_backoff_base_s, backoff_max_s=settings.start_backoff_max_s,
+                             drain_timeout_s=settings.replica_drain_timeout_s)
+    decide = DecideActivities(engine, settings, acts.read_snapshot, metrics, client=client)
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all() + decide.all(),
+                    workflow_runner=workflow_runner())
+    try:
+        async with worker:
+            log.info("control worker polling %s", CONTROL_QUEUE)
+            await watch_reconciler(client, settings.reconciler_watch_s, stop, check)
+    finally:
+        await engine.dispose()

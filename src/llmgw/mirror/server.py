@@ -1,0 +1,128 @@
+"""The mirror: a byte listener serving weight files and version manifests from one directory.
+
+- `GET /files/<name>` serves a file (HTTP Range supported, so fetches resume), with its sha256 in the
+  `X-Llmgw-Sha256` header.
+- `GET /files/<name>/` serves a version's manifest: `{"files": [{"name", "size", "sha256"}]}`, built from
+  the directory rather than a file beside it (a manifest on disk would disagree the first time someone
+  copies a file in by hand, which the mirror allows). The sha256s come from the record `mirror add` wrote
+  while downloading (`manifest.file_sha256`), else are computed once.
+- A name being mirrored (`llmgw mirror add`, still in `.staging`) answers 409 "not ready yet", and so does
+  a directory that is not whole: a `*.part` file in it, a shard its index names or a split-GGUF part
+  missing. Never a partial manifest (seeds 000).
+- Names are validated segment by segment and the resolved path must stay under the root: no path is ever
+  built from an unvalidated name. Hidden entries (`.staging`, records, locks) are never listed or served.
+- `/metrics`: the mirror worker's download progress (telemetry.MirrorMetrics), when it runs here.
+
+It is separate from the admin API because every node needs it and the admin port must be closeable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from llmgw.weights.download import SHA_HEADER
+from llmgw.weights.manifest import INDEX, ManifestError, file_sha256, missing_parts, parse_index
+from llmgw.weights.naming import SourceError, check_mirror_name
+from llmgw.mirror.staging import pending
+
+__all__ = ["create_mirror_app", "file_sha256", "manifest", "resolve"]
+
+
+def resolve(root: Path, name: str) -> Path | None:
+    """The path for a mirror name, or None when the name is invalid or escapes the root."""
+    try:
+        check_mirror_name(name)
+    except SourceError:
+        return None
+    root = root.resolve()
+    path = (root / name.rstrip("/")).resolve()
+    if path != root and root not in path.parents:
+        return None
+    return path
+
+
+def manifest(directory: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) for a whole version directory, or (None, why it is not ready)."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+    if any(p.name.endswith(".part") for p in files):
+        return None, "a file is still being written into it"
+    if not files:
+        return None, "it holds no files"
+    names = {p.name for p in files}
+    try:
+        index = parse_index((directory / INDEX).read_bytes()) if INDEX in names else None
+    except ManifestError as exc:
+        return None, str(exc)
+    missing = missing_parts(names, index)
+    if missing:
+        return None, f"{', '.join(missing[:5])} missing"
+    return {"files": [{"name": p.name, "size": p.stat().st_size, "sha256": file_sha256(p)} for p in files]}, None
+
+
+def _not_ready(name: str, why: str) -> Response:
+    return JSONResponse({"error": f"{name} is not ready yet: {why}", "ready": False}, 409)
+
+
+def create_mirror_app(root: Path, metrics=None) -> Starlette:
+    root.mkdir(parents=True, exist_ok=True)
+
+    async def files(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name == "":
+            return await index(request)
+        path = resolve(root, name)
+        if path is None:
+            return JSONResponse({"error": "invalid name: use segments of letters, digits, '.', '_' and '-'"}, 400)
+        if name.endswith("/"):
+            if not path.is_dir():
+                if name in pending(root):
+                    return _not_ready(name, "it is still being mirrored")
+                return JSONResponse({"error": f"no version named {name}"}, 404)
+            m, why = await asyncio.to_thread(manifest, path)
+            if m is None:
+                return _not_ready(name, why or "incomplete")
+            return JSONResponse(m)
+        if not path.is_file() or path.name.endswith(".part"):
+            if name in pending(root):
+                return _not_ready(name, "it is still being mirrored")
+            return JSONResponse({"error": f"no file named {name}"}, 404)
+        sha = await asyncio.to_thread(file_sha256, path)
+        return FileResponse(path, headers={SHA_HEADER: sha}, filename=None)
+
+    async def index(request: Request) -> Response:
+        def walk() -> list[dict]:
+            out = []
+            for dirpath, dirs, names in os.walk(root):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+                for n in names:
+                    if not n.endswith(".part") and not n.startswith("."):
+                        p = Path(dirpath) / n
+                        try:  # a dangling link, a name that is not UTF-8: not a file anyone can fetch
+                            name = str(p.relative_to(root))
+                            name.encode("utf-8")
+                            if resolve(root, name) is None:  # a link out of the mirror: served to nobody
+                                continue
+                            out.append({"name": name, "size": p.stat().st_size})
+                        except (OSError, UnicodeError):
+                            continue
+            return sorted(out, key=lambda f: f["name"])
+
+        return JSONResponse({"files": await asyncio.to_thread(walk), "pending": sorted(pending(root))})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    routes = [Route("/files/{name:path}", files), Route("/files", index), Route("/healthz", health)]
+    if metrics is not None:
+        async def render(request: Request) -> Response:
+            return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+        routes.append(Route("/metrics", render))
+    return Starlette(routes=routes)

@@ -1,1 +1,0 @@
-"""The control worker and the node worker (agent): discovery, supervision, adoption."""

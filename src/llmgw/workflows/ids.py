@@ -1,0 +1,60 @@
+"""Workflow ids and shard ids: the only place either is spelled out (task-queue names: `queues.py`).
+
+Workflow ids are how llmgw finds a lifecycle again (a retried pass, a stop fencing a start, the Temporal
+UI's `WorkflowId="replica/<id>/start"`), so each kind has one function and nothing else builds them.
+"""
+
+from __future__ import annotations
+
+RECONCILER_ID = "reconciler"
+MIRROR_PREFIX = "mirror/"
+
+
+def shard_id(replica_id: str, rank: int) -> str:
+    """`<replica_id>-r<rank>`: one shard of a replica, the name it has on its node and in the database."""
+    return f"{replica_id}-r{rank}"
+
+
+def parse_shard_id(shard: str) -> tuple[str, int] | None:
+    """(replica id, rank) of a shard id built by `shard_id`; None for any other text."""
+    replica_id, sep, rank = shard.rpartition("-r")
+    return (replica_id, int(rank)) if sep and replica_id and rank.isdigit() else None
+
+
+def replica_of(shard: str) -> str:
+    """The replica id in a shard id (`shard` itself when it is not one: an id from before shards)."""
+    parsed = parse_shard_id(shard)
+    return parsed[0] if parsed else shard
+
+
+def replica_start_id(replica_id: str) -> str:
+    return f"replica/{replica_id}/start"
+
+
+def replica_stop_id(replica_id: str) -> str:
+    return f"replica/{replica_id}/stop"
+
+
+def replica_logs_id(replica_id: str, nonce: str) -> str:
+    """`replica/<id>/logs/<nonce>`: one short workflow per `ctl logs` read."""
+    return f"replica/{replica_id}/logs/{nonce}"
+
+
+def replica_history_query(replica_id: str) -> str:
+    """The visibility query listing a replica's start and stop workflows."""
+    return f'WorkflowId="{replica_start_id(replica_id)}" OR WorkflowId="{replica_stop_id(replica_id)}"'
+
+
+def rollout_id(model: str) -> str:
+    """`rollout/<model>`: one rolling replacement per model at a time."""
+    return f"rollout/{model}"
+
+
+def reclaim_id(nonce: str) -> str:
+    """`reclaim/<nonce>`: one per `ctl reclaim`."""
+    return f"reclaim/{nonce}"
+
+
+def mirror_workflow_id(name: str, version: str) -> str:
+    """`mirror/<name>/<version>`: one workflow per version, whoever asks for it."""
+    return f"{MIRROR_PREFIX}{name}/{version}"

@@ -19,7 +19,6 @@ from llmgw.db import catalog_repo, fleet_repo, status_repo
 from llmgw.http.errors import APIError
 from llmgw.placement.model_status import ModelCondition, ModelFacts, ModelStatus, failure_cause, model_condition
 from llmgw.schemas.api import LogsView, ModelView, ReplicaView, RetryResult, ShardView
-from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.payloads import ReadShardLogInput, ReadShardLogResult, ShardLogInput
 from llmgw.security.logtext import printable
 from llmgw.spelling import did_you_mean
@@ -47,11 +46,6 @@ class StatusService:
         self.namespace = namespace
 
     # ---- models --------------------------------------------------------------------------------
-    async def conditions(self, catalog: Catalog, names: list[str] | None = None) -> dict[str, ModelCondition]:
-        """Model name -> its condition now, for the catalog's models (or those in `names`)."""
-        async with self.engine.connect() as conn:
-            return await status_repo.model_conditions(conn, catalog, names)
-
     async def models(self) -> list[ModelView]:
         async with self.engine.connect() as conn:
             catalog, unreadable = await catalog_repo.read_catalog(conn)

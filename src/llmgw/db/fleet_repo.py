@@ -457,10 +457,6 @@ async def known_shards(conn: AsyncConnection, ids: list[str]) -> dict[str, Known
     return {r.id: KnownShard(r.id, r.replica_id, r.node_id, r.status, r.generation) for r in (await conn.execute(q)).all()}
 
 
-async def replica_exists(conn: AsyncConnection, replica_id: str) -> bool:
-    return (await conn.execute(select(replicas.c.id).where(replicas.c.id == replica_id))).first() is not None
-
-
 @dataclass
 class RouteRow:
     model: str

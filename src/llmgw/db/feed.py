@@ -42,7 +42,7 @@ class _Subscriber:
 
 
 class ChangeFeed:
-    """One LISTEN connection per gateway process, fanned out to subscribers."""
+    """One LISTEN connection per process, fanned out to subscribers."""
 
     def __init__(self, database_url: str, refresh_s: float):
         self.database_url = database_url

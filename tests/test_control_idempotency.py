@@ -15,7 +15,10 @@ from llmgw.control.activities import ControlActivities
 from llmgw.db import catalog_repo
 from llmgw.db.engine import async_engine
 from llmgw.db.tables import replicas
-from llmgw.schemas.payloads import MarkReplicaInput, RecordPlacementInput, SettleReplicaInput, ShardPlacement
+from llmgw.schemas.payloads import (
+    MarkReplicaInput, RecordPlacementInput, RecordReplicaFailureInput, ResetModelFailuresInput, SettleReplicaInput,
+    ShardPlacement,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +63,7 @@ async def test_retried_state_changes_answer_the_same_and_act_once(database_url):
         assert s1.applied and s2 == s1  # so the failure is counted by this workflow, once
 
         for n in (1, 2, 3):
-            await attempt("7", n).run(acts.record_replica_failure, "m")
+            await attempt("7", n).run(acts.record_replica_failure, RecordReplicaFailureInput(model="m"))
         async with engine.connect() as conn:
             [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "m"]
         assert state.failures == 1
@@ -98,13 +101,14 @@ async def test_a_retried_reset_does_not_clear_a_failure_counted_after_it(databas
     engine = async_engine(database_url)
     acts = ControlActivities(engine, 15, 300)
     try:
-        await attempt("9", 1, run="run-a").run(acts.reset_model_failures, "mr")
-        await attempt("1", 1, run="run-b").run(acts.record_replica_failure, "mr")  # B's failure, counted
-        await attempt("9", 2, run="run-a").run(acts.reset_model_failures, "mr")  # A's retry after its commit
+        reset, failure = ResetModelFailuresInput(model="mr"), RecordReplicaFailureInput(model="mr")
+        await attempt("9", 1, run="run-a").run(acts.reset_model_failures, reset)
+        await attempt("1", 1, run="run-b").run(acts.record_replica_failure, failure)  # B's failure, counted
+        await attempt("9", 2, run="run-a").run(acts.reset_model_failures, reset)  # A's retry after its commit
         async with engine.connect() as conn:
             [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "mr"]
         assert state.failures == 1 and state.backoff_until is not None
-        await attempt("9", 1, run="run-c").run(acts.reset_model_failures, "mr")  # another start: a new reset
+        await attempt("9", 1, run="run-c").run(acts.reset_model_failures, reset)  # another start: a new reset
         async with engine.connect() as conn:
             [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "mr"]
         assert state.failures == 0 and state.backoff_until is None
@@ -120,10 +124,11 @@ async def test_a_first_attempt_on_a_used_key_acts_once(database_url):
     engine = async_engine(database_url)
     acts = ControlActivities(engine, 15, 300)
     try:
-        await attempt("r1", 1, run="run-reset").run(acts.record_replica_failure, "m-reset")
+        failure = RecordReplicaFailureInput(model="m-reset")
+        await attempt("r1", 1, run="run-reset").run(acts.record_replica_failure, failure)
         with pytest.raises(Exception, match="activity_results|duplicate key|UniqueViolation"):
-            await attempt("r1", 1, run="run-reset").run(acts.record_replica_failure, "m-reset")
-        await attempt("r1", 2, run="run-reset").run(acts.record_replica_failure, "m-reset")
+            await attempt("r1", 1, run="run-reset").run(acts.record_replica_failure, failure)
+        await attempt("r1", 2, run="run-reset").run(acts.record_replica_failure, failure)
         async with engine.connect() as conn:
             [state] = [s for s in await catalog_repo.model_states(conn) if s.name == "m-reset"]
         assert state.failures == 1

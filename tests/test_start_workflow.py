@@ -24,8 +24,8 @@ from temporalio.worker import Worker
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import (
     NOT_WANTED, CheckReplicaInput, CheckReplicaResult, FetchWeightsInput, FetchWeightsResult, LaunchShardInput,
-    LaunchShardResult, MarkReplicaInput, MarkReplicaResult, ReplicaStartInput, ShardPlacement, StartShardInput,
-    StopShardInput, StopShardResult, WaitShardReadyInput, WaitShardReadyResult,
+    LaunchShardResult, MarkReplicaInput, MarkReplicaResult, ReplicaStartInput, ResetModelFailuresInput, ShardPlacement,
+    StartShardInput, StopShardInput, StopShardResult, WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.control.worker import workflow_runner
 from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
@@ -50,7 +50,7 @@ class Control:
         return MarkReplicaResult(applied=True, status=inp.status, generation=2)
 
     @activity.defn(name="reset_model_failures")
-    async def reset_model_failures(self, model: str) -> None:
+    async def reset_model_failures(self, inp: ResetModelFailuresInput) -> None:
         return None
 
     def all(self) -> list:

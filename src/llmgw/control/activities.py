@@ -29,8 +29,8 @@ from llmgw.schemas.status import wanted_by_start
 from llmgw.schemas.payloads import (
     AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
     MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
-    ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, RolloutStep, RolloutStepInput, SettleReplicaInput, SettleReplicaResult, ShardPlacement,
-    Snapshot,
+    RecordReplicaFailureInput, ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, ResetModelFailuresInput,
+    RolloutStep, RolloutStepInput, SettleReplicaInput, SettleReplicaResult, ShardPlacement, Snapshot,
 )
 from llmgw.workflows.ids import replica_start_id
 
@@ -170,10 +170,10 @@ class ControlActivities:
         return result
 
     @activity.defn(name="record_replica_failure")
-    async def record_replica_failure(self, model: str) -> None:
-        """Count a failed start against `model` and set its jittered exponential backoff (seeds 003). What
+    async def record_replica_failure(self, inp: RecordReplicaFailureInput) -> None:
+        """Count a failed start against `inp.model` and set its jittered exponential backoff (seeds 003). What
         workflows without `settle_replica(count_failure)` call after settling (patch SETTLE_COUNTS)."""
-        await once(self.engine, "record_replica_failure", None, lambda conn: self._count_failure(conn, model),
+        await once(self.engine, "record_replica_failure", None, lambda conn: self._count_failure(conn, inp.model),
                    self.crash)
 
     async def _count_failure(self, conn, model: str) -> None:
@@ -184,11 +184,11 @@ class ControlActivities:
         await catalog_repo.record_failure(conn, model, until)
 
     @activity.defn(name="reset_model_failures")
-    async def reset_model_failures(self, model: str) -> None:
+    async def reset_model_failures(self, inp: ResetModelFailuresInput) -> None:
         """A start reached Ready: the model's failed starts and backoff are cleared, once. A retry after its
         commit must not clear a failure another replica of the model counted in between (its backoff too)."""
-        await once(self.engine, "reset_model_failures", None, lambda conn: catalog_repo.reset_failures(conn, model),
-                   self.crash)
+        await once(self.engine, "reset_model_failures", None,
+                   lambda conn: catalog_repo.reset_failures(conn, inp.model), self.crash)
 
     @activity.defn(name="get_replica_shards")
     async def get_replica_shards(self, inp: ReplicaShardsInput) -> ReplicaShardsResult:

@@ -91,6 +91,12 @@ async def watch_reconciler(client: Client, every_s: float, stop: asyncio.Event,
             pass
 
 
+def activities(acts: ControlActivities, decide: DecideActivities) -> list:
+    """Every activity the control worker registers: one implementation of each control stub in
+    `llmgw.workflows.activities.CONTROL` (tests/test_activity_stubs.py)."""
+    return acts.all() + decide.all()
+
+
 async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     engine = async_engine(settings.require_database_url())
     client = await connect(settings)
@@ -103,7 +109,7 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
                              backoff_base_s=settings.start_backoff_base_s, backoff_max_s=settings.start_backoff_max_s,
                              drain_timeout_s=settings.replica_drain_timeout_s)
     decide = DecideActivities(engine, settings, acts.read_snapshot, metrics, client=client)
-    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=acts.all() + decide.all(),
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=activities(acts, decide),
                     workflow_runner=workflow_runner())
     try:
         async with worker:

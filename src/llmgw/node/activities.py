@@ -28,9 +28,10 @@ from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, Ports, ShardSpec, new_api_key
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.payloads import (
-    NOT_WANTED, UNREACHABLE, FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, NodeReclaimInput,
-    NodeReclaimResult, OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult, Rendezvous, StartShardInput,
-    StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult, WaitShardReadyInput, WaitShardReadyResult,
+    NOT_WANTED, UNREACHABLE, DrainShardInput, DrainShardResult, FetchWeightsInput, FetchWeightsResult, LaunchShardInput,
+    LaunchShardResult, NodeReclaimInput, NodeReclaimResult, OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult,
+    Rendezvous, StartShardInput, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
+    WaitShardReadyInput, WaitShardReadyResult,
 )
 from llmgw.weights.fetcher import FetchError
 from llmgw.node.errors import ReportRefused
@@ -289,14 +290,14 @@ class NodeActivities:
         return expected_failure(text, "EngineExited", retryable=False)
 
     @activity.defn(name="drain_shard")
-    async def drain_shard(self, inp: WaitShardReadyInput) -> int:
+    async def drain_shard(self, inp: DrainShardInput) -> DrainShardResult:
         """Wait until the engine has no request in flight (or `timeout_s`). Returns those still in flight. A
         retry (the agent restarted, Temporal was away) resumes the drain where its heartbeat left it
         (`draining_s`), not the whole timeout again nor the engine's stop early."""
         with self.agent.attempts.running():
-            return await self._drain(inp)
+            return DrainShardResult(in_flight=await self._drain(inp))
 
-    async def _drain(self, inp: WaitShardReadyInput) -> int:
+    async def _drain(self, inp: DrainShardInput) -> int:
         sup = self.agent.supervisor
         shard = sup.get(inp.shard_id)
         if shard is None or sup.poll(shard) is not None:

@@ -7,9 +7,9 @@ Internal payloads forbid unknown fields.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmgw.schemas.catalog import Model, Profile
 from llmgw.schemas.inventory import Inventory
@@ -286,6 +286,26 @@ class SettleReplicaResult(_Strict):
     model: str = ""
 
 
+class _ModelFailuresInput(_Strict):
+    """One model's failed starts. Before these models the input was the model's name alone (a JSON string):
+    workflows started by that code still schedule it so, and this version's control worker reads it."""
+
+    model: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, data: Any) -> Any:
+        return {"model": data} if isinstance(data, str) else data
+
+
+class RecordReplicaFailureInput(_ModelFailuresInput):
+    """Count a failed start against `model` and set its backoff (`record_replica_failure`)."""
+
+
+class ResetModelFailuresInput(_ModelFailuresInput):
+    """A start of `model` reached Ready: clear its failed starts and backoff (`reset_model_failures`)."""
+
+
 class ReplicaShardsInput(_Strict):
     replica_id: str
 
@@ -401,6 +421,26 @@ class WaitShardReadyInput(_Strict):
 class WaitShardReadyResult(_Strict):
     shard_id: str
     endpoint: str
+
+
+class DrainShardInput(_Strict):
+    """Wait until shard `shard_id`'s engine has nothing in flight, at most `timeout_s`. The same fields as
+    `WaitShardReadyInput`, which `drain_shard` took before: a node of either version reads either."""
+
+    shard_id: str
+    timeout_s: float = 900.0
+
+
+class DrainShardResult(_Strict):
+    """`in_flight`: requests still in flight when the drain ended (0: drained, or the engine is gone).
+    Before this model the result was that number alone: recorded histories and older nodes hold a bare int."""
+
+    in_flight: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_count(cls, data: Any) -> Any:
+        return {"in_flight": data} if isinstance(data, int) and not isinstance(data, bool) else data
 
 
 class WaitShardJoinedInput(_Strict):

@@ -13,6 +13,7 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import ReadShardLogResult, ShardLogInput
+    from llmgw.workflows import activities
     from llmgw.workflows.queues import node_queue
 
 READ = dict(start_to_close_timeout=timedelta(seconds=20), schedule_to_start_timeout=timedelta(seconds=10),
@@ -24,4 +25,4 @@ class ShardLogWorkflow:
     @workflow.run
     async def run(self, inp: ShardLogInput) -> ReadShardLogResult:
         return await workflow.execute_activity(
-            "read_shard_log", inp.read, result_type=ReadShardLogResult, task_queue=node_queue(inp.node_id), **READ)
+            activities.read_shard_log, inp.read, task_queue=node_queue(inp.node_id), **READ)

@@ -26,11 +26,11 @@ from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.mirror import (
-        DiscardInput, DiscardResult, ExploreInput, FetchMirrorFileInput, FileProgress, MirroredFile, MirrorInput,
-        MirrorPlan, MirrorProgress, MirrorResult, MirrorState, PlannedFile, PublishInput, PublishResult,
+        DiscardInput, ExploreInput, FetchMirrorFileInput, FileProgress, MirroredFile, MirrorInput, MirrorProgress,
+        MirrorResult, MirrorState, PlannedFile, PublishInput,
     )
     from llmgw.weights.urls import redact
-    from llmgw.workflows import options
+    from llmgw.workflows import activities, options
     from llmgw.workflows.queues import MIRROR_QUEUE
     from llmgw.workflows.replica import failure_text
 
@@ -66,9 +66,10 @@ class MirrorWorkflow:
         self._refresh(memo=True)
         tasks: list[asyncio.Task] = []
         try:
-            plan: MirrorPlan = await workflow.execute_activity(
-                "explore_mirror_sources", ExploreInput(name=inp.name, version=inp.version, sources=inp.sources),
-                result_type=MirrorPlan, task_queue=MIRROR_QUEUE, **options.MIRROR_QUICK)
+            plan = await workflow.execute_activity(
+                activities.explore_mirror_sources,
+                ExploreInput(name=inp.name, version=inp.version, sources=inp.sources),
+                task_queue=MIRROR_QUEUE, **options.MIRROR_QUICK)
             self._bytes = {f.name: 0 for f in plan.files}
             self._sizes = {f.name: f.size for f in plan.files}
             self._p.source = plan.source
@@ -87,9 +88,10 @@ class MirrorWorkflow:
             files: list[MirroredFile] = await asyncio.gather(*tasks)
             self._p.state = MirrorState.publishing
             self._refresh(memo=True)
-            res: PublishResult = await workflow.execute_activity(
-                "publish_mirror_version", PublishInput(name=inp.name, version=inp.version, kind=plan.kind, files=files),
-                result_type=PublishResult, task_queue=MIRROR_QUEUE, **options.MIRROR_PUBLISH)
+            res = await workflow.execute_activity(
+                activities.publish_mirror_version,
+                PublishInput(name=inp.name, version=inp.version, kind=plan.kind, files=files),
+                task_queue=MIRROR_QUEUE, **options.MIRROR_PUBLISH)
         except (ActivityError, asyncio.CancelledError) as exc:
             if is_cancelled_exception(exc):  # the workflow was canceled (a fetch may surface it first)
                 await asyncio.shield(self._end(inp, tasks, MirrorState.canceled, None))
@@ -105,11 +107,11 @@ class MirrorWorkflow:
 
     async def _fetch(self, inp: MirrorInput, f: PlannedFile, gate: asyncio.Semaphore) -> MirroredFile:
         async with gate:
-            got: MirroredFile = await workflow.execute_activity(
-                "fetch_mirror_file",
+            got = await workflow.execute_activity(
+                activities.fetch_mirror_file,
                 FetchMirrorFileInput(name=inp.name, version=inp.version, file=f,
                                      progress_interval_s=inp.progress_interval_s),
-                result_type=MirroredFile, task_queue=MIRROR_QUEUE, **options.mirror_fetch(inp.heartbeat_timeout_s))
+                task_queue=MIRROR_QUEUE, **options.mirror_fetch(inp.heartbeat_timeout_s))
         self._done.add(f.name)
         self._bytes[f.name] = got.size
         self._sizes[f.name] = got.size
@@ -125,7 +127,7 @@ class MirrorWorkflow:
         self._p.state = state
         self._p.reason = reason
         await workflow.execute_activity(
-            "discard_mirror_version", DiscardInput(name=inp.name, version=inp.version), result_type=DiscardResult,
+            activities.discard_mirror_version, DiscardInput(name=inp.name, version=inp.version),
             task_queue=MIRROR_QUEUE, **options.MIRROR_QUICK)
         self._refresh(memo=True)
 

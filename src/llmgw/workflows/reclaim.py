@@ -10,8 +10,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from llmgw.schemas.payloads import NodeReclaimInput, NodeReclaimResult, ReclaimInput, ReclaimResult, ReclaimTargets
-    from llmgw.workflows import options
+    from llmgw.schemas.payloads import NodeReclaimInput, NodeReclaimResult, ReclaimInput, ReclaimResult
+    from llmgw.workflows import activities, options
     from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
 
 
@@ -19,14 +19,14 @@ with workflow.unsafe.imports_passed_through():
 class ReclaimWorkflow:
     @workflow.run
     async def run(self, inp: ReclaimInput) -> ReclaimResult:
-        targets: ReclaimTargets = await workflow.execute_activity(
-            "reclaim_targets", result_type=ReclaimTargets, task_queue=CONTROL_QUEUE, **options.CONTROL)
+        targets = await workflow.execute_activity(activities.reclaim_targets, task_queue=CONTROL_QUEUE,
+                                                  **options.CONTROL)
 
         async def one(node_id: str) -> NodeReclaimResult | None:
             try:
                 return await workflow.execute_activity(
-                    "reclaim_cache", NodeReclaimInput(wanted=targets.wanted, collect=inp.collect),
-                    result_type=NodeReclaimResult, task_queue=node_queue(node_id), **options.STOP)
+                    activities.reclaim_cache, NodeReclaimInput(wanted=targets.wanted, collect=inp.collect),
+                    task_queue=node_queue(node_id), **options.STOP)
             except ActivityError:
                 return None
 

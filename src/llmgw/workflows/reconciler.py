@@ -38,9 +38,9 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
         DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, RecordPlacementInput,
-        RecordPlacementsInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput, RolloutInput, Snapshot,
+        RecordPlacementsInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput, RolloutInput,
     )
-    from llmgw.workflows import attributes, options
+    from llmgw.workflows import activities, attributes, options
     from llmgw.workflows.queues import CONTROL_QUEUE
     from llmgw.workflows.ids import replica_start_id, replica_stop_id, rollout_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
@@ -134,16 +134,16 @@ class ReconcilerWorkflow:
     async def _pass(self, pass_no: int) -> DecideResult:
         recorded = self._decide_records_placements(pass_no)
         starts = recorded and self._decide_starts_replicas(pass_no)
-        res: DecideResult = await workflow.execute_activity(
-            "decide", DecideInput(passes=pass_no, record_placements=recorded, start_replicas=starts),
-            result_type=DecideResult, task_queue=CONTROL_QUEUE, **options.DECIDE,
+        res = await workflow.execute_activity(
+            activities.decide, DecideInput(passes=pass_no, record_placements=recorded, start_replicas=starts),
+            task_queue=CONTROL_QUEUE, **options.DECIDE,
         )
         self._last = res.lines
         self._search_attributes = res.search_attributes
         places = [a for a in res.actions if a.kind == "place"]
         if places and not recorded:  # one activity for all of them: a pass's placements start together
             await workflow.execute_activity(
-                "record_placements", RecordPlacementsInput(placements=[
+                activities.record_placements, RecordPlacementsInput(placements=[
                     RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",
                                          shards=a.shards, reason=a.line) for a in places]),
                 task_queue=CONTROL_QUEUE, **options.CONTROL,
@@ -211,8 +211,8 @@ class ReconcilerWorkflow:
 
     async def _legacy_pass(self, inp: ReconcilerInput) -> bool:
         started = workflow.now()
-        snapshot: Snapshot = await workflow.execute_activity(
-            "read_snapshot", result_type=Snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
+        snapshot = await workflow.execute_activity(
+            activities.read_snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
         )
         self._search_attributes = snapshot.search_attributes
         plan = plan_pass(snapshot, one_per_pass=True)
@@ -229,8 +229,9 @@ class ReconcilerWorkflow:
                 otel.completed_span("reconcile pass", attributes={
                     "llmgw.decisions": lines, "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]})
         await workflow.execute_activity(
-            "record_decisions", RecordDecisionsInput(lines=lines, refusals=plan.explanations(),
-                                                     kinds=[d.kind for d in plan.decisions], started_at=started),
+            activities.record_decisions, RecordDecisionsInput(lines=lines, refusals=plan.explanations(),
+                                                              kinds=[d.kind for d in plan.decisions],
+                                                              started_at=started),
             task_queue=CONTROL_QUEUE, **options.CONTROL,
         )
         for d in plan.decisions:
@@ -249,7 +250,7 @@ class ReconcilerWorkflow:
     async def _legacy_place(self, d: Decision, inp: ReconcilerInput) -> None:
         replica_id = str(workflow.uuid4())
         await workflow.execute_activity(
-            "record_placement",
+            activities.record_placement,
             RecordPlacementInput(replica_id=replica_id, model=d.model, profile=d.profile or "default",
                                  shards=d.shards, reason="\n".join([d.line(), *d.refusals])),
             task_queue=CONTROL_QUEUE, **options.CONTROL,

@@ -40,14 +40,14 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
-        NOT_WANTED, UNREACHABLE, AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
-        FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult, MarkReplicaInput,
-        MarkReplicaResult, OpenRendezvousInput, Rendezvous, ReplicaShardsInput, ReplicaShardsResult,
-        ReplicaStartInput, ReplicaStartResult, ReplicaStopInput, SettleReplicaInput, SettleReplicaResult,
-        ShardPlacement, StartShardInput, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
-        WaitShardReadyInput, WaitShardReadyResult,
+        NOT_WANTED, UNREACHABLE, AwaitStartClosedInput, CheckReplicaInput, DrainShardInput, FetchWeightsInput,
+        FetchWeightsResult, LaunchShardInput, LaunchShardResult, MarkReplicaInput, MarkReplicaResult,
+        OpenRendezvousInput, RecordReplicaFailureInput, Rendezvous, ReplicaShardsInput, ReplicaStartInput,
+        ReplicaStartResult, ReplicaStopInput, ResetModelFailuresInput, SettleReplicaInput, SettleReplicaResult,
+        ShardPlacement, StartShardInput, StopShardInput, WaitShardJoinedInput, WaitShardReadyInput,
+        WaitShardReadyResult,
     )
-    from llmgw.workflows import options
+    from llmgw.workflows import activities, options
     from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
     from llmgw.workflows.ids import RECONCILER_ID, shard_id
 
@@ -85,9 +85,9 @@ async def wake_reconciler(reason: str) -> None:
 async def mark(replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
                reason: str | None = None) -> MarkReplicaResult:
     return await workflow.execute_activity(
-        "mark_replica", MarkReplicaInput(replica_id=replica_id, status=status, endpoint=endpoint, failure=failure,
-                                         reason=reason),
-        result_type=MarkReplicaResult, task_queue=CONTROL_QUEUE, **options.CONTROL,
+        activities.mark_replica,
+        MarkReplicaInput(replica_id=replica_id, status=status, endpoint=endpoint, failure=failure, reason=reason),
+        task_queue=CONTROL_QUEUE, **options.CONTROL,
     )
 
 
@@ -97,12 +97,14 @@ async def settle(replica_id: str, reason: str) -> SettleReplicaResult:
     as two activities, a reconcile pass between them found the replica settled and no backoff yet, and
     started the model again at once."""
     counts = workflow.patched(SETTLE_COUNTS)
-    res: SettleReplicaResult = await workflow.execute_activity(
-        "settle_replica", SettleReplicaInput(replica_id=replica_id, reason=reason[-2000:], count_failure=counts),
-        result_type=SettleReplicaResult, task_queue=CONTROL_QUEUE, **options.CONTROL,
+    res = await workflow.execute_activity(
+        activities.settle_replica,
+        SettleReplicaInput(replica_id=replica_id, reason=reason[-2000:], count_failure=counts),
+        task_queue=CONTROL_QUEUE, **options.CONTROL,
     )
     if not counts and res.applied and res.status == "failed" and res.model:
-        await workflow.execute_activity("record_replica_failure", res.model, task_queue=CONTROL_QUEUE, **options.CONTROL)
+        await workflow.execute_activity(activities.record_replica_failure, RecordReplicaFailureInput(model=res.model),
+                                        task_queue=CONTROL_QUEUE, **options.CONTROL)
     return res
 
 
@@ -113,9 +115,9 @@ async def stop_shards(replica_id: str, shards: list[ShardPlacement], generation:
     async def one(s: ShardPlacement) -> None:
         try:
             await workflow.execute_activity(
-                "stop_shard", StopShardInput(shard_id=shard_id(replica_id, s.rank), replica_id=replica_id,
-                                             generation=generation),
-                result_type=StopShardResult, task_queue=node_queue(s.node_id), **options.STOP,
+                activities.stop_shard, StopShardInput(shard_id=shard_id(replica_id, s.rank), replica_id=replica_id,
+                                                      generation=generation),
+                task_queue=node_queue(s.node_id), **options.STOP,
             )
         except ActivityError as exc:
             workflow.logger.warning("stop of shard %s on %s failed: %s", shard_id(replica_id, s.rank), s.node_id, failure_text(exc))
@@ -136,14 +138,13 @@ async def still_wanted(replica_id: str, before: str, local: bool = False) -> int
     """The replica's fencing generation if it is still `starting`; else raise `NotWanted`. `local`: asked as
     a local activity (one read, on this worker, inside the workflow task: no round trip through the server)."""
     if local:
-        res: CheckReplicaResult = await workflow.execute_local_activity(
-            "check_replica", CheckReplicaInput(replica_id=replica_id), result_type=CheckReplicaResult,
-            **options.CONTROL,
+        res = await workflow.execute_local_activity(
+            activities.check_replica, CheckReplicaInput(replica_id=replica_id), **options.CONTROL,
         )
     else:
         res = await workflow.execute_activity(
-            "check_replica", CheckReplicaInput(replica_id=replica_id), result_type=CheckReplicaResult,
-            task_queue=CONTROL_QUEUE, **options.CONTROL,
+            activities.check_replica, CheckReplicaInput(replica_id=replica_id), task_queue=CONTROL_QUEUE,
+            **options.CONTROL,
         )
     if not res.wanted:
         raise NotWanted(res.status, before)
@@ -171,8 +172,8 @@ class ReplicaStartWorkflow:
     async def _launch(self, inp: ReplicaStartInput, s: ShardPlacement, path: str | None,
                       rdv: Rendezvous | None, generation: int = 0) -> LaunchShardResult:
         return await workflow.execute_activity(
-            "launch_shard", self._launch_input(inp, s, path, rdv, generation),
-            result_type=LaunchShardResult, task_queue=node_queue(s.node_id), **options.LAUNCH,
+            activities.launch_shard, self._launch_input(inp, s, path, rdv, generation),
+            task_queue=node_queue(s.node_id), **options.LAUNCH,
         )
 
     async def _start_in_one_step(self, inp: ReplicaStartInput, s: ShardPlacement) -> bool:
@@ -184,9 +185,9 @@ class ReplicaStartWorkflow:
         self._phase = "fetching weights and launching"
         try:
             await workflow.execute_activity(
-                "start_shard", StartShardInput(launch=self._launch_input(inp, s, None, None, 0),
-                                               source=inp.profile.source),
-                result_type=LaunchShardResult, task_queue=node_queue(s.node_id), **options.START_SHARD,
+                activities.start_shard, StartShardInput(launch=self._launch_input(inp, s, None, None, 0),
+                                                        source=inp.profile.source),
+                task_queue=node_queue(s.node_id), **options.START_SHARD,
             )
         except ActivityError as exc:
             cause = exc.cause
@@ -210,8 +211,8 @@ class ReplicaStartWorkflow:
         self._phase = "fetching weights"
         fetched: list[FetchWeightsResult] = await asyncio.gather(*[
             workflow.execute_activity(
-                "fetch_weights", FetchWeightsInput(replica_id=rid, source=inp.profile.source, generation=gen),
-                result_type=FetchWeightsResult, task_queue=node_queue(s.node_id), **options.FETCH,
+                activities.fetch_weights, FetchWeightsInput(replica_id=rid, source=inp.profile.source, generation=gen),
+                task_queue=node_queue(s.node_id), **options.FETCH,
             )
             for s in inp.shards
         ])
@@ -220,10 +221,10 @@ class ReplicaStartWorkflow:
         if workers:
             self._phase = "opening the rendezvous on rank 0's node"
             rdv = await workflow.execute_activity(
-                "open_rendezvous",
+                activities.open_rendezvous,
                 OpenRendezvousInput(replica_id=rid, engine=inp.profile.engine, world_size=len(inp.shards),
                                     generation=gen),
-                result_type=Rendezvous, task_queue=node_queue(rank0.node_id), **options.NODE_QUICK,
+                task_queue=node_queue(rank0.node_id), **options.NODE_QUICK,
             )
             if fenced:
                 gen = await still_wanted(rid, "launching the workers", quick)
@@ -253,14 +254,16 @@ class ReplicaStartWorkflow:
                 else "waiting for readiness"
             waits = [
                 workflow.execute_activity(
-                    "wait_shard_joined", WaitShardJoinedInput(shard_id=shard_id(rid, s.rank), timeout_s=inp.ready_timeout_s),
-                    result_type=WaitShardJoinedResult, task_queue=node_queue(s.node_id), **options.ready(inp.ready_timeout_s),
+                    activities.wait_shard_joined,
+                    WaitShardJoinedInput(shard_id=shard_id(rid, s.rank), timeout_s=inp.ready_timeout_s),
+                    task_queue=node_queue(s.node_id), **options.ready(inp.ready_timeout_s),
                 )
                 for s in workers
             ]
             ready_task = workflow.execute_activity(
-                "wait_shard_ready", WaitShardReadyInput(shard_id=shard_id(rid, 0), timeout_s=inp.ready_timeout_s),
-                result_type=WaitShardReadyResult, task_queue=node_queue(rank0.node_id), **options.ready(inp.ready_timeout_s),
+                activities.wait_shard_ready,
+                WaitShardReadyInput(shard_id=shard_id(rid, 0), timeout_s=inp.ready_timeout_s),
+                task_queue=node_queue(rank0.node_id), **options.ready(inp.ready_timeout_s),
             )
             results = await asyncio.gather(*waits, ready_task)
             ready: WaitShardReadyResult = results[-1]
@@ -292,7 +295,8 @@ class ReplicaStartWorkflow:
             await stop_shards(rid, inp.shards)
             raise ApplicationError(f"replica {rid} became {res.status} while starting; its shards were stopped",
                                    non_retryable=True)
-        await workflow.execute_activity("reset_model_failures", inp.model, task_queue=CONTROL_QUEUE, **options.CONTROL)
+        await workflow.execute_activity(activities.reset_model_failures, ResetModelFailuresInput(model=inp.model),
+                                        task_queue=CONTROL_QUEUE, **options.CONTROL)
         self._phase = "ready"
         return ReplicaStartResult(replica_id=rid, endpoint=ready.endpoint)
 
@@ -323,9 +327,9 @@ class ReplicaStopWorkflow:
     @workflow.run
     async def run(self, inp: ReplicaStopInput) -> str:
         rid = inp.replica_id
-        info: ReplicaShardsResult = await workflow.execute_activity(
-            "get_replica_shards", ReplicaShardsInput(replica_id=rid), result_type=ReplicaShardsResult,
-            task_queue=CONTROL_QUEUE, **options.CONTROL,
+        info = await workflow.execute_activity(
+            activities.get_replica_shards, ReplicaShardsInput(replica_id=rid), task_queue=CONTROL_QUEUE,
+            **options.CONTROL,
         )
         final = inp.final_status
         failure = (inp.reason or None) if final != "stopped" else None
@@ -341,9 +345,9 @@ class ReplicaStopWorkflow:
         if fences:
             # Marked first, so the start's next check sees it is not wanted; then the start is cancelled and
             # waited for, so nothing launches onto GPUs this stop is about to free.
-            closed: AwaitStartClosedResult = await workflow.execute_activity(
-                "await_start_closed", AwaitStartClosedInput(replica_id=rid, timeout_s=START_CLOSE_WAIT_S),
-                result_type=AwaitStartClosedResult, task_queue=CONTROL_QUEUE, **options.await_close(START_CLOSE_WAIT_S),
+            closed = await workflow.execute_activity(
+                activities.await_start_closed, AwaitStartClosedInput(replica_id=rid, timeout_s=START_CLOSE_WAIT_S),
+                task_queue=CONTROL_QUEUE, **options.await_close(START_CLOSE_WAIT_S),
             )
             if not closed.closed:
                 workflow.logger.warning("start of %s did not close (%s); its launches stay fenced", rid, closed.status)
@@ -357,7 +361,7 @@ class ReplicaStopWorkflow:
     async def _drain(self, rid: str, rank0: ShardPlacement, timeout_s: float) -> None:
         try:
             await workflow.execute_activity(
-                "drain_shard", WaitShardReadyInput(shard_id=shard_id(rid, 0), timeout_s=timeout_s),
+                activities.drain_shard, DrainShardInput(shard_id=shard_id(rid, 0), timeout_s=timeout_s),
                 task_queue=node_queue(rank0.node_id), **options.drain(timeout_s),
             )
         except ActivityError as exc:

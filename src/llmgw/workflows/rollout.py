@@ -19,7 +19,7 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
         ReplicaStopInput, RolloutInput, RolloutResult, RolloutStep, RolloutStepInput,
     )
-    from llmgw.workflows import options
+    from llmgw.workflows import activities, options
     from llmgw.workflows.queues import CONTROL_QUEUE
     from llmgw.workflows.ids import replica_stop_id
     from llmgw.workflows.replica import ReplicaStopWorkflow
@@ -47,9 +47,9 @@ class RolloutWorkflow:
     @workflow.run
     async def run(self, inp: RolloutInput) -> RolloutResult:
         for _ in range(MAX_STEPS):
-            step: RolloutStep = await workflow.execute_activity(
-                "rollout_step", RolloutStepInput(model=inp.model), result_type=RolloutStep,
-                task_queue=CONTROL_QUEUE, **options.CONTROL)
+            step = await workflow.execute_activity(
+                activities.rollout_step, RolloutStepInput(model=inp.model), task_queue=CONTROL_QUEUE,
+                **options.CONTROL)
             self._progress = f"{step.kind}: {step.reason} ({step.outdated} outdated, {step.current_ready} new Ready)"
             if step.kind == "done":
                 return RolloutResult(model=inp.model, retired=self._retired, reason=step.reason)

@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         ShardPlacement, StartShardInput, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
         WaitShardReadyInput, WaitShardReadyResult,
     )
+    from llmgw.schemas.status import ReplicaStatus
     from llmgw.workflows import options
     from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
     from llmgw.workflows.ids import RECONCILER_ID, shard_id
@@ -101,7 +102,7 @@ async def settle(replica_id: str, reason: str) -> SettleReplicaResult:
         "settle_replica", SettleReplicaInput(replica_id=replica_id, reason=reason[-2000:], count_failure=counts),
         result_type=SettleReplicaResult, task_queue=CONTROL_QUEUE, **options.CONTROL,
     )
-    if not counts and res.applied and res.status == "failed" and res.model:
+    if not counts and res.applied and res.status == ReplicaStatus.FAILED and res.model:
         await workflow.execute_activity("record_replica_failure", res.model, task_queue=CONTROL_QUEUE, **options.CONTROL)
     return res
 
@@ -286,7 +287,7 @@ class ReplicaStartWorkflow:
             # do not leave an engine running that nothing routes to. Draining: its node pushed "ready", a
             # stop came and is draining the requests it already serves; that stop stops it afterwards.
             self._phase = f"abandoned ({res.status})"
-            if res.status == "draining" and workflow.patched(DRAIN_OWNS):
+            if res.status == ReplicaStatus.DRAINING and workflow.patched(DRAIN_OWNS):
                 raise ApplicationError(f"replica {rid} became draining while starting; its stop drains and stops it",
                                        non_retryable=True)
             await stop_shards(rid, inp.shards)
@@ -328,11 +329,11 @@ class ReplicaStopWorkflow:
             task_queue=CONTROL_QUEUE, **options.CONTROL,
         )
         final = inp.final_status
-        failure = (inp.reason or None) if final != "stopped" else None
+        failure = (inp.reason or None) if final != ReplicaStatus.STOPPED else None
         fences = workflow.patched(STOP_FENCES_START)
         # A starting replica has nothing in flight to drain; marking it draining would let its start's
         # cleanup record it as failed. It is marked with its final status at once instead.
-        if final == "stopped" and inp.drain_timeout_s > 0 and not (fences and info.status == "starting"):
+        if final == ReplicaStatus.STOPPED and inp.drain_timeout_s > 0 and not (fences and info.status == ReplicaStatus.STARTING):
             res = await mark(rid, "draining")
             rank0 = next((s for s in info.shards if s.rank == 0), None)
             if res.applied and rank0 is not None:

@@ -18,8 +18,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from llmgw.schemas.status import ReplicaStatus
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_HOLDING = tuple(s for s in ReplicaStatus if s in ReplicaStatus.holding())  # llmgw_replicas' statuses, in order
 
 
 class GatewayMetrics:
@@ -253,7 +256,7 @@ class ControlMetrics:
         for g in (self.replicas, self.failed_starts, self.backoff):
             g.clear()
         for name in models:
-            for status in ("starting", "ready", "draining"):
+            for status in _HOLDING:
                 self.replicas.labels(name, status).set(counts.get((name, status), 0))
             st = states.get(name)
             self.failed_starts.labels(name).set(st.failures if st else 0)

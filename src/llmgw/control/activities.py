@@ -25,7 +25,7 @@ from llmgw.db import catalog_repo, fleet_repo, status_repo
 from llmgw.telemetry import ControlMetrics
 from llmgw.placement.plan import backoff_delay, rollout_step
 from llmgw.weights.naming import cache_name_for, parse_source
-from llmgw.schemas.status import wanted_by_start
+from llmgw.schemas.status import ReplicaStatus, wanted_by_start
 from llmgw.schemas.payloads import (
     AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
     MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
@@ -99,11 +99,11 @@ class ControlActivities:
                             polled_at=max(filter(None, (n.polled_at, polled.get(n.id))), default=None),
                             inventory=n.inventory, left_at=n.left_at) for n in nodes],
             replicas=[
-                ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
-                            created_at=r["created_at"], updated_at=r["updated_at"], settled=r["settled_at"] is not None,
-                            profile_hash=r["profile_hash"],
-                            shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"], gpus=list(s["gpus"] or [])) for s in shards])
-                for r, shards in reps
+                ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status,
+                            created_at=r.created_at, updated_at=r.updated_at, settled=r.settled_at is not None,
+                            profile_hash=r.profile_hash,
+                            shards=[ShardPlacement(node_id=s.node_id, rank=s.rank, gpus=s.gpus) for s in r.shards])
+                for r in reps
             ],
             search_attributes=await self.attributes.registered(self.client) if self.attributes else False,
             unreadable_models=sorted(unreadable),
@@ -138,17 +138,17 @@ class ControlActivities:
         times = []
 
         async def body(conn) -> MarkReplicaResult:
-            if inp.status == "ready":
+            if inp.status == ReplicaStatus.READY:
                 t = await fleet_repo.record_ready(conn, inp.replica_id, inp.endpoint)
             else:
                 t = await fleet_repo.transition_replica(conn, inp.replica_id, inp.status, inp.endpoint, inp.failure,
                                                         inp.reason)
-            if t.applied and inp.status == "ready":
+            if t.applied and inp.status == ReplicaStatus.READY:
                 times.append(await status_repo.replica_times(conn, inp.replica_id))
             return MarkReplicaResult(applied=t.applied, status=t.status or "unknown", generation=t.generation)
         result = await once(self.engine, "mark_replica", MarkReplicaResult, body, self.crash, detail=inp.status)
         if times and times[0] is not None:
-            self.metrics.starts.labels(times[0].model, "ready").inc()
+            self.metrics.starts.labels(times[0].model, ReplicaStatus.READY).inc()
             self.metrics.time_to_ready.labels(times[0].model).observe(times[0].time_to_ready_s or 0.0)
         return result
 
@@ -158,15 +158,15 @@ class ControlActivities:
         times = []
 
         async def body(conn) -> SettleReplicaResult:
-            applied, status, model = await fleet_repo.settle_replica(conn, inp.replica_id, inp.reason or None)
-            if applied and status == "failed":
+            s = await fleet_repo.settle_replica(conn, inp.replica_id, inp.reason or None)
+            if s.applied and s.status == ReplicaStatus.FAILED:
                 times.append(await status_repo.replica_times(conn, inp.replica_id))
-                if inp.count_failure and model:
-                    await self._count_failure(conn, model)
-            return SettleReplicaResult(applied=applied, status=status or "unknown", model=model or "")
+                if inp.count_failure and s.model:
+                    await self._count_failure(conn, s.model)
+            return SettleReplicaResult(applied=s.applied, status=s.status or "unknown", model=s.model or "")
         result = await once(self.engine, "settle_replica", SettleReplicaResult, body, self.crash)
         if times and times[0] is not None and times[0].time_to_ready_s is None:  # it never served: a failed start
-            self.metrics.starts.labels(times[0].model, "failed").inc()
+            self.metrics.starts.labels(times[0].model, ReplicaStatus.FAILED).inc()
         return result
 
     @activity.defn(name="record_replica_failure")

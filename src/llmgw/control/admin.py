@@ -3,6 +3,8 @@ nodes, explain, API keys, tenants and usage, reclaim. Used by `llmgw ctl`."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -100,12 +102,12 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
 
     @app.get("/admin/v1/keys", response_model=list[KeyView])
     async def list_keys():
-        return [KeyView(**k) for k in await keys.list()]
+        return [KeyView(**asdict(k)) for k in await keys.list()]
 
     @app.post("/admin/v1/keys", response_model=KeyCreated)
     async def create_key(req: KeyCreateRequest) -> KeyCreated:
         key, row = await keys.create(req.name, req.tenant, req.limits.stored())
-        return KeyCreated(**row, key=key)
+        return KeyCreated(**asdict(row), key=key)
 
     @app.post("/admin/v1/keys/{key_id}", response_model=KeyView)
     async def set_key(key_id: str, req: LimitsChange):
@@ -113,7 +115,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         row = await keys.set_limits(key_id, req.limits)
         if row is None:
             raise APIError(404, f"no API key with id {key_id[:40]!r}", param="id", code="not_found")
-        return KeyView(**row)
+        return KeyView(**asdict(row))
 
     @app.get("/admin/v1/tenants", response_model=list[TenantView])
     async def list_tenants():
@@ -144,7 +146,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         row = await keys.revoke(key_id)
         if row is None:
             raise APIError(404, f"no API key with id {key_id!r}", param="id", code="not_found")
-        return KeyView(**row)
+        return KeyView(**asdict(row))
 
     return AdminGuard(BoundedJSON(app), token, require_token)
 

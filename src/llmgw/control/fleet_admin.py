@@ -41,9 +41,9 @@ class FleetAdmin:
                 "doubted_at": seen.doubted_at}),
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
                             left_at=n.left_at) for n in rows],
-            replicas=[ReplicaSnap(id=r["id"], model=r["model"], profile=r["profile"], status=r["status"],
-                                  shards=[ShardPlacement(node_id=s["node_id"], rank=s["rank"]) for s in shards])
-                      for r, shards in reps])
+            replicas=[ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status,
+                                  shards=[ShardPlacement(node_id=s.node_id, rank=s.rank) for s in r.shards])
+                      for r in reps])
         return rows, fleet_liveness(snap)
 
     async def nodes(self) -> list[NodeView]:

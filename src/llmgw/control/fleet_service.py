@@ -39,15 +39,14 @@ import uuid
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import catalog_repo, fleet_repo
-from llmgw.db.tables import ENDED_STATUSES
 from llmgw.engines.exits import describe_exit
 from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
     RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
 from llmgw.schemas.catalog import Catalog
-from llmgw.schemas.status import wanted_by_start
 from llmgw.schemas.inventory import ShardReport
+from llmgw.schemas.status import ReplicaStatus, ShardStatus, wanted_by_start
 from llmgw.security.node_address import AddressUnknown, NodeAddresses, endpoint_not_own
 from llmgw.temporal import LazyClient
 
@@ -84,15 +83,9 @@ def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
         return "it runs a different profile than the catalog now asks for"
     if profile.nodes > 1 or report.rank != 0:
         return "a shard of a multi-node replica cannot be adopted alone"
-    if report.state != "ready" or not report.endpoint:
+    if report.state != ShardStatus.READY or not report.endpoint:
         return f"it is {report.state}, not serving"
     return None
-
-
-def launched(row) -> bool:
-    """Did the node say it launched this shard (a row from `fleet_repo.shards_on_node`)? Rows start as
-    `starting` with no pid at placement; the node's launch report sets the pid, readiness `ready`."""
-    return row["status"] in ("ready", "draining") or row["pid"] is not None
 
 
 class FleetService:
@@ -140,7 +133,7 @@ class FleetService:
                     log.warning("node %s reports %s; asking it to stop that engine", req.node_id, why)
                     resp.stop.append(sid)
                     continue
-                if row is not None and row.replica_status not in ENDED_STATUSES:
+                if row is not None and not row.replica_status.is_ended:
                     await fleet_repo.update_shard(conn, req.node_id, report)
                     resp.adopted.append(sid)
                     continue
@@ -154,19 +147,19 @@ class FleetService:
                     log.warning("node %s runs shard %s, which cannot be adopted (%s); asking the node to stop it",
                                 req.node_id, sid, why or f"replica id {report.replica_id} is taken")
                 resp.stop.append(sid)
-            for row in await fleet_repo.shards_on_node(conn, req.node_id):
-                if row["id"] in reported and row["id"] not in foreign:
+            for shard in await fleet_repo.shards_on_node(conn, req.node_id):
+                if shard.id in reported and shard.id not in foreign:
                     continue
                 # A starting shard of the same boot may be mid-launch, and one no boot has reported launching
                 # (no pid: fetching its weights, or not begun) is still its start's to launch: the new boot
                 # retries that start at once (node/attempts.py). Any other unreported shard is gone.
-                if row["status"] == "starting" and (prev_boot == req.boot_id or row["pid"] is None):
+                if shard.status == ShardStatus.STARTING and (prev_boot == req.boot_id or shard.pid is None):
                     continue
-                applied, _ = await fleet_repo.mark_replica(
-                    conn, row["replica_id"], "lost",
-                    failure=f"node {req.node_id} registered without shard {row['id']}")
-                if applied:
-                    lost.append(row["replica_id"])
+                t = await fleet_repo.mark_replica(
+                    conn, shard.replica_id, ReplicaStatus.LOST,
+                    failure=f"node {req.node_id} registered without shard {shard.id}")
+                if t.applied:
+                    lost.append(shard.replica_id)
         if lost:
             log.warning("node %s does not run replicas %s any more; marked lost", req.node_id, ", ".join(lost))
         self.temporal.wake_soon(f"node {req.node_id} registered")
@@ -185,19 +178,19 @@ class FleetService:
                 # failed there, and was settled anyway (the GPUs count as free). The node stops it now,
                 # rather than only at its next registration. Only shards not live here are looked up: none,
                 # in a steady fleet.
-                live_ids = {row["id"] for row in live}
-                others = [s.shard_id for s in req.shards if s.state != "failed" and s.shard_id not in live_ids]
+                live_ids = {shard.id for shard in live}
+                others = [s.shard_id for s in req.shards if s.state != ShardStatus.FAILED and s.shard_id not in live_ids]
                 for sid, row in (await fleet_repo.known_shards(conn, others)).items() if others else ():
-                    if row.node_id == req.node_id and row.replica_status in ENDED_STATUSES:
+                    if row.node_id == req.node_id and row.replica_status.is_ended:
                         stop.append(sid)
-                for row in live:
-                    if row["id"] in listed or not launched(row):
+                for shard in live:
+                    if shard.id in listed or not shard.launched:
                         continue
-                    applied, _ = await fleet_repo.mark_replica(
-                        conn, row["replica_id"], "failed",
-                        failure=f"node {req.node_id} no longer runs shard {row['id']} (its heartbeat does not list it)")
-                    if applied:
-                        gone.append(row["replica_id"])
+                    t = await fleet_repo.mark_replica(
+                        conn, shard.replica_id, ReplicaStatus.FAILED,
+                        failure=f"node {req.node_id} no longer runs shard {shard.id} (its heartbeat does not list it)")
+                    if t.applied:
+                        gone.append(shard.replica_id)
         if gone:
             log.warning("node %s no longer runs replicas %s; marked failed", req.node_id, ", ".join(gone))
             self.temporal.wake_soon(f"node {req.node_id} no longer runs {', '.join(gone)}")
@@ -214,10 +207,11 @@ class FleetService:
         async with self.engine.begin() as conn:
             replica_ids = await fleet_repo.leave_node(conn, req.node_id, req.boot_id)
             for replica_id in replica_ids or []:
-                applied, _ = await fleet_repo.mark_replica(
-                    conn, replica_id, "lost", failure=f"node {req.node_id} left: its agent stopped its engines as it exited",
+                t = await fleet_repo.mark_replica(
+                    conn, replica_id, ReplicaStatus.LOST,
+                    failure=f"node {req.node_id} left: its agent stopped its engines as it exited",
                     replaced=False)  # an agent that says it leaves was stopped on purpose: no restart to count
-                if applied:
+                if t.applied:
                     lost.append(replica_id)
         if replica_ids is None:
             return LeaveResponse(known=False)
@@ -263,25 +257,25 @@ class FleetService:
             if row is None:
                 return
             status = await fleet_repo.update_shard(conn, req.node_id, s)
-            if s.state == "ready" and status == "starting":
+            if s.state == ShardStatus.READY and status == ReplicaStatus.STARTING:
                 # Pushed by the node the moment the engine answered: routed now, not after the start
                 # workflow's next step (which then finds it Ready and carries on).
                 await fleet_repo.ready_if_every_shard_is(conn, row.replica_id)
-            elif s.state == "failed" and status is not None and status not in ENDED_STATUSES:
+            elif s.state == ShardStatus.FAILED and status is not None and not status.is_ended:
                 # First line: the cause, decoded; then the engine's own last words (what `ctl replicas` shows).
                 why = f"shard {s.shard_id} on {req.node_id} {s.exit_reason or describe_exit(s.exit_code)}"
                 if s.output_tail and s.output_tail.strip():
                     why += "\nlast output:\n" + s.output_tail.strip()[-1500:]
-                applied, _ = await fleet_repo.mark_replica(conn, row.replica_id, "failed", failure=why)
-                if applied:
+                if (await fleet_repo.mark_replica(conn, row.replica_id, ReplicaStatus.FAILED, failure=why)).applied:
                     failed_replica = row.replica_id
-            elif s.state == "stopped" and status is not None and status not in ENDED_STATUSES:
-                applied, _ = await fleet_repo.mark_replica(
-                    conn, row.replica_id, "lost", failure=f"node {req.node_id} stopped shard {s.shard_id} on its own "
-                    "(its agent stopped its engines as it exited)")
-                if applied:
+            elif s.state == ShardStatus.STOPPED and status is not None and not status.is_ended:
+                t = await fleet_repo.mark_replica(
+                    conn, row.replica_id, ReplicaStatus.LOST, failure=f"node {req.node_id} stopped shard {s.shard_id} "
+                    "on its own (its agent stopped its engines as it exited)")
+                if t.applied:
                     failed_replica = row.replica_id
         if failed_replica:
             log.warning("replica %s ended: shard %s %s", failed_replica, s.shard_id,
-                        "stopped by its node" if s.state == "stopped" else s.exit_reason or describe_exit(s.exit_code))
-            self.temporal.wake_soon(f"replica {failed_replica} {'lost' if s.state == 'stopped' else 'failed'}")
+                        "stopped by its node" if s.state == ShardStatus.STOPPED else s.exit_reason or describe_exit(s.exit_code))
+            ended = ReplicaStatus.LOST if s.state == ShardStatus.STOPPED else ReplicaStatus.FAILED
+            self.temporal.wake_soon(f"replica {failed_replica} {ended}")

@@ -19,7 +19,8 @@ class ApiKeyService:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
-    async def create(self, name: str, tenant: str | None = None, limits: dict | None = None) -> tuple[str, dict]:
+    async def create(self, name: str, tenant: str | None = None, limits: dict | None = None
+                     ) -> tuple[str, keys_repo.KeyRow]:
         """Returns (the key, its row). The key is not stored anywhere and cannot be shown again. `tenant`
         must exist (400 `tenant_not_found` naming the field otherwise); `limits` are the key's own."""
         key = new_key()
@@ -31,20 +32,20 @@ class ApiKeyService:
                                              hash_key(key), tenant, limits or {})
         return key, row
 
-    async def list(self) -> list[dict]:
+    async def list(self) -> list[keys_repo.KeyRow]:
         async with self.engine.connect() as conn:
             return await keys_repo.list_keys(conn)
 
-    async def revoke(self, key_id: str) -> dict | None:
+    async def revoke(self, key_id: str) -> keys_repo.KeyRow | None:
         """Revoke by id; None when there is no such key."""
         async with self.engine.begin() as conn:
             return await keys_repo.revoke_key(conn, key_id)
 
-    async def set_limits(self, key_id: str, change: Limits) -> dict | None:
+    async def set_limits(self, key_id: str, change: Limits) -> keys_repo.KeyRow | None:
         """Change a key's own limits (the fields `change` was given); None when there is no such key."""
         async with self.engine.begin() as conn:
             row = await keys_repo.get_key(conn, key_id)
             if row is None:
                 return None
-            limits = Limits.model_validate(row["limits"] or {}).updated(change)
+            limits = Limits.model_validate(row.limits or {}).updated(change)
             return await keys_repo.set_limits(conn, key_id, limits.stored())

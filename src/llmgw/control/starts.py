@@ -21,6 +21,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import ReplicaStartInput, ShardPlacement, Snapshot
+from llmgw.schemas.status import ReplicaStatus
 from llmgw.workflows import attributes
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.workflows.ids import replica_start_id
@@ -63,7 +64,7 @@ class StrandedStarts:
 
     async def repair(self, snapshot: Snapshot, just_placed: set[str], ready_timeout_s: float) -> list[str]:
         """Start the start workflow of every placement in `snapshot` left without one; returns their ids."""
-        starting = {r.id: r for r in snapshot.replicas if r.status == "starting"}
+        starting = {r.id: r for r in snapshot.replicas if r.status == ReplicaStatus.STARTING}
         self.seen &= set(starting)
         profiles = {(m.name, p.name): p for m in snapshot.models for p in m.profiles}
         repaired: list[str] = []

@@ -20,6 +20,7 @@ from llmgw.http.errors import APIError
 from llmgw.placement.model_status import ModelCondition, ModelFacts, ModelStatus, failure_cause, model_condition
 from llmgw.schemas.api import LogsView, ModelView, ReplicaView, RetryResult, ShardView
 from llmgw.schemas.payloads import ReadShardLogInput, ReadShardLogResult, ShardLogInput
+from llmgw.schemas.status import ReplicaStatus
 from llmgw.security.logtext import printable
 from llmgw.spelling import did_you_mean
 from llmgw.temporal import LazyClient
@@ -104,27 +105,28 @@ class StatusService:
                            and (model is None or name == model)]
                 if failing:
                     rows += await fleet_repo.list_replicas(conn, ids=failing)
-                    rows.sort(key=lambda r: r["created_at"], reverse=True)
+                    rows.sort(key=lambda r: r.created_at, reverse=True)
         links = await self._links_by_attribute()
         latest = {name: f.last_failed_replica for name, f in facts.items()}
-        return [self.view(r, conds.get(r["model"]), links, latest.get(r["model"])) for r in rows]
+        return [self.view(r, conds.get(r.model), links, latest.get(r.model)) for r in rows]
 
-    def view(self, r, cond: ModelCondition | None = None, links_by_attribute: bool = False,
+    def view(self, r: fleet_repo.ReplicaRow, cond: ModelCondition | None = None, links_by_attribute: bool = False,
              latest_failed: str | None = None) -> ReplicaView:
         """One replica's row. Only its model's latest failed replica carries the model's restarts and the
         time to its next start: an older failed one has been retried already."""
-        shards = [ShardView(**{k: s.get(k) for k in ShardView.model_fields if k in s}) for s in r.get("shards", [])]
-        cause = failure_cause(r["failure"], [(s.rank, s.node_id, s.exit_reason or "") for s in shards]) \
-            if r["status"] in ("failed", "lost") else None
-        failing = (cond is not None and cond.status == ModelStatus.FAILING and r["status"] == "failed"
-                   and r["id"] == latest_failed)
+        shards = [ShardView(node_id=s.node_id, rank=s.rank, gpus=s.gpus, status=s.status, progress=s.progress,
+                            exit_code=s.exit_code, exit_reason=s.exit_reason) for s in r.shards]
+        cause = failure_cause(r.failure, [(s.rank, s.node_id, s.exit_reason or "") for s in shards]) \
+            if r.status in (ReplicaStatus.FAILED, ReplicaStatus.LOST) else None
+        failing = (cond is not None and cond.status == ModelStatus.FAILING and r.status == ReplicaStatus.FAILED
+                   and r.id == latest_failed)
         return ReplicaView(
-            id=r["id"], model=r["model"], profile=r["profile"], status=r["status"], node_id=r["node_id"],
-            endpoint=r["endpoint"], created_at=r["created_at"], ready_at=r["ready_at"], failure=r["failure"],
-            shards=shards, reason=r.get("reason"), ended_reason=r.get("ended_reason"), cause=cause,
+            id=r.id, model=r.model, profile=r.profile, status=r.status, node_id=r.node_id,
+            endpoint=r.endpoint, created_at=r.created_at, ready_at=r.ready_at, failure=r.failure,
+            shards=shards, reason=r.reason, ended_reason=r.ended_reason, cause=cause,
             restarts=cond.restarts if failing and cond else 0, retry_in_s=cond.retry_in_s if failing and cond else None,
             on_request=bool(failing and cond and cond.on_request),
-            temporal_url=self.temporal_link(r["id"], links_by_attribute), profile_hash=r.get("profile_hash"))
+            temporal_url=self.temporal_link(r.id, links_by_attribute), profile_hash=r.profile_hash)
 
     def temporal_link(self, replica_id: str, by_attribute: bool) -> str | None:
         """The Temporal UI listing this replica's workflows (start and stop)."""
@@ -167,17 +169,16 @@ class StatusService:
             shard = await fleet_repo.shard_row(conn, replica_id, rank)
             [rep] = await fleet_repo.list_replicas(conn, ids=[replica_id])
         if shard is None:
-            ranks = ", ".join(str(s["rank"]) for s in rep["shards"]) or "none"
+            ranks = ", ".join(str(s.rank) for s in rep.shards) or "none"
             raise not_found(f"replica {replica_id[:8]} has no shard of rank {rank} (ranks: {ranks})", "rank")
-        view = LogsView(replica_id=replica_id, model=rep["model"], rank=rank, node_id=shard["node_id"],
-                        shard_id=shard["id"])
+        view = LogsView(replica_id=replica_id, model=rep.model, rank=rank, node_id=shard.node_id, shard_id=shard.id)
         try:
-            got = await self._read_on_node(view, rep["model"], offset, limit)
+            got = await self._read_on_node(view, rep.model, offset, limit)
         except _NodeSilent as exc:
-            stored = shard["output_tail"] or _tail_of(rep["failure"])
+            stored = shard.output_tail or _tail_of(rep.failure)
             return view.model_copy(update=dict(
                 from_node=False, data=stored if offset < 0 else "", found=bool(stored), offset=max(offset, 0),
-                note=f"node {shard['node_id']} did not answer ({exc}); " +
+                note=f"node {shard.node_id} did not answer ({exc}); " +
                      ("this is the output it last reported" if stored else "no output was reported")))
         return view.model_copy(update=dict(data=got.data, offset=got.offset, size=got.size, found=got.found,
                                            running=got.running))

@@ -109,12 +109,12 @@ class TenantService:
                 raise APIError(404, f"no tenant named {name!r}{did_you_mean(name, known)}; `llmgw ctl tenants list` "
                                "shows them", param="name", code="not_found")
         if active and not revoke_keys:
-            shown = ", ".join(f"{k['id']} ({k['name']})" if k["name"] else k["id"] for k in active[:10])
+            shown = ", ".join(f"{k.id} ({k.name})" if k.name else k.id for k in active[:10])
             more = f" and {len(active) - 10} more" if len(active) > 10 else ""
             raise APIError(409, f"tenant {name!r} has {len(active)} active key(s): {shown}{more}; revoke them "
                            f"(`llmgw ctl keys revoke ID`), or `llmgw ctl tenants delete {name} --revoke-keys` revokes "
                            "them with it", param="name", code="tenant_has_keys")
-        return TenantDeleted(name=name, revoked=[k["id"] for k in active])
+        return TenantDeleted(name=name, revoked=[k.id for k in active])
 
     async def usage(self, tenant: str | None, since: str, by: str) -> UsageReport:
         """Use over the last `since` (`7d`), per tenant and per `by` (tenant, model, key, day)."""
@@ -127,18 +127,18 @@ class TenantService:
             now = await usage_repo.db_now(conn)
             rows = await usage_repo.report(conn, now - seconds, by,
                                            None if tenant is None else "" if tenant == NO_TENANT else tenant)
-            names = {k["id"]: k["name"] for k in await keys_repo.list_keys(conn)} if by == "key" else {}
+            names = {k.id: k.name for k in await keys_repo.list_keys(conn)} if by == "key" else {}
             if not rows and tenant not in (None, NO_TENANT) and await tenants_repo.get_tenant(conn, tenant) is None:
                 known = [r.name for r in await tenants_repo.list_tenants(conn)]
                 raise APIError(404, f"no tenant named {tenant!r}{did_you_mean(tenant, known)}; `llmgw ctl tenants "
                                "list` shows them", param="tenant", code="not_found")
         out = []
         for r in rows:
-            g = r["group"]
+            g = r.group
             out.append(UsageRow(
-                tenant=r["tenant"] or NO_TENANT, model=g if by == "model" else None, key_id=g if by == "key" else None,
+                tenant=r.tenant or NO_TENANT, model=g if by == "model" else None, key_id=g if by == "key" else None,
                 key_name=names.get(g) if by == "key" else None, day=g if by == "day" else None,
-                requests=r["requests"], prompt_tokens=r["prompt_tokens"], completion_tokens=r["completion_tokens"],
-                total_tokens=r["prompt_tokens"] + r["completion_tokens"], last_at=r["last_at"]))
+                requests=r.requests, prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
+                total_tokens=r.prompt_tokens + r.completion_tokens, last_at=r.last_at))
         return UsageReport(since=datetime.fromtimestamp(now - seconds, timezone.utc),
                            until=datetime.fromtimestamp(now, timezone.utc), by=by, tenant=tenant, rows=out)

@@ -12,8 +12,7 @@ from rich.text import Text
 
 from llmgw.ctl.client import Admin, confirm, fail, seg
 from llmgw.ctl.output import Output, age, console, dump, interval_option, output_option, seconds, show, table, watch_option
-
-ENDED = ("stopped", "failed", "lost")
+from llmgw.schemas.status import ReplicaStatus
 
 
 def register(app: typer.Typer) -> None:
@@ -92,12 +91,12 @@ def progress_line(p: dict) -> str:
 
 
 def _replica_message(r: dict) -> str:
-    if r["status"] == "failed":
+    if r["status"] == ReplicaStatus.FAILED:
         msg = r.get("cause") or "failed"
         if r.get("retry_in_s") is not None:
             msg += f"; {next_start(r)}"
         return msg
-    if r["status"] in ENDED:
+    if r["status"] in ReplicaStatus.ended():
         why = r.get("cause") or r.get("ended_reason") or r.get("failure") or ""
         return why.splitlines()[0][:300] if why else ""
     lines = [f"{s['node_id']}: {progress_line(s['progress'])}" for s in r.get("shards", []) if s.get("progress")]
@@ -209,7 +208,7 @@ def nodes_remove(
     plan = admin.post(f"/admin/v1/nodes/{seg(node_id)}/remove", {"force": force, "dry_run": True})
     typer.echo(f"  {plan['node_id']}  {plan['status']}")
     for r in plan["live_replicas"]:
-        if r["status"] in ENDED:  # ended, but a shard of it may still run there: not settled yet
+        if r["status"] in ReplicaStatus.ended():  # ended, but a shard of it may still run there: not settled yet
             typer.echo(f"    replica {r['id'][:8]} of {r['model']} ({r['status']}; not every shard of it is known "
                        "to have stopped yet)")
         else:
@@ -257,7 +256,7 @@ def explain(model: str = typer.Argument(..., metavar="MODEL", help="A model or a
         typer.echo(f"  {r['id'][:8]} {r['status']:9s} {_shards(r)}")
         for i, line in enumerate((r.get("reason") or "").splitlines()):
             typer.echo(f"      placed: {line}" if i == 0 else f"      {line}")
-        if r["status"] in ENDED and (r.get("cause") or r.get("ended_reason") or r.get("failure")):
+        if r["status"] in ReplicaStatus.ended() and (r.get("cause") or r.get("ended_reason") or r.get("failure")):
             typer.echo(f"      ended: {(r.get('cause') or r.get('ended_reason') or r.get('failure')).splitlines()[0][:300]}")
 
 

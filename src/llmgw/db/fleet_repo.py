@@ -17,22 +17,17 @@ from sqlalchemy import DateTime, String, and_, case, column, delete, func, selec
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from llmgw.db.tables import ENDED_STATUSES, model_state, nodes, observers, replicas, shards
+from llmgw.db.tables import model_state, nodes, observers, replicas, shards
 from llmgw.schemas import problems_line
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.payloads import ShardPlacement
+from llmgw.schemas.status import ReplicaStatus, ShardStatus
 from llmgw.workflows.ids import shard_id
 
 log = logging.getLogger(__name__)
 
-# Allowed transitions: target status -> statuses it may come from.
-_TRANSITIONS: dict[str, tuple[str, ...]] = {
-    "ready": ("starting",),
-    "draining": ("starting", "ready"),
-    "stopped": ("starting", "ready", "draining"),
-    "failed": ("starting", "ready", "draining"),
-    "lost": ("starting", "ready", "draining"),
-}
+# The ended statuses as SQL IN / NOT IN lists take them, in the enum's order.
+_ENDED = tuple(s for s in ReplicaStatus if s.is_ended)
 
 
 # ---- nodes --------------------------------------------------------------------------------------
@@ -59,7 +54,7 @@ async def leave_node(conn: AsyncConnection, node_id: str, boot_id: str) -> list[
                              .values(left_at=func.now()).returning(nodes.c.id))
     if res.first() is None:
         return None
-    return sorted({row["replica_id"] for row in await shards_on_node(conn, node_id)})
+    return sorted({row.replica_id for row in await shards_on_node(conn, node_id)})
 
 
 async def heartbeat(conn: AsyncConnection, node_id: str, boot_id: str, inventory: Inventory | None = None) -> bool:
@@ -158,7 +153,7 @@ def _observer_seen(observer_id: str):
 
 def _recent_lost(window_s: float):
     return select(func.count()).select_from(replicas).where(and_(
-        replicas.c.status == "lost", replicas.c.ended_at >= func.now() - timedelta(seconds=window_s))).scalar_subquery()
+        replicas.c.status == ReplicaStatus.LOST, replicas.c.ended_at >= func.now() - timedelta(seconds=window_s))).scalar_subquery()
 
 
 async def observer_since(conn: AsyncConnection, fresh_s: float, kind: str = NODE_API) -> datetime | None:
@@ -194,7 +189,7 @@ async def create_replica(
 ) -> bool:
     """Insert a replica in `starting` with one shard row per placement. Idempotent on `replica_id`."""
     res = await conn.execute(
-        insert(replicas).values(id=replica_id, model=model, profile=profile, status="starting", reason=reason)
+        insert(replicas).values(id=replica_id, model=model, profile=profile, status=ReplicaStatus.STARTING, reason=reason)
         .on_conflict_do_nothing().returning(replicas.c.id)
     )
     if res.first() is None:
@@ -202,7 +197,7 @@ async def create_replica(
     for p in placement:
         await conn.execute(insert(shards).values(
             id=shard_id(replica_id, p.rank), replica_id=replica_id, rank=p.rank, node_id=p.node_id,
-            gpus=p.gpus, status="starting",
+            gpus=p.gpus, status=ShardStatus.STARTING,
         ).on_conflict_do_nothing())
     return True
 
@@ -212,7 +207,7 @@ async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport
     its engine key. Returns False, recording nothing, when the replica id is taken: a node may not add a
     shard to a replica it was not given."""
     res = await conn.execute(insert(replicas).values(
-        id=report.replica_id, model=report.model, profile=report.profile, status="ready", endpoint=report.endpoint,
+        id=report.replica_id, model=report.model, profile=report.profile, status=ReplicaStatus.READY, endpoint=report.endpoint,
         reason=f"adopted from node {node_id}", ready_at=func.now(), profile_hash=report.profile_hash,
     ).on_conflict_do_nothing().returning(replicas.c.id))
     if res.first() is None:
@@ -226,54 +221,46 @@ async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport
 
 @dataclass
 class Transition:
-    """The outcome of asking a replica to change status: whether this call changed it, the status after,
-    and the fencing generation after (0 when the replica does not exist)."""
+    """The outcome of asking a replica to change status: whether this call changed it, the status after
+    (None when the replica does not exist), and the fencing generation after (0 when it does not exist)."""
 
     applied: bool
-    status: str | None
+    status: ReplicaStatus | None
     generation: int = 0
 
 
-# Steps towards stopping: each bumps the fencing generation, so a launch read before it is refused.
-_FENCING = ("draining", *ENDED_STATUSES)
-
-
-async def mark_replica(
-    conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
-    reason: str | None = None, replaced: bool = True,
-) -> tuple[bool, str | None]:
-    """Move a replica to `status` if the transition is allowed. Returns (applied, status after)."""
-    t = await transition_replica(conn, replica_id, status, endpoint, failure, reason, replaced)
-    return t.applied, t.status
-
-
 async def transition_replica(
-    conn: AsyncConnection, replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
-    reason: str | None = None, replaced: bool = True,
+    conn: AsyncConnection, replica_id: str, status: ReplicaStatus | str, endpoint: str | None = None,
+    failure: str | None = None, reason: str | None = None, replaced: bool = True,
 ) -> Transition:
-    """Move a replica to `status` if the transition is allowed (`_TRANSITIONS`).
+    """Move a replica to `status` if the transition is allowed (`ReplicaStatus.sources`); ValueError for
+    a status no replica moves to (`starting`, or not a replica status).
 
     A replica that ends failed or lost counts in its model's `replaced` (`ctl models` RESTARTS), unless
     `replaced` is False: lost because its node's agent left on purpose and stopped its engines (an
     operator stopping `llmgw dev` or a node), which is no failure of the engine.
 
     `reason` is kept as `ended_reason` when `status` ends the replica (why it stopped). A step towards
-    stopping (draining, stopped, failed, lost) bumps the fencing generation."""
-    allowed = _TRANSITIONS.get(status)
-    if allowed is None:
-        raise ValueError(f"unknown replica status {status!r}")
-    values: dict = {"status": status, "updated_at": func.now()}
+    stopping (draining, stopped, failed, lost: `ReplicaStatus.fencing`) bumps the fencing generation."""
+    try:
+        target = ReplicaStatus(status)
+    except ValueError:
+        raise ValueError(f"unknown replica status {status!r}") from None
+    allowed = target.sources()
+    if not allowed:
+        raise ValueError(f"unknown replica status {status!r}")  # nothing moves to `starting`: it is created so
+    values: dict = {"status": target, "updated_at": func.now()}
     if endpoint is not None:
         values["endpoint"] = endpoint
     if failure is not None:
         values["failure"] = failure
-    if status == "ready":
+    if target is ReplicaStatus.READY:
         values["ready_at"] = func.now()
-    if status in ENDED_STATUSES:
+    if target.is_ended:
         values["ended_at"] = func.now()
         if reason or failure:
             values["ended_reason"] = (reason or failure or "")[:2000]
-    if status in _FENCING:
+    if target in ReplicaStatus.fencing():
         values["generation"] = replicas.c.generation + 1
     res = await conn.execute(
         update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(allowed))).values(**values)
@@ -281,16 +268,20 @@ async def transition_replica(
     )
     row = res.first()
     if row is not None:
-        if status in ENDED_STATUSES:
-            await conn.execute(update(shards).where(and_(shards.c.replica_id == replica_id, shards.c.status.not_in(ENDED_STATUSES)))
-                               .values(status="stopped" if status == "stopped" else status, updated_at=func.now()))
-        if status in ("failed", "lost") and replaced:  # counted with the transition: a retry is not applied again
+        if target.is_ended:  # its shards end with it, with the same status (a replica's lost is its shards' lost)
+            await conn.execute(update(shards).where(and_(shards.c.replica_id == replica_id, shards.c.status.not_in(_ENDED)))
+                               .values(status=ShardStatus(target), updated_at=func.now()))
+        if target in (ReplicaStatus.FAILED, ReplicaStatus.LOST) and replaced:  # counted with the transition: a retry is not applied again
             stmt = insert(model_state).values(name=row.model, replaced=1)
             await conn.execute(stmt.on_conflict_do_update(index_elements=[model_state.c.name],
                                                           set_={"replaced": model_state.c.replaced + 1}))
-        return Transition(True, row.status, row.generation)
+        return Transition(True, ReplicaStatus(row.status), row.generation)
     cur = (await conn.execute(select(replicas.c.status, replicas.c.generation).where(replicas.c.id == replica_id))).first()
-    return Transition(False, cur.status if cur else None, cur.generation if cur else 0)
+    return Transition(False, ReplicaStatus(cur.status) if cur else None, cur.generation if cur else 0)
+
+
+# The name the node-report paths (control/fleet_service.py) use: the same function.
+mark_replica = transition_replica
 
 
 async def record_ready(conn: AsyncConnection, replica_id: str, endpoint: str | None) -> Transition:
@@ -299,8 +290,8 @@ async def record_ready(conn: AsyncConnection, replica_id: str, endpoint: str | N
     it is routed at once), and its start workflow after its waits on the node succeeded (`mark_replica`,
     which carries on when the push was lost). Whichever comes second finds it Ready and is told so as if
     it had applied it: both mean the same start."""
-    t = await transition_replica(conn, replica_id, "ready", endpoint=endpoint)
-    if not t.applied and t.status == "ready":
+    t = await transition_replica(conn, replica_id, ReplicaStatus.READY, endpoint=endpoint)
+    if not t.applied and t.status is ReplicaStatus.READY:
         return Transition(True, t.status, t.generation)
     return t
 
@@ -311,33 +302,43 @@ async def ready_if_every_shard_is(conn: AsyncConnection, replica_id: str) -> boo
     rows = (await conn.execute(select(shards.c.rank, shards.c.status, shards.c.endpoint)
                                .where(shards.c.replica_id == replica_id))).all()
     rank0 = next((r for r in rows if r.rank == 0), None)
-    if rank0 is None or not rank0.endpoint or any(r.status != "ready" for r in rows):
+    if rank0 is None or not rank0.endpoint or any(r.status != ShardStatus.READY for r in rows):
         return False
     return (await record_ready(conn, replica_id, rank0.endpoint)).applied
 
 
-async def replica_state(conn: AsyncConnection, replica_id: str) -> tuple[str | None, int]:
+async def replica_state(conn: AsyncConnection, replica_id: str) -> tuple[ReplicaStatus | None, int]:
     """(status, fencing generation) of a replica; (None, 0) when there is no such replica."""
     cur = (await conn.execute(select(replicas.c.status, replicas.c.generation).where(replicas.c.id == replica_id))).first()
-    return (cur.status, cur.generation) if cur else (None, 0)
+    return (ReplicaStatus(cur.status), cur.generation) if cur else (None, 0)
 
 
-async def settle_replica(conn: AsyncConnection, replica_id: str, reason: str | None = None) -> tuple[bool, str | None, str | None]:
-    """Record that every shard of an ended replica was asked to stop. Returns (applied, status, model);
-    applied is False when it was settled already or has not ended, so exactly one caller counts it."""
+@dataclass
+class Settled:
+    """The outcome of `settle_replica`: whether this call settled it (False when it was settled already or
+    has not ended, so exactly one caller counts it), and the replica's status and model (None: no such
+    replica)."""
+
+    applied: bool
+    status: ReplicaStatus | None
+    model: str | None
+
+
+async def settle_replica(conn: AsyncConnection, replica_id: str, reason: str | None = None) -> Settled:
+    """Record that every shard of an ended replica was asked to stop (`Settled`)."""
     values: dict = {"settled_at": func.now()}
     if reason:
         values["ended_reason"] = func.coalesce(replicas.c.ended_reason, reason[:2000])
     res = await conn.execute(
-        update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(ENDED_STATUSES),
+        update(replicas).where(and_(replicas.c.id == replica_id, replicas.c.status.in_(_ENDED),
                                     replicas.c.settled_at.is_(None)))
         .values(**values).returning(replicas.c.status, replicas.c.model)
     )
     row = res.first()
     if row is not None:
-        return True, row.status, row.model
+        return Settled(True, ReplicaStatus(row.status), row.model)
     cur = (await conn.execute(select(replicas.c.status, replicas.c.model).where(replicas.c.id == replica_id))).first()
-    return False, cur.status if cur else None, cur.model if cur else None
+    return Settled(False, ReplicaStatus(cur.status) if cur else None, cur.model if cur else None)
 
 
 async def replica_shards(conn: AsyncConnection, replica_id: str) -> list[ShardPlacement]:
@@ -345,28 +346,78 @@ async def replica_shards(conn: AsyncConnection, replica_id: str) -> list[ShardPl
     return [ShardPlacement(node_id=r.node_id, rank=r.rank, gpus=list(r.gpus or [])) for r in rows]
 
 
+@dataclass
+class ShardRow:
+    """A shard as stored: where it runs, its status as its node last reported it, a download in progress
+    (`progress`: `DownloadProgress` as JSON), how its engine exited and the output it last reported. Never
+    its engine key."""
+
+    id: str
+    replica_id: str
+    node_id: str
+    rank: int
+    gpus: list[int]
+    status: ShardStatus
+    pid: int | None = None
+    progress: dict | None = None
+    exit_code: int | None = None
+    exit_reason: str | None = None
+    output_tail: str | None = None
+
+
+def _shard(r) -> ShardRow:
+    return ShardRow(r.id, r.replica_id, r.node_id, r.rank, list(r.gpus or []), ShardStatus(r.status), r.pid, r.progress,
+                    r.exit_code, r.exit_reason, r.output_tail)
+
+
+@dataclass
+class ReplicaRow:
+    """A replica as stored, with its shards by rank. `node_id` is rank 0's node (`list_replicas` only)."""
+
+    id: str
+    model: str
+    profile: str
+    status: ReplicaStatus
+    endpoint: str | None
+    failure: str | None
+    reason: str | None
+    created_at: datetime
+    updated_at: datetime
+    ready_at: datetime | None
+    ended_at: datetime | None
+    settled_at: datetime | None
+    ended_reason: str | None
+    generation: int
+    profile_hash: str | None
+    shards: list[ShardRow]
+    node_id: str | None = None
+
+
+async def _with_shards(conn: AsyncConnection, rows) -> list[ReplicaRow]:
+    """`ReplicaRow`s of replica rows (with `node_id` when selected), each with its shards, in one more query."""
+    ids = [r.id for r in rows]
+    by_rep: dict[str, list[ShardRow]] = {}
+    if ids:
+        for sr in (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).all():
+            by_rep.setdefault(sr.replica_id, []).append(_shard(sr))
+    return [ReplicaRow(r.id, r.model, r.profile, ReplicaStatus(r.status), r.endpoint, r.failure, r.reason, r.created_at,
+                       r.updated_at, r.ready_at, r.ended_at, r.settled_at, r.ended_reason, r.generation, r.profile_hash,
+                       by_rep.get(r.id, []), getattr(r, "node_id", None))
+            for r in rows]
+
+
 async def list_replicas(conn: AsyncConnection, include_ended: bool = False, limit: int = 200, model: str | None = None,
-                        ids: list[str] | None = None):
-    """Replica rows, newest first, each with its rank-0 `node_id` and `shards` (node, rank, gpus, status,
-    exit). `ids`: only these (ended or not)."""
+                        ids: list[str] | None = None) -> list[ReplicaRow]:
+    """Replicas, newest first, each with its rank-0 `node_id` and `shards`. `ids`: only these (ended or not)."""
     q = select(replicas, shards.c.node_id).join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0), isouter=True)
     if ids is not None:
         q = q.where(replicas.c.id.in_(ids))
     elif not include_ended:
-        q = q.where(replicas.c.status.not_in(ENDED_STATUSES))
+        q = q.where(replicas.c.status.not_in(_ENDED))
     if model is not None:
         q = q.where(replicas.c.model == model)
     q = q.order_by(replicas.c.created_at.desc()).limit(limit)
-    rows = (await conn.execute(q)).mappings().all()
-    ids = [r["id"] for r in rows]
-    by_rep: dict[str, list[dict]] = {}
-    if ids:
-        srows = (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).mappings().all()
-        for sr in srows:
-            by_rep.setdefault(sr["replica_id"], []).append(
-                {"node_id": sr["node_id"], "rank": sr["rank"], "gpus": list(sr["gpus"] or []), "status": sr["status"],
-                 "progress": sr["progress"], "exit_code": sr["exit_code"], "exit_reason": sr["exit_reason"]})
-    return [{**r, "shards": by_rep.get(r["id"], [])} for r in rows]
+    return await _with_shards(conn, (await conn.execute(q)).all())
 
 
 async def set_progress(conn: AsyncConnection, node_id: str, downloads: list[DownloadProgress]) -> None:
@@ -379,33 +430,24 @@ async def set_progress(conn: AsyncConnection, node_id: str, downloads: list[Down
     await conn.execute(clear.values(progress=None))
     for d in downloads:
         await conn.execute(update(shards).where(and_(
-            shards.c.node_id == node_id, shards.c.replica_id == d.replica_id, shards.c.status == "starting"))
+            shards.c.node_id == node_id, shards.c.replica_id == d.replica_id, shards.c.status == ShardStatus.STARTING))
             .values(progress=d.model_dump(mode="json")))
 
 
-async def active_replicas_with_shards(conn: AsyncConnection):
-    """(replica row, [shard rows]) for every replica that is not ended, and every ended one not yet settled."""
+async def active_replicas_with_shards(conn: AsyncConnection) -> list[ReplicaRow]:
+    """Every replica that is not ended, and every ended one not yet settled, each with its shards."""
     reps = (await conn.execute(select(replicas).where(
-        (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))).mappings().all()
-    ids = [r["id"] for r in reps]
-    shard_rows = (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).mappings().all() if ids else []
-    by_rep: dict[str, list] = {}
-    for s in shard_rows:
-        by_rep.setdefault(s["replica_id"], []).append(s)
-    return [(r, by_rep.get(r["id"], [])) for r in reps]
+        (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))))).all()
+    return await _with_shards(conn, reps)
 
 
-# Where a shard's status may go from a report: forward only; once ended, ended (the first end is the cause).
-SHARD_ORDER = {"starting": 0, "ready": 1, "draining": 2, "stopped": 3, "failed": 3, "lost": 3}
-
-
-async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> str | None:
+async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> ReplicaStatus | None:
     """Apply a node's report about one of its shards (the caller has checked it is placed on `node_id`).
-    Returns the replica's status (None if unknown). A shard's status only moves forward (`SHARD_ORDER`): a
-    late retry of an earlier report (`starting` after `ready`, `ready` after `stopped`) keeps the row where
+    Returns the replica's status (None if unknown). A shard's status only moves forward (`ShardStatus.step`):
+    a late retry of an earlier report (`starting` after `ready`, `ready` after `stopped`) keeps the row where
     it is; its other facts (pid, exit code, output) are still kept."""
-    step = SHARD_ORDER.get(report.state, 0)
-    current = case(*((shards.c.status == s, n) for s, n in SHARD_ORDER.items()), else_=0)
+    step = ShardStatus(report.state).step
+    current = case(*((shards.c.status == s, s.step) for s in ShardStatus), else_=0)
     values: dict = {"status": case((current < step, report.state), else_=shards.c.status),
                     "updated_at": func.now(), "progress": None}  # a transition ends a download
     for field in ("pid", "endpoint", "exit_code", "output_tail", "api_key", "exit_reason"):
@@ -426,15 +468,34 @@ async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport)
             replicas.c.id == row.replica_id, replicas.c.profile_hash.is_distinct_from(report.profile_hash)))
             .values(profile_hash=report.profile_hash))
     rep = (await conn.execute(select(replicas.c.status).where(replicas.c.id == row.replica_id))).first()
-    return rep.status if rep else None
+    return ReplicaStatus(rep.status) if rep else None
 
 
-async def shards_on_node(conn: AsyncConnection, node_id: str):
-    """Shard rows on `node_id` whose replica is not ended."""
+@dataclass
+class NodeShard:
+    """A shard on a node, as a registration or heartbeat compares what the node runs with it: its status
+    and pid (set by the node's launch report), and its replica's status."""
+
+    id: str
+    replica_id: str
+    status: ShardStatus
+    pid: int | None
+    replica_status: ReplicaStatus
+
+    @property
+    def launched(self) -> bool:
+        """Did the node say it launched this shard? Rows start as `starting` with no pid at placement; the
+        node's launch report sets the pid, readiness `ready`."""
+        return self.status in (ShardStatus.READY, ShardStatus.DRAINING) or self.pid is not None
+
+
+async def shards_on_node(conn: AsyncConnection, node_id: str) -> list[NodeShard]:
+    """The shards on `node_id` whose replica is not ended."""
     q = (select(shards.c.id, shards.c.replica_id, shards.c.status, shards.c.pid, replicas.c.status.label("replica_status"))
          .join(replicas, replicas.c.id == shards.c.replica_id)
-         .where(and_(shards.c.node_id == node_id, replicas.c.status.not_in(ENDED_STATUSES))))
-    return (await conn.execute(q)).mappings().all()
+         .where(and_(shards.c.node_id == node_id, replicas.c.status.not_in(_ENDED))))
+    return [NodeShard(r.id, r.replica_id, ShardStatus(r.status), r.pid, ReplicaStatus(r.replica_status))
+            for r in (await conn.execute(q)).all()]
 
 
 @dataclass
@@ -444,7 +505,7 @@ class KnownShard:
     id: str
     replica_id: str
     node_id: str
-    replica_status: str
+    replica_status: ReplicaStatus
     generation: int = 0  # the replica's fencing generation
 
 
@@ -454,7 +515,8 @@ async def known_shards(conn: AsyncConnection, ids: list[str]) -> dict[str, Known
         return {}
     q = (select(shards.c.id, shards.c.replica_id, shards.c.node_id, replicas.c.status, replicas.c.generation)
          .join(replicas, replicas.c.id == shards.c.replica_id).where(shards.c.id.in_(ids)))
-    return {r.id: KnownShard(r.id, r.replica_id, r.node_id, r.status, r.generation) for r in (await conn.execute(q)).all()}
+    return {r.id: KnownShard(r.id, r.replica_id, r.node_id, ReplicaStatus(r.status), r.generation)
+            for r in (await conn.execute(q)).all()}
 
 
 @dataclass
@@ -485,7 +547,7 @@ async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list
                _observer_age(fresh_s, POLLERS).label("pollers_age"))
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
-        .where(and_(replicas.c.status == "ready", replicas.c.endpoint.is_not(None),
+        .where(and_(replicas.c.status == ReplicaStatus.READY, replicas.c.endpoint.is_not(None),
                     replicas.c.endpoint == shards.c.endpoint))
     )
     def f(x) -> float | None:
@@ -508,10 +570,11 @@ async def find_replicas(conn: AsyncConnection, prefix: str, limit: int = 5) -> l
     return [r.id for r in (await conn.execute(q)).all()]
 
 
-async def shard_row(conn: AsyncConnection, replica_id: str, rank: int):
+async def shard_row(conn: AsyncConnection, replica_id: str, rank: int) -> ShardRow | None:
     """The shard of `replica_id` with `rank` (its node, output tail, exit), or None."""
     q = select(shards).where(and_(shards.c.replica_id == replica_id, shards.c.rank == rank))
-    return (await conn.execute(q)).mappings().first()
+    r = (await conn.execute(q)).first()
+    return _shard(r) if r else None
 
 
 # ---- forgetting nodes ---------------------------------------------------------------------------
@@ -520,7 +583,7 @@ def _holds_live_shard():
     """A node still has a shard of a replica that is active, or ended but not yet settled."""
     return (select(shards.c.id).join(replicas, replicas.c.id == shards.c.replica_id)
             .where(and_(shards.c.node_id == nodes.c.id,
-                        (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))
+                        (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))))
             .exists())
 
 
@@ -541,7 +604,7 @@ async def forget_lost_nodes(conn: AsyncConnection, after_s: float, among: list[s
 class LiveShard:
     replica_id: str
     model: str
-    status: str
+    status: ReplicaStatus  # the replica's
     rank: int
 
 
@@ -550,9 +613,9 @@ async def live_shards_on(conn: AsyncConnection, node_id: str) -> list[LiveShard]
     q = (select(replicas.c.id, replicas.c.model, replicas.c.status, shards.c.rank)
          .join(shards, shards.c.replica_id == replicas.c.id)
          .where(and_(shards.c.node_id == node_id,
-                     (replicas.c.status.not_in(ENDED_STATUSES)) | (replicas.c.settled_at.is_(None))))
+                     (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))))
          .order_by(replicas.c.model, replicas.c.id))
-    return [LiveShard(r.id, r.model, r.status, r.rank) for r in (await conn.execute(q)).all()]
+    return [LiveShard(r.id, r.model, ReplicaStatus(r.status), r.rank) for r in (await conn.execute(q)).all()]
 
 
 async def remove_node(conn: AsyncConnection, node_id: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -11,6 +12,23 @@ from llmgw.db.tables import api_keys
 
 _LISTED = (api_keys.c.id, api_keys.c.name, api_keys.c.prefix, api_keys.c.created_at, api_keys.c.revoked_at,
            api_keys.c.tenant, api_keys.c.limits)
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """A key as listed: never its hash; `prefix` is its first characters; `limits` its own (`Limits` as JSON)."""
+
+    id: str
+    name: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+    tenant: str | None
+    limits: dict
+
+
+def _key(r) -> KeyRow:
+    return KeyRow(r.id, r.name, r.prefix, r.created_at, r.revoked_at, r.tenant, r.limits)
 
 
 @dataclass(frozen=True)
@@ -24,35 +42,35 @@ class ActiveKey:
 
 
 async def create_key(conn: AsyncConnection, key_id: str, name: str, prefix: str, key_hash: str,
-                     tenant: str | None = None, limits: dict | None = None) -> dict:
+                     tenant: str | None = None, limits: dict | None = None) -> KeyRow:
     """Insert a key; returns its row (without the hash)."""
     row = (await conn.execute(
         api_keys.insert().values(id=key_id, name=name, prefix=prefix, key_hash=key_hash, tenant=tenant,
                                  limits=limits or {})
         .returning(*_LISTED)
-    )).mappings().one()
-    return dict(row)
+    )).one()
+    return _key(row)
 
 
-async def list_keys(conn: AsyncConnection) -> list[dict]:
+async def list_keys(conn: AsyncConnection) -> list[KeyRow]:
     """Every key ever created, revoked ones included, oldest first (without hashes)."""
     q = select(*_LISTED)
-    return [dict(r) for r in (await conn.execute(q.order_by(api_keys.c.created_at, api_keys.c.id))).mappings().all()]
+    return [_key(r) for r in (await conn.execute(q.order_by(api_keys.c.created_at, api_keys.c.id))).all()]
 
 
-async def get_key(conn: AsyncConnection, key_id: str) -> dict | None:
-    row = (await conn.execute(select(*_LISTED).where(api_keys.c.id == key_id))).mappings().first()
-    return dict(row) if row else None
+async def get_key(conn: AsyncConnection, key_id: str) -> KeyRow | None:
+    row = (await conn.execute(select(*_LISTED).where(api_keys.c.id == key_id))).first()
+    return _key(row) if row else None
 
 
-async def revoke_key(conn: AsyncConnection, key_id: str) -> dict | None:
+async def revoke_key(conn: AsyncConnection, key_id: str) -> KeyRow | None:
     """Mark a key revoked (idempotent). Returns its row, or None when no key has that id."""
     await conn.execute(update(api_keys).where(and_(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None)))
                        .values(revoked_at=func.now()))
     return await get_key(conn, key_id)
 
 
-async def set_limits(conn: AsyncConnection, key_id: str, limits: dict) -> dict | None:
+async def set_limits(conn: AsyncConnection, key_id: str, limits: dict) -> KeyRow | None:
     """Replace a key's own limits. Returns its row, or None when no key has that id."""
     await conn.execute(update(api_keys).where(api_keys.c.id == key_id).values(limits=limits))
     return await get_key(conn, key_id)

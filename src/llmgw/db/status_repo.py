@@ -13,8 +13,9 @@ from llmgw.db.tables import catalog_models, model_state, replicas, shards
 from llmgw.placement.decisions import refusal
 from llmgw.placement.model_status import ModelCondition, ModelFacts, failure_cause, model_condition
 from llmgw.schemas.catalog import Catalog
+from llmgw.schemas.status import ReplicaStatus
 
-ACTIVE = ("starting", "ready", "draining")
+_HOLDING = tuple(s for s in ReplicaStatus if s in ReplicaStatus.holding())  # a model's active replicas, for SQL
 
 
 async def model_conditions(conn: AsyncConnection, catalog: Catalog, names: list[str] | None = None
@@ -44,15 +45,15 @@ async def model_facts(conn: AsyncConnection, names: list[str] | None = None) -> 
         f.refused = refusal(r.decisions or [], r.name)
 
     q = (select(replicas.c.model, replicas.c.status, func.count().label("n"))
-         .where(replicas.c.status.in_(ACTIVE)).group_by(replicas.c.model, replicas.c.status))
+         .where(replicas.c.status.in_(_HOLDING)).group_by(replicas.c.model, replicas.c.status))
     if names is not None:
         q = q.where(replicas.c.model.in_(names))
     for r in (await conn.execute(q)).all():
-        of(r.model).replicas[r.status] = r.n
+        of(r.model).replicas[ReplicaStatus(r.status)] = r.n
 
     # The latest failed replica of each model, and its shards' decoded exits.
     q = (select(replicas.c.id, replicas.c.model, replicas.c.failure, replicas.c.ended_at)
-         .where(replicas.c.status == "failed")
+         .where(replicas.c.status == ReplicaStatus.FAILED)
          .distinct(replicas.c.model)
          .order_by(replicas.c.model, replicas.c.ended_at.desc().nulls_last()))
     if names is not None:

@@ -166,6 +166,3 @@ usage_periods = Table(
     Column("requests", BigInteger, nullable=False, server_default="0"),
     Column("tokens", BigInteger, nullable=False, server_default="0"),
 )
-
-# Replica statuses that end a replica (see db/fleet_repo.py for the lifecycle).
-ENDED_STATUSES = ("stopped", "failed", "lost")

@@ -28,6 +28,14 @@ def _listed():
     return select(tenants.c.name, tenants.c.limits, active.label("keys"), tenants.c.created_at, tenants.c.updated_at)
 
 
+@dataclass(frozen=True)
+class TenantKey:
+    """An active key of a tenant, as a refused delete names it."""
+
+    id: str
+    name: str
+
+
 def _row(r) -> TenantRow:
     return TenantRow(r.name, r.limits or {}, int(r.keys), r.created_at, r.updated_at)
 
@@ -52,15 +60,15 @@ async def tenant_exists(conn: AsyncConnection, name: str) -> bool:
             ).first() is not None
 
 
-async def delete_tenant(conn: AsyncConnection, name: str, revoke_keys: bool) -> tuple[bool, list[dict]]:
+async def delete_tenant(conn: AsyncConnection, name: str, revoke_keys: bool) -> tuple[bool, list[TenantKey]]:
     """Delete tenant `name`: (whether it existed, its active keys). With active keys and not
     `revoke_keys` nothing is changed; else its active keys are revoked, every key of it keeps no tenant
     (a revoked key lists as one of no tenant), and the tenant goes. Its usage rows stay (`ctl usage`)."""
     if (await conn.execute(select(tenants.c.name).where(tenants.c.name == name).with_for_update())).first() is None:
         return False, []
-    active = [dict(r) for r in (await conn.execute(
+    active = [TenantKey(r.id, r.name) for r in (await conn.execute(
         select(api_keys.c.id, api_keys.c.name).where(and_(api_keys.c.tenant == name, api_keys.c.revoked_at.is_(None)))
-        .order_by(api_keys.c.created_at, api_keys.c.id))).mappings().all()]
+        .order_by(api_keys.c.created_at, api_keys.c.id))).all()]
     if active and not revoke_keys:
         return True, active
     await conn.execute(update(api_keys).where(and_(api_keys.c.tenant == name, api_keys.c.revoked_at.is_(None)))

@@ -37,6 +37,19 @@ class PeriodTotal:
     tokens: int
 
 
+@dataclass(frozen=True)
+class UsageTotal:
+    """Use summed per tenant ('' for keys of no tenant) and `group`: a model, a key id, a UTC day
+    (YYYY-MM-DD), or None when summed per tenant only. `last_at`: the latest minute with use."""
+
+    tenant: str
+    group: str | None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    last_at: datetime
+
+
 def _ts(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, timezone.utc)
 
@@ -115,10 +128,9 @@ async def totals(conn: AsyncConnection, since_minute: float,
     return minutes, out
 
 
-async def report(conn: AsyncConnection, since: float, by: str, tenant: str | None = None) -> list[dict]:
+async def report(conn: AsyncConnection, since: float, by: str, tenant: str | None = None) -> list[UsageTotal]:
     """Use since `since` (epoch seconds) summed per tenant and, by `by`: 'model', 'key' (key_id), 'day'
-    (UTC, as YYYY-MM-DD) or 'tenant' (nothing more). Rows: tenant, group, requests, prompt_tokens,
-    completion_tokens, last_at; ordered by tenant, then group."""
+    (UTC, as YYYY-MM-DD) or 'tenant' (nothing more); ordered by tenant, then group."""
     group = {"model": usage.c.model, "key": usage.c.key_id,
              "day": func.to_char(func.timezone("UTC", usage.c.minute), "YYYY-MM-DD"), "tenant": None}[by]
     keys = [usage.c.tenant] + ([group] if group is not None else [])
@@ -130,6 +142,5 @@ async def report(conn: AsyncConnection, since: float, by: str, tenant: str | Non
     out = []
     for row in (await conn.execute(q)).all():
         *names, r, p, c, last = row
-        out.append({"tenant": names[0], "group": names[1] if len(names) > 1 else None, "requests": int(r),
-                    "prompt_tokens": int(p), "completion_tokens": int(c), "last_at": last})
+        out.append(UsageTotal(names[0], names[1] if len(names) > 1 else None, int(r), int(p), int(c), last))
     return out

@@ -27,6 +27,7 @@ from llmgw.failures import expected_failure
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, Ports, ShardSpec, new_api_key
 from llmgw.schemas.inventory import DownloadProgress
+from llmgw.schemas.status import ShardStatus
 from llmgw.schemas.payloads import (
     NOT_WANTED, UNREACHABLE, DrainShardInput, DrainShardResult, FetchWeightsInput, FetchWeightsResult, LaunchShardInput,
     LaunchShardResult, NodeReclaimInput, NodeReclaimResult, OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult,
@@ -178,7 +179,7 @@ class NodeActivities:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
         shard = sup.launch(spec, plan, adapter.redact(plan.argv))
         self._watches.pop(inp.shard_id, None)
-        await self._report(shard, "starting")
+        await self._report(shard, ShardStatus.STARTING)
         self._watch(shard)  # after "starting": the agent's reports keep their order
         return LaunchShardResult(shard_id=inp.shard_id, pid=shard.pid, endpoint=shard.endpoint)
 
@@ -270,8 +271,8 @@ class NodeActivities:
                 elif await adapter.joined(session, shard.spec):
                     break
                 await cues.next()
-        sup.set_state(shard, "ready")
-        await self._report(shard, "ready")
+        sup.set_state(shard, ShardStatus.READY)
+        await self._report(shard, ShardStatus.READY)
         return None
 
     async def _exited(self, shard: "Shard", what: str) -> ApplicationError:
@@ -281,7 +282,7 @@ class NodeActivities:
         tail = self.agent.supervisor.tail(shard)
         why = self.agent.describe_exit(shard, tail)
         try:
-            await self.agent.report(shard.report("failed", tail=tail[-2000:], exit_reason=why))
+            await self.agent.report(shard.report(ShardStatus.FAILED, tail=tail[-2000:], exit_reason=why))
         except ReportRefused:
             pass  # logged by the agent; the start fails with the cause either way
         text = f"{what}: {why}"
@@ -302,7 +303,7 @@ class NodeActivities:
         shard = sup.get(inp.shard_id)
         if shard is None or sup.poll(shard) is not None:
             return 0
-        sup.set_state(shard, "draining")
+        sup.set_state(shard, ShardStatus.DRAINING)
         adapter = self.agent.engines.get(shard.spec.profile.engine)
         before = _heartbeat_number("draining_s")
         started = time.monotonic() - before

@@ -35,6 +35,7 @@ from llmgw.schemas.api import (
 )
 from llmgw.schemas.inventory import DownloadProgress, ShardReport
 from llmgw.schemas.simulate import SimulatedNode
+from llmgw.schemas.status import ShardStatus
 from llmgw.temporal import connect
 from llmgw.weights.download import Limits
 from llmgw.weights.fetcher import Fetcher
@@ -139,7 +140,7 @@ class Agent:
     def heartbeat_reports(self) -> list[ShardReport]:
         """Every shard this worker holds, an exited one included until its exit has been reported: what a
         heartbeat lists, and the control plane takes a shard missing from it as gone."""
-        return [s.report("failed" if s.exit_code is not None else None, with_key=False)
+        return [s.report(ShardStatus.FAILED if s.exit_code is not None else None, with_key=False)
                 for s in list(self.supervisor.shards.values())]
 
     def inventory(self):
@@ -243,7 +244,7 @@ class Agent:
         replica_id, rank = parse_shard_id(shard_id) or (shard_id, 0)
         try:
             await self.report(ShardReport(shard_id=shard_id, replica_id=replica_id, model="", profile="",
-                                          rank=rank, state="stopped"), attempts)
+                                          rank=rank, state=ShardStatus.STOPPED), attempts)
         except ReportRefused:
             pass  # stopped is stopped; the refusal is logged
 
@@ -261,14 +262,14 @@ class Agent:
 
     async def _on_exit(self, shard: Shard, tail: str) -> None:
         try:
-            await self.report(shard.report("failed", tail=tail[-2000:], exit_reason=self.describe_exit(shard, tail)))
+            await self.report(shard.report(ShardStatus.FAILED, tail=tail[-2000:], exit_reason=self.describe_exit(shard, tail)))
         except ReportRefused:
             pass  # logged; the next registration reports the shard gone
 
     async def _on_unresponsive(self, shard: Shard, cause: str) -> None:
         """A Ready engine stopped answering (node/health.py): its replica fails with the cause, now."""
         try:
-            await self.report(shard.report("failed", tail=self.supervisor.tail(shard)[-2000:], exit_reason=cause))
+            await self.report(shard.report(ShardStatus.FAILED, tail=self.supervisor.tail(shard)[-2000:], exit_reason=cause))
         except ReportRefused:
             pass  # logged; the heartbeat no longer lists it once it is stopped
 

@@ -26,6 +26,7 @@ import psutil
 
 from llmgw.engines.registry import Engines
 from llmgw.node.supervisor import Shard, Supervisor
+from llmgw.schemas.status import ShardStatus
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 2.0  # a frozen engine does not act on SIGTERM: SIGKILL follows soon
@@ -76,7 +77,7 @@ class EngineHealth:
             if not shard.stopping:
                 await self._hold_to_memory(shard)
         shards = [s for s in self.supervisor.running()
-                  if s.state == "ready" and not s.stopping and s.spec.rank == 0 and s.endpoint]
+                  if s.state == ShardStatus.READY and not s.stopping and s.spec.rank == 0 and s.endpoint]
         self.missed = {s.shard_id: self.missed.get(s.shard_id, 0) for s in shards}
         answers = await asyncio.gather(*(self._check(session, s) for s in shards))
         for shard, ok in zip(shards, answers):

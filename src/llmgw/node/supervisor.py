@@ -31,6 +31,7 @@ from llmgw.engines.base import LaunchPlan, ShardSpec
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.inventory import ShardReport
 from llmgw.schemas.payloads import Rendezvous
+from llmgw.schemas.status import ShardStatus
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4000
@@ -45,7 +46,7 @@ class Shard:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None  # None when adopted from a previous worker
-    state: str = "starting"
+    state: str = ShardStatus.STARTING  # a `ShardStatus`, or "exited" (seen here to have exited; never reported)
     exit_code: int | None = None
     stopping: bool = False
     adopted: bool = False
@@ -86,7 +87,7 @@ class Shard:
                          rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None,
                          api_key=d.get("api_key"))
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
-                   log_path=Path(d["log_path"]), state=d.get("state", "starting"), adopted=True,
+                   log_path=Path(d["log_path"]), state=d.get("state", ShardStatus.STARTING), adopted=True,
                    started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from llmgw.placement.decisions import Decision
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ReplicaSnap, Snapshot
+from llmgw.schemas.status import ReplicaStatus
 
 
 def start_budget_s(model: Model | None, profile: str, default_s: float) -> float:
@@ -22,12 +23,12 @@ def start_budget_s(model: Model | None, profile: str, default_s: float) -> float
 
 def overdue_start(r: ReplicaSnap, model: Model | None, snapshot: Snapshot) -> Decision | None:
     """A decision to fail `r` when it has been starting longer than its budget, else None."""
-    if r.status != "starting" or r.created_at is None:
+    if r.status != ReplicaStatus.STARTING or r.created_at is None:
         return None
     budget = start_budget_s(model, r.profile, snapshot.start_budget_s)
     age = (snapshot.now - r.created_at).total_seconds()
     if age <= budget:
         return None
-    return Decision(kind="stop", model=r.model, replica_id=r.id, drain=False, final_status="failed",
+    return Decision(kind="stop", model=r.model, replica_id=r.id, drain=False, final_status=ReplicaStatus.FAILED,
                     reason=f"starting for {age:.0f}s, longer than its start budget of {budget:g}s "
                            "(profile start_timeout, else start_budget_s): failed, its start cancelled")

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import ShardPlacement
+from llmgw.schemas.status import ReplicaStatus
 
 DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep", "rollout"]
 
@@ -49,7 +50,7 @@ class Decision(BaseModel):
     refusals: list[str] = Field(default_factory=list)
     drain: bool = True
     to_zero: bool = False  # a `stop` of a model wanted at zero now (idle, not asked for): it waits for a request
-    final_status: str = "stopped"  # what a stop/evict/lost/cleanup leaves the replica as
+    final_status: ReplicaStatus = ReplicaStatus.STOPPED  # what a stop/evict/lost/cleanup leaves the replica as
     for_model: str | None = None  # evict: the model the room is made for
 
     def line(self) -> str:

@@ -19,9 +19,8 @@ from functools import lru_cache
 
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import NodeSnap, ReplicaSnap
+from llmgw.schemas.status import ReplicaStatus
 from llmgw.weights.naming import cache_name_for
-
-HOLDING = ("starting", "ready", "draining")  # replica statuses that hold GPUs, memory and disk
 
 
 @dataclass
@@ -69,13 +68,13 @@ def holds_weights(profile: Profile, node: NodeSnap) -> bool:
 
 def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profile],
              nodes: dict[str, NodeSnap] | None = None) -> dict[str, NodeUse]:
-    """Sum, per node id, what replicas hold: those in `HOLDING` statuses, and ended ones not yet settled,
+    """Sum, per node id, what replicas hold: those in `ReplicaStatus.holding()` statuses, and ended ones not yet settled,
     whose shards may still be running (a failed replica's other shards hold their GPUs until stopped).
     `profiles` maps (model, profile name) to the profile; `nodes` (by id) lets weights still being
     fetched count against the node's disk."""
     use: dict[str, NodeUse] = {}
     for r in replicas:
-        if r.status not in HOLDING and r.settled:
+        if r.status not in ReplicaStatus.holding() and r.settled:
             continue
         prof = profiles.get((r.model, r.profile))
         for s in r.shards:
@@ -89,7 +88,7 @@ def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profil
                 continue
             if prof.memory_gb:
                 u.memory_mb += int(prof.memory_gb * 1024)
-            if r.status == "starting" and prof.disk_gb and nodes:
+            if r.status == ReplicaStatus.STARTING and prof.disk_gb and nodes:
                 node = nodes.get(s.node_id)
                 if node is not None and not holds_weights(prof, node):
                     u.disk_mb += int(prof.disk_gb * 1024)

@@ -38,8 +38,7 @@ from datetime import datetime
 from llmgw.placement.decisions import Decision
 from llmgw.placement.status import node_status
 from llmgw.schemas.payloads import LivenessFacts, ReplicaSnap, Snapshot
-
-HOLDING = ("starting", "ready", "draining")
+from llmgw.schemas.status import ReplicaStatus
 
 
 @dataclass
@@ -139,7 +138,7 @@ def fleet_liveness(snapshot: Snapshot) -> FleetLiveness:
             seen.left_s = _age(now, n.left_at)
             if seen.status == "ready":
                 seen.status = "unreachable"
-    holding = {s.node_id for r in snapshot.replicas if r.status in HOLDING for s in r.shards}
+    holding = {s.node_id for r in snapshot.replicas if r.status in ReplicaStatus.holding() for s in r.shards}
     out.blind = blind_observer(out.nodes, holding, snapshot.lost_after_s, facts)
     if out.blind:
         held = "not declared lost: " + out.blind

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from llmgw.placement.scale import waits_for_request
 from llmgw.schemas.catalog import Model
+from llmgw.schemas.status import ReplicaStatus
 
 
 class ModelStatus(StrEnum):
@@ -49,7 +50,7 @@ class ModelFacts(BaseModel):
     `last_failure`: the cause of its latest failed replica (one line); `refused`: why the latest reconcile
     pass could not place it, if it could not."""
 
-    replicas: dict[str, int] = Field(default_factory=dict)
+    replicas: dict[ReplicaStatus, int] = Field(default_factory=dict)
     failures: int = 0
     replaced: int = 0
     backoff_until: datetime | None = None
@@ -80,8 +81,8 @@ class ModelCondition(BaseModel):
 
 def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCondition:
     """The status of `model` from `facts`, at `now` (the database clock)."""
-    ready = facts.replicas.get("ready", 0)
-    starting = facts.replicas.get("starting", 0)
+    ready = facts.replicas.get(ReplicaStatus.READY, 0)
+    starting = facts.replicas.get(ReplicaStatus.STARTING, 0)
     base = dict(ready=ready, starting=starting, restarts=facts.failures, last_failure=facts.last_failure)
     sc = model.effective_scaling
     if not model.profiles:
@@ -110,7 +111,7 @@ def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCond
                               **base)
     if facts.refused:
         return ModelCondition(status=ModelStatus.UNPLACEABLE, reason=facts.refused, **base)
-    if facts.replicas.get("draining", 0):
+    if facts.replicas.get(ReplicaStatus.DRAINING, 0):
         return ModelCondition(status=ModelStatus.STOPPING, reason="its replicas are draining", **base)
     if sc.on_demand:
         return ModelCondition(status=ModelStatus.ON_DEMAND, reason="starts when a request asks for it", **base)

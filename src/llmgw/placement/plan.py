@@ -30,7 +30,6 @@ from datetime import datetime, timedelta
 
 from llmgw.placement.deadline import overdue_start
 from llmgw.placement.decisions import Decision, Plan
-from llmgw.placement.fit import HOLDING
 from llmgw.placement.liveness import FleetLiveness, TeardownBudget, fleet_liveness, held_decision
 from llmgw.placement.place import Probe, place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
@@ -39,6 +38,7 @@ from llmgw.placement.scale import wanted
 from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, RolloutStep, Snapshot
+from llmgw.schemas.status import ReplicaStatus
 
 __all__ = ["backoff_delay", "desired_replicas", "place_one", "plan_pass"]
 
@@ -66,7 +66,7 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
     wanted = {(m.name, p.name) for m in catalog.values() for p in m.profiles}
     unreadable = set(snapshot.unreadable_models) - set(catalog)
     for r in snapshot.replicas:
-        if r.status not in HOLDING:
+        if r.status not in ReplicaStatus.holding():
             if not r.settled:
                 plan.decisions.append(Decision(
                     kind="cleanup", model=r.model, replica_id=r.id, drain=False, final_status=r.status,
@@ -79,7 +79,7 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
             plan.decisions.append(held)
             live.append(r)
         elif lost_nodes:
-            plan.decisions.append(Decision(kind="lost", model=r.model, replica_id=r.id, drain=False, final_status="lost",
+            plan.decisions.append(Decision(kind="lost", model=r.model, replica_id=r.id, drain=False, final_status=ReplicaStatus.LOST,
                                            reason=f"node {', '.join(lost_nodes)} is lost"))
         elif overdue is not None:
             plan.decisions.append(overdue)
@@ -113,7 +113,7 @@ def _with_status(snapshot: Snapshot, plan: Plan | None = None, fleet: FleetLiven
 def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
     """The next step of `name`'s rolling replacement (placement/rollout.py), from one snapshot."""
     model = next((m for m in snapshot.models if m.name == name), None)
-    mine = [r for r in snapshot.replicas if r.model == name and r.status in ("starting", "ready")]
+    mine = [r for r in snapshot.replicas if r.model == name and r.status in ReplicaStatus.live()]
     if model is None:
         return next_step(None, mine, 0, False, None)
     st = next((s for s in snapshot.model_states if s.name == name), None)
@@ -131,7 +131,7 @@ def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
     fits_after = None
     if not room:
         old = sorted((r for r in mine if is_outdated(r, model)),
-                     key=lambda r: (r.status != "starting", r.created_at.timestamp() if r.created_at else 0))
+                     key=lambda r: (r.status != ReplicaStatus.STARTING, r.created_at.timestamp() if r.created_at else 0))
         if old:  # would the new profile fit where the replica retired first was?
             d = place_one(model, FleetView(nodes, [r for r in snapshot.replicas if r.id != old[0].id], snapshot.models))
             fits_after = None if d.kind == "place" else (d.reason or "no node fits it")
@@ -163,12 +163,12 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}
     live = _ended_and_orphans(snapshot, plan, catalog, fleet)
-    failed_unsettled = {r.model: r.id for r in snapshot.replicas if r.status == "failed" and not r.settled}
+    failed_unsettled = {r.model: r.id for r in snapshot.replicas if r.status == ReplicaStatus.FAILED and not r.settled}
     serving_by_model: dict[str, list[ReplicaSnap]] = {}
     for r in live:
-        if r.status in ("starting", "ready"):
+        if r.status in ReplicaStatus.live():
             serving_by_model.setdefault(r.model, []).append(r)
-    draining = [r for r in snapshot.replicas if r.status == "draining"]
+    draining = [r for r in snapshot.replicas if r.status == ReplicaStatus.DRAINING]
     view: FleetView | None = None  # built when the first model needs a replica: a pass that only keeps needs none
     evicting: set[str] = set()
     placed = 0
@@ -220,7 +220,7 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
                                                reason=f"{why}; not stopped with requests in flight"))
                 continue
             # Stop the newest first: the oldest have warm caches and proven health.
-            extra = sorted(mine, key=lambda r: (r.status != "starting", -(r.created_at or now).timestamp()))
+            extra = sorted(mine, key=lambda r: (r.status != ReplicaStatus.STARTING, -(r.created_at or now).timestamp()))
             for r in extra[: serving - want]:
                 plan.decisions.append(Decision(kind="stop", model=model.name, replica_id=r.id, to_zero=want == 0,
                                                reason=f"{serving} running, {want} wanted ({why})"))
@@ -307,12 +307,12 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
 
 def _holding(d: Decision, rid: str) -> ReplicaSnap:
     """A decided placement as something that holds its shards' resources in the pass's view."""
-    return ReplicaSnap(id=rid, model=d.model, profile=d.profile or "default", status="starting", shards=d.shards)
+    return ReplicaSnap(id=rid, model=d.model, profile=d.profile or "default", status=ReplicaStatus.STARTING, shards=d.shards)
 
 
 def _could_evict(model: Model, live: list[ReplicaSnap], evicting: set[str], catalog: dict[str, Model]) -> bool:
     return any(r.id not in evicting and r.model in catalog and catalog[r.model].priority < model.priority
-               and r.status in ("starting", "ready") for r in live)
+               and r.status in ReplicaStatus.live() for r in live)
 
 
 def backoff_delay(failures: int, rand: float, base_s: float = 5.0, cap_s: float = 600.0) -> timedelta:

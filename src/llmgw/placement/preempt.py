@@ -18,6 +18,7 @@ from llmgw.placement.place import Probe, place_one
 from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, ReplicaSnap
+from llmgw.schemas.status import ReplicaStatus
 
 _NEVER = datetime.min.replace(tzinfo=timezone.utc)
 
@@ -39,7 +40,7 @@ def eviction_order(model: Model, live: list[ReplicaSnap], catalog: dict[str, Mod
         created = r.created_at.timestamp() if r.created_at else 0.0
         return (catalog[r.model].priority, used, -created, r.id)
 
-    return sorted((r for r in live if r.status in ("starting", "ready") and r.model in catalog
+    return sorted((r for r in live if r.status in ReplicaStatus.live() and r.model in catalog
                    and catalog[r.model].priority < model.priority), key=key)
 
 

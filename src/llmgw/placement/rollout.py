@@ -27,8 +27,7 @@ from __future__ import annotations
 from llmgw.placement.decisions import Decision
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ReplicaSnap, RolloutStep
-
-LIVE = ("starting", "ready")
+from llmgw.schemas.status import ReplicaStatus
 
 
 def is_outdated(r: ReplicaSnap, model: Model) -> bool:
@@ -50,7 +49,7 @@ def plan_rules(model: Model, mine: list[ReplicaSnap], want: int, why: str) -> tu
     old = [r for r in mine if is_outdated(r, model)]
     if not old or want == 0:  # nothing wanted (idle, off): scaled down as any model is, not rolled
         return [], False
-    new_starting = [r for r in mine if r not in old and r.status == "starting"]
+    new_starting = [r for r in mine if r not in old and r.status == ReplicaStatus.STARTING]
     head = (f"rolling replacement to {hashes(model)}: {len(old)} of {len(mine)} replica(s) run an older profile "
             f"({want} wanted: {why})")
     decisions = [Decision(kind="rollout", model=model.name, reason=head)]
@@ -77,14 +76,14 @@ def next_step(model: Model | None, replicas: list[ReplicaSnap], want: int, room:
         return RolloutStep(kind="done", reason="the model left the catalog; the reconciler stops its replicas")
     if want == 0:
         return RolloutStep(kind="done", reason="no replica is wanted now (idle or off); the reconciler stops them")
-    live = [r for r in replicas if r.status in LIVE]
+    live = [r for r in replicas if r.status in ReplicaStatus.live()]
     old = sorted((r for r in live if is_outdated(r, model)),
-                 key=lambda r: (r.status != "starting", r.created_at.timestamp() if r.created_at else 0))
+                 key=lambda r: (r.status != ReplicaStatus.STARTING, r.created_at.timestamp() if r.created_at else 0))
     new = [r for r in live if r not in old]
-    counts = dict(outdated=len(old), current_ready=sum(1 for r in new if r.status == "ready"))
+    counts = dict(outdated=len(old), current_ready=sum(1 for r in new if r.status == ReplicaStatus.READY))
     if not old:
         return RolloutStep(kind="done", reason=f"every replica runs {hashes(model)}", **counts)
-    if any(r.status == "starting" for r in new):
+    if any(r.status == ReplicaStatus.STARTING for r in new):
         return RolloutStep(kind="wait", reason="a replica of the new profile is starting", **counts)
     routed = sum(1 for r in live if r.id not in unrouted)
     if routed > want:

@@ -9,14 +9,15 @@ one trial costs the victim's shards, not the fleet (issue 10, "Scale").
 
 from __future__ import annotations
 
-from llmgw.placement.fit import HOLDING, NodeFit, NodeUse, cache_name, fit_node, node_use
+from llmgw.placement.fit import NodeFit, NodeUse, cache_name, fit_node, node_use
 from llmgw.schemas.catalog import Model, Profile
 from llmgw.schemas.payloads import NodeSnap, ReplicaSnap
+from llmgw.schemas.status import ReplicaStatus
 
 
 def holds_resources(r: ReplicaSnap) -> bool:
     """Active replicas hold what they were given; so do ended ones until settled (their shards may run)."""
-    return r.status in HOLDING or not r.settled
+    return r.status in ReplicaStatus.holding() or not r.settled
 
 
 class FleetView:

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
+from llmgw.schemas.status import ReplicaStatus, ShardStatus
 from llmgw.schemas.tenants import KeyName, Limits, TenantName
 
 
@@ -88,7 +89,9 @@ class LeaveResponse(_NodeReads):
 
 class LaunchCheckResponse(_NodeReads):
     wanted: bool
-    status: str  # the replica's status ("unknown" when the control plane has no such shard)
+    # The replica's status ("unknown": the control plane has no such shard). Left `str`, not `ReplicaStatus`:
+    # the node reads it only to say why it stops, and a newer control plane's status must not fail an older node.
+    status: str
     generation: int = 0  # its fencing generation, which the node's commands for it carry
 
 
@@ -120,7 +123,7 @@ class ShardView(_Strict):
     node_id: str
     rank: int
     gpus: list[int] = Field(default_factory=list)
-    status: str
+    status: ShardStatus
     progress: DownloadProgress | None = None  # weights being fetched for it now
     exit_code: int | None = None
     exit_reason: str | None = None
@@ -137,7 +140,7 @@ class ReplicaView(_Strict):
     id: str
     model: str
     profile: str
-    status: str
+    status: ReplicaStatus
     node_id: str | None
     endpoint: str | None
     created_at: datetime
@@ -241,7 +244,7 @@ class NodeRemoveRequest(_Strict):
 class LiveReplicaView(_Strict):
     id: str
     model: str
-    status: str
+    status: ReplicaStatus
 
 
 class NodeRemoveResponse(_Strict):

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmgw.schemas.status import ShardStatus
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -90,7 +92,9 @@ class Inventory(_Strict):
         return v
 
 
-ShardState = Literal["starting", "ready", "draining", "stopped", "failed"]
+# What a node reports of a shard: every `ShardStatus` but `lost`, which only the control plane decides.
+ShardState = Literal[ShardStatus.STARTING, ShardStatus.READY, ShardStatus.DRAINING, ShardStatus.STOPPED,
+                     ShardStatus.FAILED]
 
 
 class ShardReport(_Strict):

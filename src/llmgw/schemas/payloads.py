@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmgw.schemas.catalog import Model, Profile
 from llmgw.schemas.inventory import Inventory
+from llmgw.schemas.status import ReplicaStatus
+
+# A replica's status as read, or "unknown": there is no such replica (the results below that read one).
+StatusRead = ReplicaStatus | Literal["unknown"]
 
 
 class _Strict(BaseModel):
@@ -68,7 +72,7 @@ class ReplicaSnap(_Strict):
     id: str
     model: str
     profile: str
-    status: str
+    status: ReplicaStatus
     shards: list[ShardPlacement] = Field(default_factory=list)
     created_at: datetime | None = None
     updated_at: datetime | None = None
@@ -173,7 +177,7 @@ class PassAction(_Strict):
     shards: list[ShardPlacement] = Field(default_factory=list)
     reason: str = ""
     drain: bool = True
-    final_status: str = "stopped"
+    final_status: ReplicaStatus = ReplicaStatus.STOPPED
     nodes: list[str] = Field(default_factory=list)  # a stop: the nodes its replica's shards are on
 
 
@@ -246,7 +250,7 @@ class ReplicaStopInput(_Strict):
     replica_id: str
     reason: str = ""
     drain_timeout_s: float = 60.0
-    final_status: str = "stopped"
+    final_status: ReplicaStatus = ReplicaStatus.STOPPED
 
 
 class MarkReplicaInput(_Strict):
@@ -254,7 +258,7 @@ class MarkReplicaInput(_Strict):
     `reason` is kept as why it ended when `status` is final."""
 
     replica_id: str
-    status: str
+    status: ReplicaStatus
     endpoint: str | None = None
     failure: str | None = None
     reason: str | None = None
@@ -264,7 +268,7 @@ class MarkReplicaResult(_Strict):
     """`generation`: the replica's fencing generation after the call (0 from code before issue 9)."""
 
     applied: bool
-    status: str
+    status: StatusRead
     generation: int = 0
 
 
@@ -282,7 +286,7 @@ class SettleReplicaResult(_Strict):
     """`applied` is False when another workflow settled it first (so only one counts its failure)."""
 
     applied: bool
-    status: str
+    status: StatusRead
     model: str = ""
 
 
@@ -313,7 +317,7 @@ class ReplicaShardsInput(_Strict):
 class ReplicaShardsResult(_Strict):
     shards: list[ShardPlacement] = Field(default_factory=list)
     in_flight: int = 0
-    status: str = ""  # the replica's status when read ("" from code before issue 9)
+    status: ReplicaStatus | Literal[""] = ""  # the replica's status when read ("": no such replica, or code before issue 9)
     generation: int = 0
 
 
@@ -326,7 +330,7 @@ class CheckReplicaResult(_Strict):
     carry: a node refuses a launch older than a stop it was given (docs/architecture.md, "Fencing")."""
 
     wanted: bool
-    status: str
+    status: StatusRead
     generation: int = 1
 
 

@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         ShardPlacement, StartShardInput, StopShardInput, WaitShardJoinedInput, WaitShardReadyInput,
         WaitShardReadyResult,
     )
+    from llmgw.schemas.status import ReplicaStatus
     from llmgw.workflows import activities, options
     from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
     from llmgw.workflows.ids import RECONCILER_ID, shard_id
@@ -82,7 +83,7 @@ async def wake_reconciler(reason: str) -> None:
         workflow.logger.warning("could not signal the reconciler")
 
 
-async def mark(replica_id: str, status: str, endpoint: str | None = None, failure: str | None = None,
+async def mark(replica_id: str, status: ReplicaStatus, endpoint: str | None = None, failure: str | None = None,
                reason: str | None = None) -> MarkReplicaResult:
     return await workflow.execute_activity(
         activities.mark_replica,
@@ -102,7 +103,7 @@ async def settle(replica_id: str, reason: str) -> SettleReplicaResult:
         SettleReplicaInput(replica_id=replica_id, reason=reason[-2000:], count_failure=counts),
         task_queue=CONTROL_QUEUE, **options.CONTROL,
     )
-    if not counts and res.applied and res.status == "failed" and res.model:
+    if not counts and res.applied and res.status == ReplicaStatus.FAILED and res.model:
         await workflow.execute_activity(activities.record_replica_failure, RecordReplicaFailureInput(model=res.model),
                                         task_queue=CONTROL_QUEUE, **options.CONTROL)
     return res
@@ -283,13 +284,13 @@ class ReplicaStartWorkflow:
                 raise
             raise ApplicationError(f"replica {rid} failed to start: {reason}", non_retryable=True) from None
 
-        res = await mark(rid, "ready", endpoint=ready.endpoint)
+        res = await mark(rid, ReplicaStatus.READY, endpoint=ready.endpoint)
         if not res.applied:
             # Stopped, failed or lost while it was starting (a node re-registered without it, a stop came):
             # do not leave an engine running that nothing routes to. Draining: its node pushed "ready", a
             # stop came and is draining the requests it already serves; that stop stops it afterwards.
             self._phase = f"abandoned ({res.status})"
-            if res.status == "draining" and workflow.patched(DRAIN_OWNS):
+            if res.status == ReplicaStatus.DRAINING and workflow.patched(DRAIN_OWNS):
                 raise ApplicationError(f"replica {rid} became draining while starting; its stop drains and stops it",
                                        non_retryable=True)
             await stop_shards(rid, inp.shards)
@@ -306,7 +307,7 @@ class ReplicaStartWorkflow:
 
     async def _cleanup(self, inp: ReplicaStartInput, reason: str) -> None:
         # Failed first: out of routing, and the exits the stop causes are not news to anyone.
-        res = await mark(inp.replica_id, "failed", failure=reason[-2000:], reason="failed to start")
+        res = await mark(inp.replica_id, ReplicaStatus.FAILED, failure=reason[-2000:], reason="failed to start")
         await stop_shards(inp.replica_id, inp.shards, res.generation)
         await settle(inp.replica_id, "failed to start")
         await wake_reconciler(f"replica {inp.replica_id} failed")
@@ -332,12 +333,12 @@ class ReplicaStopWorkflow:
             **options.CONTROL,
         )
         final = inp.final_status
-        failure = (inp.reason or None) if final != "stopped" else None
+        failure = (inp.reason or None) if final != ReplicaStatus.STOPPED else None
         fences = workflow.patched(STOP_FENCES_START)
         # A starting replica has nothing in flight to drain; marking it draining would let its start's
         # cleanup record it as failed. It is marked with its final status at once instead.
-        if final == "stopped" and inp.drain_timeout_s > 0 and not (fences and info.status == "starting"):
-            res = await mark(rid, "draining")
+        if final == ReplicaStatus.STOPPED and inp.drain_timeout_s > 0 and not (fences and info.status == ReplicaStatus.STARTING):
+            res = await mark(rid, ReplicaStatus.DRAINING)
             rank0 = next((s for s in info.shards if s.rank == 0), None)
             if res.applied and rank0 is not None:
                 await self._drain(rid, rank0, inp.drain_timeout_s)

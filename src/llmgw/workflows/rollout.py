@@ -19,6 +19,7 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
         ReplicaStopInput, RolloutInput, RolloutResult, RolloutStep, RolloutStepInput,
     )
+    from llmgw.schemas.status import ReplicaStatus
     from llmgw.workflows import activities, options
     from llmgw.workflows.queues import CONTROL_QUEUE
     from llmgw.workflows.ids import replica_stop_id
@@ -70,7 +71,7 @@ class RolloutWorkflow:
             await workflow.execute_child_workflow(
                 ReplicaStopWorkflow.run,
                 ReplicaStopInput(replica_id=rid, reason=f"replaced by a rolling update: {step.reason}",
-                                 drain_timeout_s=step.drain_timeout_s, final_status="stopped"),
+                                 drain_timeout_s=step.drain_timeout_s, final_status=ReplicaStatus.STOPPED),
                 id=replica_stop_id(rid), task_queue=CONTROL_QUEUE,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             )

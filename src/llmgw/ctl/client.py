@@ -4,6 +4,7 @@ traceback."""
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any, NoReturn
@@ -64,8 +65,8 @@ class Admin:
     def __init__(self, timeout_s: float = 30.0):
         settings = Settings()
         self.url = settings.resolved_admin_url
-        token = client_token(settings)
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.token = client_token(settings)
+        self.headers = {"Authorization": f"Bearer {self.token.value}"} if self.token.value else {}
         self.timeout_s = timeout_s
         self.now = datetime.now(timezone.utc)
 
@@ -106,8 +107,29 @@ class Admin:
             msg = err.get("message") if isinstance(err, dict) else None
             if msg is None and isinstance(body, dict):
                 msg = body.get("detail")
+            if r.status_code == 401 and isinstance(err, dict) and err.get("code") == "invalid_admin_token":
+                msg = self._token_refused()
             fail(f"error ({r.status_code}): {msg or r.text[:300]}")
         return body
+
+    def _token_refused(self) -> str:
+        """A 401 from the admin guard, told by where this process's token came from: the server cannot say
+        which token it expected, and the usual cause is a token from somewhere else (the token file of
+        another server's state directory, such as the user's own `llmgw dev`, or a stale variable)."""
+        value, source = self.token
+        if source == "LLMGW_ADMIN_TOKEN":
+            return (f"the admin API at {self.url} refused the token in LLMGW_ADMIN_TOKEN; set LLMGW_ADMIN_TOKEN to "
+                    "that server's token (the admin.token file in its state directory), or unset it and set "
+                    "LLMGW_STATE_DIR to that directory")
+        where = "LLMGW_STATE_DIR" if "LLMGW_STATE_DIR" in os.environ else \
+            "the default state directory, as LLMGW_STATE_DIR is unset"
+        instead = ("set LLMGW_STATE_DIR to that server's state directory, or LLMGW_ADMIN_TOKEN to its token (the "
+                   "admin.token file there)")
+        if value is None:
+            return (f"the admin API at {self.url} wants its bearer token, and there was none to send: "
+                    f"LLMGW_ADMIN_TOKEN is unset and {source} ({where}) cannot be read; {instead}")
+        return (f"the admin API at {self.url} refused the token read from {source} ({where}), a token of another "
+                f"server or an old one; {instead}")
 
     def _clock(self, r: httpx.Response) -> None:
         try:

@@ -14,6 +14,7 @@ import hmac
 import ipaddress
 import os
 import secrets
+from typing import NamedTuple
 
 from llmgw.config import Settings
 
@@ -61,9 +62,19 @@ def read_token_file(settings: Settings) -> str | None:
         return None
 
 
-def client_token(settings: Settings) -> str | None:
+class ClientToken(NamedTuple):
+    """The token `llmgw ctl` sends and where it came from. A refused token is nearly always one from the
+    wrong place (another server's state directory, a stale variable), so the refusal names `source`."""
+
+    value: str | None
+    source: str  # "LLMGW_ADMIN_TOKEN", or the token file's path (read, or looked for when value is None)
+
+
+def client_token(settings: Settings) -> ClientToken:
     """What `llmgw ctl` sends: `LLMGW_ADMIN_TOKEN`, else the token file when this user can read it."""
-    return settings.admin_token or read_token_file(settings)
+    if settings.admin_token:
+        return ClientToken(settings.admin_token, "LLMGW_ADMIN_TOKEN")
+    return ClientToken(read_token_file(settings), str(settings.admin_token_path))
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

@@ -343,6 +343,9 @@ async def test_the_sync_writes_this_gateways_counts_and_takes_the_fleets(monkeyp
         written.update(rows)
         assert m == minute and periods["day"] == period_bounds("day", T0)[0]
 
+    async def claim(conn, ids):
+        return set(ids)  # none written before
+
     async def totals(conn, since, periods):
         assert since == minute - 60
         return ([MinuteTotal("team", "k1", minute, 5, 100), MinuteTotal("team", "k2", minute, 4, 50),
@@ -352,6 +355,7 @@ async def test_the_sync_writes_this_gateways_counts_and_takes_the_fleets(monkeyp
     monkeypatch.setattr(usage_repo, "db_now", db_now)
     monkeypatch.setattr(usage_repo, "add", add)
     monkeypatch.setattr(usage_repo, "totals", totals)
+    monkeypatch.setattr(usage_repo, "claim", claim)
     q.engine = Engine()  # type: ignore[assignment]
     q.clock = lambda: T0 - 5  # this host's clock is 5 s behind the database's
     q.admit(accts["k1"], MODEL, REQ, b"{}")

@@ -43,10 +43,11 @@ async def test_a_backlog_goes_to_the_minutes_and_days_it_was_counted_in(database
                 q.settle(meter)
             with pytest.raises(Exception):
                 await q.sync()
-        assert sum(r[0] for rows in q.backlog.values() for r in rows.values()) == 1200  # all kept
+        assert sum(r[0] for b in q.backlog for r in b.rows.values()) == 1200  # all kept
+        assert len(q.backlog) == 20  # one batch a minute: nothing was sent to a COMMIT, so they merge
         q.engine = db  # Postgres is back (this host's clock was two hours behind the database's)
         await q.sync()
-        assert q.backlog == {}
+        assert q.backlog == []
         with psycopg.connect(database_url) as conn:
             minutes = conn.execute("SELECT extract(epoch FROM minute)::float8, requests FROM usage ORDER BY 1").fetchall()
             periods = conn.execute("SELECT extract(epoch FROM starts_at)::float8, tokens FROM usage_periods "

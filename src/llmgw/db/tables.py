@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger, Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, Text, func,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 metadata = MetaData()
 
@@ -165,4 +165,12 @@ usage_periods = Table(
     Column("key_id", Text, primary_key=True),
     Column("requests", BigInteger, nullable=False, server_default="0"),
     Column("tokens", BigInteger, nullable=False, server_default="0"),
+)
+
+# The id of every usage batch written (a gateway's sync): a retry of one already written adds nothing, so a
+# COMMIT whose answer was lost is not counted twice (db/usage_repo.py) (0011_usage_batches).
+usage_batches = Table(
+    "usage_batches", metadata,
+    Column("id", UUID(as_uuid=False), primary_key=True),
+    Column("written_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

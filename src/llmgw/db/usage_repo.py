@@ -5,10 +5,15 @@ excluded.n), to one `usage` row per minute, tenant, key and model and to one `us
 period and key, then reads the fleet's totals back in the same transaction (gateway/quotas.py). Rows are
 written in sorted order, so two gateways adding to the same rows lock them in the same order and never
 deadlock. A key of no tenant is stored with tenant ''.
+
+The write is additive, so each batch carries an id (`claim`), recorded in the same transaction: a sync
+whose COMMIT reached Postgres but whose answer was lost is retried with the same id, and adds nothing
+again (issue 37).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -18,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from llmgw.db.tables import usage
 
 RowKey = tuple[str, str, str]  # (tenant or '', key id, model)
+KEEP_BATCHES_S = 3 * 86400  # a batch id is kept this long: far longer than a gateway retries one
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,11 @@ ON CONFLICT (period, starts_at, tenant, key_id) DO UPDATE SET
     requests = usage_periods.requests + excluded.requests,
     tokens = usage_periods.tokens + excluded.tokens
 """
+# One statement: the ids not recorded yet are recorded, and returned (those already there conflict).
+_CLAIM = """
+INSERT INTO usage_batches (id) SELECT unnest(%s::uuid[]) ON CONFLICT (id) DO NOTHING RETURNING id::text
+"""
+_PRUNE = "DELETE FROM usage_batches WHERE written_at < now() - make_interval(secs => %s)"
 # Minute rows carry their minute; period rows carry NULL there and their period's name first.
 _TOTALS = """
 SELECT NULL, tenant, key_id, extract(epoch FROM minute)::float8, sum(requests)::bigint,
@@ -90,6 +101,18 @@ SELECT u.period, u.tenant, u.key_id, NULL, NULL, u.tokens
 FROM usage_periods u JOIN unnest(%s::text[], %s::float8[]) AS x(p, s)
     ON u.period = x.p AND u.starts_at = to_timestamp(x.s)
 """
+
+
+async def claim(conn: AsyncConnection, ids: list[str]) -> set[str]:
+    """Record the batch ids `ids` (uuids, as text) in the caller's transaction; returns those not recorded
+    before, whose rows the caller adds now. An id already there is a batch already written: its rows are
+    not added again. Now and then, ids older than `KEEP_BATCHES_S` go."""
+    if not ids:
+        return set()
+    new = {r[0] for r in (await conn.exec_driver_sql(_CLAIM, (ids,))).all()}
+    if random.random() < 0.01:  # keep the table small without a job of its own (like idempotency_repo)
+        await conn.exec_driver_sql(_PRUNE, (float(KEEP_BATCHES_S),))
+    return new
 
 
 async def add(conn: AsyncConnection, minute: float, periods: dict[str, float],

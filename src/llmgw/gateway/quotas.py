@@ -23,7 +23,9 @@ no task per request). A key of neither kind, or no key at all, takes the path it
   Postgres cannot be reached, the counts are kept, each batch under the minute it was counted in, and
   written to those minutes and their budget periods at the next sync (not all into the minute Postgres
   came back in, which would have shut every tenant that kept working out of its rpm); limits are judged
-  meanwhile by the last fleet totals plus this gateway's own traffic.
+  meanwhile by the last fleet totals plus this gateway's own traffic. Each batch of counts carries an id
+  recorded with it, so a sync whose COMMIT reached Postgres but whose answer was lost is not added again
+  when it is retried (issue 37: a bill counted twice).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from datetime import datetime, timezone
 from operator import attrgetter
 
@@ -234,6 +237,24 @@ class Meter:
         return out
 
 
+class Batch:
+    """Counts written to Postgres as one, at most once: `id` (a uuid made once, kept with the batch until it
+    is known written and recorded with its rows, `usage_repo.claim`), the minute they were counted in (the
+    database's clock), and rows as `Quotas.pending`. `sealed`: a write of it may have committed, so nothing
+    more may be added under its id."""
+
+    __slots__ = ("id", "minute", "rows", "sealed")
+
+    def __init__(self, minute: float, rows: dict[usage_repo.RowKey, list[int]]):
+        self.id = str(uuid.uuid4())
+        self.minute = minute
+        self.rows = rows
+        self.sealed = False
+
+
+_by_minute = attrgetter("minute")
+
+
 class Quotas:
     """Every accounted key's quotas on this gateway, their admission, and their sync with Postgres.
     `sync_s`: seconds between syncs; `day_s`: a shorter budget day (tests only)."""
@@ -246,8 +267,9 @@ class Quotas:
         self.scopes: dict[tuple[str, str], Quota] = {}
         self.accounts: dict[str, Account] = {}
         self.pending: dict[usage_repo.RowKey, list[int]] = {}  # counted since the last sync: [requests, prompt, completion]
-        # Counted but not written yet (Postgres away), by the minute it was counted in -> rows as `pending`.
-        self.backlog: dict[float, dict[usage_repo.RowKey, list[int]]] = {}
+        # Counted but not known written yet (Postgres away, or a COMMIT unanswered), in batches by the minute
+        # each was counted in.
+        self.backlog: list[Batch] = []
         self.offset = 0.0  # database clock - this host's clock, as of the last sync
         self.clock = time.time  # this host's clock (tests set their own)
 
@@ -426,12 +448,20 @@ class Quotas:
 
     # ---- the sync ---------------------------------------------------------------------------------
     async def sync(self) -> None:
-        """Add this gateway's counts since the last sync to Postgres and read back the fleet's."""
+        """Add this gateway's counts since the last sync to Postgres and read back the fleet's.
+
+        The counts go as `Batch`es, each written at most once (its id is recorded with its rows,
+        `usage_repo.claim`). A failure before the COMMIT was sent wrote nothing: the counts join the
+        backlog's batch of their minute. A failure at the COMMIT (the connection lost as it was sent or
+        answered) may have written them: those batches are kept whole, with their ids, and a retry of one
+        that was written adds nothing."""
         quotas = list(self.scopes.values())
         if not quotas and not self.pending and not self.backlog:
             return  # no accounted key: nothing to write, nothing to read
         rows, self.pending = self.pending, {}
         taken = [(q, q.taken()) for q in quotas]
+        fresh: Batch | None = None
+        committing = False
         try:
             async with self.engine.begin() as conn:
                 t0 = self.clock()  # (once connected: a slow reconnect is not the clocks' difference)
@@ -440,33 +470,59 @@ class Quotas:
                 day = period_bounds("day", now, self.day_s)
                 month = period_bounds("month", now)
                 periods = {"day": day[0], "month": month[0]}
-                for at in sorted(self.backlog):  # each minute's counts to it and to its own day and month
-                    await usage_repo.add(conn, at, {"day": period_bounds("day", at, self.day_s)[0],
-                                                    "month": period_bounds("month", at)[0]}, self.backlog[at])
-                await usage_repo.add(conn, minute, periods, rows)  # the last second's
+                if rows:
+                    fresh = Batch(minute, rows)
+                todo = [*self.backlog, fresh] if fresh is not None else self.backlog
+                new = await usage_repo.claim(conn, [b.id for b in todo])
+                for b in sorted(todo, key=_by_minute):  # each minute's counts to it and to its own day and month
+                    if b.id in new:
+                        at = b.minute
+                        await usage_repo.add(conn, at, {"day": period_bounds("day", at, self.day_s)[0],
+                                                        "month": period_bounds("month", at)[0]}, b.rows)
                 minutes, spent = await usage_repo.totals(conn, minute - WINDOW_S, periods)
+                committing = True  # what fails from here on may have been written
         except BaseException:
             for q, t in taken:
                 q.restore(t)
-            # Kept for the next sync under the minute they were counted in, as this gateway reckons the
-            # database clock (its last offset): not under whichever minute Postgres comes back in.
-            into = self.backlog.setdefault(self.now() // WINDOW_S * WINDOW_S, {})
-            for k, (r, p, c) in rows.items():
-                row = into.get(k)
-                if row is None:
-                    into[k] = [r, p, c]
-                else:
-                    row[0] += r
-                    row[1] += p
-                    row[2] += c
+            if fresh is None and rows:
+                # Kept for the next sync under the minute they were counted in, as this gateway reckons the
+                # database clock (its last offset): not under whichever minute Postgres comes back in.
+                fresh = Batch(self.now() // WINDOW_S * WINDOW_S, rows)
+            self._keep(fresh, committing)
             raise
-        written, self.backlog = self.backlog, {}
+        written, self.backlog = self.backlog, []
         self.offset = now - t0
         self._apply(minute, day, month, minutes, spent)
-        for batch in (*written.values(), rows):
-            for (tenant, _, model), (_, prompt, completion) in batch.items():  # counted once, when written
+        for b in (*written, fresh) if fresh is not None else written:  # counted once, when known written
+            for (tenant, _, model), (_, prompt, completion) in b.rows.items():
                 if prompt or completion:
                     self.metrics.count_tokens(tenant or NO_TENANT, model, prompt, completion)
+
+    def _keep(self, fresh: Batch | None, committing: bool) -> None:
+        """A sync failed: keep its counts for the next. When its COMMIT may have reached Postgres, every
+        batch it carried is sealed (kept whole with its id: it may be written); else `fresh` is merged into
+        the unsealed batch of its minute (never written, so its id may cover more)."""
+        if committing:
+            for b in self.backlog:
+                b.sealed = True
+            if fresh is not None:
+                fresh.sealed = True
+                self.backlog.append(fresh)
+            return
+        if fresh is None:
+            return
+        into = next((b for b in self.backlog if not b.sealed and b.minute == fresh.minute), None)
+        if into is None:
+            self.backlog.append(fresh)
+            return
+        for k, (r, p, c) in fresh.rows.items():
+            row = into.rows.get(k)
+            if row is None:
+                into.rows[k] = [r, p, c]
+            else:
+                row[0] += r
+                row[1] += p
+                row[2] += c
 
     def _apply(self, minute: float, day: tuple[float, float], month: tuple[float, float],
                minutes: list[usage_repo.MinuteTotal], spent: list[usage_repo.PeriodTotal]) -> None:
@@ -506,4 +562,4 @@ class Quotas:
             await self.sync()
         except Exception:  # noqa: BLE001 - the process is going; say what is lost
             log.warning("could not write the token usage not yet written (%d rows) on the way out",
-                        len(self.pending) + sum(len(r) for r in self.backlog.values()))
+                        len(self.pending) + sum(len(b.rows) for b in self.backlog))

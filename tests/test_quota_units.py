@@ -428,14 +428,18 @@ def test_what_requests_in_flight_may_use_is_held_and_released_whatever_becomes_o
 def test_a_budget_filled_by_holds_is_a_rate_limit_for_a_second_not_a_spent_quota():
     q, acct = quotas_with({"tokens_per_day": 100, "tpm": 1000})
     q.clock = lambda: T0
-    held = []
-    for _ in range(3):  # 41 each: 0, 41 and 82 are under 100, so three are admitted
-        held.append(q.admit(acct, MODEL, {**REQ, "max_tokens": 40}, b"{}", prompt_chars=2)[0])
+    held, sent = [], []
+    for _ in range(3):  # 0, 41 and 82 held are under 100, so three are admitted
+        meter, req, _ = q.admit(acct, MODEL, {**REQ, "max_tokens": 40}, b"{}", prompt_chars=2)
+        held.append(meter)
+        sent.append(req["max_tokens"])
+    # the third is cut to what the budget leaves it (100 - 82 held - 1 of prompt), so it holds 18, not 41
+    assert sent == [40, 40, 17] and [m.held for m in held] == [41, 41, 18]
     with pytest.raises(APIError) as e:
         q.admit(acct, MODEL, REQ, b"{}", prompt_chars=2)
     err = e.value
     assert (err.status, err.code) == (429, "rate_limit_exceeded") and err.headers["Retry-After"] == "1"
-    assert "0 of 100 tokens used, 123 held by requests in flight" in err.message, err.message
+    assert "0 of 100 tokens used, 100 held by requests in flight" in err.message, err.message
     for m in held:
         m.body(json.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 40}}).encode())
         q.settle(m)

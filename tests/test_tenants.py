@@ -71,6 +71,9 @@ async def plane(tmp_path_factory, module_database_url):
             {"name": "sim-b", "endpoints": [sims["sim-b"].url]},
             {"name": "echo", "endpoints": [fake.url("echo")]},
             {"name": "slow", "endpoints": [slow.url]},
+            # an operator's cap on what a choice of a request without one may generate (issue 37)
+            {"name": "echo-capped", "endpoints": [fake.url("echo")], "limits": {"max_output_tokens": 64}},
+            {"name": "hold-capped", "endpoints": [fake.url("hold")], "limits": {"max_output_tokens": 3000}},
         ]})
         assert r.status_code == 200, r.text
         cp.gw2 = f"http://127.0.0.1:{g2}"  # type: ignore[attr-defined]
@@ -220,8 +223,8 @@ async def test_a_streamed_answer_is_counted_once_and_its_usage_chunk_reaches_onl
 
 async def test_a_spent_budget_gets_insufficient_quota_until_the_period_turns(plane):
     """A day is DAY_S seconds here (LLMGW_TEST_BUDGET_DAY_S), from the database clock. 30 tokens a day:
-    two answers of 17 spend it; then 429 insufficient_quota on both gateways until the day turns, then
-    200 again."""
+    an answer of 17, then one cut to the 13 left (its max_tokens 16 is sent as 12: issue 37) spend it; then
+    429 insufficient_quota on both gateways until the day turns, then 200 again."""
     cp = plane
 
     def db_now() -> float:
@@ -242,12 +245,12 @@ async def test_a_spent_budget_gets_insufficient_quota_until_the_period_turns(pla
                 return r.status, dict(r.headers), await r.json()
 
         assert (await ask(cp.gateway))[0] == 200  # 17 of 30
-        assert (await ask(cp.gateway))[0] == 200  # 34: admitted while budget was left, counted in full
+        assert (await ask(cp.gateway))[0] == 200  # 30: cut to what was left (it had taken 34 before)
         status, headers, body = await ask(cp.gateway)
         turn = (db_now() // DAY_S + 1) * DAY_S
         assert status == 429, body
         assert body["error"]["code"] == "insufficient_quota" and body["error"]["type"] == "insufficient_quota"
-        assert "34 of 30" in body["error"]["message"] and headers["x-should-retry"] == "false"
+        assert "30 of 30" in body["error"]["message"] and headers["x-should-retry"] == "false"
         assert 1 <= int(headers["Retry-After"]) <= DAY_S
         # Its next sync (<= 1 s) writes the spend and the other gateway's next sync (<= 1 s more) reads it:
         # the other gateway knows too, two syncs later (a margin of 1 s for the syncs' own time).
@@ -279,9 +282,10 @@ async def test_a_spent_budget_gets_insufficient_quota_until_the_period_turns(pla
 async def test_leaving_a_stream_before_its_usage_chunk_is_no_way_around_a_budget(plane):
     """Tokens come from the answer's usage, which a stream sends last: a client that closes the stream
     before it would be charged nothing, and could stream without end under a budget. Such an answer is
-    charged what was relayed (an event a token, a token for each 4 characters of prompt)."""
+    charged what was relayed (an event a token, a token for each 4 characters of prompt). (Its max_tokens of
+    200 is cut to the 99 its budget leaves: since issue 37 no stream can pass a budget by generating on.)"""
     cp = plane
-    create_tenant(cp, "early", tokens_per_month=8)
+    create_tenant(cp, "early", tokens_per_month=100)
     key = create_key(cp, "early-1", "early")
     wait_key(cp, key)
     async with aiohttp.ClientSession() as s:
@@ -294,13 +298,10 @@ async def test_leaving_a_stream_before_its_usage_chunk_is_no_way_around_a_budget
                 if events == 12:
                     break  # and close the connection: the engine is still at token 12 of 200
         await asyncio.sleep(0.5)  # the gateway sees the client gone and settles
-        async with s.post(cp.gateway + "/v1/chat/completions", json=chat("sim", max_tokens=4), headers=auth(key)) as r:
-            body = await r.json()
-            assert r.status == 429 and body["error"]["code"] == "insufficient_quota", body
     rows = await asyncio.to_thread(wait_until, lambda: [r for r in usage_rows(cp, "early") if r[1] == "slow" and r[4]],
                                    timeout_s=5, what="the early stream's usage row")
     [(_, _, requests, prompt, completion)] = rows
-    assert requests == 1 and prompt >= 1 and 12 <= completion < 200, rows
+    assert requests == 1 and prompt >= 1 and 12 <= completion < 99, rows
 
 
 async def test_ctl_usage_matches_the_engines_own_counts(plane):
@@ -392,7 +393,7 @@ async def test_a_key_may_use_only_the_models_its_tenant_allows(plane):
     assert [m["id"] for m in listed] == ["sim"]
     assert httpx.get(cp.gateway + "/v1/models/sim-b", headers=auth(key), timeout=10).status_code == 403
     every = httpx.get(cp.gateway + "/v1/models", headers=auth(cp.plain_key), timeout=10).json()["data"]
-    assert {m["id"] for m in every} == {"sim", "sim-b", "echo", "slow"}
+    assert {m["id"] for m in every} == {"sim", "sim-b", "echo", "slow", "echo-capped", "hold-capped"}
 
 
 
@@ -665,3 +666,82 @@ def test_limits_stored_around_the_admin_api_are_listed_with_a_note_and_can_be_re
     assert t["limits"]["rpm"] is None and "not valid and are not enforced" in t["notes"][0], t
     out = cp.ctl("tenants", "set", "handmade", "--rpm", "60")
     assert out.returncode == 0 and "rpm 60" in out.stdout, out
+
+
+async def test_requests_without_a_length_cap_are_reserved_and_forwarded_with_one(plane):
+    """Issue 37: a request without `max_tokens` held only its prompt, so a tenant with 10,000 tokens a month
+    had every one of a burst admitted, each free to generate up to the context. Now each reserves the
+    model's output bound (`limits.max_output_tokens`: 3000) cut to what the budget leaves, and the engine is
+    sent that cap: of 20 at once, 3 hold 3001 each, the 4th is cut to the 996 left and sent `max_tokens:
+    996`, and 16 get 429 while they are in flight."""
+    cp = plane
+    create_tenant(cp, "nocap", tokens_per_month=10000)
+    key = create_key(cp, "nocap-1", "nocap")
+    wait_key(cp, key)
+    fake = cp.fake  # type: ignore[attr-defined]
+    fake.state["release"] = asyncio.Event()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def ask() -> tuple[int, dict]:
+                async with s.post(cp.gateway + "/v1/chat/completions", headers=auth(key),
+                                  json=chat("hold-capped", text="hi")) as r:
+                    return r.status, await r.json()
+            asks = [asyncio.ensure_future(ask()) for _ in range(20)]
+            await asyncio.sleep(0)
+            refused = []
+            for done in asyncio.as_completed(asks):  # the refused come back while the admitted are held
+                refused.append(await done)
+                if len(refused) == 16:
+                    break
+            fake.state["release"].set()
+            answers = [a.result() if a.done() else await a for a in asks]
+    finally:
+        fake.state["release"] = asyncio.Event()
+    ok = [body for status, body in answers if status == 200]
+    no = [body for status, body in answers if status != 200]
+    assert len(ok) == 4 and len(no) == 16, [status for status, _ in answers]
+    assert sorted(b["received"]["max_tokens"] for b in ok) == [996, 3000, 3000, 3000]
+    for body in no:
+        assert body["error"]["code"] == "rate_limit_exceeded" and "held by requests in flight" in body["error"]["message"]
+
+
+async def test_n_multiplies_the_reservation_and_every_length_field_is_clamped_to_it(plane):
+    """What the engine receives, through the real gateway: a request without a cap is sent the model's
+    `max_output_tokens`, or, for a model without one, what the tenant's budget leaves each of its `n`
+    choices; llama.cpp's `n_predict`, which llama-server prefers to `max_tokens`, is clamped to the
+    reserved cap (`{"max_tokens": 1, "n_predict": 100000}` had reserved 1 token); a request whose own cap
+    fits is sent as it came; an unaccounted key's request is never rewritten."""
+    cp = plane
+    create_tenant(cp, "capped", tokens_per_month=1000)
+    key = create_key(cp, "capped-1", "capped")
+    wait_key(cp, key)
+    async with httpx.AsyncClient(timeout=10) as c:  # (the fake engine answers on this event loop)
+        async def sent(model: str, who: str = key, **kw) -> dict:
+            r = await c.post(cp.gateway + "/v1/chat/completions", headers=auth(who), json=chat(model, **kw))
+            assert r.status_code == 200, r.text
+            return r.json()["received"]
+
+        got = await sent("echo-capped", n=4)
+        assert got["max_tokens"] == 64 and got["n"] == 4, got
+        got = await sent("echo", n=4)  # no output bound the engine would stop at: the budget's share, 999 // 4
+        assert got["max_tokens"] <= 249 and got["n"] == 4, got
+        got = await sent("echo", max_tokens=1, n_predict=100000)
+        assert got["n_predict"] == 1 and got["max_tokens"] == 1, got
+        got = await sent("echo", max_new_tokens=10**6, n_predict=-1)  # SGLang's field; llama.cpp's "no limit"
+        assert 0 < got["max_new_tokens"] <= 1000 and 0 < got["n_predict"] <= 1000 and "max_tokens" not in got, got
+        got = await sent("echo", max_tokens=5)
+        assert got == chat("echo", max_tokens=5), got  # its own cap fits: sent untouched
+        got = await sent("echo-capped", who=cp.plain_key, n=4)  # type: ignore[attr-defined]
+        assert "max_tokens" not in got, got  # unaccounted: nothing reserved, nothing rewritten
+
+
+@pytest.mark.parametrize("field, value", [("n", 129), ("n", 10**12), ("n", -1), ("n", 0), ("n", 1.5), ("n", "4"),
+                                          ("best_of", 1000), ("best_of", True), ("n_predict", -2),
+                                          ("n_predict", 2**31), ("max_new_tokens", -1), ("max_new_tokens", 2.0)])
+def test_abusive_choice_and_length_counts_get_400_naming_the_field(plane, field, value):
+    cp = plane
+    r = httpx.post(cp.gateway + "/v1/chat/completions", headers=auth(cp.plain_key),  # type: ignore[attr-defined]
+                   json=chat("echo", **{field: value}), timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and f"`{field}` must be an integer" in err["message"], err

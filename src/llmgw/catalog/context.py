@@ -14,6 +14,11 @@ A model's bound, in order:
    `--max-model-len`, SGLang `--context-length`), `CHARS_PER_TOKEN` × the largest, at most the setting;
 3. else the setting `max_prompt_chars` (OpenAI's own ceiling for one string: 10,485,760 characters).
 
+What one choice of a request that sets no length cap may generate (`output_bound`, issue 37), reserved
+against an accounted key's budgets: `limits.max_output_tokens` (also sent to the engine, which would not
+stop there by itself), else the declared context (an engine stops there anyway), else the context the prompt
+bound implies (its characters / `CHARS_PER_TOKEN`).
+
 The gateway counts a request's text (gateway/openai_api.py `prompt_chars`) and refuses a longer one with
 400 `context_length_exceeded` before it is routed, queued, counted against a quota or loads a model.
 """
@@ -97,3 +102,27 @@ def prompt_bound(model: Model, most: int = MAX_PROMPT_CHARS) -> PromptBound:
         if context * CHARS_PER_TOKEN < most:
             return PromptBound(context * CHARS_PER_TOKEN, "context", context)
     return PromptBound(most, "max_prompt_chars")
+
+
+@dataclass(frozen=True)
+class OutputBound:
+    """The most tokens one choice of a request that sets no length cap may generate, and why. `forward`:
+    the engine must be told (`max_tokens`), since it would not stop there by itself; an engine stops at its
+    context anyway, and sending the context as `max_tokens` would make vLLM refuse every request (prompt +
+    max_tokens must fit the context)."""
+
+    tokens: int
+    source: str  # "limits.max_output_tokens", "context" or "prompt bound"
+    forward: bool = False
+
+
+def output_bound(model: Model, bound: PromptBound) -> OutputBound:
+    """`model`'s output bound (the module docstring), beside its prompt bound `bound`."""
+    if model.limits is not None and model.limits.max_output_tokens is not None:
+        return OutputBound(model.limits.max_output_tokens, "limits.max_output_tokens", True)
+    if bound.context is not None:
+        return OutputBound(bound.context, "context")
+    contexts = [declared_context(p) for p in model.profiles]
+    if contexts and None not in contexts:  # a bound set by limits.max_prompt_chars, a context declared
+        return OutputBound(max(c for c in contexts if c is not None), "context")
+    return OutputBound(max(1, bound.chars // CHARS_PER_TOKEN), "prompt bound")

@@ -31,8 +31,10 @@ MAX_CHOICES = 128
 # each is a request's worth of engine work.
 MAX_INPUTS = 2048
 MAX_TOKENS = (1 << 31) - 1
-COUNTS = (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES),
-          ("best_of", MAX_CHOICES))
+# (field, least, most). llama.cpp's `n_predict` (-1: until the context is full) and SGLang's
+# `max_new_tokens` are length caps too, which an accounted request's reservation clamps (gateway/quotas.py).
+COUNTS = (("max_tokens", 1, MAX_TOKENS), ("max_completion_tokens", 1, MAX_TOKENS), ("n", 1, MAX_CHOICES),
+          ("best_of", 1, MAX_CHOICES), ("n_predict", -1, MAX_TOKENS), ("max_new_tokens", 0, MAX_TOKENS))
 
 # How each engine says a prompt does not fit its context: llama-server's error type; vLLM's "This model's
 # maximum context length is N tokens"; SGLang's "longer than the model's context length".
@@ -68,11 +70,11 @@ async def read_body(receive: Receive, limit: int = MAX_BODY) -> bytes:
 
 
 def _counts(req: dict) -> None:
-    for field, most in COUNTS:
+    for field, least, most in COUNTS:
         if field in req:
             v = req[field]
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most):
-                raise errors.bad_request(f"`{field}` must be an integer from 1 to {most}", param=field)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not least <= v <= most):
+                raise errors.bad_request(f"`{field}` must be an integer from {least} to {most}", param=field)
 
 
 def parse_request(path: str, body: bytes) -> dict[str, Any]:

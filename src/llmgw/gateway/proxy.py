@@ -203,7 +203,7 @@ class Proxy:
             if route.text_only and path == CHAT and (part := media_part(req)) is not None:
                 raise errors.text_only(label, part)
             if account is not None and self.quotas is not None:
-                x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars)
+                x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
             self.metrics.begin(label)
             counted = True

@@ -31,6 +31,7 @@ no task per request). A key of neither kind, or no key at all, takes the path it
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -40,6 +41,7 @@ from operator import attrgetter
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from llmgw.catalog.context import OutputBound, output_bound, prompt_bound
 from llmgw.db import usage_repo
 from llmgw.db.keys_repo import ActiveKey
 from llmgw.http import errors
@@ -147,7 +149,66 @@ class Quota:
 
 
 def _held_text(q: Quota) -> str:
-    return f", {q.held} held by requests in flight (prompt / 4 + max_tokens each)" if q.held else ""
+    return f", {q.held} held by requests in flight (prompt / 4 + max_tokens × n each)" if q.held else ""
+
+
+# The fields engines read a choice's length cap from, in the order the cap is taken from a request: OpenAI's
+# (vLLM reads max_completion_tokens first), then llama.cpp's `n_predict` (which llama-server prefers to
+# max_tokens), then SGLang's `max_new_tokens`.
+LENGTH_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict", "max_new_tokens")
+
+
+def _asked_cap(req: dict) -> int | None:
+    """The length cap a request sets for each choice, or None when it sets none (`n_predict: -1` is
+    llama.cpp's "until the context is full": none). The parser has checked each is an integer in range."""
+    for field in LENGTH_FIELDS:
+        v = req.get(field)
+        if type(v) is int and v >= 0:
+            return v
+    return None
+
+
+def _over(req: dict, cap: int) -> bool:
+    """Whether any length field the request sends would let a choice generate more than `cap`."""
+    for field in LENGTH_FIELDS:
+        v = req.get(field)
+        if type(v) is int and (v > cap or v < 0):
+            return True
+    return False
+
+
+def _capped(req: dict, cap: int, forward: bool) -> dict:
+    """`req` with every length field it sends clamped to `cap`, and `max_tokens: cap` when `forward` and it
+    sends none."""
+    out = dict(req)
+    sent = False
+    for field in LENGTH_FIELDS:
+        v = out.get(field)
+        if type(v) is int:
+            sent = True
+            if v > cap or v < 0:
+                out[field] = cap
+    if forward and not sent:
+        out["max_tokens"] = cap
+    return out
+
+
+def _room_left(quotas: tuple[Quota, ...]) -> int | None:
+    """The fewest tokens any token limit of `quotas` leaves (tokens per minute, the day's and the month's
+    budgets; what requests in flight hold counted as used), as of the `take` just done; None when none
+    has a token limit."""
+    left: int | None = None
+    for q in quotas:
+        if not q.metered:
+            continue
+        if q.tokens._limit is not None:
+            n = q.tokens_left  # set by this request's `take`
+            left = n if left is None or n < left else left
+        for b in (q.day, q.month):
+            if b.limit is not None:
+                n = b.limit - b.used - q.held
+                left = n if left is None or n < left else left
+    return left
 
 
 _requests_left = attrgetter("requests_left")
@@ -158,8 +219,8 @@ class Account:
     """An accounted key as the proxy sees it: its id, tenant (None: none), metric label, and quotas (its
     tenant's, then its own when it has limits)."""
 
-    __slots__ = ("key_id", "tenant", "label", "quotas", "request_quotas", "token_quotas", "one_quota", "_allowed",
-                 "_rows")
+    __slots__ = ("key_id", "tenant", "label", "quotas", "request_quotas", "token_quotas", "one_quota", "metered",
+                 "_allowed", "_rows")
 
     def __init__(self, key_id: str, tenant: str | None, quotas: tuple[Quota, ...]):
         self.key_id = key_id
@@ -171,6 +232,7 @@ class Account:
         self.token_quotas = tuple(q for q in quotas if q.limits.tpm is not None)
         rq, tq = self.request_quotas, self.token_quotas
         self.one_quota = rq[0] if len(rq) == 1 and tq == rq else None  # both headers' kinds from one quota
+        self.metered = any(q.metered for q in quotas)  # a token limit applies: the reservation is clamped to it
         self._allowed: dict[str, Quota | None] = {}  # model name -> the quota refusing it (None: allowed)
         self._rows: dict[str, usage_repo.RowKey] = {}  # model name -> its usage row's key
 
@@ -312,13 +374,20 @@ class Quotas:
 
     # ---- one request -------------------------------------------------------------------------------
     def admit(self, account: Account, model: Model, req: dict, body: bytes,
-              prompt_chars: int = 0) -> tuple[Meter, dict, bytes]:
+              prompt_chars: int = 0, output: OutputBound | None = None) -> tuple[Meter, dict, bytes]:
         """Admit one request of `account` for `model` (the catalog model the client named), or raise the
         403/429 `APIError`. Returns its meter and the request to send (asking for usage when it streams).
         Every answer of a key with limits goes through here: a few compares and additions per quota.
 
         What it may use is held in its quotas until it settles, as OpenAI counts a request against a
-        limit: a token for every 4 characters of prompt, plus its max_tokens."""
+        limit: a token for every 4 characters of prompt, plus its length cap for each choice (`n`, or
+        `best_of` where larger). The cap is the one it sets (`_asked_cap`), else `output` (the model's
+        `OutputBound`, from the route table; computed here when not given); where a token limit applies it
+        is cut to what the tightest one leaves each choice. Every length field it sends (`max_tokens`,
+        `max_completion_tokens`, llama.cpp's `n_predict`, SGLang's `max_new_tokens`) is clamped to the cap,
+        and the cap is sent as `max_tokens` when it was not the request's own and the engine would not stop
+        there by itself (issue 37): the engine cannot generate past what was reserved. A request whose own
+        caps are within what is left is sent as it came."""
         refusing = account._allowed.get(model.name, _UNSEEN)
         if refusing is not None:
             if refusing is _UNSEEN:
@@ -344,13 +413,33 @@ class Quotas:
         if row is None:
             row = self.pending[key] = [0, 0, 0]
         row[0] += 1
-        cap = req.get("max_completion_tokens") or req.get("max_tokens")
-        if type(cap) is not int:
-            cap = 0
-        held = -(-prompt_chars // CHARS_PER_TOKEN) + cap
+        prompt = -(-prompt_chars // CHARS_PER_TOKEN)
+        # Choices generated: `n`, or `best_of` where larger (the parser bounds both to 1..128).
+        k = req.get("n")
+        if type(k) is not int:
+            k = 1
+        best = req.get("best_of")
+        if type(best) is int and best > k:
+            k = best
+        cap = _asked_cap(req)
+        forward = False
+        if cap is None:  # none set: what the engine may generate (catalog/context.py)
+            bound = output if output is not None else output_bound(model, prompt_bound(model))
+            cap, forward = bound.tokens, bound.forward
+        left = _room_left(quotas) if account.metered else None
+        if left is not None:
+            per = (left - prompt) // k  # what the tightest token limit leaves each choice
+            if per < 1:
+                per = 1  # admitted with some room: one token a choice (the last may pass it, as before)
+            if per < cap:
+                cap, forward = per, True
+        if forward or _over(req, cap):
+            req = _capped(req, cap, forward)
+            body = json.dumps(req).encode()
+        held = prompt + cap * k
         for q in quotas:
             q.held += held
-        return Meter(account, key, strip, self._head(account, now), cap, stream, prompt_chars, held), req, body
+        return Meter(account, key, strip, self._head(account, now), cap * k, stream, prompt_chars, held), req, body
 
     def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
         """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""

@@ -22,7 +22,7 @@ from typing import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.catalog.context import MAX_PROMPT_CHARS, PromptBound, prompt_bound, text_only
+from llmgw.catalog.context import MAX_PROMPT_CHARS, OutputBound, PromptBound, output_bound, prompt_bound, text_only
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.gateway.misses import MissCheck
 from llmgw.gateway.upstream import Target, parse_target
@@ -58,6 +58,11 @@ class ModelRoute:
     bound: PromptBound  # the longest prompt it takes (catalog/context.py)
     text_only: bool = False  # no replica of it reads images or audio (catalog/context.py)
     endpoints: list[Endpoint] = field(default_factory=list)
+    output: OutputBound | None = None  # what a choice without a length cap may generate (catalog/context.py)
+
+    def __post_init__(self) -> None:
+        if self.output is None:
+            self.output = output_bound(self.model, self.bound)
 
 
 class RouteTable:

@@ -300,12 +300,17 @@ class Limits(_Strict):
     - `max_prompt_chars`: the most characters of text one prompt may hold; longer is refused with 400
       `context_length_exceeded` before it reaches an engine. Unset: from the context the profiles declare,
       else the setting `max_prompt_chars` (catalog/context.py).
+    - `max_output_tokens`: the most tokens one choice of an accounted request that sets no length cap may
+      generate: reserved against its tenant's budgets and sent to the engine as `max_tokens`. Unset: the
+      declared context is reserved, and nothing is sent (catalog/context.py `output_bound`). Keep it well
+      under the context: vLLM refuses a request whose prompt and `max_tokens` together exceed it.
     """
 
     max_concurrency: int | None = Field(None, ge=1, le=MAX_COUNT)
     max_queue: int = Field(0, ge=0, le=MAX_COUNT)
     queue_timeout_s: float = Field(30.0, gt=0, le=MAX_DURATION_S)
     max_prompt_chars: int | None = Field(None, ge=1, le=1 << 30)
+    max_output_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
 
 
 class GuardPolicy(_Strict):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.catalog.context import CHARS_PER_TOKEN, MAX_PROMPT_CHARS, declared_context, prompt_bound, text_only
+from llmgw.catalog.context import (
+    CHARS_PER_TOKEN, MAX_PROMPT_CHARS, OutputBound, declared_context, output_bound, prompt_bound, text_only,
+)
 from llmgw.catalog.loader import CatalogError, parse_catalog
 from llmgw.gateway.openai_api import media_part, prompt_chars
 from llmgw.schemas.catalog import Model, Profile
@@ -47,6 +49,22 @@ def test_a_models_bound_is_its_limit_else_its_context_else_the_setting():
     limited = Model(name="m", profiles=two, limits={"max_prompt_chars": 50_000_000})
     assert prompt_bound(limited, most=1000).chars == 50_000_000
     assert prompt_bound(Model(name="m", endpoints=["http://e:1"])).chars == MAX_PROMPT_CHARS
+
+
+def test_what_a_choice_without_a_cap_may_generate_is_the_operators_cap_else_the_context_else_the_bounds():
+    """Issue 37: reserved for an accounted request that sets no length cap; only the operator's cap is sent
+    (an engine stops at its context anyway, and vLLM refuses a max_tokens that does not fit beside the prompt)."""
+    def bound(m: Model) -> OutputBound:
+        return output_bound(m, prompt_bound(m))
+
+    ctx = [Profile(engine="llamacpp", args=["--ctx-size", "4096"])]
+    assert bound(Model(name="m", profiles=ctx)) == OutputBound(4096, "context", False)
+    capped = Model(name="m", profiles=ctx, limits={"max_output_tokens": 512})
+    assert bound(capped) == OutputBound(512, "limits.max_output_tokens", True)
+    limited = Model(name="m", profiles=ctx, limits={"max_prompt_chars": 1000})  # the context still bounds output
+    assert bound(limited) == OutputBound(4096, "context", False)
+    far = Model(name="m", endpoints=["http://e:1"])  # nothing declared: the context the prompt bound implies
+    assert bound(far) == OutputBound(MAX_PROMPT_CHARS // CHARS_PER_TOKEN, "prompt bound", False)
 
 
 def test_a_prompts_text_is_counted_and_nothing_else():

@@ -455,3 +455,14 @@ def test_a_request_whose_prompt_reached_an_engine_is_charged_it_though_no_answer
     m.sent = True  # the proxy: the engine (or a guard's judge) has it; then the client left
     q.settle(m)
     assert q.pending[("team", "k1", "llama-8b")] == [1, 2000, 0]
+
+
+def test_a_reservation_counts_every_choice_and_the_larger_of_n_and_best_of():
+    """Issue 37: `n` and `best_of` multiply what an engine generates, and so what is held."""
+    q, acct = quotas_with({"tokens_per_month": 10**6})
+    q.clock = lambda: T0
+    one, _, _ = q.admit(acct, MODEL, {**REQ, "max_tokens": 10}, b"{}", prompt_chars=4)
+    four, _, _ = q.admit(acct, MODEL, {**REQ, "max_tokens": 10, "n": 4}, b"{}", prompt_chars=4)
+    best, req, body = q.admit(acct, MODEL, {**REQ, "max_tokens": 10, "n": 2, "best_of": 5}, b"{}", prompt_chars=4)
+    assert (one.held, four.held, best.held) == (11, 41, 51) and best.cap == 50
+    assert body == b"{}" and req["max_tokens"] == 10  # its own cap fits: sent as it came

@@ -301,15 +301,16 @@ class Meter:
 
 class Batch:
     """Counts written to Postgres as one, at most once: `id` (a uuid made once, kept with the batch until it
-    is known written and recorded with its rows, `usage_repo.claim`), the minute they were counted in (the
-    database's clock), and rows as `Quotas.pending`. `sealed`: a write of it may have committed, so nothing
-    more may be added under its id."""
+    is known written and recorded with its rows, `usage_repo.claim`), when they were counted (`at`, the
+    database's clock: its minute and its budget periods are theirs), and rows as `Quotas.pending`.
+    `sealed`: a write of it may have committed, so nothing more may be added under its id."""
 
-    __slots__ = ("id", "minute", "rows", "sealed")
+    __slots__ = ("id", "at", "minute", "rows", "sealed")
 
-    def __init__(self, minute: float, rows: dict[usage_repo.RowKey, list[int]]):
+    def __init__(self, at: float, rows: dict[usage_repo.RowKey, list[int]]):
         self.id = str(uuid.uuid4())
-        self.minute = minute
+        self.at = at
+        self.minute = at // WINDOW_S * WINDOW_S
         self.rows = rows
         self.sealed = False
 
@@ -560,14 +561,14 @@ class Quotas:
                 month = period_bounds("month", now)
                 periods = {"day": day[0], "month": month[0]}
                 if rows:
-                    fresh = Batch(minute, rows)
+                    fresh = Batch(now, rows)
                 todo = [*self.backlog, fresh] if fresh is not None else self.backlog
                 new = await usage_repo.claim(conn, [b.id for b in todo])
                 for b in sorted(todo, key=_by_minute):  # each minute's counts to it and to its own day and month
                     if b.id in new:
-                        at = b.minute
-                        await usage_repo.add(conn, at, {"day": period_bounds("day", at, self.day_s)[0],
-                                                        "month": period_bounds("month", at)[0]}, b.rows)
+                        at = b.at
+                        await usage_repo.add(conn, b.minute, {"day": period_bounds("day", at, self.day_s)[0],
+                                                              "month": period_bounds("month", at)[0]}, b.rows)
                 minutes, spent = await usage_repo.totals(conn, minute - WINDOW_S, periods)
                 committing = True  # what fails from here on may have been written
         except BaseException:
@@ -576,7 +577,7 @@ class Quotas:
             if fresh is None and rows:
                 # Kept for the next sync under the minute they were counted in, as this gateway reckons the
                 # database clock (its last offset): not under whichever minute Postgres comes back in.
-                fresh = Batch(self.now() // WINDOW_S * WINDOW_S, rows)
+                fresh = Batch(self.now(), rows)
             self._keep(fresh, committing)
             raise
         written, self.backlog = self.backlog, []

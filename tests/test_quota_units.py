@@ -466,3 +466,19 @@ def test_a_reservation_counts_every_choice_and_the_larger_of_n_and_best_of():
     best, req, body = q.admit(acct, MODEL, {**REQ, "max_tokens": 10, "n": 2, "best_of": 5}, b"{}", prompt_chars=4)
     assert (one.held, four.held, best.held) == (11, 41, 51) and best.cap == 50
     assert body == b"{}" and req["max_tokens"] == 10  # its own cap fits: sent as it came
+
+
+def test_a_whole_answer_without_usage_is_charged_the_cap_its_engine_was_told_and_no_more():
+    """An answer without usage is charged the max_tokens the engine was told; a request without one, to a
+    model whose engine stops at its context (nothing sent), is charged its prompt only, as before: what is
+    reserved for it is not what it is billed."""
+    q, acct = quotas_with({"tokens_per_month": 400_000})
+    q.clock = lambda: T0
+    untold, req, body = q.admit(acct, MODEL, REQ, b"{}", prompt_chars=4)
+    assert untold.held == 1 + 10_485_760 // 32 and "max_tokens" not in req and body == b"{}"
+    cut, req, _ = q.admit(acct, MODEL, {**REQ, "n": 2}, b"{}", prompt_chars=4)  # cut to the budget's share
+    assert req["max_tokens"] == (400_000 - untold.held - 1) // 2 and cut.cap == 2 * req["max_tokens"]
+    for m in (untold, cut):
+        m.body(b'{"choices": []}')
+        q.settle(m)
+    assert q.pending[("team", "k1", "llama-8b")] == [2, 2, cut.cap]

@@ -422,7 +422,7 @@ class Quotas:
         best = req.get("best_of")
         if type(best) is int and best > k:
             k = best
-        cap = _asked_cap(req)
+        cap = asked = _asked_cap(req)
         forward = False
         if cap is None:  # none set: what the engine may generate (catalog/context.py)
             bound = output if output is not None else output_bound(model, prompt_bound(model))
@@ -440,7 +440,9 @@ class Quotas:
         held = prompt + cap * k
         for q in quotas:
             q.held += held
-        return Meter(account, key, strip, self._head(account, now), cap * k, stream, prompt_chars, held), req, body
+        # A whole answer without usage is charged the cap its engine was told (none told: its prompt only).
+        told = cap * k if asked is not None or forward else 0
+        return Meter(account, key, strip, self._head(account, now), told, stream, prompt_chars, held), req, body
 
     def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
         """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""

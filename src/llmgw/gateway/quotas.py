@@ -158,14 +158,16 @@ def _held_text(q: Quota) -> str:
 LENGTH_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict", "max_new_tokens")
 
 
-def _asked_cap(req: dict) -> int | None:
+def _asked_cap(req: dict) -> tuple[int | None, bool]:
     """The length cap a request sets for each choice, or None when it sets none (`n_predict: -1` is
-    llama.cpp's "until the context is full": none). The parser has checked each is an integer in range."""
-    for field in LENGTH_FIELDS:
+    llama.cpp's "until the context is full": none), and whether it is OpenAI's field (every engine reads
+    it) rather than one engine's own, which the others ignore. The parser has checked each is an integer in
+    range."""
+    for i, field in enumerate(LENGTH_FIELDS):
         v = req.get(field)
         if type(v) is int and v >= 0:
-            return v
-    return None
+            return v, i < 2
+    return None, False
 
 
 def _over(req: dict, cap: int) -> bool:
@@ -179,16 +181,13 @@ def _over(req: dict, cap: int) -> bool:
 
 def _capped(req: dict, cap: int, forward: bool) -> dict:
     """`req` with every length field it sends clamped to `cap`, and `max_tokens: cap` when `forward` and it
-    sends none."""
+    sends neither of OpenAI's (an engine's own field binds only that engine)."""
     out = dict(req)
-    sent = False
     for field in LENGTH_FIELDS:
         v = out.get(field)
-        if type(v) is int:
-            sent = True
-            if v > cap or v < 0:
-                out[field] = cap
-    if forward and not sent:
+        if type(v) is int and (v > cap or v < 0):
+            out[field] = cap
+    if forward and type(out.get("max_tokens")) is not int and type(out.get("max_completion_tokens")) is not int:
         out["max_tokens"] = cap
     return out
 
@@ -422,8 +421,11 @@ class Quotas:
         best = req.get("best_of")
         if type(best) is int and best > k:
             k = best
-        cap = asked = _asked_cap(req)
-        forward = False
+        cap, common = _asked_cap(req)
+        asked = cap
+        # A cap only one engine reads (n_predict, max_new_tokens) is also sent as max_tokens, or the others
+        # would generate on past what was reserved.
+        forward = cap is not None and not common
         if cap is None:  # none set: what the engine may generate (catalog/context.py)
             bound = output if output is not None else output_bound(model, prompt_bound(model))
             cap, forward = bound.tokens, bound.forward

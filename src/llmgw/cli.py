@@ -1,4 +1,4 @@
-"""The `llmgw` command: dev, server, worker, agent, mirror, ctl, db."""
+"""The `llmgw` command: dev, server, node-api, worker, agent, mirror, ctl, db, selftest."""
 
 from __future__ import annotations
 

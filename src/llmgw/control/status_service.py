@@ -1,7 +1,8 @@
 """What operators and clients are shown about models and replicas: statuses with their causes (failing,
 with restarts and backoff, like Kubernetes' CrashLoopBackOff), replicas with their decoded failures and
 Temporal UI links, engine logs read on the node, and clearing a model's backoff. Used by the admin API
-(`llmgw ctl`) and by the gateway (503 answers, `/v1/models`, the chat page)."""
+(`llmgw ctl`); the gateway reads the same statuses itself (db/status_repo.py, placement/model_status.py)
+for its 503 answers, `/v1/models` and the chat page."""
 
 from __future__ import annotations
 

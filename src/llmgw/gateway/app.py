@@ -3,7 +3,7 @@ app served on :8080).
 
 POST /v1/chat/completions, /v1/completions and /v1/embeddings go straight to the `Proxy` (the hot path);
 everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastAPI app. Every `/v1/` path
-checks the API key first (llmgw.security.api_keys); `/healthz`, `/metrics` and the chat page do not. A key
+checks the API key first (gateway/keys.py `KeyRing`); `/healthz`, `/metrics` and the chat page do not. A key
 that belongs to a tenant or has limits is accounted (gateway/quotas.py): the proxy admits, counts and
 limits its requests, and `/v1/models` lists only the models it may use.
 Every error, FastAPI's included, is rendered in the OpenAI envelope (http/errors.py).

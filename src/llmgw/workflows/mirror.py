@@ -1,5 +1,5 @@
 """`MirrorWorkflow`: mirror one version into the mirror, whole, durably. Id `mirror/<name>/<version>`
-(`queues.mirror_workflow_id`), started with the conflict policy that returns the running one, so two
+(`ids.mirror_workflow_id`), started with the conflict policy that returns the running one, so two
 operators mirroring the same version make one download. Runs on the mirror worker's queue, where the
 mirror's directory is (`llmgw mirror serve`).
 

@@ -650,7 +650,7 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
 
         await fleet_repo.update_shard(conn, "n1", ShardReport(shard_id=f"{rid}-r0", replica_id=rid, model="fleet-model",
                                                               profile="default", state="ready", endpoint=engines.url("echo")))
-        await fleet_repo.mark_replica(conn, rid, "ready", endpoint=engines.url("echo"))
+        await fleet_repo.transition_replica(conn, rid, "ready", endpoint=engines.url("echo"))
 
     async def routed() -> bool:
         status, _, _ = await post(gw, "/v1/chat/completions", chat("fleet-model"))
@@ -671,10 +671,10 @@ async def test_route_table_follows_replica_status_and_node_heartbeats(gw, engine
                 await ready(conn, rid)
         await eventually(True)
         async with engine.begin() as conn:
-            await fleet_repo.mark_replica(conn, "r1", "draining")
+            await fleet_repo.transition_replica(conn, "r1", "draining")
         await eventually(True)  # r2 still serves
         async with engine.begin() as conn:
-            await fleet_repo.mark_replica(conn, "r2", "draining")
+            await fleet_repo.transition_replica(conn, "r2", "draining")
         await eventually(False)  # both draining: no new requests
         async with engine.begin() as conn:
             await fleet_repo.create_replica(conn, "r3", "fleet-model", "default", [ShardPlacement(node_id="n1")])

@@ -34,7 +34,7 @@ async def test_one_statement_reads_say_what_the_separate_reads_said(database_url
             await fleet_repo.observer_tick(conn, fleet_repo.NODE_API + "p1", 15.0)
             await fleet_repo.observer_tick(conn, fleet_repo.POLLERS, 15.0)
             await fleet_repo.create_replica(conn, "gone", "m", "default", [ShardPlacement(node_id="a")])
-            await fleet_repo.mark_replica(conn, "gone", "lost", failure="test")
+            await fleet_repo.transition_replica(conn, "gone", "lost", failure="test")
             seen = await fleet_repo.liveness_reads(conn, 15.0, 600.0)
             assert seen.node_api_since == await fleet_repo.observer_since(conn, 15.0)
             assert seen.pollers_since == await fleet_repo.observer_since(conn, 15.0, fleet_repo.POLLERS)
@@ -45,7 +45,7 @@ async def test_one_statement_reads_say_what_the_separate_reads_said(database_url
             await fleet_repo.update_shard(conn, "b", ShardReport(shard_id="up-r0", replica_id="up", model="m",
                                                                  profile="default", state="ready",
                                                                  endpoint="http://127.0.0.1:9"))
-            await fleet_repo.mark_replica(conn, "up", "ready", endpoint="http://127.0.0.1:9")
+            await fleet_repo.transition_replica(conn, "up", "ready", endpoint="http://127.0.0.1:9")
             [row] = await fleet_repo.routable_replicas(conn, 15.0)
             assert row.replica_id == "up" and row.observer_age_s is not None and 0.0 <= row.observer_age_s < 5
             pollers_since = await fleet_repo.observer_since(conn, 15.0, fleet_repo.POLLERS)

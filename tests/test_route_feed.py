@@ -63,7 +63,7 @@ async def test_a_replica_change_refreshes_routes_without_reading_the_catalog(dat
             await fleet_repo.update_shard(conn, "n1", ShardReport(shard_id="r1-r0", replica_id="r1", model="m1",
                                                                   profile="default", state="ready",
                                                                   endpoint="http://127.0.0.1:9"))
-            await fleet_repo.mark_replica(conn, "r1", "ready", endpoint="http://127.0.0.1:9")
+            await fleet_repo.transition_replica(conn, "r1", "ready", endpoint="http://127.0.0.1:9")
         await eventually(lambda: table.resolve("m1") is not None and table.resolve("m1").endpoints, "r1 routed")
         await eventually(lambda: len(refreshes) > n, "the refresh")
         assert all(c == {"replicas"} for c in refreshes[n:]), refreshes[n:]

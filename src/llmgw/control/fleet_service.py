@@ -155,7 +155,7 @@ class FleetService:
                 # retries that start at once (node/attempts.py). Any other unreported shard is gone.
                 if shard.status == ShardStatus.STARTING and (prev_boot == req.boot_id or shard.pid is None):
                     continue
-                t = await fleet_repo.mark_replica(
+                t = await fleet_repo.transition_replica(
                     conn, shard.replica_id, ReplicaStatus.LOST,
                     failure=f"node {req.node_id} registered without shard {shard.id}")
                 if t.applied:
@@ -186,7 +186,7 @@ class FleetService:
                 for shard in live:
                     if shard.id in listed or not shard.launched:
                         continue
-                    t = await fleet_repo.mark_replica(
+                    t = await fleet_repo.transition_replica(
                         conn, shard.replica_id, ReplicaStatus.FAILED,
                         failure=f"node {req.node_id} no longer runs shard {shard.id} (its heartbeat does not list it)")
                     if t.applied:
@@ -207,7 +207,7 @@ class FleetService:
         async with self.engine.begin() as conn:
             replica_ids = await fleet_repo.leave_node(conn, req.node_id, req.boot_id)
             for replica_id in replica_ids or []:
-                t = await fleet_repo.mark_replica(
+                t = await fleet_repo.transition_replica(
                     conn, replica_id, ReplicaStatus.LOST,
                     failure=f"node {req.node_id} left: its agent stopped its engines as it exited",
                     replaced=False)  # an agent that says it leaves was stopped on purpose: no restart to count
@@ -266,10 +266,10 @@ class FleetService:
                 why = f"shard {s.shard_id} on {req.node_id} {s.exit_reason or describe_exit(s.exit_code)}"
                 if s.output_tail and s.output_tail.strip():
                     why += "\nlast output:\n" + s.output_tail.strip()[-1500:]
-                if (await fleet_repo.mark_replica(conn, row.replica_id, ReplicaStatus.FAILED, failure=why)).applied:
+                if (await fleet_repo.transition_replica(conn, row.replica_id, ReplicaStatus.FAILED, failure=why)).applied:
                     failed_replica = row.replica_id
             elif s.state == ShardStatus.STOPPED and status is not None and not status.is_ended:
-                t = await fleet_repo.mark_replica(
+                t = await fleet_repo.transition_replica(
                     conn, row.replica_id, ReplicaStatus.LOST, failure=f"node {req.node_id} stopped shard {s.shard_id} "
                     "on its own (its agent stopped its engines as it exited)")
                 if t.applied:

@@ -280,10 +280,6 @@ async def transition_replica(
     return Transition(False, ReplicaStatus(cur.status) if cur else None, cur.generation if cur else 0)
 
 
-# The name the node-report paths (control/fleet_service.py) use: the same function.
-mark_replica = transition_replica
-
-
 async def record_ready(conn: AsyncConnection, replica_id: str, endpoint: str | None) -> Transition:
     """The one place a replica becomes Ready (routed), at `endpoint`. Two witnesses call it: its node,
     the moment every shard's engine answered (`ready_if_every_shard_is`, pushed through the node API, so

@@ -46,6 +46,16 @@ class Settings(BaseSettings):
     # Put llmgw's search attributes (LlmgwModel, LlmgwNode, LlmgwReplica, LlmgwKind) on every workflow when
     # the namespace has them registered (workflows/attributes.py); false never sets them.
     temporal_search_attributes: bool = True
+    # How every llmgw process authenticates to Temporal (temporal.py; docs/security.md, "Temporal"): TLS with
+    # the system's roots or `temporal_tls_ca`; mutual TLS with `temporal_tls_cert`/`temporal_tls_key` (a
+    # self-hosted frontend with `requireClientAuth`, Temporal Cloud's mTLS namespaces); an API key (Temporal
+    # Cloud's API-key namespaces; sent as a bearer token, and TLS is then on). Any of them turns TLS on.
+    temporal_tls: bool = False
+    temporal_tls_ca: Path | None = None
+    temporal_tls_cert: Path | None = None
+    temporal_tls_key: Path | None = None
+    temporal_tls_server_name: str | None = None
+    temporal_api_key: str | None = None
 
     host: str = "127.0.0.1"
     gateway_port: int = 8080
@@ -69,6 +79,15 @@ class Settings(BaseSettings):
     node_api_key: Path | None = None
     node_cert: Path | None = None
     node_key: Path | None = None
+    # Proof of origin of node activities (security/activity_origin.py): control workers sign with the
+    # private key, nodes verify with the public one (a file of one or more PEM keys, for rotation). Unset,
+    # each is looked for beside `ca_cert` (activity-signing.key / .pub, made by `llmgw ctl cert ca`). A node
+    # with no key refuses to start its worker unless `accept_unsigned_node_activities` says that anyone who
+    # reaches Temporal may command it.
+    activity_signing_key: Path | None = None
+    activity_verify_key: Path | None = None
+    accept_unsigned_node_activities: bool = False
+    activity_origin_ttl_s: float = Field(300.0, gt=0)  # a token must be used (scheduled) within this
 
     # Node worker
     node_id: str | None = None
@@ -193,6 +212,25 @@ class Settings(BaseSettings):
         return normalize_database_url(v) if v else v
 
     # Derived locations -------------------------------------------------------------------------
+    def _beside_ca(self, explicit: Path | None, name: str) -> Path | None:
+        if explicit is not None:
+            return explicit
+        if self.ca_cert is not None and (self.ca_cert.parent / name).exists():
+            return self.ca_cert.parent / name
+        return None
+
+    @property
+    def resolved_activity_signing_key(self) -> Path | None:
+        return self._beside_ca(self.activity_signing_key, "activity-signing.key")
+
+    @property
+    def resolved_activity_verify_key(self) -> Path | None:
+        return self._beside_ca(self.activity_verify_key, "activity-signing.pub")
+
+    @property
+    def temporal_tls_on(self) -> bool:
+        return bool(self.temporal_tls or self.temporal_tls_ca or self.temporal_tls_cert or self.temporal_api_key)
+
     @property
     def node_api_tls(self) -> bool:
         return bool(self.node_api_cert and self.node_api_key and self.ca_cert)

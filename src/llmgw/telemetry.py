@@ -161,7 +161,9 @@ class AgentMetrics:
       a fleet means the topology is unknown (no NVML), not absent (seeds 001);
     - `llmgw_node_downloads_in_flight`, `llmgw_node_download_bytes`: weight downloads running now and the
       bytes they have so far (read at scrape time); `llmgw_node_fetched_bytes_total`: bytes of completed
-      fetches (a cache hit adds nothing).
+      fetches (a cache hit adds nothing);
+    - `llmgw_node_activities_refused_total{activity,reason}`: node activities refused because their origin is
+      not proven (security/activity_origin.py: unsigned, forged, expired, other_node, other_workflow, ...).
     """
 
     def __init__(self) -> None:
@@ -176,6 +178,9 @@ class AgentMetrics:
                                     registry=self.registry)
         self.fetched = Counter("llmgw_node_fetched_bytes", "Bytes of weight fetches completed on this node",
                                registry=self.registry)
+        self.refused_activities = Counter("llmgw_node_activities_refused",
+                                          "Node activities refused: their origin is not proven",
+                                          ["activity", "reason"], registry=self.registry)
 
     def watch_downloads(self, downloads: dict) -> None:
         """Read the in-flight gauges from `downloads` (replica id -> DownloadProgress) at scrape time."""

@@ -29,6 +29,31 @@ def workflow_runner(sandbox_own_modules: bool = False):
     return SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(*passthrough))
 
 
+def tls_config(settings: Settings):
+    """The client TLS of `settings` (see config.py, `temporal_tls*`): False for plain gRPC, else a
+    `TLSConfig`. Files are read here, so a wrong path says which setting names it."""
+    from temporalio.service import TLSConfig
+
+    if not settings.temporal_tls_on:
+        return False
+    if bool(settings.temporal_tls_cert) != bool(settings.temporal_tls_key):
+        raise SystemExit("Temporal mutual TLS needs both LLMGW_TEMPORAL_TLS_CERT and LLMGW_TEMPORAL_TLS_KEY "
+                         "(the client certificate and its key, PEM)")
+
+    def read(name: str, path):
+        if path is None:
+            return None
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise SystemExit(f"cannot read LLMGW_{name.upper()} ({path}): {exc.strerror}") from None
+
+    return TLSConfig(server_root_ca_cert=read("temporal_tls_ca", settings.temporal_tls_ca),
+                     domain=settings.temporal_tls_server_name,
+                     client_cert=read("temporal_tls_cert", settings.temporal_tls_cert),
+                     client_private_key=read("temporal_tls_key", settings.temporal_tls_key))
+
+
 async def connect(settings: Settings, attempts: int = 60) -> Client:
     """Connect to `settings.resolved_temporal_address`, retrying for about `attempts` seconds."""
     from llmgw.telemetry import tracing_enabled
@@ -40,11 +65,13 @@ async def connect(settings: Settings, attempts: int = 60) -> Client:
 
         # Spans travel in workflow/activity headers: one trace from a pass through the node's activities.
         interceptors.append(TracingInterceptor(always_create_workflow_spans=True))
+    tls = tls_config(settings)
     last: Exception | None = None
     for i in range(attempts):
         try:
             return await Client.connect(address, namespace=settings.temporal_namespace,
-                                        data_converter=pydantic_data_converter, interceptors=interceptors)
+                                        data_converter=pydantic_data_converter, interceptors=interceptors,
+                                        tls=tls, api_key=settings.temporal_api_key or None)
         except Exception as exc:  # noqa: BLE001 - RuntimeError from the core SDK on refused connections
             last = exc
             if i == 0:

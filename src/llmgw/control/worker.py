@@ -97,6 +97,25 @@ def activities(acts: ControlActivities, decide: DecideActivities) -> list:
     return acts.all() + decide.all()
 
 
+def origin_interceptors(settings: Settings) -> list:
+    """The signer of node activities (control/origin.py), from `activity_signing_key` (or the one beside the CA).
+    Without it nodes that check refuse every activity, so this says so at start."""
+    from llmgw.control.origin import OriginSigning
+    from llmgw.security.activity_origin import Signer, load_private_key
+
+    path = settings.resolved_activity_signing_key
+    if path is None:
+        log.warning("no activity signing key (LLMGW_ACTIVITY_SIGNING_KEY, or activity-signing.key beside "
+                    "LLMGW_CA_CERT; `llmgw ctl cert ca` makes it): node activities go unsigned, and every node "
+                    "that checks their origin refuses them")
+        return []
+    try:
+        key = load_private_key(path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot load the activity signing key {path}: {exc}") from None
+    return [OriginSigning(Signer(key, settings.activity_origin_ttl_s))]
+
+
 async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     engine = async_engine(settings.require_database_url())
     client = await connect(settings)
@@ -110,7 +129,7 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
                              drain_timeout_s=settings.replica_drain_timeout_s)
     decide = DecideActivities(engine, settings, acts.read_snapshot, metrics, client=client)
     worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=activities(acts, decide),
-                    workflow_runner=workflow_runner())
+                    workflow_runner=workflow_runner(), interceptors=origin_interceptors(settings))
     try:
         async with worker:
             log.info("control worker polling %s", CONTROL_QUEUE)

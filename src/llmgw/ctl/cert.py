@@ -21,14 +21,30 @@ def _pki_dir(directory: Optional[Path]) -> Path:
 
 @app.command("ca")
 def ca(directory: Optional[Path] = typer.Option(None, "--dir", help="Where to write ca.crt/ca.key (default <state>/pki)")):
-    """Create the CA. Its key stays on this machine; ca.crt goes to every node."""
+    """Create the CA and the key that signs node activities. ca.key and activity-signing.key stay on the control
+    plane; ca.crt and activity-signing.pub go to every node."""
     from llmgw.security.pki import create_ca
 
     try:
         out = create_ca(_pki_dir(directory))
     except (FileExistsError, OSError) as exc:
         fail(f"error: {exc}", 2)
-    typer.echo(f"{out.cert}\n{out.key}  (keep this key on the control plane only)")
+    typer.echo(f"{out.cert}\n{out.key}  (keep this key on the control plane only)\n"
+               f"{out.cert.parent / 'activity-signing.pub'}\n"
+               f"{out.cert.parent / 'activity-signing.key'}  (the control workers' only: it signs node activities)")
+
+
+@app.command("activity-key")
+def activity_key(directory: Optional[Path] = typer.Option(None, "--dir", help="Where the CA is (default <state>/pki)")):
+    """Make the key that signs node activities beside the CA, if it is not there yet (`ca` makes it too; this
+    is for a CA made before). activity-signing.key stays on the control plane; .pub goes to every node."""
+    from llmgw.security.activity_origin import create_signing_key
+
+    try:
+        key, pub = create_signing_key(_pki_dir(directory))
+    except OSError as exc:
+        fail(f"error: {exc}", 2)
+    typer.echo(f"{pub}\n{key}  (the control workers' only: it signs node activities)")
 
 
 @app.command("server")

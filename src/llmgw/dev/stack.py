@@ -152,12 +152,14 @@ class DevStack:
     def ensure_pki(self) -> dict[str, str]:
         """A CA, the node API's certificate for 127.0.0.1/localhost and the local node's certificate, made
         once under <state>/pki: the node API runs with mutual TLS in dev as in production."""
+        from llmgw.security.activity_origin import create_signing_key
         from llmgw.security.pki import create_ca, issue_node, issue_server
 
         pki = self.state / "pki"
         node = self.s.node_id or "local"
         if not (pki / "ca.crt").exists():
             create_ca(pki)
+        create_signing_key(pki)  # a state dir from before node activities were signed has none yet
         if not (pki / "server.crt").exists():
             issue_server(pki, ["127.0.0.1", "localhost"])
         if not (pki / f"node-{node}.crt").exists():

@@ -80,6 +80,7 @@ class Agent:
         self._gpus = None
         self._fabrics = None
         self.metrics = AgentMetrics()
+        self.origin_check: list = []  # node/origin.py, loaded when the agent runs
         self.metrics.watch_downloads(self.downloads)
 
     # ---- what the node activities use (node/host.py) -------------------------------------------
@@ -338,12 +339,37 @@ class Agent:
         except Exception:  # noqa: BLE001 - only the quick retry is lost; the worker must poll
             log.exception("ending the attempts a previous boot left failed; they wait for their heartbeat timeout")
         worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
-                        max_concurrent_activities=64)
+                        max_concurrent_activities=64, interceptors=self.origin_check)
         started.append(worker)
         log.info("node worker %s polling %s", self.node_id, node_queue(self.node_id))
         await worker.run()
 
+    def load_origin_check(self) -> list:
+        """The check of every activity's origin (node/origin.py), from `activity_verify_key` (or the key beside
+        the CA). With none, the node refuses to start unless `accept_unsigned_node_activities` is set."""
+        from llmgw.node.origin import OriginCheck
+        from llmgw.security.activity_origin import Verifier, load_public_keys
+
+        path = self.settings.resolved_activity_verify_key
+        if path is None:
+            if not self.settings.accept_unsigned_node_activities:
+                raise SystemExit(
+                    "no key to check node activities with: set LLMGW_ACTIVITY_VERIFY_KEY to the control plane's "
+                    "activity-signing.pub (`llmgw ctl cert ca` makes it beside ca.crt; copy it to the node with "
+                    "ca.crt), or LLMGW_ACCEPT_UNSIGNED_NODE_ACTIVITIES=true to let anyone who reaches Temporal "
+                    "command this node")
+            log.warning("node %s runs unsigned activities: anyone who reaches Temporal can stop, start and read "
+                        "its engines (LLMGW_ACCEPT_UNSIGNED_NODE_ACTIVITIES)", self.node_id)
+            return []
+        try:
+            keys = load_public_keys(path)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"cannot load the activity verify key {path}: {exc}") from None
+        return [OriginCheck(Verifier(keys), self.node_id,
+                            lambda activity, reason: self.metrics.refused_activities.labels(activity, reason).inc())]
+
     async def run(self, stop: asyncio.Event) -> None:
+        self.origin_check = self.load_origin_check()
         adopted, dead = self.supervisor.adopt_all()
         if adopted or dead:
             log.info("adopted %d running shard(s); %d were gone", len(adopted), len(dead))

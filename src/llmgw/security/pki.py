@@ -9,7 +9,9 @@ SANs): hostname verification reads SANs and ignores the common name, so a certif
 address agents use is refused whatever its subject says.
 
 Files (PEM): `ca.crt`/`ca.key` (the key stays on the control-plane machine), `server.crt`/`server.key`,
-`node-<id>.crt`/`node-<id>.key`. Keys are written mode 0600.
+`node-<id>.crt`/`node-<id>.key`, and beside the CA the key that signs node activities,
+`activity-signing.key` (control plane only) and `activity-signing.pub` (to every node with `ca.crt`;
+security/activity_origin.py). Keys are written mode 0600.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def create_ca(directory: Path, name: str = "llmgw CA", days: int = 3650) -> Issu
     )
     _write_key(key_path, key)
     _write_cert(cert_path, cert)
+    from llmgw.security.activity_origin import create_signing_key
+
+    create_signing_key(directory)  # node activities' proof of origin: its .pub travels with ca.crt
     return Issued(cert_path, key_path)
 
 

@@ -139,7 +139,7 @@ VLLM = EngineRules(
         "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_FLASHINFER_FORCE_TENSOR_CORES", "VLLM_ENGINE_ITERATION_TIMEOUT_S",
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_USE_DEEP_GEMM", "VLLM_ALL2ALL_BACKEND", "VLLM_FUSED_MOE_CHUNK_SIZE",
         "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_RPC_TIMEOUT", "VLLM_MLA_DISABLE", "VLLM_NO_USAGE_STATS",
-        "VLLM_DO_NOT_TRACK",
+        "VLLM_DO_NOT_TRACK", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
     }),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {
         "--served-model-name", "--tensor-parallel-size", "--pipeline-parallel-size", "--distributed-executor-backend",

@@ -18,6 +18,25 @@ MAX_GPUS_PER_NODE = 16
 def check_arithmetic(p: Profile, where: str) -> list[str]:
     """Problems with `p`'s tp/pp/nodes/gpus_per_node/gpu_memory_gb, each naming its field under `where`."""
     problems: list[str] = []
+    if p.device == "cpu":
+        if p.engine == "llamacpp":
+            problems.append(f"{where}.device: llama.cpp runs on the CPU when gpus_per_node is unset; remove device")
+        if p.tp * p.pp != 1 or p.nodes != 1:
+            problems.append(f"{where}.device: a CPU profile runs one process on one node; remove tp, pp and nodes")
+        if p.gpus_per_node or p.gpu_memory_gb:
+            problems.append(f"{where}.device: a CPU profile uses no GPU; remove gpus_per_node and gpu_memory_gb")
+        if not p.memory_gb:
+            problems.append(f"{where}.memory_gb: a CPU profile is placed by host memory; write the GiB its weights "
+                            "and KV cache take (for vLLM: the weights plus VLLM_CPU_KVCACHE_SPACE)")
+        kv = p.env.get("VLLM_CPU_KVCACHE_SPACE")
+        if p.engine == "vllm" and kv is not None and p.memory_gb:
+            try:
+                if float(kv) >= p.memory_gb:
+                    problems.append(f"{where}.memory_gb: {p.memory_gb} GiB leaves no room for the weights beside a "
+                                    f"KV cache of VLLM_CPU_KVCACHE_SPACE={kv} GiB; raise memory_gb")
+            except ValueError:
+                problems.append(f"{where}.env.VLLM_CPU_KVCACHE_SPACE: {kv!r} is not a number of GiB")
+        return problems
     if p.engine == "llamacpp":
         # The upgrade step repairs or refuses these on the written document; this catches a profile
         # built some other way (an API client sending a validated object).

@@ -177,6 +177,10 @@ class EngineAdapter:
     # Engine-specific causes for a signal that killed the engine (see `describe_exit`).
     exit_hints: dict[int, str] = {}
 
+    def executable(self) -> str:
+        """What this node will run for the engine, for the agent's start-up line."""
+        return "built in"
+
     def describe_exit(self, code: int | None) -> str:
         """How this engine's process ended, with the likely cause: "killed by SIGILL (illegal instruction):
         ...", "exited with code 1". Used in every failure the node reports."""

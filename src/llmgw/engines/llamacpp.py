@@ -76,6 +76,9 @@ class LlamaCppAdapter(EngineAdapter):
     def available(self) -> bool:
         return self.binary is not None
 
+    def executable(self) -> str:
+        return self.binary or "none"
+
     def build(self, spec: ShardSpec) -> LaunchPlan:
         if not self.binary:
             raise EngineError("llama-server is not installed on this node; set LLMGW_LLAMA_SERVER to its path")

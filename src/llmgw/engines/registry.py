@@ -21,6 +21,10 @@ class Engines:
             if adapter.available():
                 self.adapters[adapter.name] = adapter
 
+    def describe(self) -> str:
+        """`engine: what runs it` for each engine this node can launch (the agent says it at start)."""
+        return "; ".join(f"{name}: {self.adapters[name].executable()}" for name in self.names())
+
     def names(self) -> list[str]:
         return sorted(self.adapters)
 

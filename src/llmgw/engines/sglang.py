@@ -43,6 +43,9 @@ class SglangAdapter(EngineAdapter):
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
 
+    def executable(self) -> str:
+        return f"{self.python} -m sglang.launch_server"
+
     def available(self) -> bool:
         return has_module(self.python, "sglang")
 

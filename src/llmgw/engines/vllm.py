@@ -46,6 +46,9 @@ class VllmAdapter(EngineAdapter):
     def available(self) -> bool:
         return self.vllm is not None
 
+    def executable(self) -> str:
+        return self.vllm or "none"
+
     def serve_argv(self, spec: ShardSpec, multi_node: bool) -> list[str]:
         p = spec.profile
         model = weights_argument(spec, "vLLM needs a model id or a weights directory")

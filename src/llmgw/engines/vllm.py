@@ -25,8 +25,10 @@ fabric. NCCL's and Gloo's sockets are kept on the same interface (`launch_env`).
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -36,11 +38,29 @@ from llmgw.engines.base import (
 from llmgw.engines.metrics_text import scrape_gauge
 
 
+def vllm_home() -> Path:
+    """Where `scripts/setup --with vllm` puts vLLM's CPU build: `venv/` (vLLM in a venv of its own, never in
+    llmgw's: it pins FastAPI, pydantic, starlette) and `models/` (the converted test model)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw" / "vllm"
+
+
+def find_vllm(configured: str | None = None) -> str | None:
+    """The `vllm` executable: `LLMGW_VLLM`, else `vllm` on PATH, else the one `scripts/setup --with vllm`
+    installed (`vllm_home()/venv/bin/vllm`)."""
+    if configured:
+        return configured
+    found = shutil.which("vllm")
+    if found:
+        return found
+    installed = vllm_home() / "venv" / "bin" / "vllm"
+    return str(installed) if installed.exists() else None
+
+
 class VllmAdapter(EngineAdapter):
     name = "vllm"
 
     def __init__(self, vllm: str | None = None, ray: str | None = None):
-        self.vllm = vllm or shutil.which("vllm")
+        self.vllm = find_vllm(vllm)
         self.ray = ray or shutil.which("ray")
 
     def available(self) -> bool:

@@ -63,7 +63,9 @@ async def gw(tmp_path_factory, module_database_url, engines):
     cp = ControlPlane(tmp_path_factory.mktemp("limits"), module_database_url, f"127.0.0.1:{free_port()}",
                       LLMGW_HEADER_TIMEOUT_S=str(HEADER_TIMEOUT_S), LLMGW_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S),
                       LLMGW_SEND_TIMEOUT_S=str(SEND_TIMEOUT_S), LLMGW_MAX_HEADER_BYTES=str(MAX_HEADER_BYTES),
-                      LLMGW_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES), LLMGW_MAX_CONNECTIONS="3000")
+                      LLMGW_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES), LLMGW_MAX_CONNECTIONS="3000",
+                      # every client here is 127.0.0.1: its cap is the listener's (tests/test_listener_clients.py has its own)
+                      LLMGW_MAX_CONNECTIONS_PER_CLIENT="3000")
     try:
         yield await start_gateway(cp, [{"name": "echo", "endpoints": [engines.url("echo")]},
                                        {"name": "firehose", "endpoints": [engines.url("firehose")]},

@@ -222,6 +222,8 @@ async def test_a_key_out_of_requests_or_budget_is_refused_before_its_body_is_sen
 
 
 async def test_a_body_slower_than_the_minimum_rate_gets_408_and_a_faster_one_is_served(plane):
+    """A body trickled at 1 KB/s (the minimum is 4 KiB/s) gets 408 `request_too_slow` after a window, long
+    before the body deadline; another client is served meanwhile. The same body at 20 KB/s is served."""
     port = plane.ports["gateway"]
     body = json.dumps(chat("echo", "x" * 12_000)).encode()
     reader, w = await connect(port, "127.0.3.1")
@@ -238,6 +240,7 @@ async def test_a_body_slower_than_the_minimum_rate_gets_408_and_a_faster_one_is_
             pass
 
     sender = asyncio.create_task(trickle())
+    assert await timed_chat(plane.gateway, plane.other, "127.0.3.3") < 1.0  # another client, meanwhile
     data = await until_closed(reader, 10)
     took = time.monotonic() - t0
     sender.cancel()
@@ -329,3 +332,18 @@ async def test_a_mirror_reader_slower_than_the_minimum_is_dropped_and_a_fast_one
     assert ended, f"the mirror still sent to a 2 KB/s reader after {took:.0f}s ({got} bytes taken)"
     assert got < MIRROR_FILE_MIB << 20
     assert await asyncio.wait_for(fast, 60) == plane.sha
+
+
+async def test_a_refusal_on_a_kept_alive_connection_is_written(plane):
+    """After an answered request on the connection, a refusal made as the next headers arrive (here an
+    oversized head) is still written: it was judged as if the answer already given were this request's."""
+    reader, w = await connect(plane.ports["gateway"], "127.0.7.1")
+    w.write(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+    first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert first.startswith(b"HTTP/1.1 200 "), first
+    length = int(next(ln.split(b":")[1] for ln in first.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    await reader.readexactly(length)
+    w.write(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * (96 << 10) + b"\r\n\r\n")
+    data = await until_closed(reader)
+    w.close()
+    assert data.startswith(b"HTTP/1.1 431 ") and error_of(data)["code"] == "request_headers_too_large", data[:200]

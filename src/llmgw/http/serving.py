@@ -357,8 +357,9 @@ class GuardedProtocol(HttpToolsProtocol):
         admission, a 404) ends the connection: the rest of the body is not waited for (a client refused
         at once could otherwise trickle it in for the body deadline) but read and dropped for a moment, so
         the answer is not lost to a reset."""
-        cycle = self.cycle
-        if cycle is not None and cycle.more_body and not self._refused and not self.transport.is_closing():
+        cycle = self.cycle  # (a request pipelined behind the one answered has its own cycle: not complete)
+        if cycle is not None and cycle.more_body and cycle.response_complete and not self._refused \
+                and not self.transport.is_closing():
             self.server_state.total_requests += 1
             self._refused = True
             self._cancel()

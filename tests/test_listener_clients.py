@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from llmgw.dev.procs import free_port
+from llmgw.http.serving import client_of
 from tests.fake_engine import FakeEngines
 from tests.helpers import ControlPlane, wait_until
 
@@ -347,3 +348,16 @@ async def test_a_refusal_on_a_kept_alive_connection_is_written(plane):
     data = await until_closed(reader)
     w.close()
     assert data.startswith(b"HTTP/1.1 431 ") and error_of(data)["code"] == "request_headers_too_large", data[:200]
+
+
+@pytest.mark.parametrize("address, counted_as", [
+    ("192.0.2.7", "192.0.2.7"),
+    ("::ffff:192.0.2.7", "192.0.2.7"),  # a dual-stack listener's IPv4 client: its IPv4 address
+    ("2001:db8:1:2:aaaa::1", "2001:0db8:0001:0002::/64"),
+    ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:0db8:0001:0002::/64"),  # the same /64: one client
+    ("2001:db8:1:3::1", "2001:0db8:0001:0003::/64"),
+    ("fe80::1%eth0", "fe80:0000:0000:0000::/64"),
+])
+def test_an_ipv6_client_is_counted_by_its_64(address, counted_as):
+    """A host is given a /64: counting each IPv6 address would give one client 2^64 caps."""
+    assert client_of(address) == counted_as

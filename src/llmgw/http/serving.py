@@ -247,10 +247,8 @@ class GuardedProtocol(HttpToolsProtocol):
                 del registry[name]
 
     def _admit_credential(self, credential: bytes | None) -> bool:
-        """Count this connection under the request's `Authorization` value; False when that credential's
-        connections are at their cap and none of them is idle."""
-        if credential == self._credential:
-            return True
+        """Count this connection under the request's `Authorization` value (another than its previous
+        request's); False when that credential's connections are at their cap and none of them is idle."""
         if self._credential is not None:
             self._forget("llmgw_keys", self._credential)
         self._credential = credential
@@ -317,7 +315,8 @@ class GuardedProtocol(HttpToolsProtocol):
         if length is not None and length > self.limits.max_body_bytes:
             self._refuse(too_large_413(self.limits.max_body_bytes), linger=True)  # before the app runs or a byte is read
             return
-        if self.limits.max_connections_per_key and not self._admit_credential(credential):
+        if credential != self._credential and self.limits.max_connections_per_key \
+                and not self._admit_credential(credential):  # (a kept-alive connection's next request: no call)
             self._refuse(KEY_429, linger=True)
             return
         self._in_head = False

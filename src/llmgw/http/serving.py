@@ -13,8 +13,9 @@ connections or stall the event loop (docs/security.md, "Listeners"):
   however many reads that took; else 431 and close;
 - a **body size cap**: a `Content-Length` above `max_body_bytes` is refused before the body is read, and a
   chunked body is cut off as soon as it passes it; 413 in the OpenAI error envelope;
-- a **send deadline**: a client that reads nothing of its answer for `send_timeout_s` is dropped, which
-  cancels the request (an engine slot is never held by a client that stopped reading);
+- a **send deadline**: a client that reads nothing of its answer for `send_timeout_s` is dropped (with a
+  reset, which discards what the kernel still held for it), which cancels the request (an engine slot is
+  never held by a client that stopped reading);
 - a **connection limit**: at `max_connections`, a new connection closes the oldest one that has no
   request in progress (idle keep-alive, or still sending its headers); if every one is busy, the new one
   gets 503 and is closed;

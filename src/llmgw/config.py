@@ -179,6 +179,18 @@ class Settings(BaseSettings):
     max_header_bytes: int = 64 << 10
     max_request_bytes: int = 64 << 20
     max_connections: int = 4096
+    # ... of which at most `max_connections_per_client` from one peer address (an IPv6 peer by its /64) and
+    # `max_connections_per_key` carrying one `Authorization` value (an API key); a client at its cap makes
+    # way with its own idle connections, else gets 429. Behind a reverse proxy on the same host every client
+    # has the proxy's address: raise the first to `max_connections` (or 0, no cap) there. 0: no cap.
+    max_connections_per_client: int = Field(256, ge=0)
+    max_connections_per_key: int = Field(1024, ge=0)
+    # A body that arrives, or an answer that the client takes while the server waits on it, slower than
+    # `min_transfer_bytes_per_s` over `transfer_grace_s` is dropped (0: no minimum); a chunked body whose
+    # chunks average under `min_chunk_bytes` after 64 chunks is refused with 400 (0: no bound).
+    min_transfer_bytes_per_s: int = Field(4096, ge=0)
+    transfer_grace_s: float = Field(10.0, gt=0)
+    min_chunk_bytes: int = Field(512, ge=0)
     # The most characters of text one prompt may hold on the gateway, for a model whose catalog entry
     # neither sets `limits.max_prompt_chars` nor declares a context its prompts must fit (catalog/context.py).
     max_prompt_chars: int = Field(10_485_760, ge=1)

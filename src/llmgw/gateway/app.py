@@ -4,8 +4,10 @@ app served on :8080).
 POST /v1/chat/completions, /v1/completions and /v1/embeddings go straight to the `Proxy` (the hot path);
 everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastAPI app. Every `/v1/` path
 checks the API key first (gateway/keys.py `KeyRing`); `/healthz`, `/metrics` and the chat page do not. A key
-that belongs to a tenant or has limits is accounted (gateway/quotas.py): the proxy admits, counts and
-limits its requests, and `/v1/models` lists only the models it may use.
+that belongs to a tenant or has limits is accounted (gateway/quotas.py): its requests per minute and
+budgets are checked as the headers arrive, before the body is read (401 and 429 are answered without
+reading it, and the listener then closes the connection), then the proxy admits, counts and limits its
+requests, and `/v1/models` lists only the models it may use.
 Every error, FastAPI's included, is rendered in the OpenAI envelope (http/errors.py).
 """
 
@@ -181,6 +183,7 @@ def create_gateway_app(gw: Gateway):
 
     proxy = gw.proxy
     keys = gw.keys
+    quotas = gw.quotas
     gw_metrics = gw.metrics
 
     async def app(scope, receive, send):
@@ -194,6 +197,9 @@ def create_gateway_app(gw: Gateway):
                     return
                 if path in REQUIRED:
                     if scope["method"] == "POST":
+                        if account is not None and (refused := quotas.refusal(account)) is not None:
+                            await send_error(send, refused)  # before the body: the listener closes after it
+                            return
                         await proxy.handle(scope, receive, send, account)
                     else:
                         await send_error(send, errors.method_not_allowed(scope["method"], path, "POST"))

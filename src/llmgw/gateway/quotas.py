@@ -5,6 +5,8 @@ A key is *accounted* when it belongs to a tenant or has limits of its own; only 
 and limited, and only their requests pay for it (a dict lookup, a few compares and additions, no I/O and
 no task per request). A key of neither kind, or no key at all, takes the path it took before tenants.
 
+- Admission before the body (`refusal`, as the headers arrive): the requests per minute, tokens per
+  minute and budgets, without counting, so a key refused for them is refused without its body being read.
 - Admission (`admit`, before routing): the model must be one the tenant and the key allow (else 403
   `model_not_allowed`), then for the tenant and for the key: requests per minute with room for one more,
   tokens per minute not exhausted, the day's and the month's budgets not spent; else 429
@@ -123,6 +125,21 @@ class Quota:
             left = limit - used - 1
             self.requests_left = int(left) if left > 0 else 0
             self.requests_reset = 2 * WINDOW_S - e
+        return True
+
+    def fits(self, now: float) -> bool:
+        """Whether `take` would count one more request now, counting nothing: the requests per minute have
+        room for one, the tokens per minute are not exhausted, neither budget is spent (what requests in
+        flight hold counted as used). For admission before the body is read (`Quotas.refusal`)."""
+        r = self.requests
+        if r._limit is not None and not r.room(now, 1):
+            return False
+        if self.metered:
+            t = self.tokens
+            if t._limit is not None and t.used(now) + self.held >= t._limit:
+                return False
+            if not (self.day.room(now, self.held) and self.month.room(now, self.held)):
+                return False
         return True
 
     def untake(self) -> None:
@@ -445,6 +462,17 @@ class Quotas:
         # A whole answer without usage is charged the cap its engine was told (none told: its prompt only).
         told = cap * k if asked is not None or forward else 0
         return Meter(account, key, strip, self._head(account, now), told, stream, prompt_chars, held), req, body
+
+    def refusal(self, account: Account) -> errors.APIError | None:
+        """The 429 `admit` would give `account` now for its requests per minute, tokens per minute or a spent
+        budget, or None; nothing is counted. The gateway asks this when a request's headers arrive, before
+        its body is read, so that a key out of requests or budget cannot hold connections by trickling
+        bodies in (issue 36). What needs the body (the model's permission, the reservation) waits for `admit`."""
+        now = self.clock() + self.offset
+        for q in account.quotas:
+            if not q.fits(now):
+                return self._refusal(account, q, now)
+        return None
 
     def _refusal(self, account: Account, q: Quota, now: float) -> errors.APIError:
         """The 429 for the first of `q`'s limits that leaves no room (counted in the metrics)."""

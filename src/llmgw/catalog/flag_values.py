@@ -35,10 +35,9 @@ VALUES: dict[str, dict[str, str]] = {
     "vllm": {
         "--max-model-len": _HUMAN, "--max-num-batched-tokens": _HUMAN,
         **dict.fromkeys((
-            "--max-num-seqs", "--seed", "--block-size", "--max-seq-len-to-capture", "--max-logprobs", "--max-log-len",
-            "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
-            "--num-scheduler-steps"), _INT),
-        **dict.fromkeys(("--gpu-memory-utilization", "--swap-space", "--cpu-offload-gb", "--rope-theta"), _FLOAT),
+            "--max-num-seqs", "--seed", "--block-size", "--max-logprobs", "--max-log-len",
+            "--long-prefill-token-threshold"), _INT),
+        **dict.fromkeys(("--gpu-memory-utilization", "--cpu-offload-gb"), _FLOAT),
     },
     "sglang": {
         **dict.fromkeys((

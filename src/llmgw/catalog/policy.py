@@ -118,20 +118,21 @@ REFUSED_REASONS = {
     "--allowed-local-media-path": "engines may not read arbitrary files",
 }
 
+# Checked against vLLM's own parser (tests/test_engine_parsers.py, vLLM 0.32): the flags it had dropped by then
+# (--swap-space, --rope-theta, --rope-scaling, --num-scheduler-steps, --guided-decoding-backend, ...) are gone.
 VLLM = EngineRules(
     engine="vllm", underscores=True, dotted=True,
     flags=frozenset({
         "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
-        "--kv-cache-dtype", "--calculate-kv-scales", "--dtype", "--quantization", "--seed", "--block-size",
-        "--swap-space", "--cpu-offload-gb", "--enforce-eager", "--max-seq-len-to-capture", "--optimization-level",
+        "--kv-cache-dtype", "--dtype", "--quantization", "--seed", "--block-size", "--cpu-offload-gb", "--enforce-eager",
+        "--optimization-level",
         "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
-        "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "--max-num-partial-prefills",
-        "--max-long-partial-prefills", "--async-scheduling", "--scheduling-policy", "--num-scheduler-steps",
+        "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "--async-scheduling", "--scheduling-policy",
         "--disable-custom-all-reduce", "--enable-expert-parallel", "--disable-sliding-window", "--disable-cascade-attn",
-        "--max-logprobs", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--max-log-len",
-        "--uvicorn-log-level", "--revision", "--tokenizer-revision", "--rope-scaling", "--rope-theta",
+        "--max-logprobs", "--disable-log-stats", "--enable-log-requests", "--max-log-len",
+        "--uvicorn-log-level", "--revision", "--tokenizer-revision",
         "--limit-mm-per-prompt", "--mm-processor-kwargs", "--override-generation-config", "--enable-auto-tool-choice",
-        "--tool-call-parser", "--reasoning-parser", "--guided-decoding-backend", "--response-role",
+        "--tool-call-parser", "--reasoning-parser", "--response-role",
         "--return-tokens-as-token-ids",
     }),
     env=frozenset({

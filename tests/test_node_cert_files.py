@@ -107,3 +107,27 @@ def test_dev_issues_its_node_a_new_certificate_when_the_kept_one_ran_out(tmp_pat
     again = load_cert(stack.ensure_pki()["LLMGW_NODE_CERT"])
     assert again.not_valid_after_utc > dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=6)
     assert _pairs(env["LLMGW_NODE_CERT"], env["LLMGW_NODE_KEY"])
+
+
+def test_ctl_cert_node_if_due_keeps_a_good_certificate_and_replaces_one_that_ran_out(tmp_path, monkeypatch):
+    """What the compose stack's `pki` service runs at every start."""
+    from typer.testing import CliRunner
+
+    from llmgw.cli import app
+
+    def cert(*args: str):
+        return CliRunner().invoke(app, ["ctl", "cert", *args, "--dir", str(tmp_path)])
+
+    assert cert("ca").exit_code == 0
+    assert cert("node", "n1", "--if-due").exit_code == 0  # none there: issued
+    first = load_cert(tmp_path / "node-n1.crt")
+    out = cert("node", "n1", "--if-due")
+    assert out.exit_code == 0 and "kept: valid until" in out.output
+    assert load_cert(tmp_path / "node-n1.crt").serial_number == first.serial_number
+    monkeypatch.setenv("LLMGW_NODE_CERT_DAYS", "0.00001")
+    assert cert("node", "n1", "--force").exit_code == 0
+    time.sleep(1.5)
+    monkeypatch.delenv("LLMGW_NODE_CERT_DAYS")
+    out = cert("node", "n1", "--if-due")
+    assert out.exit_code == 0 and "valid until" in out.output and "kept" not in out.output
+    assert load_cert(tmp_path / "node-n1.crt").not_valid_after_utc > dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=6)

@@ -55,12 +55,26 @@ def node(
     address: list[str] = typer.Option([], "--address", help="An address (IP or DNS name) the node's engines listen "
                                       "on, when it is not the one the node reaches the control plane from; repeatable"),
     force: bool = typer.Option(False, "--force", help="Replace the node's existing certificate and key"),
+    if_due: bool = typer.Option(False, "--if-due", help="Issue only when there is none, or the one there ran out "
+                                "or is due for renewal (a setup script run at every start)"),
 ):
     """Issue a node's client certificate (common name = NODE_ID), valid LLMGW_NODE_CERT_DAYS (7); copy it and
     ca.crt to the node, whose agent renews it before it runs out. After `revoke NODE`, a new one (--force)
     lets the node back."""
-    from llmgw.security.pki import issue_node, load_cert, serial_text
+    import datetime as dt
 
+    from llmgw.security.pki import issue_node, load_cert, renew_after, serial_text
+
+    existing = _pki_dir(directory) / f"node-{node_id}.crt"
+    if if_due and existing.exists():
+        try:
+            kept = load_cert(existing)
+        except (ValueError, OSError) as exc:
+            fail(f"error: {existing}: {exc}; pass --force to replace it", 2)
+        if renew_after(kept) > dt.datetime.now(dt.timezone.utc):
+            typer.echo(f"{existing} kept: valid until {kept.not_valid_after_utc.isoformat(timespec='seconds')}")
+            return
+        force = True
     try:
         out = issue_node(_pki_dir(directory), node_id, days=Settings().node_cert_days, addresses=address,
                          replace=force)

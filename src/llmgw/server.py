@@ -109,6 +109,11 @@ async def run_node_api(settings: Settings) -> None:
     if settings.node_api_tls:
         tls = TLS(str(settings.node_api_cert), str(settings.node_api_key), str(settings.ca_cert))
         deny = DenyList(engine, settings.revocation_refresh_s)
+        if not await deny.first_load(stop):  # before listening: no request served as if nothing were revoked
+            watcher.cancel()
+            await temporal.close()
+            await engine.dispose()
+            return
         background.append(asyncio.create_task(deny.run(), name="deny-list"))
         ca_key = settings.resolved_ca_key
         if ca_key is not None:

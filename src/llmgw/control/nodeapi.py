@@ -84,7 +84,7 @@ def _peer(request: Request) -> Peer | None:
         raise identity_error(401, "the client certificate's serial or validity cannot be read") from None
 
 
-def _check_identity(request: Request, claimed: str, require: bool, deny: DenyList | None = None) -> Peer | None:
+def check_identity(request: Request, claimed: str, require: bool, deny: DenyList | None = None) -> Peer | None:
     """Raise an `APIError` unless the client certificate's common name is `claimed` (401/403, code
     `node_identity`) and the certificate is not on the deny-list `deny` (403 `certificate_revoked`; 503
     `revocations_unknown` until the list has been read). Returns the certificate (None without `require`)."""
@@ -134,8 +134,8 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
     `deny`; `renewer` signs renewals (None: `POST /node/v1/renew` answers 503 saying what to set)."""
     app = FastAPI(title="llmgw node API", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def check_identity(request: Request, claimed: str, require: bool) -> Peer | None:
-        return _check_identity(request, claimed, require, deny)
+    def identify(request: Request, claimed: str) -> Peer | None:
+        return check_identity(request, claimed, require_identity, deny)
 
     install_error_handlers(app, "the node API")
 
@@ -151,29 +151,29 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
 
     @app.post("/node/v1/register", response_model=RegisterResponse)
     async def register(req: RegisterRequest, request: Request) -> RegisterResponse:
-        check_identity(request, req.node_id, require_identity)
+        identify(request, req.node_id)
         return await fleet.register(req, node_addresses(request))
 
     # `stop` is left out when None: a node from before it reads every answer that stops nothing.
     @app.post("/node/v1/heartbeat", response_model=HeartbeatResponse, response_model_exclude_none=True)
     async def heartbeat(req: HeartbeatRequest, request: Request) -> HeartbeatResponse:
-        check_identity(request, req.node_id, require_identity)
+        identify(request, req.node_id)
         return await fleet.heartbeat(req)
 
     @app.post("/node/v1/shards")
     async def shard_status(req: ShardStatusRequest, request: Request) -> dict:
-        check_identity(request, req.node_id, require_identity)
+        identify(request, req.node_id)
         await fleet.shard_status(req, node_addresses(request))
         return {"ok": True}
 
     @app.post("/node/v1/launch-check", response_model=LaunchCheckResponse)
     async def launch_check(req: LaunchCheckRequest, request: Request) -> LaunchCheckResponse:
-        check_identity(request, req.node_id, require_identity)
+        identify(request, req.node_id)
         return await fleet.launch_check(req)
 
     @app.post("/node/v1/leave", response_model=LeaveResponse)
     async def leave(req: LeaveRequest, request: Request) -> LeaveResponse:
-        check_identity(request, req.node_id, require_identity)
+        identify(request, req.node_id)
         return await fleet.leave(req)
 
     @app.post("/node/v1/renew", response_model=RenewResponse)
@@ -190,7 +190,7 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
                 raise APIError(503, "the deny-list of node certificates cannot be read now; try again shortly",
                                type="service_unavailable", code="revocations_unknown",
                                headers={"Retry-After": "5"}) from None
-        peer = check_identity(request, req.node_id, require_identity)
+        peer = identify(request, req.node_id)
         assert peer is not None
         if renewer is None:
             raise APIError(503, "this node API has no CA key to sign renewals with: set LLMGW_CA_KEY (or keep "
@@ -203,6 +203,12 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
                                  renewer.days)
         except CSRRefused as exc:
             raise APIError(400, str(exc), param="csr", code="invalid_csr") from None
+        except (OSError, ValueError) as exc:  # the CA's files: unreadable, not a key, a key with a passphrase
+            log.error("cannot sign node %s's renewal with %s and %s: %s", peer.node_id, renewer.ca_cert,
+                      renewer.ca_key, exc)
+            raise APIError(503, "this node API cannot read its CA certificate and key to sign renewals; its log "
+                           "says why", type="service_unavailable", code="renewal_unavailable",
+                           headers={"Retry-After": "60"}) from None
         serial = serial_text(cert.serial_number)
         log.info("renewed the certificate of node %s: serial %s replaces %s, valid until %s", peer.node_id, serial,
                  peer.serial, cert.not_valid_after_utc.isoformat(timespec="seconds"))

@@ -9,9 +9,10 @@ listed, or when its node has an "issued before" cutoff after the second it was i
 revoked too; issue the node's new one after). A renewal reads the list afresh before it signs: a node
 revoked a moment ago cannot renew its way out in the refresh interval.
 
-Until the list has been read once, requests get 503 `revocations_unknown` (the node retries): a process
-that cannot read the list does not serve as if nothing were revoked. A later read that fails keeps the
-last list and says so in the log; the node API cannot serve without Postgres anyway.
+The node API reads the list before it listens (`first_load`): a process that cannot read the list does not
+serve as if nothing were revoked (were a request to come first anyway, it gets 503 `revocations_unknown` and
+the node retries). A later read that fails keeps the last list and says so in the log; the node API cannot
+serve without Postgres anyway.
 """
 
 from __future__ import annotations
@@ -72,10 +73,26 @@ class DenyList:
                     cutoffs[r.node_id] = r
         self.serials, self.cutoffs, self.loaded = serials, cutoffs, True
 
+    async def first_load(self, stop: asyncio.Event) -> bool:
+        """Read the list, retrying every second (logged) until it is read (True) or `stop` is set (False)."""
+        while not stop.is_set():
+            try:
+                await self.load()
+                return True
+            except Exception as exc:  # noqa: BLE001 - Postgres not there yet: wait for it
+                log.warning("cannot read the deny-list of node certificates yet (%s); the node API listens once "
+                            "it is read", exc)
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+        return False
+
     async def run(self) -> None:
-        """Read the list now and then every `refresh_s`, for as long as the process serves."""
+        """Read the list every `refresh_s` (after `first_load`), for as long as the process serves."""
         failing = False
         while True:
+            await asyncio.sleep(self.refresh_s)
             try:
                 await self.load()
                 if failing:
@@ -86,7 +103,6 @@ class DenyList:
                     log.exception("reading the deny-list of node certificates failed; %s",
                                   "keeping the last one read" if self.loaded else "refusing nodes until it is read")
                 failing = True
-            await asyncio.sleep(self.refresh_s)
 
     def refusal(self, node_id: str, serial: str, not_before: datetime) -> Revoked | None:
         """Why the certificate (`node_id` its common name, `serial` lower-case hex, `not_before` aware UTC)

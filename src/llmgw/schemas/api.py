@@ -280,7 +280,8 @@ class LiveReplicaView(_Strict):
 
 class NodeRemoveResponse(_Strict):
     """`removed` is False for a dry run. `live_replicas` have a shard on the node (they are lost once it
-    is removed). `note` warns when the node is still heard from: its agent will register it again."""
+    is removed). `note` warns when the node is still heard from (its agent will register it again unless
+    stopped or revoked), or says its certificates are revoked (it cannot)."""
 
     node_id: str
     status: str

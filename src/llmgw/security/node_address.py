@@ -123,9 +123,9 @@ async def pin_endpoint(endpoint: str, node: NodeAddresses) -> Pinned:
         own = [a for a in addresses if a in node.ips]
         if own:
             return Pinned(_with_host(endpoint, own[0]))
-        if addresses and host.lower().rstrip(".") in {n.lower().rstrip(".") for n in node.cert_names}:
-            return Pinned(_with_host(endpoint, addresses[0]))  # the CA vouched for the name: its address now
-        if not addresses and host.lower().rstrip(".") in {n.lower().rstrip(".") for n in node.cert_names}:
+        if host.lower().rstrip(".") in {n.lower().rstrip(".") for n in node.cert_names}:
+            if addresses:  # the CA vouched for the name: pinned to its address now
+                return Pinned(_with_host(endpoint, addresses[0]))
             return Pinned(None, f"endpoint host {host}, which the node's certificate names, does not resolve")
     return Pinned(None, f"endpoint host {host} is not this node's address ({node.describe()}); an engine must "
                   "listen on the node that reports it: set LLMGW_ADVERTISE_HOST to the address the control plane "

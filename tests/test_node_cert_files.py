@@ -131,3 +131,45 @@ def test_ctl_cert_node_if_due_keeps_a_good_certificate_and_replaces_one_that_ran
     out = cert("node", "n1", "--if-due")
     assert out.exit_code == 0 and "valid until" in out.output and "kept" not in out.output
     assert load_cert(tmp_path / "node-n1.crt").not_valid_after_utc > dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=6)
+
+
+async def test_renewal_without_a_ca_key_or_a_deny_list_is_a_503_that_says_why(tmp_path):
+    """The node API's renewal route on its own (the real listener's scope filled in as TLSIdentityProtocol
+    fills it): no CA key, an unreadable one, a deny-list that cannot be read. Each is a 503 in the envelope
+    saying what is missing, never a 500 (the happy path and revocation: tests/test_node_trust.py)."""
+    import httpx
+
+    from llmgw.control.nodeapi import Renewer, create_node_api
+    from llmgw.control.revocations import DenyList
+
+    create_ca(tmp_path)
+    cert = load_cert(issue_node(tmp_path, "n1").cert)
+    tls = {"client_cert_name": "n1", "client_cert_ips": [], "client_cert_names": [], "peer_address": "127.0.0.1",
+           "client_cert_serial": format(cert.serial_number, "X"),
+           "client_cert_not_before": cert.not_valid_before_utc.strftime("%b %d %H:%M:%S %Y GMT")}
+
+    def with_tls(app):
+        async def asgi(scope, receive, send):
+            scope = {**scope, "extensions": {**scope.get("extensions", {}), "tls": tls}}
+            await app(scope, receive, send)
+        return asgi
+
+    class Unreadable(DenyList):
+        async def load(self) -> None:
+            raise OSError("connection refused")
+
+    body = {"node_id": "n1", "csr": make_csr("n1")[1]}
+    cases = [(None, None, "renewal_unavailable", "set LLMGW_CA_KEY"),
+             (None, Renewer(tmp_path / "ca.crt", tmp_path / "missing.key", 7), "renewal_unavailable", "its log says why"),
+             (Unreadable(None, 1.0), Renewer(tmp_path / "ca.crt", tmp_path / "ca.key", 7), "revocations_unknown",
+              "cannot be read now")]
+    for deny, renewer, code, words in cases:
+        app = with_tls(create_node_api(None, require_identity=True, deny=deny, renewer=renewer))  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node-api") as c:
+            r = await c.post("/node/v1/renew", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == code and words in r.json()["error"]["message"]
+    ok = with_tls(create_node_api(None, require_identity=True,  # type: ignore[arg-type]
+                                  renewer=Renewer(tmp_path / "ca.crt", tmp_path / "ca.key", 7)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ok), base_url="http://node-api") as c:
+        r = await c.post("/node/v1/renew", json=body)
+    assert r.status_code == 200 and "BEGIN CERTIFICATE" in r.json()["certificate"]  # the control: all set, signed

@@ -88,6 +88,20 @@ class Settings(BaseSettings):
     activity_verify_key: Path | None = None
     accept_unsigned_node_activities: bool = False
     activity_origin_ttl_s: float = Field(300.0, gt=0)  # a token must be used (scheduled) within this
+    # The CA's key, which the node API signs renewed node certificates with (default: `ca.key` beside
+    # `ca_cert`, when it is there). Without it nodes cannot renew, and their certificates run out.
+    ca_key: Path | None = None
+    # How long a node certificate lives (days; fractions allowed). Nodes renew theirs over the node API at
+    # two thirds of its life (`POST /node/v1/renew`, a new key made on the node), so a stolen certificate
+    # stops working this long after it was last renewed, even if nobody revokes it (security/pki.py).
+    node_cert_days: float = Field(7.0, gt=0, le=3650)
+    # How often each node-API process reads the deny-list of revoked node certificates from Postgres
+    # (`llmgw ctl cert revoke NODE`; control/revocations.py): a revoked node is refused within this long.
+    revocation_refresh_s: float = Field(5.0, gt=0, le=300)
+    # The node API refuses to listen beyond loopback without mutual TLS: any client could then claim to be
+    # any node (mark its replicas lost, report a forged engine that receives client prompts). Only this
+    # exact value lets it: `anyone-can-claim-any-node` (control/nodeapi.py, `listen_refusal`).
+    node_api_insecure: str | None = None
 
     # Node worker
     node_id: str | None = None
@@ -246,6 +260,15 @@ class Settings(BaseSettings):
     @property
     def node_api_tls(self) -> bool:
         return bool(self.node_api_cert and self.node_api_key and self.ca_cert)
+
+    @property
+    def resolved_ca_key(self) -> Path | None:
+        """The CA key renewals are signed with: `ca_key`, else `ca.key` beside `ca_cert` if it exists."""
+        if self.ca_key:
+            return self.ca_key
+        if self.ca_cert and (self.ca_cert.parent / "ca.key").exists():
+            return self.ca_cert.parent / "ca.key"
+        return None
 
     @property
     def resolved_node_api_url(self) -> str:

@@ -25,7 +25,8 @@ from llmgw.dev.procs import port_open
 from llmgw.control.admin import create_admin_api
 from llmgw.gateway.app import Gateway, create_gateway_app
 from llmgw.control.fleet_service import FleetService
-from llmgw.control.nodeapi import create_node_api
+from llmgw.control.nodeapi import Renewer, create_node_api, listen_refusal
+from llmgw.control.revocations import DenyList
 from llmgw.schemas.payloads import LivenessFacts
 from llmgw.security.admin_token import ensure_token, loopback_only
 from llmgw.http.serving import TLS, Listener, install_stop_handlers, listener_limits, serve
@@ -58,6 +59,8 @@ def node_api_main(settings: Settings) -> None:
 
 async def run_server(settings: Settings, migrate: bool = True) -> None:
     url = settings.require_database_url()
+    if settings.node_api_port and (why := listen_refusal(settings)):
+        raise SystemExit(why)  # before anything listens: the gateway must not come up without its node API
     if migrate:
         await asyncio.to_thread(upgrade, url)
     raise_open_files_limit()
@@ -91,21 +94,38 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
 
 
 async def run_node_api(settings: Settings) -> None:
-    """The node API alone: its own database pool and Temporal client (to wake the reconciler)."""
+    """The node API alone: its own database pool and Temporal client (to wake the reconciler), and the
+    deny-list of node certificates it re-reads every `revocation_refresh_s`."""
+    if why := listen_refusal(settings):
+        raise SystemExit(why)
     engine = async_engine(settings.require_database_url(), pool_size=5)
     temporal = LazyClient(settings)
     temporal.start()
     stop = asyncio.Event()
     install_stop_handlers(stop)
     watcher = asyncio.create_task(_stop_when_orphaned(stop))
-    tls = None
+    tls = deny = renewer = None
+    background: list[asyncio.Task] = []
     if settings.node_api_tls:
         tls = TLS(str(settings.node_api_cert), str(settings.node_api_key), str(settings.ca_cert))
+        deny = DenyList(engine, settings.revocation_refresh_s)
+        if not await deny.first_load(stop):  # before listening: no request served as if nothing were revoked
+            watcher.cancel()
+            await temporal.close()
+            await engine.dispose()
+            return
+        background.append(asyncio.create_task(deny.run(), name="deny-list"))
+        ca_key = settings.resolved_ca_key
+        if ca_key is not None:
+            renewer = Renewer(settings.ca_cert, ca_key, settings.node_cert_days)  # type: ignore[arg-type]
+        else:
+            log.warning("no CA key (LLMGW_CA_KEY, or ca.key beside LLMGW_CA_CERT): nodes cannot renew their "
+                        "certificates here, and each stops working when its certificate runs out")
     else:
         log.warning("the node API runs without mutual TLS: any client can claim to be any node. Configure "
                     "LLMGW_CA_CERT, LLMGW_NODE_API_CERT and LLMGW_NODE_API_KEY (llmgw ctl cert ...)")
     fleet = FleetService(engine, temporal)
-    app = create_node_api(fleet, require_identity=tls is not None)
+    app = create_node_api(fleet, require_identity=tls is not None, deny=deny, renewer=renewer)
     log.info("node API on %s:%d (pid %d)", settings.host, settings.node_api_port, os.getpid())
     # The control plane's own sight of heartbeats (liveness: a blind observer declares nothing lost) is
     # kept where heartbeats arrive.
@@ -116,6 +136,8 @@ async def run_node_api(settings: Settings) -> None:
                               limits=listener_limits(settings, CONTROL_BODY_BYTES))], stop)
     finally:
         observer.cancel()
+        for task in background:
+            task.cancel()
         watcher.cancel()
         await temporal.close()
         await engine.dispose()

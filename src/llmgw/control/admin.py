@@ -20,7 +20,7 @@ from llmgw.http.errors import APIError, install_error_handlers
 from llmgw.http.jsonbody import BoundedJSON
 from llmgw.schemas.api import (
     ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LogsView, ModelView, NodeRemoveRequest,
-    NodeRemoveResponse, NodeView, ReplicaView, RetryResult,
+    NodeRemoveResponse, NodeView, ReplicaView, RetryResult, RevocationView, RevokeRequest,
 )
 from llmgw.schemas.payloads import LivenessFacts, ReclaimInput, ReclaimResult
 from llmgw.schemas.tenants import LimitsChange, TenantCreate, TenantDeleted, TenantView, UsageReport
@@ -88,6 +88,17 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         """Forget a node now (a decommissioned machine), as the reconciler does once it has been Lost for
         `node_forget_after_s`. Refused while replicas still have a shard on it, unless `force`."""
         return await fleet.remove_node(node_id, req)
+
+    @app.post("/admin/v1/nodes/{node_id}/revoke", response_model=RevocationView)
+    async def revoke(node_id: str, req: RevokeRequest):
+        """Revoke a node's certificates: every one issued up to now, or the one with `serial`. Every node-API
+        process refuses them within `revocation_refresh_s` (403 `certificate_revoked`)."""
+        return await fleet.revoke(node_id, req)
+
+    @app.get("/admin/v1/revocations", response_model=list[RevocationView])
+    async def revocations():
+        """The deny-list of node certificates, oldest first."""
+        return await fleet.revocations()
 
     @app.post("/admin/v1/reclaim", response_model=ReclaimResult)
     async def reclaim(req: ReclaimInput) -> ReclaimResult:

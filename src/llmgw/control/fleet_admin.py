@@ -1,15 +1,18 @@
 """Nodes, replicas and decisions for the admin API: the fleet as the planner judges it, forgetting a node,
-and `explain`. Routes (control/admin.py) validate and call this; the transactions and refusals are here."""
+revoking its certificates, and `explain`. Routes (control/admin.py) validate and call this; the transactions and refusals are here."""
 
 from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.control.status_service import StatusService
-from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
+from llmgw.db import catalog_repo, fleet_repo, reconciler_repo, revocations_repo
 from llmgw.http.errors import APIError
 from llmgw.placement.liveness import FleetLiveness, fleet_liveness
-from llmgw.schemas.api import LiveReplicaView, NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView
+from llmgw.security.pki import NODE_ID_RE, serial_text
+from llmgw.schemas.api import (
+    LiveReplicaView, NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView, RevocationView, RevokeRequest,
+)
 from llmgw.schemas.payloads import LivenessFacts, NodeSnap, ReplicaSnap, ShardPlacement, Snapshot
 from llmgw.spelling import did_you_mean
 from llmgw.temporal import LazyClient
@@ -74,8 +77,15 @@ class FleetAdmin:
             status = fleet_live.status(node_id)
             live = [LiveReplicaView(id=s.replica_id, model=s.model, status=s.status)
                     for s in await fleet_repo.live_shards_on(conn, node_id)]
-            note = (f"node {node_id} is {status} (heard from {row.age_s:.0f}s ago): unless its agent is stopped it "
-                    "will register again" if status != "lost" else "")
+            revoked = await revocations_repo.node_revoked_since(conn, node_id)
+            if revoked is not None:
+                note = (f"node {node_id}'s certificates issued before {revoked.isoformat(timespec='seconds')} are "
+                        "revoked: it cannot register again unless it is given a new one")
+            elif status != "lost":
+                note = (f"node {node_id} is {status} (heard from {row.age_s:.0f}s ago): its agent will register it "
+                        f"again unless it is stopped or its certificate revoked (llmgw ctl cert revoke {node_id})")
+            else:
+                note = ""
             if live and not req.force and not req.dry_run:
                 names = ", ".join(f"{r.id[:8]} ({r.model}, {r.status})" for r in live)
                 raise APIError(
@@ -87,6 +97,24 @@ class FleetAdmin:
         if removed:
             await self.temporal.wake(f"node {node_id} removed")
         return NodeRemoveResponse(node_id=node_id, status=status, removed=removed, live_replicas=live, note=note)
+
+    async def revoke(self, node_id: str, req: RevokeRequest) -> RevocationView:
+        """Put `node_id`'s certificates (every one issued up to now, or the one with `req.serial`) on the
+        deny-list; every node-API process refuses them within its `revocation_refresh_s`. 400 for a node
+        id no certificate can have."""
+        if not NODE_ID_RE.match(node_id):
+            raise APIError(400, f"node id {node_id!r}: no certificate names it (letters, digits, '.', '_' and '-', "
+                           "up to 63)", param="node_id")
+        async with self.engine.begin() as conn:
+            if req.serial is None:
+                row = await revocations_repo.revoke_node(conn, node_id, req.reason)
+            else:
+                row = await revocations_repo.revoke_serial(conn, node_id, serial_text(req.serial), req.reason)
+        return RevocationView(**row.__dict__)
+
+    async def revocations(self) -> list[RevocationView]:
+        async with self.engine.connect() as conn:
+            return [RevocationView(**r.__dict__) for r in await revocations_repo.all_revocations(conn)]
 
     async def explain(self, model: str) -> dict:
         """The latest reconcile pass's lines about `model` (an alias: its model), when that pass ran, the

@@ -23,7 +23,8 @@ node API (mTLS); here, whatever it says is checked against what is placed on it:
 - a shard it runs that we have no record of is adopted only under a replica id nobody has, with the shard
   id that replica's rank 0 has (`<replica>-r0`): a node cannot add itself to another node's replica;
 - every endpoint it reports must be at one of its own addresses (security/node_address.py), else the
-  report is refused as above: the gateway proxies clients to these endpoints.
+  report is refused as above: the gateway proxies clients to these endpoints. What is stored is the
+  endpoint pinned to the address verified at report time, never a name the gateway would resolve again.
 
 Readiness is pushed (issue 13): when a node reports the last of a starting replica's shards ready, the
 replica is marked Ready here, at rank 0's endpoint, and gateways route to it on the NOTIFY that follows.
@@ -47,7 +48,7 @@ from llmgw.schemas.api import (
 from llmgw.schemas.catalog import Catalog
 from llmgw.schemas.inventory import ShardReport
 from llmgw.schemas.status import ReplicaStatus, ShardStatus, wanted_by_start
-from llmgw.security.node_address import AddressUnknown, NodeAddresses, endpoint_not_own
+from llmgw.security.node_address import AddressUnknown, NodeAddresses, pin_endpoint
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
@@ -112,9 +113,10 @@ class FleetService:
         lost: list[str] = []
         foreign: dict[str, str] = {}
         unverified: set[str] = set()  # its endpoint's name cannot be resolved now: neither kept anew nor stopped
-        for sid, report in reported.items():
+        for sid, report in list(reported.items()):
             try:
-                if why := await self._endpoint_refusal(report, node):
+                reported[sid], why = await self._pin(report, node)
+                if why:
                     foreign[sid] = why
             except AddressUnknown as exc:
                 log.warning("node %s reports shard %s, whose endpoint cannot be checked now (%s); leaving it as "
@@ -220,11 +222,17 @@ class FleetService:
         self.temporal.wake_soon(f"node {req.node_id} left")
         return LeaveResponse(known=True, lost=lost)
 
-    async def _endpoint_refusal(self, report: ShardReport, node: NodeAddresses) -> str | None:
+    async def _pin(self, report: ShardReport, node: NodeAddresses) -> tuple[ShardReport, str | None]:
+        """`report` with its endpoint pinned to the verified address, and why it is refused (None when not).
+        Raises `AddressUnknown` when the endpoint's name cannot be resolved now."""
         if not report.endpoint:
-            return None
-        why = await endpoint_not_own(report.endpoint, node)
-        return f"shard {report.shard_id}: {why}" if why else None
+            return report, None
+        pinned = await pin_endpoint(report.endpoint, node)
+        if pinned.refusal:
+            return report, f"shard {report.shard_id}: {pinned.refusal}"
+        if pinned.endpoint != report.endpoint:
+            report = report.model_copy(update={"endpoint": pinned.endpoint})
+        return report, None
 
     async def launch_check(self, req: LaunchCheckRequest) -> LaunchCheckResponse:
         """Is the shard's replica still `starting` (wanted by its start), and its fencing generation? Asked by
@@ -245,9 +253,8 @@ class FleetService:
         stop the control plane did not ask for (the agent stopped its engines as it exited): lost. Raises
         `NodeRestricted` for a report on a shard placed on another node, or with an endpoint elsewhere; a
         report on a shard the control plane has no record of changes nothing."""
-        s = req.shard
         failed_replica = None
-        why = await self._endpoint_refusal(s, node)  # AddressUnknown: the node API answers 503, the node retries
+        s, why = await self._pin(req.shard, node)  # AddressUnknown: the node API answers 503, the node retries
         async with self.engine.begin() as conn:
             row = (await fleet_repo.known_shards(conn, [s.shard_id])).get(s.shard_id)
             why = why or not_its_own(req.node_id, s, row)

@@ -1,5 +1,6 @@
-"""`llmgw ctl cert ca | server | node`: llmgw's private CA and the node API's mutual-TLS certificates.
-Local files only: these never talk to the admin API."""
+"""`llmgw ctl cert ca | server | node | revoke | revoked`: llmgw's private CA and the node API's mutual-TLS
+certificates. `ca`, `server` and `node` write local files only; `revoke` and `revoked` use the admin API (the
+deny-list is in Postgres, read by every node-API process: control/revocations.py)."""
 
 from __future__ import annotations
 
@@ -70,12 +71,66 @@ def node(
     address: list[str] = typer.Option([], "--address", help="An address (IP or DNS name) the node's engines listen "
                                       "on, when it is not the one the node reaches the control plane from; repeatable"),
     force: bool = typer.Option(False, "--force", help="Replace the node's existing certificate and key"),
+    if_due: bool = typer.Option(False, "--if-due", help="Issue only when there is none, or the one there ran out "
+                                "or is due for renewal (a setup script run at every start)"),
 ):
-    """Issue a node's client certificate (common name = NODE_ID); copy it and ca.crt to the node."""
-    from llmgw.security.pki import issue_node
+    """Issue a node's client certificate (common name = NODE_ID), valid LLMGW_NODE_CERT_DAYS (7); copy it and
+    ca.crt to the node, whose agent renews it before it runs out. After `revoke NODE`, a new one (--force)
+    lets the node back."""
+    import datetime as dt
 
+    from llmgw.security.pki import issue_node, load_cert, renew_after, serial_text
+
+    existing = _pki_dir(directory) / f"node-{node_id}.crt"
+    if if_due and existing.exists():
+        try:
+            kept = load_cert(existing)
+        except (ValueError, OSError) as exc:
+            fail(f"error: {existing}: {exc}; pass --force to replace it", 2)
+        if renew_after(kept) > dt.datetime.now(dt.timezone.utc):
+            typer.echo(f"{existing} kept: valid until {kept.not_valid_after_utc.isoformat(timespec='seconds')}")
+            return
+        force = True
     try:
-        out = issue_node(_pki_dir(directory), node_id, addresses=address, replace=force)
+        out = issue_node(_pki_dir(directory), node_id, days=Settings().node_cert_days, addresses=address,
+                         replace=force)
     except (ValueError, OSError) as exc:
         fail(f"error: {exc}", 2)
-    typer.echo(f"{out.cert}\n{out.key}")
+    cert = load_cert(out.cert)
+    typer.echo(f"{out.cert}\n{out.key}\nserial {serial_text(cert.serial_number)}, valid until "
+               f"{cert.not_valid_after_utc.isoformat(timespec='seconds')}")
+
+
+@app.command("revoke")
+def revoke(
+    node_id: str = typer.Argument(..., metavar="NODE"),
+    serial: Optional[str] = typer.Option(None, "--serial", help="Revoke only this certificate (hex, as `llmgw ctl "
+                                         "cert node` and the node API's log print it)"),
+    reason: str = typer.Option("", "--reason", help="Kept with the revocation and shown to the node"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Revoke without asking"),
+):
+    """Revoke NODE's certificates: every one issued up to now (or only --serial). Every node API refuses them
+    within LLMGW_REVOCATION_REFRESH_S (5 s), renewals included; `llmgw ctl nodes remove NODE` then forgets
+    it for good. A certificate issued later (`llmgw ctl cert node NODE --force`) lets it back."""
+    from llmgw.ctl.client import Admin, confirm, seg
+
+    what = f"certificate {serial} of node {node_id}" if serial else f"every certificate of node {node_id} issued until now"
+    if not yes and not confirm(f"revoke {what}?"):
+        fail("not revoked")
+    out = Admin().post(f"/admin/v1/nodes/{seg(node_id)}/revoke", {"serial": serial, "reason": reason})
+    typer.echo(f"revoked {what} (at {out['revoked_at']}); node APIs refuse it within LLMGW_REVOCATION_REFRESH_S")
+
+
+@app.command("revoked")
+def revoked():
+    """The deny-list: every revocation, oldest first."""
+    from llmgw.ctl.client import Admin
+    from llmgw.ctl.output import console, table
+
+    rows = Admin().get("/admin/v1/revocations")
+    if not rows:
+        typer.echo("no node certificate is revoked")
+        return
+    console().print(table(["NODE", "WHAT", "REVOKED", "REASON"], [
+        [r["node_id"], f"serial {r['serial']}" if r["serial"] else f"issued before {r['issued_before']}",
+         r["revoked_at"], r["reason"] or "-"] for r in rows]))

@@ -203,7 +203,8 @@ def nodes_remove(
     yes: bool = typer.Option(False, "--yes", "-y", help="Remove without asking"),
 ):
     """Forget NODE now (a decommissioned machine), as happens by itself once it has been Lost for
-    LLMGW_NODE_FORGET_AFTER_S. Refused while replicas still run on it, unless --force."""
+    LLMGW_NODE_FORGET_AFTER_S. Refused while replicas still run on it, unless --force. Its agent registers
+    it again unless it is stopped or its certificate revoked first (`llmgw ctl cert revoke NODE`)."""
     admin = Admin()
     plan = admin.post(f"/admin/v1/nodes/{seg(node_id)}/remove", {"force": force, "dry_run": True})
     typer.echo(f"  {plan['node_id']}  {plan['status']}")

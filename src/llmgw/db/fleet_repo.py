@@ -285,8 +285,15 @@ async def record_ready(conn: AsyncConnection, replica_id: str, endpoint: str | N
     the moment every shard's engine answered (`ready_if_every_shard_is`, pushed through the node API, so
     it is routed at once), and its start workflow after its waits on the node succeeded (`mark_replica`,
     which carries on when the push was lost). Whichever comes second finds it Ready and is told so as if
-    it had applied it: both mean the same start."""
-    t = await transition_replica(conn, replica_id, ReplicaStatus.READY, endpoint=endpoint)
+    it had applied it: both mean the same start.
+
+    The endpoint recorded is rank 0's as its node reported it over the node API, pinned there to the
+    address verified (security/node_address.py), whenever there is one: `endpoint` (a start workflow's
+    result, which may name a host) only when none was reported, and then it is not routed
+    (`routable_replicas`) until a report of rank 0 records the verified one."""
+    reported = (await conn.execute(select(shards.c.endpoint).where(and_(
+        shards.c.replica_id == replica_id, shards.c.rank == 0)))).scalar_one_or_none()
+    t = await transition_replica(conn, replica_id, ReplicaStatus.READY, endpoint=reported or endpoint)
     if not t.applied and t.status is ReplicaStatus.READY:
         return Transition(True, t.status, t.generation)
     return t
@@ -457,6 +464,13 @@ async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport)
     row = res.first()
     if row is None:
         return None
+    if report.rank == 0 and report.endpoint:
+        # Rank 0's endpoint, verified and pinned by the node API, is the replica's: a Ready replica whose
+        # endpoint was recorded otherwise (a start workflow's result, a name stored before endpoints were
+        # pinned) is routed at this one from now on.
+        await conn.execute(update(replicas).where(and_(
+            replicas.c.id == row.replica_id, replicas.c.status == ReplicaStatus.READY,
+            replicas.c.endpoint.is_distinct_from(report.endpoint))).values(endpoint=report.endpoint))
     if report.rank == 0 and report.profile_hash:
         # What the node says it launched is the replica's profile (rolling replacement compares it with
         # the catalog's): recorded from the fleet, not from the decision that placed it.

@@ -174,3 +174,16 @@ usage_batches = Table(
     Column("id", UUID(as_uuid=False), primary_key=True),
     Column("written_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
+
+# The deny-list of node certificates (0012_node_cert_revocations): a row refuses one certificate (`serial`,
+# lower-case hex) or every certificate of `node_id` issued up to `issued_before`; read by every node-API
+# process every `revocation_refresh_s` (control/revocations.py, db/revocations_repo.py).
+node_cert_revocations = Table(
+    "node_cert_revocations", metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("node_id", Text, nullable=False),
+    Column("serial", Text),
+    Column("issued_before", DateTime(timezone=True)),
+    Column("reason", Text, nullable=False, server_default=""),
+    Column("revoked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)

@@ -151,9 +151,13 @@ class DevStack:
 
     def ensure_pki(self) -> dict[str, str]:
         """A CA, the node API's certificate for 127.0.0.1/localhost and the local node's certificate, made
-        once under <state>/pki: the node API runs with mutual TLS in dev as in production."""
+        once under <state>/pki: the node API runs with mutual TLS in dev as in production. The node's
+        certificate is short-lived and its agent renews it while it runs; one that ran out (or is due for
+        renewal) while `llmgw dev` was stopped is issued anew here."""
+        import datetime as dt
+
         from llmgw.security.activity_origin import create_signing_key
-        from llmgw.security.pki import create_ca, issue_node, issue_server
+        from llmgw.security.pki import create_ca, finish_renewal, issue_node, issue_server, load_cert, renew_after
 
         pki = self.state / "pki"
         node = self.s.node_id or "local"
@@ -162,8 +166,10 @@ class DevStack:
         create_signing_key(pki)  # a state dir from before node activities were signed has none yet
         if not (pki / "server.crt").exists():
             issue_server(pki, ["127.0.0.1", "localhost"])
-        if not (pki / f"node-{node}.crt").exists():
-            issue_node(pki, node)
+        crt, key = pki / f"node-{node}.crt", pki / f"node-{node}.key"
+        finish_renewal(crt, key)
+        if not crt.exists() or renew_after(load_cert(crt)) <= dt.datetime.now(dt.timezone.utc):
+            issue_node(pki, node, days=self.s.node_cert_days, replace=True)
         return {"LLMGW_CA_CERT": str(pki / "ca.crt"), "LLMGW_NODE_API_CERT": str(pki / "server.crt"),
                 "LLMGW_NODE_API_KEY": str(pki / "server.key"), "LLMGW_NODE_CERT": str(pki / f"node-{node}.crt"),
                 "LLMGW_NODE_KEY": str(pki / f"node-{node}.key"),

@@ -519,7 +519,8 @@ class TLSIdentityProtocol(GuardedProtocol):
     as the ASGI TLS extension (`scope["extensions"]["tls"]["client_cert_name"]`), which uvicorn does
     not fill in itself. The TLS handshake has already verified the chain against our CA. Beside it: the
     certificate's IP and DNS names and the connection's peer address, read from the socket (never from a
-    forwarding header), which the node API checks reported endpoints against."""
+    forwarding header), which the node API checks reported endpoints against, and the certificate's serial
+    and notBefore, which it checks against the deny-list."""
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -528,7 +529,10 @@ class TLSIdentityProtocol(GuardedProtocol):
         ips, names = cert_addresses(cert)
         peer = self.transport.get_extra_info("peername")
         self.scope["extensions"]["tls"] = {"client_cert_name": common_name(cert), "client_cert_ips": ips,
-                                           "client_cert_names": names, "peer_address": peer[0] if peer else None}
+                                           "client_cert_names": names, "peer_address": peer[0] if peer else None,
+                                           # the deny-list's keys (control/revocations.py)
+                                           "client_cert_serial": (cert or {}).get("serialNumber"),
+                                           "client_cert_not_before": (cert or {}).get("notBefore")}
 
 
 @dataclass

@@ -8,6 +8,11 @@ exits (a restarted worker adopts them) unless it was started with `stop_engines_
 is leaving (`/node/v1/leave`: its replicas lost, the node Unreachable until it registers again) and
 reports each stop before it exits, so their replicas leave routing at once.
 
+Its node certificate is short-lived (`node_cert_days`): at two thirds of its life the worker makes a new key,
+has the node API sign a CSR for it (`POST /node/v1/renew`, over the current certificate), installs the pair
+atomically and uses it for every new connection (node/renewal.py). A revoked certificate cannot renew: every
+request over it is refused, and the worker says so in its log.
+
 Requests to the node API go one at a time, each built when it is sent: a heartbeat lists the shards running
 when it was built, and the control plane receives it before any later report, so a shard missing from a
 heartbeat is one this node no longer runs (control/fleet_service.py compares them on every heartbeat).
@@ -47,7 +52,9 @@ from llmgw.node.health import EngineHealth
 from llmgw.node.infiniband import discover_fabrics
 from llmgw.telemetry import AgentMetrics
 from llmgw.node.simulate import simulated_inventory
+from llmgw.node.renewal import renew_loop
 from llmgw.node.supervisor import Shard, Supervisor
+from llmgw.security.pki import finish_renewal
 from llmgw.workflows.ids import parse_shard_id, replica_of
 from llmgw.workflows.queues import node_queue
 
@@ -73,6 +80,7 @@ class Agent:
         self._post_lock = asyncio.Lock()
         self.api = settings.resolved_node_api_url.rstrip("/")
         self.http: aiohttp.ClientSession | None = None
+        self._ssl = None  # the TLS context of node-API connections (None: plain HTTP)
         self.registered = asyncio.Event()
         self.reregister = False  # a transition report did not get through: the next beat registers again
         self.inventory_dirty = False
@@ -115,9 +123,26 @@ class Agent:
                              f"(llmgw ctl cert node {self.node_id})")
         import ssl
 
+        if finish_renewal(s.node_cert, s.node_key):
+            log.info("installed the certificate a renewal had left half-installed (%s)", s.node_cert)
         ctx = ssl.create_default_context(cafile=str(s.ca_cert))
         ctx.load_cert_chain(str(s.node_cert), str(s.node_key))
+        self._ssl = ctx
         return ctx
+
+    async def use_new_certificate(self) -> None:
+        """Present the certificate now on disk (just renewed) on every new connection: reloaded into the TLS
+        context, and the kept-alive connections made with the old one closed, between two requests."""
+        s = self.settings
+        assert self._ssl is not None and self.http is not None
+        async with self._post_lock:
+            self._ssl.load_cert_chain(str(s.node_cert), str(s.node_key))
+            old, self.http = self.http, self._session()
+        await old.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+                                     connector=aiohttp.TCPConnector(ssl=self._ssl))
 
     async def _post(self, path: str, body, timeout_s: float | None = None) -> dict:
         """POST one body (or what `body()` builds, at send time) to the node API; one request at a time.
@@ -377,8 +402,8 @@ class Agent:
         self.fences.prune()
         if self.settings.agent_metrics_port:
             self.metrics.serve(self.settings.agent_metrics_port, self.settings.host)
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
-                                          connector=aiohttp.TCPConnector(ssl=self.ssl_context()))
+        self.ssl_context()
+        self.http = self._session()
         health = EngineHealth(self.supervisor, self.engines, self.settings.engine_probe_interval_s,
                               self.settings.engine_probe_failures, self._on_unresponsive)
         workers: list[Worker] = []
@@ -389,6 +414,8 @@ class Agent:
                  asyncio.create_task(self.supervisor.watch(), name="watch"),
                  asyncio.create_task(self.heartbeat_loop(), name="heartbeat"),
                  asyncio.create_task(health.run(), name="health")]
+        if self._ssl is not None:
+            tasks.append(asyncio.create_task(renew_loop(self), name="renewal"))
         try:
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)

@@ -95,6 +95,20 @@ class LaunchCheckResponse(_NodeReads):
     generation: int = 0  # its fencing generation, which the node's commands for it carry
 
 
+class RenewRequest(_Strict):
+    """A node renews its certificate before it runs out (security/pki.py): a PEM certificate signing
+    request for a key it made itself. Sent over its current certificate, which must not be revoked."""
+
+    node_id: str = Field(max_length=253)
+    csr: str = Field(min_length=1, max_length=16384)
+
+
+class RenewResponse(_NodeReads):
+    certificate: str  # PEM
+    serial: str  # lower-case hex
+    not_after: datetime
+
+
 class ApplyRequest(_Strict):
     """Admin API: replace the catalog. `dry_run` returns the diff without applying."""
 
@@ -241,6 +255,23 @@ class NodeRemoveRequest(_Strict):
     dry_run: bool = False
 
 
+class RevokeRequest(_Strict):
+    """Admin API: revoke node certificates. Without `serial`, every certificate of the node issued up to now
+    (a certificate issued later lets it back); with it, that one certificate (lower-case or upper-case hex,
+    colons allowed). `reason` is kept with the row and shown in the refusal."""
+
+    serial: str | None = Field(None, min_length=1, max_length=100, pattern=r"^[0-9A-Fa-f:]+$")
+    reason: str = Field("", max_length=500)
+
+
+class RevocationView(_Strict):
+    node_id: str
+    serial: str | None = None
+    issued_before: datetime | None = None
+    reason: str = ""
+    revoked_at: datetime
+
+
 class LiveReplicaView(_Strict):
     id: str
     model: str
@@ -249,7 +280,8 @@ class LiveReplicaView(_Strict):
 
 class NodeRemoveResponse(_Strict):
     """`removed` is False for a dry run. `live_replicas` have a shard on the node (they are lost once it
-    is removed). `note` warns when the node is still heard from: its agent will register it again."""
+    is removed). `note` warns when the node is still heard from (its agent will register it again unless
+    stopped or revoked), or says its certificates are revoked (it cannot)."""
 
     node_id: str
     status: str

@@ -9,6 +9,12 @@ endpoint's host must be one of the node's own addresses:
   one its engines listen on (a management network, NAT).
 A name in an endpoint is accepted when the certificate names it, or when it resolves to one of those
 addresses.
+
+The name is resolved once, here, and never again (issue 36): what is stored, and what the gateway connects
+to, is the endpoint with its host replaced by the address verified now (`Pinned.endpoint`; the port and
+path kept). Were the name kept, the gateway would resolve it on every connection, and a node that controls
+the name could point prompts at any host after its report was checked. A name the certificate names is
+pinned to the address it resolves to now (one of the node's own when it has one there).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import asyncio
 import ipaddress
 import socket
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 RESOLVE_TIMEOUT_S = 2.0
 
@@ -64,34 +70,63 @@ def _ip(text: str | None):
     return ip
 
 
-async def endpoint_not_own(endpoint: str, node: NodeAddresses) -> str | None:
-    """Why `endpoint` is not on the node that reports it, or None when its host is one of the node's own
-    addresses. Unparseable endpoints are refused too. Raises `AddressUnknown` when its name cannot be
-    resolved now (a name that does not exist is refused)."""
+@dataclass(frozen=True)
+class Pinned:
+    """An endpoint checked: `endpoint` is it with its host replaced by the verified IP address (None when
+    refused), `refusal` why it is not the node's (None when accepted)."""
+
+    endpoint: str | None
+    refusal: str | None = None
+
+
+async def _resolve(host: str) -> list:
+    """`host`'s addresses (`_ip` form, in the resolver's order); [] for a name that does not exist. Raises
+    `AddressUnknown` when it cannot be resolved now."""
     try:
-        host = urlsplit(endpoint).hostname
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
+                                       RESOLVE_TIMEOUT_S)
+    except socket.gaierror as exc:
+        if exc.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            raise AddressUnknown(f"endpoint host {host} cannot be resolved now ({exc})") from None
+        return []  # the name does not exist: not this node's
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise AddressUnknown(f"endpoint host {host} cannot be resolved now ({type(exc).__name__})") from None
+    return [ip for ip in (_ip(i[4][0]) for i in infos) if ip is not None]
+
+
+def _with_host(endpoint: str, ip) -> str:
+    """`endpoint` with its host replaced by `ip` (IPv6 in brackets), its scheme, port and path kept."""
+    parts = urlsplit(endpoint)
+    host = f"[{ip}]" if ip.version == 6 else str(ip)
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+async def pin_endpoint(endpoint: str, node: NodeAddresses) -> Pinned:
+    """Check that `endpoint` is on the node that reports it (its host one of the node's own addresses, or a
+    name its certificate names or that resolves to one of them) and pin it to the verified address.
+    Unparseable endpoints are refused too. Raises `AddressUnknown` when its name cannot be resolved now
+    (a name that does not exist is refused)."""
+    try:
+        parts = urlsplit(endpoint)
+        host, _ = parts.hostname, parts.port  # a port that is not a number raises here
     except ValueError:
         host = None
     if not host:
-        return f"endpoint {endpoint!r} names no host"
+        return Pinned(None, f"endpoint {endpoint!r} names no host")
     ip = _ip(host)
     if ip is not None:
         if ip in node.ips:
-            return None
-    elif host.lower().rstrip(".") in {n.lower().rstrip(".") for n in node.cert_names}:
-        return None
+            return Pinned(_with_host(endpoint, ip))
     else:
-        try:
-            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
-                                           RESOLVE_TIMEOUT_S)
-        except socket.gaierror as exc:
-            if exc.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
-                raise AddressUnknown(f"endpoint host {host} cannot be resolved now ({exc})") from None
-            infos = []  # the name does not exist: not this node's
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise AddressUnknown(f"endpoint host {host} cannot be resolved now ({type(exc).__name__})") from None
-        if any(_ip(i[4][0]) in node.ips for i in infos):
-            return None
-    return (f"endpoint host {host} is not this node's address ({node.describe()}); an engine must listen on the "
-            "node that reports it: set LLMGW_ADVERTISE_HOST to the address the control plane sees, or name the "
-            "address in the node's certificate (llmgw ctl cert node NODE_ID --address ADDR)")
+        addresses = await _resolve(host)
+        own = [a for a in addresses if a in node.ips]
+        if own:
+            return Pinned(_with_host(endpoint, own[0]))
+        if host.lower().rstrip(".") in {n.lower().rstrip(".") for n in node.cert_names}:
+            if addresses:  # the CA vouched for the name: pinned to its address now
+                return Pinned(_with_host(endpoint, addresses[0]))
+            return Pinned(None, f"endpoint host {host}, which the node's certificate names, does not resolve")
+    return Pinned(None, f"endpoint host {host} is not this node's address ({node.describe()}); an engine must "
+                  "listen on the node that reports it: set LLMGW_ADVERTISE_HOST to the address the control plane "
+                  "sees, or name the address in the node's certificate (llmgw ctl cert node NODE_ID --address ADDR)")

@@ -12,6 +12,13 @@ Files (PEM): `ca.crt`/`ca.key` (the key stays on the control-plane machine), `se
 `node-<id>.crt`/`node-<id>.key`, and beside the CA the key that signs node activities,
 `activity-signing.key` (control plane only) and `activity-signing.pub` (to every node with `ca.crt`;
 security/activity_origin.py). Keys are written mode 0600.
+
+Node certificates are short-lived (`node_cert_days`, 7 by default) and renewed by their node before they run
+out (issue 36): at two thirds of its life the agent makes a new key, sends a certificate signing request to
+the node API over its current certificate (`POST /node/v1/renew`), and installs what comes back; the key
+never leaves the node. Every certificate is backdated by `BACKDATE` (clock skew), so the moment it was
+issued is `not_valid_before + BACKDATE` (`issued_at`): the deny-list's "every certificate of NODE issued
+before" compares with that (control/revocations.py).
 """
 
 from __future__ import annotations
@@ -25,9 +32,12 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+BACKDATE = dt.timedelta(minutes=5)  # not_valid_before is this much before issuance (clock skew)
+RENEW_AT = 2 / 3  # of a node certificate's life (from issuance), when its agent renews it
+NODE_CERT_DAYS = 7.0  # config.Settings.node_cert_days
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -62,7 +72,7 @@ def create_ca(directory: Path, name: str = "llmgw CA", days: int = 3650) -> Issu
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     cert = (
         x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(_now() - dt.timedelta(minutes=5))
+        .serial_number(x509.random_serial_number()).not_valid_before(_now() - BACKDATE)
         .not_valid_after(_now() + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
@@ -84,7 +94,7 @@ def _load_ca(directory: Path):
     return cert, key
 
 
-def _issue(directory: Path, stem: str, common_name: str, usage, sans: list[x509.GeneralName], days: int,
+def _issue(directory: Path, stem: str, common_name: str, usage, sans: list[x509.GeneralName], days: float,
            replace: bool = False) -> Issued:
     out = Issued(directory / f"{stem}.crt", directory / f"{stem}.key")
     if not replace and (out.cert.exists() or out.key.exists()):
@@ -94,22 +104,28 @@ def _issue(directory: Path, stem: str, common_name: str, usage, sans: list[x509.
                               "restart what uses it")
     ca_cert, ca_key = _load_ca(directory)
     key = ec.generate_private_key(ec.SECP256R1())
-    builder = (
-        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - dt.timedelta(minutes=5)).not_valid_after(_now() + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
+    cert = _sign(ca_cert, ca_key, key.public_key(), common_name, usage, sans, days)
     _write_key(out.key, key)
     _write_cert(out.cert, cert)
     return out
 
 
-def issue_server(directory: Path, hosts: list[str], days: int = 825, replace: bool = False) -> Issued:
+def _sign(ca_cert, ca_key, public_key, common_name: str, usage, sans: list[x509.GeneralName],
+          days: float) -> x509.Certificate:
+    now = _now()
+    builder = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca_cert.subject).public_key(public_key).serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(ca_key, hashes.SHA256())
+
+
+def issue_server(directory: Path, hosts: list[str], days: float = 825, replace: bool = False) -> Issued:
     """The node API's certificate, valid for every name and address in `hosts` (IPs become IP SANs)."""
     if not hosts:
         raise ValueError("give at least one host the agents dial (a DNS name or an IP address)")
@@ -136,7 +152,7 @@ def _sans(hosts: list[str]) -> list[x509.GeneralName]:
     return sans
 
 
-def issue_node(directory: Path, node_id: str, days: int = 825, addresses: list[str] | None = None,
+def issue_node(directory: Path, node_id: str, days: float = NODE_CERT_DAYS, addresses: list[str] | None = None,
                replace: bool = False) -> Issued:
     """A node's client certificate: common name = node id, usage clientAuth. `addresses` (IPs or DNS names)
     are where its engines listen when that is not the address its node-API connection comes from; the node
@@ -167,3 +183,117 @@ def common_name(peercert: dict | None) -> str | None:
             if key == "commonName":
                 return value
     return None
+
+
+# ---- node certificates: lifetime, renewal -----------------------------------------------------------
+
+class CSRRefused(ValueError):
+    """A certificate signing request the node API will not sign; `str()` says why and what to send."""
+
+
+def serial_text(serial: int | str) -> str:
+    """A certificate serial as the deny-list keeps it: lower-case hex, no leading zeros (`getpeercert()`'s
+    `serialNumber` is upper-case hex, maybe zero-padded; x509 gives an int)."""
+    n = serial if isinstance(serial, int) else int(serial.replace(":", ""), 16)
+    return format(n, "x")
+
+
+def issued_at(not_valid_before: dt.datetime) -> dt.datetime:
+    """When a certificate of this CA was issued, from its `not_valid_before` (aware, UTC)."""
+    return not_valid_before + BACKDATE
+
+
+def renew_after(cert: x509.Certificate) -> dt.datetime:
+    """When its agent renews `cert`: `RENEW_AT` of the way from issuance to `not_valid_after`."""
+    issued = issued_at(cert.not_valid_before_utc)
+    return issued + (cert.not_valid_after_utc - issued) * RENEW_AT
+
+
+def cert_pem(cert: x509.Certificate) -> str:
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def load_cert(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(Path(path).read_bytes())
+
+
+def make_csr(node_id: str) -> tuple[ec.EllipticCurvePrivateKey, str]:
+    """A new key (made here, on the node: it never leaves it) and a PEM CSR for it naming `node_id`."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)])).sign(key, hashes.SHA256()))
+    return key, csr.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def sign_node_csr(ca_cert_path: Path, ca_key_path: Path, csr_pem: str, node_id: str, ips: list[str],
+                  names: list[str], days: float) -> x509.Certificate:
+    """A renewed certificate for `node_id` over the CSR's public key, naming the addresses (`ips`, `names`)
+    of the certificate it replaces: the node chooses its key, never its name or addresses. Raises
+    `CSRRefused` for a CSR that does not parse, is not signed by its key, or has a weak key."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem.encode())
+    except ValueError:
+        raise CSRRefused("csr is not a PEM certificate signing request (-----BEGIN CERTIFICATE REQUEST-----)") from None
+    if not csr.is_signature_valid:
+        raise CSRRefused("the csr is not signed by its own key")
+    key = csr.public_key()
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        if key.curve.key_size < 256:
+            raise CSRRefused(f"an EC key of {key.curve.key_size} bits is too weak; use P-256 or larger")
+    elif isinstance(key, rsa.RSAPublicKey):
+        if key.key_size < 2048:
+            raise CSRRefused(f"an RSA key of {key.key_size} bits is too weak; use 2048 or more")
+    else:
+        raise CSRRefused("the csr's key must be EC (P-256 or larger) or RSA (2048 bits or more)")
+    ca_cert = x509.load_pem_x509_certificate(Path(ca_cert_path).read_bytes())
+    ca_key = serialization.load_pem_private_key(Path(ca_key_path).read_bytes(), password=None)
+    return _sign(ca_cert, ca_key, key, node_id, ExtendedKeyUsageOID.CLIENT_AUTH, _sans([*ips, *names]), days)
+
+
+def _replace_file(path: Path, data: bytes, mode: int) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def install_renewed(cert_path: Path, key_path: Path, cert_pem: str, key) -> None:
+    """Install a renewed certificate and its key over the current ones. Both are written beside them first
+    (`.new`), then the key and the certificate are each replaced atomically: a crash between the two
+    leaves the pair `finish_renewal` completes at the next start."""
+    cert_path, key_path = Path(cert_path), Path(key_path)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    _replace_file(cert_path.with_name(cert_path.name + ".new"), cert_pem.encode(), 0o644)
+    _replace_file(key_path.with_name(key_path.name + ".new"), key_pem, 0o600)
+    finish_renewal(cert_path, key_path)
+
+
+def finish_renewal(cert_path: Path, key_path: Path) -> bool:
+    """Complete a renewal a crash interrupted: when `<cert>.new` pairs with `<key>.new` (or with the key,
+    already replaced), put it in place; a `.new` that pairs with nothing is removed. True when it did."""
+    cert_path, key_path = Path(cert_path), Path(key_path)
+    new_cert, new_key = cert_path.with_name(cert_path.name + ".new"), key_path.with_name(key_path.name + ".new")
+    if not new_cert.exists():
+        new_key.unlink(missing_ok=True)
+        return False
+    candidate = new_key if new_key.exists() else key_path
+    try:
+        cert = x509.load_pem_x509_certificate(new_cert.read_bytes())
+        key = serialization.load_pem_private_key(candidate.read_bytes(), password=None)
+        pairs = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
+            == key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    except (ValueError, OSError):
+        pairs = False
+    if not pairs:
+        new_cert.unlink(missing_ok=True)
+        new_key.unlink(missing_ok=True)
+        return False
+    if candidate == new_key:
+        os.replace(new_key, key_path)
+    os.replace(new_cert, cert_path)
+    return True

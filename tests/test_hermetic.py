@@ -41,9 +41,11 @@ def decoy_state(state: Path) -> None:
     (state / "run" / "urls.json").write_text(json.dumps({"gateway": "http://127.0.0.1:1", "admin": "http://127.0.0.1:1"}))
 
 
-# Two runs, because a full-length LLMGW_ADMIN_TOKEN would reach the test's server and its ctl alike, and hide
-# the token file: "past dev" is the issue as reported (only the state of the user's own `llmgw dev`), and
-# "exported" adds the settings a user's shell may hold, each pointing at nothing that works.
+# One run holds both: the state of the user's own `llmgw dev` in HOME (the issue as reported) and the settings
+# a user's shell may hold, each pointing at nothing that works, an exported state directory among them. The
+# HOME decoy is held and checked too, so a fixture that dropped LLMGW_STATE_DIR but kept HOME (falling back to
+# the user's own state) fails as surely as one that kept the exported settings. (It ran once per kind of
+# decoy: the same child run twice, ~2.7 minutes of CI each.)
 EXPORTED = {
     "LLMGW_ADMIN_TOKEN": "decoy",  # too short: a server given it refuses to start
     "LLMGW_DATABASE_URL": "postgresql://decoy@127.0.0.1:1/decoy", "LLMGW_TEMPORAL_ADDRESS": "127.0.0.1:1",
@@ -52,12 +54,11 @@ EXPORTED = {
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("exported", [False, True], ids=["past dev", "exported"])
-def test_the_users_own_llmgw_state_and_settings_change_no_result(tmp_path, exported):
+def test_the_users_own_llmgw_state_and_settings_change_no_result(tmp_path):
     home = tmp_path / "home"
     user_state = home / ".local" / "share" / "llmgw"  # where the user's own `llmgw dev` keeps its state
     exported_state = tmp_path / "exported-state"  # where an exported LLMGW_STATE_DIR points
-    decoys = [user_state, exported_state] if exported else [user_state]
+    decoys = [user_state, exported_state]
     for state in decoys:
         decoy_state(state)
     env = {k: v for k, v in os.environ.items() if k != "XDG_DATA_HOME"}  # a user's shell usually has none
@@ -67,8 +68,7 @@ def test_the_users_own_llmgw_state_and_settings_change_no_result(tmp_path, expor
         "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"),
     })
     env.pop("LLMGW_STATE_DIR", None)  # this session's own, set by its fixture
-    if exported:
-        env.update(EXPORTED, LLMGW_STATE_DIR=str(exported_state), LLMGW_CACHE_DIR=str(tmp_path / "decoy-cache"))
+    env.update(EXPORTED, LLMGW_STATE_DIR=str(exported_state), LLMGW_CACHE_DIR=str(tmp_path / "decoy-cache"))
     # The decoy is where llmgw looks: without the fixture, the child's state directory is the decoy's.
     where = subprocess.run([sys.executable, "-c", "from llmgw.config import Settings; print(Settings().state_dir)"],
                            env=env, capture_output=True, text=True, check=True)

@@ -72,11 +72,11 @@ def shard_spec(cp: ControlPlane, rep: dict) -> dict:
     return json.loads((cp.state / "shards" / "cpu-1" / f"{rep['id']}-r0.json").read_text())
 
 
-def chat(base: str, **kw):
+def chat(base: str, max_tokens: int = 8, **kw):
     from openai import OpenAI
 
     return OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0, **kw)
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=max_tokens, temperature=0, **kw)
 
 
 def test_a_cpu_vllm_model_is_placed_fetched_launched_with_its_key_and_served(fleet):
@@ -117,7 +117,8 @@ def test_vllm_s_own_metrics_are_read_for_load(fleet):
     assert asyncio.run(running()) == 0
     import threading
 
-    t = threading.Thread(target=lambda: chat(cp.gateway, max_tokens=200))
+    # vLLM's own `ignore_eos`: the answer runs its full length, so it is in flight long enough to be seen
+    t = threading.Thread(target=lambda: chat(cp.gateway, max_tokens=600, extra_body={"ignore_eos": True}))
     t.start()
     try:
         wait_until(lambda: (asyncio.run(running()) or 0) >= 1, timeout_s=60, interval_s=0.1,

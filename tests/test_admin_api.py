@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 
@@ -53,6 +54,33 @@ def test_cross_site_requests_are_refused(cp):
         r = get(cp, **headers)
         assert r.status_code == 403, headers
         assert r.json()["error"]["type"] == "forbidden"
+
+
+def raw_get(cp: ControlPlane, *header_lines: str) -> tuple[int, dict]:
+    """GET /admin/v1/models over a bare socket with exactly `header_lines` (httpx would mend a broken Host)."""
+    with socket.create_connection(("127.0.0.1", cp.ports["admin"]), timeout=10) as sock:
+        sock.sendall(("GET /admin/v1/models HTTP/1.1\r\n" + "".join(h + "\r\n" for h in header_lines)
+                      + "Connection: close\r\n\r\n").encode("latin-1"))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("lines,param", [
+    (("Host: [",), "Host"), (("Host: [::1",), "Host"), (("Host: [::1]x",), "Host"),
+    (("Host: 127.0.0.1", "Origin: http://["), "Origin"), (("Host: 127.0.0.1", "Origin: http://[::1"), "Origin"),
+])
+def test_a_malformed_host_or_origin_is_400_in_the_envelope(cp, lines, param):
+    """Issue 36: `Host: [` or `Origin: http://[` was a text 500 with a traceback from the guard."""
+    status, body = raw_get(cp, *lines)
+    assert status == 400, (lines, status, body)
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param, body
+    assert "Traceback" not in json.dumps(body)
+    token = (cp.state / "admin.token").read_text().strip()
+    for host in (f"[::1]:{cp.ports['admin']}", "[::1]", f"127.0.0.1:{cp.ports['admin']}"):  # well-formed: served
+        assert raw_get(cp, f"Host: {host}", f"Authorization: Bearer {token}")[0] == 200, host
 
 
 def test_changes_are_accepted_only_as_json(cp):

@@ -104,6 +104,11 @@ class ControlPlane:
         return f"http://127.0.0.1:{self.ports['admin']}"
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """The admin API's bearer token (its file, created at the server's first start), as a header."""
+        return {"authorization": "Bearer " + (self.state / "admin.token").read_text().strip()}
+
+    @property
     def mirror_dir(self) -> Path:
         return self.state / "mirror"
 

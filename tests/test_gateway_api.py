@@ -95,6 +95,9 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "engine-503-wait", "endpoints": [e.url("busy503wait")]},
         {"name": "primary-to-short", "fallbacks": ["short-prompts"], **sim_off},
         {"name": "dead-to-limited", "endpoints": [dead], "fallbacks": ["limited"]},
+        {"name": "gate-fb", "endpoints": [e.url("hold")], "limits": {"max_concurrency": 1}},
+        {"name": "dead-to-gate", "endpoints": [dead], "fallbacks": ["gate-fb"]},
+        {"name": "leaky", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
         {"name": "primary", "fallbacks": ["echo"], **sim_off},
         {"name": "fleet-model", **sim_off},
         {"name": "sim-on-demand", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
@@ -1015,3 +1018,77 @@ async def test_a_fallback_keeps_its_own_concurrency_limit(gw, engines):
     statuses = sorted(r[0] for r in results)
     assert engines.state["max_active"] <= 4, engines.state["max_active"]
     assert statuses.count(200) >= 4 and set(statuses) <= {200, 429}, statuses
+
+
+async def test_a_fallbacks_slot_goes_back_to_the_gate_it_was_taken_from(gw, engines):
+    """Issue 36: the slot `gate-fb` gave as `dead-to-gate`'s fallback was released on the gate looked up
+    again at the end; a catalog change in between (a new gate) left that one's `active` at -1, so two
+    requests reached an engine limited to one."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.admin + "/admin/v1/catalog") as r:
+            whole = await r.json()
+    changed = {**whole, "models": [{**m, "limits": {**m["limits"], "queue_timeout_s": 7}} if m["name"] == "gate-fb"
+                                   else m for m in whole["models"]]}
+    engines.state["release"].clear()
+    hits = engines.state["hits"]["hold"]
+    first = asyncio.create_task(post(gw, "/v1/chat/completions", chat("dead-to-gate")))
+    try:
+        deadline = time.monotonic() + 10
+        while engines.state["hits"]["hold"] == hits:  # served by the fallback, holding its one slot
+            assert time.monotonic() < deadline and not first.done(), first.done() and first.result()
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": changed}) as r:
+                assert r.status == 200, await r.text()
+        await asyncio.sleep(1.5)  # the gateway's routes (and gates) refresh on the change
+        engines.state["release"].set()
+        assert (await first)[0] == 200
+        # The new gate takes one request at once; the second is refused (max_queue 0), never forwarded.
+        engines.state["release"].clear()
+        hits = engines.state["hits"]["hold"]
+        one = asyncio.create_task(post(gw, "/v1/chat/completions", chat("gate-fb")))
+        deadline = time.monotonic() + 10
+        while engines.state["hits"]["hold"] == hits:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        status, _, out = await post(gw, "/v1/chat/completions", chat("gate-fb"))
+        assert status == 429 and assert_envelope(out, status), (status, out)
+        assert engines.state["hits"]["hold"] == hits + 1
+        engines.state["release"].set()
+        assert (await one)[0] == 200
+    finally:
+        engines.state["release"].set()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}) as r:
+                assert r.status == 200, await r.text()
+
+
+async def test_an_engines_output_never_reaches_a_client_only_the_operator(gw, module_database_url):
+    """Issue 36: the cause of a failed start quotes a line of the engine's output, which may be a logged
+    prompt of another tenant; `model_failing` answers and /v1/models said it to every client. They say how
+    the engine ended (its signal or exit code); the admin API keeps the whole cause."""
+    secret = "prompt: my card is 4111-1111-1111-1111"
+    with psycopg.connect(module_database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO replicas (id, model, profile, status, failure, ended_at) VALUES "
+                     "('leaky-r1', 'leaky', 'default', 'failed', %s, now())",
+                     (f"exited with code 1: {secret}\nlast output:\n{secret}",))
+        conn.execute("INSERT INTO model_state (name, failures, backoff_until, failed_at) VALUES "
+                     "('leaky', 1, now() + interval '10 minutes', now()) ON CONFLICT (name) DO UPDATE SET "
+                     "failures = 1, backoff_until = now() + interval '10 minutes', failed_at = now()")
+    try:
+        status, headers, out = await post(gw, "/v1/chat/completions", chat("leaky"))
+        assert status == 503 and assert_envelope(out, status)["code"] == "model_failing", out
+        assert "4111" not in json.dumps(out) and "exited with code 1" in out["error"]["message"], out
+        assert "llmgw ctl models" in out["error"]["message"]
+        async with aiohttp.ClientSession() as s:
+            for url in (gw.gateway + "/v1/models", gw.gateway + "/v1/models/leaky"):
+                async with s.get(url) as r:
+                    text = await r.text()
+                assert "4111" not in text and "exited with code 1" in text, text
+            async with s.get(gw.admin + "/admin/v1/models", headers=gw.admin_headers) as r:
+                [view] = [m for m in await r.json() if m["name"] == "leaky"]
+        assert secret in view["reason"], view  # the operator sees the whole cause
+    finally:
+        with psycopg.connect(module_database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM replicas WHERE id = 'leaky-r1'")
+            conn.execute("DELETE FROM model_state WHERE name = 'leaky'")

@@ -36,7 +36,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from llmgw.http import errors
-from llmgw.gateway.admission import Gates
+from llmgw.gateway.admission import Gate, Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand, Hold
 from llmgw.http.errors import APIError
@@ -301,7 +301,10 @@ class Proxy:
             await gate.acquire()
         usage = self.demand.usage
         usage.begin(name)
-        fallback: list[str] = []  # the fallback serving, once `_open` has taken its slot
+        # The fallback serving, once `_open` has taken its slot: (name, the gate it took the slot of). The slot
+        # goes back to that gate object: a catalog refresh in between may have put a new gate under the name,
+        # whose `active` a release would take below 0 (issue 36).
+        fallback: list[tuple[str, Gate | None]] = []
         try:
             resp, ep = await self._open(plan, path, req, body, meter, fallback)
             healthy: bool | None = None
@@ -319,22 +322,23 @@ class Proxy:
             usage.end(name)
             if gate is not None:
                 gate.release()
-            for other in fallback:
+            for other, g in fallback:
                 usage.end(other)
-                if (g := self.gates.get(other)) is not None:
+                if g is not None:
                     g.release()
 
-    def _take_fallback(self, name: str, taken: list[str]) -> bool:
+    def _take_fallback(self, name: str, taken: list[tuple[str, Gate | None]]) -> bool:
         """Move the request to fallback `name`: a free slot under its limits (no waiting: the request
-        already waited once), and its use for the idle clock. False when it has no free slot."""
+        already waited once), and its use for the idle clock. False when it has no free slot. `taken` holds
+        the fallback serving and the gate object its slot came from (released on that same object)."""
         gate = self.gates.get(name)
         if gate is not None and not gate.try_acquire():
             return False
-        for other in taken:  # the previous fallback, which could not answer
+        for other, g in taken:  # the previous fallback, which could not answer
             self.demand.usage.end(other)
-            if (g := self.gates.get(other)) is not None:
+            if g is not None:
                 g.release()
-        taken[:] = [name]
+        taken[:] = [(name, gate)]
         self.demand.usage.begin(name)
         return True
 
@@ -348,7 +352,8 @@ class Proxy:
             ep.trial = False  # cancelled: no verdict on the endpoint
 
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
-                    meter: Meter | None = None, fallback: list[str] | None = None) -> tuple[Response, Endpoint]:
+                    meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None
+                    ) -> tuple[Response, Endpoint]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
         client. Returns an answer with a status below 400, its endpoint counted as outstanding. An
         accounted request's `meter.sent` says whether an engine has it (so a client that leaves before the

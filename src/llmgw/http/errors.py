@@ -64,9 +64,10 @@ def loading(name: str, retry_after_s: int, detail: str | None = None) -> APIErro
 
 def failing(name: str, cause: str, retry_after_s: int, restarts: int) -> APIError:
     """Its starts keep failing and it is backing off (a CrashLoopBackOff): not "loading", which a client
-    would retry in seconds for minutes. Retry-After is the backoff left. The cause names no URL, path or
-    address of the fleet (`for_client`)."""
-    first = cause.strip().splitlines()[0] if cause.strip() else "no cause recorded"  # not the engine's log lines
+    would retry in seconds for minutes. Retry-After is the backoff left. `cause` is the client's version
+    (placement/model_status.py `client_reason`: never an engine's output); it names no URL, path or address
+    of the fleet (`for_client`)."""
+    first = cause.strip().splitlines()[0] if cause.strip() else "no cause recorded"
     return APIError(503, f"the model `{name}` is failing: its replicas failed {restarts} time(s) in a row (starting "
                     f"or running), the last with: {for_client(first)}; "
                     f"the next start is in about {retry_after_s}s (an operator runs `llmgw ctl retry {name}` once the "

@@ -1092,3 +1092,69 @@ async def test_an_engines_output_never_reaches_a_client_only_the_operator(gw, mo
         with psycopg.connect(module_database_url, autocommit=True) as conn:
             conn.execute("DELETE FROM replicas WHERE id = 'leaky-r1'")
             conn.execute("DELETE FROM model_state WHERE name = 'leaky'")
+
+
+# ---- issue 36: the prompt as the template renders it -------------------------------------------------
+
+def tool(description: str = "d", parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": "lookup", "description": description,
+                                             "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
+async def test_every_field_the_template_renders_counts_towards_the_prompt_bound(gw, engines):
+    """A `tools` entry with a 50 MB description had counted as 0 characters (so had tool-call arguments,
+    schemas, a completion's suffix, names): now each is refused like a long message, before any engine."""
+    hits = dict(engines.state["hits"])
+    status, _, out = await post(gw, "/v1/chat/completions", chat("echo", tools=[tool("d" * (50 << 20))]))
+    assert status == 400, out
+    err = assert_envelope(out, status)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "tools", err
+    assert f"{MAX_PROMPT_CHARS:,}" in err["message"]
+    over = PROMPT_LIMIT + 1  # `short-prompts` takes 100 characters
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "t", "type": "function", "function": {"name": "f", "arguments": "a" * over}}]}
+    cases = [
+        ("/v1/chat/completions", chat("short-prompts", "x", tools=[tool(parameters={"type": "object", "properties": {
+            "p" * over: {"type": "string"}}})]), "tools"),  # a schema's property names are rendered too
+        ("/v1/chat/completions", {"model": "short-prompts", "messages": [{"role": "user", "content": "q"}, call]},
+         "messages"),
+        ("/v1/chat/completions", {"model": "short-prompts", "messages": [
+            {"role": "user", "content": "q", "name": "n" * over}]}, "messages"),
+        ("/v1/chat/completions", {"model": "short-prompts", "messages": [
+            {"role": "assistant", "content": "a", "reasoning_content": "r" * over}]}, "messages"),
+        ("/v1/chat/completions", chat("short-prompts", "x", response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object", "description": "s" * over}}}), "response_format"),
+        ("/v1/completions", {"model": "short-prompts", "prompt": "p", "suffix": "s" * over}, "suffix"),
+    ]
+    for path, body, param in cases:
+        status, _, out = await post(gw, path, body)
+        assert status == 400, (param, out)
+        err = assert_envelope(out, status)
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, (param, err)
+    assert engines.state["hits"] == hits  # refused before any engine
+    # What fits still goes: a small tool, a short call, an image that is not text.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 5000}}
+    status, _, out = await post(gw, "/v1/chat/completions", {"model": "short-prompts", "tools": [tool()], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]})
+    assert status == 200, out
+
+
+async def test_the_guard_judges_tools_tool_calls_and_reasoning(gw, engines):
+    """The judge had read `messages` only, and only the `content` of answers: a forbidden `tools`
+    description, or a forbidden tool call or reasoning in the answer, went through unjudged."""
+    status, _, out = await post(gw, "/v1/chat/completions", chat("guarded", "a harmless question",
+                                                                 tools=[tool("something forbidden")]))
+    assert status == 400 and assert_envelope(out, status)["code"] == "content_filter", out
+    assert "request" in out["error"]["message"]
+    status, _, out = await post(gw, "/v1/chat/completions", {"model": "guarded", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t", "type": "function", "function": {"name": "f", "arguments": '{"x": "something forbidden"}'}}]},
+        {"role": "user", "content": "go on"}]})
+    assert status == 400 and out["error"]["code"] == "content_filter", out
+    for text in ("please call a tool", "reason it out"):
+        for stream in (False, True):
+            status, _, out = await post(gw, "/v1/chat/completions", chat("answer-judged", text, stream=stream))
+            assert status == 400, (text, stream, out)
+            assert out["error"]["code"] == "content_filter" and "response" in out["error"]["message"], out
+    status, _, out = await post(gw, "/v1/chat/completions", chat("answer-judged", "a plain question"))
+    assert status == 200, out

@@ -42,7 +42,8 @@ from llmgw.gateway.demand import Demand, Hold
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.openai_api import (
-    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, read_body,
+    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
+    read_body,
     sse_error,
 )
 from llmgw.gateway.quotas import Account, Meter, Quotas
@@ -199,7 +200,7 @@ class Proxy:
             label = route.model.name
             chars = prompt_chars(path, req)
             if chars > route.bound.chars:  # before it is queued, counted or loads a model
-                raise errors.prompt_too_long(label, chars, route.bound, REQUIRED[path])
+                raise errors.prompt_too_long(label, chars, route.bound, prompt_param(path, req))
             if route.text_only and path == CHAT and (part := media_part(req)) is not None:
                 raise errors.text_only(label, part)
             if account is not None and self.quotas is not None:
@@ -549,7 +550,7 @@ class Proxy:
             raise errors.model_not_found(model, self.routes.similar(model))
         chars = prompt_chars(path, payload)
         if chars > route.bound.chars:  # 400 as a request to it would get, not a retryable 503 after it refused
-            raise errors.prompt_too_long(route.model.name, chars, route.bound, REQUIRED[path])
+            raise errors.prompt_too_long(route.model.name, chars, route.bound, prompt_param(path, payload))
         if route.text_only and path == CHAT and (part := media_part(payload)) is not None:
             raise errors.text_only(route.model.name, part)
 

@@ -138,8 +138,11 @@ def prompt_too_long(name: str, chars: int, bound: PromptBound, param: str) -> AP
     why = (f"its context is {bound.context:,} tokens" if bound.context is not None
            else "its `limits.max_prompt_chars`" if bound.source == "limits.max_prompt_chars"
            else "the gateway's `max_prompt_chars`")
-    return APIError(400, f"`{param}` holds {chars:,} characters of text; the model `{name}` takes at most "
-                    f"{bound.chars:,} ({why}). Shorten the prompt, or send fewer or shorter messages.",
+    where = (f"`{param}` holds" if param in ("messages", "prompt", "input")
+             else f"the prompt holds (`{param}` the most of it)")
+    return APIError(400, f"{where} {chars:,} characters of text as the model renders it (messages, tools, schemas, "
+                    f"suffix); the model `{name}` takes at most {bound.chars:,} ({why}). Shorten the prompt, or "
+                    f"send fewer or shorter messages or tools.",
                     param=param, code="context_length_exceeded")
 
 

@@ -77,6 +77,7 @@ async def plane(tmp_path_factory, module_database_url):
         ]})
         assert r.status_code == 200, r.text
         cp.gw2 = f"http://127.0.0.1:{g2}"  # type: ignore[attr-defined]
+        cp.admin2 = f"http://127.0.0.1:{a2}"  # type: ignore[attr-defined]
         cp.sims = sims  # type: ignore[attr-defined]
         cp.fake = fake  # type: ignore[attr-defined]
         cp.db = module_database_url  # type: ignore[attr-defined]
@@ -174,6 +175,11 @@ async def test_two_gateways_share_one_tenants_rpm(plane):
     # Counted exactly once: the rows hold every admitted request, from both gateways, and no refused one.
     wait_until(lambda: sum(r[2] for r in usage_rows(cp, "shared")) == admitted, timeout_s=5,
                what="usage rows of every admitted request", why=lambda: usage_rows(cp, "shared"))
+    # The refusals by tenant: on each gateway's admin API, behind its token; never on the public port.
+    for gw, admin_url in ((cp.gateway, cp.admin), (cp.gw2, cp.admin2)):
+        assert 'tenant="shared"' not in httpx.get(gw + "/metrics", timeout=10).text
+        text = httpx.get(admin_url + "/metrics", timeout=10, headers=cp.admin_headers).text
+        assert f'llmgw_rate_limited_total{{limit="rpm",tenant="shared"}} {float(statuses[gw].count(429))}' in text, text
 
 
 async def test_a_streamed_answer_is_counted_once_and_its_usage_chunk_reaches_only_a_client_that_asked(plane):
@@ -206,8 +212,15 @@ async def test_a_streamed_answer_is_counted_once_and_its_usage_chunk_reaches_onl
     assert (engine_prompt, engine_generated) == (6, 14)
     wait_until(lambda: [r[2:] for r in usage_rows(cp, "streams")] == [(2, engine_prompt, engine_generated)],
                timeout_s=5, what="the two streams counted once each", why=lambda: usage_rows(cp, "streams"))
-    for gw in (cp.gateway, cp.gw2):  # each gateway counted its own stream in its metrics
-        text = httpx.get(gw + "/metrics", timeout=10).text
+    # Each gateway counted its own stream in its metrics: on its admin API's /metrics, which wants the admin
+    # token even on loopback; the public port's /metrics names no tenant (issue 36).
+    for gw, admin_url in ((cp.gateway, cp.admin), (cp.gw2, cp.admin2)):
+        public = httpx.get(gw + "/metrics", timeout=10).text
+        assert "streams" not in public and "tenant=" not in public and "llmgw_requests_total" in public, gw
+        refused = httpx.get(admin_url + "/metrics", timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_token"
+        assert httpx.get(admin_url + "/metrics", timeout=10, headers={"authorization": "Bearer wrong"}).status_code == 401
+        text = httpx.get(admin_url + "/metrics", timeout=10, headers=cp.admin_headers).text
         assert 'llmgw_tokens_total{model="sim",tenant="streams",type="completion"} 7.0' in text, gw
         assert 'llmgw_tokens_total{model="sim",tenant="streams",type="prompt"} 3.0' in text, gw
 

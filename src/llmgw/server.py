@@ -72,7 +72,7 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
                  limits=listener_limits(settings)),
         Listener(create_admin_api(engine, gw.temporal, settings.node_unreachable_after_s, settings.node_lost_after_s,
                                   LivenessFacts(poller_grace_s=settings.poller_grace_s, silent_share=settings.silent_share),
-                                  token=token, require_token=require_token),
+                                  token=token, require_token=require_token, metrics=gw.metrics.render_tenants),
                  settings.admin_host, settings.admin_port, "admin", lifespan="off",
                  limits=listener_limits(settings, CONTROL_BODY_BYTES)),
     ]

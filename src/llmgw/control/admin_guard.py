@@ -20,6 +20,9 @@ from llmgw.http.errors import send_error
 from llmgw.security.admin_token import bearer_matches
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
+# Paths that want the token even on loopback: `/metrics` names every tenant with its usage (issue 36), and
+# any local user can reach a loopback port.
+TOKEN_ALWAYS = frozenset({"/metrics"})
 
 
 def host_allowed(host: str) -> bool:
@@ -116,7 +119,8 @@ class AdminGuard:
                 await send_error(send, refusal)
                 return
             sent = headers.get("authorization")
-            if (sent is not None or self.require_token) and not (self.token and bearer_matches(sent, self.token)):
+            wanted = self.require_token or scope["path"] in TOKEN_ALWAYS
+            if (sent is not None or wanted) and not (self.token and bearer_matches(sent, self.token)):
                 await send_error(send, APIError(
                     401, "the admin API wants its bearer token: `Authorization: Bearer <token>` (`llmgw ctl` sends "
                     "LLMGW_ADMIN_TOKEN, or the token file in the server's state directory)", type="unauthorized",

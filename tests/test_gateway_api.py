@@ -97,6 +97,8 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "dead-to-limited", "endpoints": [dead], "fallbacks": ["limited"]},
         {"name": "gate-fb", "endpoints": [e.url("hold")], "limits": {"max_concurrency": 1}},
         {"name": "dead-to-gate", "endpoints": [dead], "fallbacks": ["gate-fb"]},
+        {"name": "media-public", "endpoints": [e.url("echo")], "limits": {"media_urls": "public"}},
+        {"name": "media-listed", "endpoints": [e.url("echo")], "limits": {"media_urls": ["*.example.com", "localhost"]}},
         {"name": "leaky", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
         {"name": "primary", "fallbacks": ["echo"], **sim_off},
         {"name": "fleet-model", **sim_off},
@@ -1158,3 +1160,63 @@ async def test_the_guard_judges_tools_tool_calls_and_reasoning(gw, engines):
             assert out["error"]["code"] == "content_filter" and "response" in out["error"]["message"], out
     status, _, out = await post(gw, "/v1/chat/completions", chat("answer-judged", "a plain question"))
     assert status == 200, out
+
+
+
+# ---- issue 36: media URLs the engine would fetch -------------------------------------------------------
+
+def with_part(model: str, part: dict) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]}
+
+
+async def test_media_urls_are_refused_naming_the_part_unless_the_model_allows_them(gw, engines):
+    """Engines fetch a media part's URL from the GPU network (cloud metadata, the node API, ...): a URL is
+    400 naming the part and saying to send the media inline, unless `limits.media_urls` allows it; allowed,
+    the mirror's address policy applies."""
+    hits = engines.state["hits"]["echo"]
+    metadata = "http://169.254.169.254/latest/meta-data/iam"
+    refused = [
+        ("echo", {"type": "image_url", "image_url": {"url": metadata}}, "messages[0].content[1].image_url.url"),
+        ("echo", {"type": "image_url", "image_url": "https://images.example.com/a.png"}, "messages[0].content[1].image_url"),
+        ("echo", {"type": "video_url", "video_url": {"url": "http://10.0.0.1/v.mp4"}}, "messages[0].content[1].video_url.url"),
+        ("echo", {"type": "audio_url", "audio_url": {"url": "HTTP://127.0.0.1:8081/admin"}}, "messages[0].content[1].audio_url.url"),
+        ("echo", {"type": "input_audio", "input_audio": {"data": "http://10.1.1.1/a.wav", "format": "wav"}},
+         "messages[0].content[1].input_audio.data"),
+        ("echo", {"type": "file", "file": {"file_data": "file:///etc/passwd", "filename": "a.pdf"}},
+         "messages[0].content[1].file.file_data"),
+        ("media-public", {"type": "image_url", "image_url": {"url": metadata}}, "messages[0].content[1].image_url.url"),
+        ("media-public", {"type": "image_url", "image_url": {"url": "http://[::ffff:169.254.169.254]/x"}},
+         "messages[0].content[1].image_url.url"),
+        ("media-public", {"type": "image_url", "image_url": {"url": "http://localhost:8081/x"}},
+         "messages[0].content[1].image_url.url"),  # a name, resolved, to loopback
+        ("media-public", {"type": "image_url", "image_url": {"url": "http://[fec0::1]/x"}},
+         "messages[0].content[1].image_url.url"),
+        ("media-public", {"type": "image_url", "image_url": {"url": "ftp://93.184.216.34/x.png"}},
+         "messages[0].content[1].image_url.url"),
+        ("media-listed", {"type": "image_url", "image_url": {"url": "http://93.184.216.34/x.png"}},
+         "messages[0].content[1].image_url.url"),  # public, but not a listed host
+        ("media-listed", {"type": "image_url", "image_url": {"url": "http://localhost/x.png"}},
+         "messages[0].content[1].image_url.url"),  # listed, and still held to the address policy
+    ]
+    for model, part, param in refused:
+        status, _, out = await post(gw, "/v1/chat/completions", with_part(model, part))
+        assert status == 400, (model, part, out)
+        err = assert_envelope(out, status)
+        assert err["code"] == "media_url_refused" and err["param"] == param, (model, part, err)
+        assert "data:" in err["message"] and "limits.media_urls" in err["message"], err
+    assert engines.state["hits"]["echo"] == hits  # none reached an engine
+    # Inline media always goes; a public address goes where the model allows URLs.
+    for model, part in [
+        ("echo", {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}),
+        ("echo", {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}}),
+        ("echo", {"type": "file", "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "a:b.pdf"}}),
+        ("media-public", {"type": "image_url", "image_url": {"url": "https://93.184.216.34/x.png"}}),
+    ]:
+        status, _, out = await post(gw, "/v1/chat/completions", with_part(model, part))
+        assert status == 200, (model, part, out)
+    # Many URLs: each one is judged (the first refused one is named).
+    parts = [{"type": "image_url", "image_url": {"url": "https://93.184.216.34/%d.png" % n}} for n in range(5)]
+    parts.append({"type": "image_url", "image_url": {"url": "http://192.168.0.1/x.png"}})
+    status, _, out = await post(gw, "/v1/chat/completions", {"model": "media-public", "messages": [
+        {"role": "user", "content": parts}]})
+    assert status == 400 and out["error"]["param"] == "messages[0].content[5].image_url.url", out

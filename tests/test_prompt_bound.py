@@ -85,6 +85,16 @@ def test_a_limit_that_is_not_a_count_is_refused_at_apply():
     assert "max_prompt_chars" in str(err.value)
 
 
+@pytest.mark.parametrize("setting", ["allow", ["http://images.example.com"], ["a b"], ["*"], ["x"] * 65, 3])
+def test_a_media_urls_setting_that_is_not_refuse_public_or_host_names_is_refused_at_apply(setting):
+    with pytest.raises(CatalogError) as err:
+        parse_catalog({"models": [{"name": "m", "endpoints": ["http://e:1"], "limits": {"media_urls": setting}}]})
+    assert "media_urls" in str(err.value)
+    ok = parse_catalog({"models": [{"name": "m", "endpoints": ["http://e:1"],
+                                    "limits": {"media_urls": ["*.example.com", "cdn.example.org"]}}]})
+    assert ok.models[0].limits.media_urls == ["*.example.com", "cdn.example.org"]
+
+
 def test_only_a_model_served_by_llamacpp_alone_is_text_only():
     gguf = Profile(engine="llamacpp", source="/m.gguf")
     assert text_only(Model(name="m", profiles=[gguf]))

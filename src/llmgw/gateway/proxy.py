@@ -41,6 +41,7 @@ from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand, Hold
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
+from llmgw.gateway.media import check_media, media_urls
 from llmgw.gateway.openai_api import (
     MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
     read_body,
@@ -62,6 +63,7 @@ from llmgw.telemetry import GatewayMetrics
 log = logging.getLogger(__name__)
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 GUARDED = (CHAT, "/v1/completions")
 MAX_HELD = 16 << 20  # an answer held for a response check
 MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
@@ -93,6 +95,10 @@ def _start(status: int, headers: list[tuple[bytes, bytes]], x: "_Exchange") -> d
     if m.lines:
         return {"type": "http.response.start", "status": status, "headers": headers, HEAD: m.head}
     return {"type": "http.response.start", "status": status, "headers": headers + m.headers}
+
+
+def _media_setting(route: ModelRoute) -> object:
+    return route.model.limits.media_urls if route.model.limits is not None else "refuse"
 
 
 def looks_like_json(data: bytes) -> bool:
@@ -203,6 +209,8 @@ class Proxy:
                 raise errors.prompt_too_long(label, chars, route.bound, prompt_param(path, req))
             if route.text_only and path == CHAT and (part := media_part(req)) is not None:
                 raise errors.text_only(label, part)
+            if path != COMPLETIONS and (urls := list(media_urls(req))):  # (embeddings may take messages)
+                await check_media(label, route.model.limits, urls)
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
@@ -282,6 +290,10 @@ class Proxy:
             self.demand.ask(route)  # load it for next time even while a fallback serves
         fallbacks = [r for r in self.routes.fallbacks(route) if r.endpoints and chars <= r.bound.chars
                      and not (r.text_only and path == CHAT and media_part(req) is not None)]
+        if fallbacks and path != COMPLETIONS and next(media_urls(req), None) is not None:
+            # Media URLs the asked model allows: only a fallback with the same `limits.media_urls` takes them.
+            allowed = _media_setting(route)
+            fallbacks = [r for r in fallbacks if _media_setting(r) == allowed]
         if meter is not None:
             fallbacks = [r for r in fallbacks if meter.account.refusing(r.model) is None]
         return [r for r in (route, *fallbacks) if r.endpoints]

@@ -153,6 +153,14 @@ def text_only(name: str, param: str) -> APIError:
                     param=param, code="unsupported_content")
 
 
+def media_url_refused(name: str, param: str, why: str) -> APIError:
+    """400: a media part's URL the model's engine would fetch from inside the cluster (gateway/media.py)."""
+    return APIError(400, f"`{param}` is a URL the engine of `{name}` would fetch from inside the cluster, and "
+                    f"{why}. Send the media inline instead: a data: URL (`data:image/png;base64,...`), or "
+                    "`input_audio` with base64 `data`. (An operator may allow URLs for this model with its "
+                    "catalog `limits.media_urls`.)", param=param, code="media_url_refused")
+
+
 def overloaded(name: str, retry_after_s: int = 1) -> APIError:
     """429: the model's queue (`limits.max_queue`) is full."""
     return APIError(429, f"the model `{name}` is at its concurrency limit and its queue is full; retry shortly",

@@ -125,7 +125,7 @@ async def gw(tmp_path_factory, module_database_url, engines, raw):
     try:
         await asyncio.to_thread(cp.start, worker=False)
         async with aiohttp.ClientSession() as s:
-            async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(engines, frozen, dead, dead2, raw)}) as r:
+            async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(engines, frozen, dead, dead2, raw)}, headers=cp.admin_headers) as r:
                 assert r.status == 200, await r.text()
             deadline = time.monotonic() + 10
             while True:  # the gateway reloads its routes on the catalog's change notification
@@ -795,7 +795,7 @@ async def test_metrics_count_requests_latency_ttft_and_bound_the_labels(gw):
 async def test_a_removed_models_series_leave_the_metrics(gw):
     """`llmgw_ready_replicas{model="removable"} 1` would go on saying a model is served after it is gone."""
     async with aiohttp.ClientSession() as s:
-        async with s.get(gw.admin + "/admin/v1/catalog") as r:
+        async with s.get(gw.admin + "/admin/v1/catalog", headers=gw.admin_headers) as r:
             whole = await r.json()
         assert (await post(gw, "/v1/chat/completions", chat("removable")))[0] == 200
         text = await scrape(gw)
@@ -803,7 +803,7 @@ async def test_a_removed_models_series_leave_the_metrics(gw):
         assert sample(text, 'llmgw_requests_total{model="removable",status="200"}') == 1.0
         less = {**whole, "models": [m for m in whole["models"] if m["name"] != "removable"]}
         try:
-            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": less}) as r:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": less}, headers=gw.admin_headers) as r:
                 assert r.status == 200 and (await r.json())["removed"] == ["removable"], await r.text()
             deadline = time.monotonic() + 5
             while 'model="removable"' in (text := await scrape(gw)):
@@ -812,7 +812,7 @@ async def test_a_removed_models_series_leave_the_metrics(gw):
             assert sample(text, 'llmgw_ready_replicas{model="echo"}') == 1.0  # the others' stay
             assert sample(text, 'llmgw_requests_total{model="echo",status="200"}') >= 1
         finally:
-            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}) as r:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}, headers=gw.admin_headers) as r:
                 assert r.status == 200, await r.text()
         deadline = time.monotonic() + 5
         while (await post(gw, "/v1/chat/completions", chat("removable")))[0] != 200:  # back, and counted anew
@@ -1027,7 +1027,7 @@ async def test_a_fallbacks_slot_goes_back_to_the_gate_it_was_taken_from(gw, engi
     again at the end; a catalog change in between (a new gate) left that one's `active` at -1, so two
     requests reached an engine limited to one."""
     async with aiohttp.ClientSession() as s:
-        async with s.get(gw.admin + "/admin/v1/catalog") as r:
+        async with s.get(gw.admin + "/admin/v1/catalog", headers=gw.admin_headers) as r:
             whole = await r.json()
     changed = {**whole, "models": [{**m, "limits": {**m["limits"], "queue_timeout_s": 7}} if m["name"] == "gate-fb"
                                    else m for m in whole["models"]]}
@@ -1040,7 +1040,7 @@ async def test_a_fallbacks_slot_goes_back_to_the_gate_it_was_taken_from(gw, engi
             assert time.monotonic() < deadline and not first.done(), first.done() and first.result()
             await asyncio.sleep(0.05)
         async with aiohttp.ClientSession() as s:
-            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": changed}) as r:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": changed}, headers=gw.admin_headers) as r:
                 assert r.status == 200, await r.text()
         await asyncio.sleep(1.5)  # the gateway's routes (and gates) refresh on the change
         engines.state["release"].set()
@@ -1061,7 +1061,7 @@ async def test_a_fallbacks_slot_goes_back_to_the_gate_it_was_taken_from(gw, engi
     finally:
         engines.state["release"].set()
         async with aiohttp.ClientSession() as s:
-            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}) as r:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}, headers=gw.admin_headers) as r:
                 assert r.status == 200, await r.text()
 
 

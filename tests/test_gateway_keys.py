@@ -51,7 +51,7 @@ async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, dat
     try:
         await asyncio.to_thread(cp.start, worker=False)
         async with aiohttp.ClientSession() as s:
-            async with s.post(cp.admin + "/admin/v1/catalog",
+            async with s.post(cp.admin + "/admin/v1/catalog", headers=cp.admin_headers,
                               json={"catalog": {"models": [{"name": "echo", "endpoints": [engines.url("echo")]}]}}) as r:
                 assert r.status == 200
         deadline = time.monotonic() + 10

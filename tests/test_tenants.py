@@ -104,7 +104,7 @@ def auth(key: str) -> dict[str, str]:
 
 
 def admin(cp: ControlPlane, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, cp.admin + path, json=body, timeout=10)
+    return httpx.request(method, cp.admin + path, json=body, timeout=10, headers=cp.admin_headers)
 
 
 def create_tenant(cp: ControlPlane, name: str, **limits) -> dict:
@@ -416,7 +416,7 @@ async def test_a_fallback_serves_only_a_key_that_may_use_the_fallback_model(plan
     tenant is served by the fallback."""
     cp = plane
     dead = f"http://127.0.0.1:{free_port()}"
-    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()["models"]
               if m["name"] != "down"]
     models.append({"name": "down", "endpoints": [dead], "fallbacks": ["sim-b"]})
     assert cp.apply({"models": models}).status_code == 200
@@ -463,7 +463,7 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
     for limits, field in BAD_LIMITS:
         refused(admin(cp, "POST", "/admin/v1/tenants", {"name": "abuse", "limits": limits}), 400, field)
     r = httpx.post(cp.admin + "/admin/v1/tenants", content=b'{"name": "abuse", "limits": {"rpm": 1' + b"0" * 30 + b"}}",
-                   headers={"content-type": "application/json"}, timeout=10)
+                   headers={"content-type": "application/json", **cp.admin_headers}, timeout=10)
     refused(r, 400, None)  # beyond int64: refused before it is parsed
     assert admin(cp, "GET", "/admin/v1/tenants").status_code == 200
     assert "abuse" not in [t["name"] for t in admin(cp, "GET", "/admin/v1/tenants").json()]
@@ -620,7 +620,7 @@ async def test_an_error_answer_to_an_accounted_request_carries_its_rate_limit_he
     is answered with the `x-ratelimit-*` headers as every other answer of a key with limits is."""
     cp = plane
     dead = f"http://127.0.0.1:{free_port()}"
-    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()["models"]
               if m["name"] not in ("refuse", "dead")]
     models += [{"name": "refuse", "endpoints": [cp.fake.url("refuse400")]},  # type: ignore[attr-defined]
                {"name": "dead", "endpoints": [dead]}]
@@ -645,7 +645,7 @@ async def test_a_prompt_the_guard_refuses_is_charged_what_its_judge_read(plane):
     content_filter). Before, that cost the tenant nothing, so refused prompts loaded the judge without
     limit; now the prompt is charged, a token for each 4 characters."""
     cp = plane
-    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()["models"]
               if m["name"] not in ("judge", "g-req")]
     models += [{"name": "judge", "role": "guard", "endpoints": [cp.fake.url("judge")]},  # type: ignore[attr-defined]
                {"name": "g-req", "endpoints": [cp.fake.url("echo")],  # type: ignore[attr-defined]

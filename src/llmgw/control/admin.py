@@ -29,12 +29,13 @@ from llmgw.temporal import LazyClient
 
 
 def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float,
-                     liveness: LivenessFacts | None = None, token: str | None = None, require_token: bool = False,
+                     liveness: LivenessFacts | None = None, token: str | None = None,
                      metrics: Callable[[], bytes] | None = None):
-    """The admin API behind its guard (control/admin_guard.py): with `require_token`, every request
-    must carry `Authorization: Bearer <token>`. `liveness` carries the liveness settings (poller grace,
-    silent share) the planner uses too. `metrics`: the page of tenant-labelled series served at
-    `/metrics`, which wants the token wherever the API listens (the guard's `TOKEN_ALWAYS`)."""
+    """The admin API behind its guard (control/admin_guard.py): every request must carry
+    `Authorization: Bearer <token>`, wherever it listens (issue 36: on loopback it had been optional, and
+    any local user of a shared GPU box could administer the fleet). `liveness` carries the liveness
+    settings (poller grace, silent share) the planner uses too. `metrics`: the page of tenant-labelled
+    series served at `/metrics`."""
     app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None, openapi_url=None)
     status = StatusService(engine, temporal, temporal.settings.resolved_temporal_ui_url,
                            temporal.settings.temporal_namespace)
@@ -156,5 +157,5 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             raise APIError(404, f"no API key with id {key_id!r}", param="id", code="not_found")
         return KeyView(**asdict(row))
 
-    return AdminGuard(BoundedJSON(app), token, require_token)
+    return AdminGuard(BoundedJSON(app), token)
 

@@ -4,7 +4,8 @@ From seeds 003 ("Stop a browser page ... from running code on the nodes"): it an
 an IP address or `localhost` (defeats DNS rebinding), refuses requests a browser marks as cross-site
 (`Origin`, `Sec-Fetch-Site`), and accepts changes only as `application/json`, which no page can send
 across origins without a preflight nobody grants. And it wants the admin bearer token
-(security/admin_token.py) whenever it listens beyond loopback; a wrong token is refused everywhere.
+(security/admin_token.py) on every request, wherever it listens (issue 36: optional on loopback, it let
+any local user of a shared machine administer the fleet).
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from llmgw.http.errors import send_error
 from llmgw.security.admin_token import bearer_matches
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
-# Paths that want the token even on loopback: `/metrics` names every tenant with its usage (issue 36), and
-# any local user can reach a loopback port.
-TOKEN_ALWAYS = frozenset({"/metrics"})
 
 
 def host_allowed(host: str) -> bool:
@@ -101,15 +99,13 @@ def _well_formed(host: str) -> bool:
 
 
 class AdminGuard:
-    """ASGI middleware applying `check` to every HTTP request, then the bearer token: required when
-    `require_token`, and checked whenever one is sent."""
+    """ASGI middleware applying `check` to every HTTP request, then the bearer token, always required."""
 
-    def __init__(self, app: ASGIApp, token: str | None = None, require_token: bool = False):
-        if require_token and not token:
-            raise ValueError("an admin API that requires a token needs one")
+    def __init__(self, app: ASGIApp, token: str | None):
+        if not token:
+            raise ValueError("the admin API needs its token")
         self.app = app
         self.token = token
-        self.require_token = require_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -118,9 +114,7 @@ class AdminGuard:
             if refusal is not None:
                 await send_error(send, refusal)
                 return
-            sent = headers.get("authorization")
-            wanted = self.require_token or scope["path"] in TOKEN_ALWAYS
-            if (sent is not None or wanted) and not (self.token and bearer_matches(sent, self.token)):
+            if not bearer_matches(headers.get("authorization"), self.token):
                 await send_error(send, APIError(
                     401, "the admin API wants its bearer token: `Authorization: Bearer <token>` (`llmgw ctl` sends "
                     "LLMGW_ADMIN_TOKEN, or the token file in the server's state directory)", type="unauthorized",

@@ -5,7 +5,6 @@ key stops working within a moment; the official openai client works both before 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 async def ctl(cp: ControlPlane, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "LLMGW_ADMIN_URL": cp.admin}
+    env = {**cp.env, "LLMGW_ADMIN_URL": cp.admin}  # its state directory: the admin token ctl sends
     p = await asyncio.create_subprocess_exec(sys.executable, "-m", "llmgw", "ctl", "keys", *args, env=env,
                                              stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await p.communicate()

@@ -43,10 +43,9 @@ def media_urls(req: dict) -> Iterator[tuple[str, str]]:
     """(param, url) of each URL in the request's media parts that is not a `data:` URL, in order: every
     string of a non-text part that starts with a scheme (`https:`, `file:`, `s3:`), wherever in the part
     it sits (`image_url.url`, `image_url` as a string, `video_url.url`, `file.file_data`, ...)."""
-    messages = req.get("messages")
-    if not isinstance(messages, list):
+    if not has_parts(req):
         return
-    for i, m in enumerate(messages):
+    for i, m in enumerate(req["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
             continue
@@ -55,6 +54,17 @@ def media_urls(req: dict) -> Iterator[tuple[str, str]]:
                 for k, v in part.items():
                     if k != "type":
                         yield from _urls(v, f"messages[{i}].content[{j}].{k}")
+
+
+def has_parts(req: dict) -> bool:
+    """Some message's `content` is a list of parts: the only place a media URL can be. The common request
+    (string contents) pays this and nothing more (bench/overhead.py)."""
+    messages = req.get("messages")
+    if type(messages) is list:
+        for m in messages:
+            if type(m) is dict and type(m.get("content")) is list:
+                return True
+    return False
 
 
 def _urls(value: Any, where: str) -> Iterator[tuple[str, str]]:

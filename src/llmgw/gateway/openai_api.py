@@ -141,6 +141,7 @@ def _check_parts(content: Any, i: int) -> None:
 # engine turns into prompt text (`response_format`'s JSON schema, legacy `functions`). Counted whole:
 # every string in them, keys included (a JSON schema's property names are rendered too).
 RENDERED = ("tools", "functions", "response_format", "documents", "chat_template", "chat_template_kwargs")
+_RENDERED = frozenset(RENDERED)
 # A message's own fields that are not text to count: its role, and `content`, counted part by part.
 _NOT_COUNTED = frozenset(("role", "content"))
 
@@ -185,10 +186,15 @@ def prompt_chars(path: str, req: dict) -> int:
     if path == "/v1/chat/completions":
         n = 0
         for m in req["messages"]:
-            n += _message_chars(m)
-        for field in RENDERED:
-            if field in req:
-                n += text_len(req[field])
+            content = m.get("content")
+            if type(content) is str and len(m) == 2:  # the common message, {role, content}: no call
+                n += len(content)
+            else:
+                n += _message_chars(m)
+        if not _RENDERED.isdisjoint(req):
+            for field in RENDERED:
+                if field in req:
+                    n += text_len(req[field])
         return n
     value = req.get(REQUIRED[path])
     if isinstance(value, str):

@@ -41,7 +41,7 @@ from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand, Hold
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
-from llmgw.gateway.media import check_media, media_urls
+from llmgw.gateway.media import check_media, has_parts, media_urls
 from llmgw.gateway.openai_api import (
     MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
     read_body,
@@ -209,7 +209,7 @@ class Proxy:
                 raise errors.prompt_too_long(label, chars, route.bound, prompt_param(path, req))
             if route.text_only and path == CHAT and (part := media_part(req)) is not None:
                 raise errors.text_only(label, part)
-            if path != COMPLETIONS and (urls := list(media_urls(req))):  # (embeddings may take messages)
+            if path != COMPLETIONS and has_parts(req) and (urls := list(media_urls(req))):  # (embeddings too)
                 await check_media(label, route.model.limits, urls)
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output)
@@ -290,7 +290,7 @@ class Proxy:
             self.demand.ask(route)  # load it for next time even while a fallback serves
         fallbacks = [r for r in self.routes.fallbacks(route) if r.endpoints and chars <= r.bound.chars
                      and not (r.text_only and path == CHAT and media_part(req) is not None)]
-        if fallbacks and path != COMPLETIONS and next(media_urls(req), None) is not None:
+        if fallbacks and path != COMPLETIONS and has_parts(req) and next(media_urls(req), None) is not None:
             # Media URLs the asked model allows: only a fallback with the same `limits.media_urls` takes them.
             allowed = _media_setting(route)
             fallbacks = [r for r in fallbacks if _media_setting(r) == allowed]

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -153,11 +154,12 @@ def main() -> None:
                        "--tokens-per-second", str(args.paced_rate)], others, dict(os.environ), "paced-engine")
         wait_port(pport, 30, pacer, "paced sim engine")
         urls, gw = {}, {}
+        token = "llmgw-admin-" + secrets.token_urlsafe(32)  # the admin API wants it, on loopback too
         for name, src in (("A", str(Path(args.baseline_src).resolve())), ("B", str(here))):
             g, a, n = free_port(), free_port(), free_port()
             env = {**os.environ, "PYTHONPATH": src, "LLMGW_DATABASE_URL": pg.url,
                    "LLMGW_STATE_DIR": str(tmp / f"state-{name}"), "LLMGW_GATEWAY_PORT": str(g),
-                   "LLMGW_ADMIN_PORT": str(a), "LLMGW_NODE_API_PORT": str(n),
+                   "LLMGW_ADMIN_PORT": str(a), "LLMGW_NODE_API_PORT": str(n), "LLMGW_ADMIN_TOKEN": token,
                    "LLMGW_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}"}
             p = spawn([sys.executable, "-m", "llmgw", "server", "--no-migrate"], gcpu, env, f"server-{name}")
             wait_port(a, 60, p, f"admin API {name}")
@@ -165,7 +167,7 @@ def main() -> None:
             urls[name] = f"http://127.0.0.1:{g}/v1/chat/completions"
             gw[name] = psutil.Process(p.pid)
             admin = f"http://127.0.0.1:{a}"
-        httpx.post(admin + "/admin/v1/catalog", timeout=30, json={"catalog": {"models": [
+        httpx.post(admin + "/admin/v1/catalog", timeout=30, headers={"authorization": f"Bearer {token}"}, json={"catalog": {"models": [
             {"name": "bench", "endpoints": [f"http://127.0.0.1:{eport}"]},
             {"name": "paced", "endpoints": [f"http://127.0.0.1:{pport}"]}]}}).raise_for_status()
         deadline = time.monotonic() + 30

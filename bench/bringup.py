@@ -49,7 +49,7 @@ def catalog(models: int) -> dict:
 
 
 def ready_count(cp: ControlPlane) -> int:
-    return sum(1 for r in httpx.get(cp.admin + "/admin/v1/replicas", timeout=10).json() if r["status"] == "ready")
+    return sum(1 for r in httpx.get(cp.admin + "/admin/v1/replicas", timeout=10, headers=cp.admin_headers).json() if r["status"] == "ready")
 
 
 KINDS = (("sim_server", "engines"), ("temporal", "temporal"), ("postgres", "postgres"), (" agent", "agents"),
@@ -80,7 +80,7 @@ def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
 def bring_up(cp: ControlPlane, models: int, timeout_s: float) -> tuple[float | None, dict[int, int], dict[str, float]]:
     """(seconds until every replica was Ready or None, Ready count at each mark, CPU seconds used by kind)."""
     before = cpu_by_pid()
-    r = httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(models)}, timeout=30)
+    r = httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(models)}, timeout=30, headers=cp.admin_headers)
     r.raise_for_status()
     t0 = time.monotonic()
     curve: list[tuple[float, int]] = []
@@ -98,7 +98,7 @@ def bring_up(cp: ControlPlane, models: int, timeout_s: float) -> tuple[float | N
 
 
 def tear_down(cp: ControlPlane) -> None:
-    httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": []}}, timeout=30).raise_for_status()
+    httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": []}}, timeout=30, headers=cp.admin_headers).raise_for_status()
     wait_until(lambda: not [r for r in cp.replicas(all=False)], timeout_s=180, interval_s=0.5,
                what="every replica stopped")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -194,14 +195,17 @@ class Stack:
             models.append({"name": "bench-slow", "endpoints": [f"http://127.0.0.1:{self.slow_port}"]})
             self.slow_engine_proc = psutil.Process(slow.pid)
         gport, aport, nport = free_port(), free_port(), free_port()
+        token = "llmgw-admin-" + secrets.token_urlsafe(32)  # the admin API wants it, on loopback too
+        self.admin_headers = {"authorization": f"Bearer {token}"}
         env = {**os.environ, "LLMGW_DATABASE_URL": self.pg.url, "LLMGW_STATE_DIR": str(self.tmp / "state"),
+               "LLMGW_ADMIN_TOKEN": token,
                "LLMGW_GATEWAY_PORT": str(gport), "LLMGW_ADMIN_PORT": str(aport), "LLMGW_NODE_API_PORT": str(nport),
                "LLMGW_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}"}  # nothing there: routing needs no Temporal
         server = self.spawn([sys.executable, "-m", "llmgw", "server", "--no-migrate"], {self.gateway_cpu}, env,
                             "server")
         wait_port(self.engine_port, 30, engine, "sim engine")
         wait_port(aport, 60, server, "admin API")
-        httpx.post(f"http://127.0.0.1:{aport}/admin/v1/catalog", timeout=30,
+        httpx.post(f"http://127.0.0.1:{aport}/admin/v1/catalog", timeout=30, headers=self.admin_headers,
                    json={"catalog": {"models": models}}).raise_for_status()
         self.gateway = f"http://127.0.0.1:{gport}/v1/chat/completions"
         self.admin = f"http://127.0.0.1:{aport}"

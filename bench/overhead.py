@@ -43,11 +43,12 @@ LIMITS = {"rpm": 10_000_000, "tpm": 100_000_000_000, "tokens_per_day": 10**15, "
           "models": ["bench*"]}
 
 
-def make_keys(admin: str, gateway: str, same: bool = False, limits: dict | None = None) -> dict[str, dict]:
+def make_keys(admin: str, gateway: str, same: bool = False, limits: dict | None = None,
+              admin_headers: dict | None = None) -> dict[str, dict]:
     """A key of no tenant and a key of a tenant with `limits` (default `LIMITS`); the headers of each. With
     `same`, the second is a key of no tenant too: the method's own bias (the ratio it prints should be 1)."""
     def post(path: str, body: dict) -> dict:
-        r = httpx.post(admin + path, json=body, timeout=30)
+        r = httpx.post(admin + path, json=body, timeout=30, headers=admin_headers)
         r.raise_for_status()
         return r.json()
 
@@ -139,7 +140,8 @@ def idle_cpu_ms_per_s(gw, seconds: float = 4.0) -> float:
 def keys_and_limits(st: Stack, args) -> dict:
     gw = st.gateway_proc
     idle_before = idle_cpu_ms_per_s(gw)
-    kinds = make_keys(st.admin, st.gateway, args.same, json.loads(args.limits) if args.limits else None)
+    kinds = make_keys(st.admin, st.gateway, args.same, json.loads(args.limits) if args.limits else None,
+                      st.admin_headers)
     idle_after = idle_cpu_ms_per_s(gw)
     lat = asyncio.run(keyed_latency(st.gateway, kinds, args.key_blocks, args.key_block, gw))
     thr = {k: [0, 0.0] for k in kinds}
@@ -162,7 +164,8 @@ def keys_and_limits(st: Stack, args) -> dict:
             paced[k][1] += cpu
             per[k] = cpu / ev
         paced_pairs.append(per["limited"] / per["plain"])
-    used = httpx.get(st.admin + "/admin/v1/usage", params={"tenant": "bench", "since": "1h"}, timeout=30).json()
+    used = httpx.get(st.admin + "/admin/v1/usage", params={"tenant": "bench", "since": "1h"}, timeout=30,
+                     headers=st.admin_headers).json()
     return {"idle_before": idle_before, "idle_after": idle_after, "lat": lat, "thr": thr, "paced": paced,
             "lat_pairs": lat.pop("pairs"), "thr_pairs": thr_pairs, "paced_pairs": paced_pairs,
             "counted": used["rows"][0] if used["rows"] else None}

@@ -90,10 +90,10 @@ def postgres():
 
 def _fresh_database(postgres):
     name = "t_" + uuid.uuid4().hex[:12]
-    admin = f"postgresql://postgres@127.0.0.1:{postgres.port}/postgres"
+    admin = postgres.url_for("postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{TEMPLATE}"')
-    yield f"postgresql://postgres@127.0.0.1:{postgres.port}/{name}"
+    yield postgres.url_for(name)
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

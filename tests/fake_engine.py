@@ -102,7 +102,26 @@ class FakeEngines:
         return resp
 
     async def _trigger(self, request, body, kind):
-        if "trigger" in last_user_text(body):
+        said = last_user_text(body)
+        if "call a tool" in said or "reason it out" in said:  # the forbidden words in a tool call or reasoning
+            field = {"reasoning_content": "a forbidden thought"} if "reason" in said else {"tool_calls": [
+                {"index": 0, "id": "t1", "type": "function", "function": {"name": "run", "arguments": '{"cmd": "something forbid'}}]}
+            if not body.get("stream"):
+                out = answer("", body)
+                msg = out["choices"][0]["message"]
+                msg.update(content=None, **field)
+                if "tool_calls" in field:
+                    msg["tool_calls"][0]["function"]["arguments"] += 'den"}'
+                return web.json_response(out)
+            resp = await self._sse(request)
+            first = {"choices": [{"index": 0, "delta": field, "finish_reason": None}]}
+            rest = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+                "arguments": 'den"}'}}]} if "tool_calls" in field else {"content": "done"},
+                "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(first).encode() + b"\n\ndata: " + json.dumps(rest).encode()
+                             + b"\n\ndata: [DONE]\n\n")
+            return resp
+        if "trigger" in said:
             if not body.get("stream"):
                 return web.json_response(answer("here is a forbidden answer", body))
             resp = await self._sse(request)

@@ -104,6 +104,11 @@ class ControlPlane:
         return f"http://127.0.0.1:{self.ports['admin']}"
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """The admin API's bearer token (its file, created at the server's first start), as a header."""
+        return {"authorization": "Bearer " + (self.state / "admin.token").read_text().strip()}
+
+    @property
     def mirror_dir(self) -> Path:
         return self.state / "mirror"
 
@@ -146,7 +151,7 @@ class ControlPlane:
     def wait_nodes(self, *node_ids: str, status: str = "ready", timeout_s: float = 60) -> list[dict]:
         """Wait until every node in `node_ids` is registered with `status`; returns the admin API's nodes."""
         def ready():
-            nodes = httpx.get(self.admin + "/admin/v1/nodes", timeout=10).json()
+            nodes = httpx.get(self.admin + "/admin/v1/nodes", timeout=10, headers=self.admin_headers).json()
             have = {n["id"] for n in nodes if n["status"] == status}
             return nodes if set(node_ids) <= have else None
         try:
@@ -155,7 +160,7 @@ class ControlPlane:
             raise AssertionError(f"nodes {node_ids} not {status}\n" + self.logs()) from None
 
     def explain(self, model: str) -> dict:
-        return httpx.get(self.admin + f"/admin/v1/explain/{model}", timeout=10).json()
+        return httpx.get(self.admin + f"/admin/v1/explain/{model}", timeout=10, headers=self.admin_headers).json()
 
     def ctl(self, *args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
         """Run `llmgw ctl ...` as an operator would, against this control plane."""
@@ -168,10 +173,10 @@ class ControlPlane:
         return json.loads((self.state / "shards" / node_id / f"{shard_id}.json").read_text())["pid"]
 
     def apply(self, catalog: dict) -> httpx.Response:
-        return httpx.post(self.admin + "/admin/v1/catalog", json={"catalog": catalog}, timeout=30)
+        return httpx.post(self.admin + "/admin/v1/catalog", json={"catalog": catalog}, timeout=30, headers=self.admin_headers)
 
     def replicas(self, all: bool = True) -> list[dict]:
-        return httpx.get(self.admin + f"/admin/v1/replicas?all={str(all).lower()}", timeout=10).json()
+        return httpx.get(self.admin + f"/admin/v1/replicas?all={str(all).lower()}", timeout=10, headers=self.admin_headers).json()
 
     def wait_replicas(self, model: str, status: str = "ready", count: int = 1, timeout_s: float = 60,
                       exclude: set[str] | None = None) -> list[dict]:

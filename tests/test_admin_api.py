@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 
@@ -32,7 +33,8 @@ async def cp(tmp_path_factory, module_database_url):
 
 
 def get(cp: ControlPlane, **headers: str) -> httpx.Response:
-    return httpx.get(cp.admin + "/admin/v1/models", headers=headers, timeout=10)
+    """GET /admin/v1/models with the admin token and `headers` (an `authorization` given replaces the token)."""
+    return httpx.get(cp.admin + "/admin/v1/models", headers={**cp.admin_headers, **headers}, timeout=10)
 
 
 def test_host_must_be_an_ip_address_or_localhost(cp):
@@ -55,26 +57,60 @@ def test_cross_site_requests_are_refused(cp):
         assert r.json()["error"]["type"] == "forbidden"
 
 
+def raw_get(cp: ControlPlane, *header_lines: str) -> tuple[int, dict]:
+    """GET /admin/v1/models over a bare socket with exactly `header_lines` (httpx would mend a broken Host)."""
+    with socket.create_connection(("127.0.0.1", cp.ports["admin"]), timeout=10) as sock:
+        sock.sendall(("GET /admin/v1/models HTTP/1.1\r\n" + "".join(h + "\r\n" for h in header_lines)
+                      + "Connection: close\r\n\r\n").encode("latin-1"))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("lines,param", [
+    (("Host: [",), "Host"), (("Host: [::1",), "Host"), (("Host: [::1]x",), "Host"),
+    (("Host: 127.0.0.1", "Origin: http://["), "Origin"), (("Host: 127.0.0.1", "Origin: http://[::1"), "Origin"),
+])
+def test_a_malformed_host_or_origin_is_400_in_the_envelope(cp, lines, param):
+    """Issue 36: `Host: [` or `Origin: http://[` was a text 500 with a traceback from the guard."""
+    status, body = raw_get(cp, *lines)
+    assert status == 400, (lines, status, body)
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param, body
+    assert "Traceback" not in json.dumps(body)
+    token = (cp.state / "admin.token").read_text().strip()
+    for host in (f"[::1]:{cp.ports['admin']}", "[::1]", f"127.0.0.1:{cp.ports['admin']}"):  # well-formed: served
+        assert raw_get(cp, f"Host: {host}", f"Authorization: Bearer {token}")[0] == 200, host
+
+
 def test_changes_are_accepted_only_as_json(cp):
     r = httpx.post(cp.admin + "/admin/v1/keys", content=b'{"name": "x"}', headers={"content-type": "text/plain"})
     assert r.status_code == 415
     assert "application/json" in r.json()["error"]["message"]
 
 
-def test_on_loopback_the_token_is_optional_but_a_wrong_one_is_refused(cp):
+def test_on_loopback_too_every_request_needs_the_token(cp):
+    """Issue 36: on loopback the token had been optional, and any local user of a shared GPU box (or a
+    container on the host network) administered the fleet and read engine keys."""
     token = (cp.state / "admin.token").read_text().strip()  # created at the server's first start
     assert len(token) >= 32 and (cp.state / "admin.token").stat().st_mode & 0o077 == 0
     assert get(cp, authorization=f"Bearer {token}").status_code == 200
-    r = get(cp, authorization="Bearer not-the-token")
-    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    for method, path in (("GET", "/admin/v1/models"), ("GET", "/admin/v1/keys"), ("GET", "/metrics"),
+                         ("POST", "/admin/v1/keys"), ("POST", "/admin/v1/catalog")):
+        for auth in ({}, {"authorization": "Bearer not-the-token"}, {"authorization": token}):
+            r = httpx.request(method, cp.admin + path, headers=auth, json={} if method == "POST" else None, timeout=10)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (method, path, auth, r.text)
+            assert r.json()["error"]["code"] == "invalid_admin_token"
+    assert cp.ctl("models").returncode == 0  # ctl reads the token file: nothing to do on this machine
 
 
 def test_abusive_json_gets_400_not_500(cp):
     cases = [b'{"catalog": ' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"catalog": {"models": []}, "x": NaN}',
              b'{"catalog": {"models": [' + b",".join([b"{}"] * 200_000) + b"]}}", b'{"catalog": ' + b"1" * 5000 + b"}"]
     for body in cases:
-        r = httpx.post(cp.admin + "/admin/v1/catalog", content=body, headers={"content-type": "application/json"},
-                       timeout=30)
+        r = httpx.post(cp.admin + "/admin/v1/catalog", content=body, timeout=30,
+                       headers={"content-type": "application/json", **cp.admin_headers})
         assert r.status_code == 400, (body[:60], r.text[:300])
         assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -84,8 +120,8 @@ def test_a_chunked_body_over_the_limit_is_cut_off_with_413(cp):
     def chunks():
         for _ in range(17):
             yield b"a" * (1 << 20)
-    r = httpx.post(cp.admin + "/admin/v1/catalog", content=chunks(), headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(cp.admin + "/admin/v1/catalog", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json", **cp.admin_headers})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -169,10 +205,11 @@ def test_unknown_routes_and_methods_get_the_error_envelope_on_both_apis(cp):
     """Framework errors (no route, wrong method) through the real listeners: 404/405 in the same JSON
     envelope as every other error, on the admin API and on the gateway's FastAPI part alike."""
     for base in (cp.admin, cp.gateway):
-        r = httpx.get(base + "/no/such/thing", timeout=10)
+        r = httpx.get(base + "/no/such/thing", timeout=10, headers=cp.admin_headers if base == cp.admin else None)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (base, r.text)
         assert "no such route: GET /no/such/thing" in r.json()["error"]["message"]
-    r = httpx.delete(cp.admin + "/admin/v1/catalog", timeout=10, headers={"Content-Type": "application/json"})
+    r = httpx.delete(cp.admin + "/admin/v1/catalog", timeout=10,
+                     headers={"Content-Type": "application/json", **cp.admin_headers})
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
     r = httpx.put(cp.gateway + "/v1/models", timeout=10)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
@@ -181,19 +218,20 @@ def test_unknown_routes_and_methods_get_the_error_envelope_on_both_apis(cp):
 def test_a_nul_character_is_400_in_a_dry_run_and_an_apply_alike_and_in_a_path(cp):
     """Postgres stores no NUL: a catalog holding one passed the dry run (so `ctl apply` showed the diff and
     asked) and then failed the apply with a 500; a NUL in a key id or model name in the path was a 500."""
-    before = httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()
+    before = httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()
     for profile in ({"engine": "sim", "source": "/models/a\u0000b"}, {"engine": "sim", "name": "p\u0000"},
                     {"engine": "sim", "env": {"X": "a\u0000"}}):
         for dry_run in (True, False):
             r = httpx.post(cp.admin + "/admin/v1/catalog", timeout=10, json={"dry_run": dry_run, "catalog": {
-                "models": [{"name": "nul", "scaling": {"max": 1}, "profiles": [profile]}]}})
+                "models": [{"name": "nul", "scaling": {"max": 1}, "profiles": [profile]}]}}, headers=cp.admin_headers)
             assert r.status_code == 400, (profile, dry_run, r.text)
             assert any("NUL" in p or "control characters" in p or "not allowed" in p
                        for p in r.json()["error"]["problems"]), r.json()
-    assert httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json() == before
+    assert httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json() == before
     for method, path in (("POST", "/admin/v1/keys/a%00b"), ("POST", "/admin/v1/keys/a%00b/revoke"),
                          ("GET", "/admin/v1/explain/a%00b"), ("GET", "/admin/v1/usage?tenant=a%00b")):
-        r = httpx.request(method, cp.admin + path, json={} if method == "POST" else None, timeout=10)
+        r = httpx.request(method, cp.admin + path, json={} if method == "POST" else None, timeout=10,
+                          headers=cp.admin_headers)
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (path, r.text)
 
 
@@ -201,7 +239,7 @@ def test_a_profile_name_with_a_newline_or_an_escape_is_refused(cp):
     """It became `replicas.profile` and reached `ctl replicas` as it was: a forged row, a raw escape."""
     for name in ("p\n\u001b[31mX", "\u001b[2K", "   "):
         r = httpx.post(cp.admin + "/admin/v1/catalog", timeout=10, json={"catalog": {"models": [
-            {"name": "esc", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "name": name}]}]}})
+            {"name": "esc", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "name": name}]}]}}, headers=cp.admin_headers)
         assert r.status_code == 400, r.text
         assert any(p.startswith("models[0] (esc).profiles[0]") and "profile name" in p
                    for p in r.json()["error"]["problems"]), r.json()

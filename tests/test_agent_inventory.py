@@ -27,7 +27,7 @@ def test_agent_advertises_only_usable_adapters_and_says_why_and_its_gpus_in_metr
                      env={**cp.node_env("ib-node"), "LLMGW_AGENT_METRICS_PORT": str(port)})
 
     def node():
-        nodes = httpx.get(cp.admin + "/admin/v1/nodes").json()
+        nodes = httpx.get(cp.admin + "/admin/v1/nodes", headers=cp.admin_headers).json()
         return next((n for n in nodes if n["id"] == "ib-node"), None)
 
     n = wait_until(node, timeout_s=30, what="the node registered")

@@ -64,7 +64,7 @@ def browser():
 
 
 def statuses(cp) -> dict[str, str]:
-    return {m["name"]: m["status"] for m in httpx.get(cp.admin + "/admin/v1/models", timeout=10).json()}
+    return {m["name"]: m["status"] for m in httpx.get(cp.admin + "/admin/v1/models", timeout=10, headers=cp.admin_headers).json()}
 
 
 def metric_499(cp, model: str) -> float:

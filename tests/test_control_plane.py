@@ -93,4 +93,4 @@ def test_bad_catalog_is_refused_with_the_field_named(control_plane):
     assert r.status_code == 400
     assert "source '--trust-remote-code' is not a model id" in r.json()["error"]["message"]
     # Nothing was applied half-way.
-    assert httpx.get(cp.admin + "/admin/v1/catalog").json().get("models", []) == []
+    assert httpx.get(cp.admin + "/admin/v1/catalog", headers=cp.admin_headers).json().get("models", []) == []

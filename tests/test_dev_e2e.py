@@ -71,8 +71,13 @@ class Dev:
     def admin(self) -> str:
         return f"http://127.0.0.1:{self.ports['admin']}"
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The admin token `llmgw dev`'s server created in its state directory (always required)."""
+        return {"authorization": "Bearer " + (self.state / "admin.token").read_text().strip()}
+
     def replicas(self) -> list[dict]:
-        return httpx.get(self.admin + "/admin/v1/replicas?all=true", timeout=10).json()
+        return httpx.get(self.admin + "/admin/v1/replicas?all=true", timeout=10, headers=self.admin_headers).json()
 
     def ready(self, model: str) -> list[dict]:
         return [r for r in self.replicas() if r["model"] == model and r["status"] == "ready"]
@@ -260,7 +265,7 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     dev.wait_up()
     assert "is unchanged since the last start; keeping the control plane's catalog (2 models" in dev.output()
     assert mirror_file.stat().st_mtime_ns == mtime
-    catalog_now = httpx.get(dev.admin + "/admin/v1/catalog", timeout=10).json()
+    catalog_now = httpx.get(dev.admin + "/admin/v1/catalog", timeout=10, headers=dev.admin_headers).json()
     assert next(m for m in catalog_now["models"] if m["name"] == "sim-small")["aliases"] == ["greek"]
     for m in MODELS:
         wait_until(lambda m=m: dev.ready(m), timeout_s=120, what=f"{m} ready after restart",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import logging
 from pathlib import Path
 
@@ -227,6 +228,21 @@ async def test_private_and_metadata_addresses_are_refused(tmp_path, url):
     with pytest.raises(FetchError) as exc:
         await asyncio.wait_for(download(url, tmp_path / "x", tmp_path, policy=policy), 5)
     assert not exc.value.retryable
+
+
+@pytest.mark.parametrize("host,address,suggested", [
+    ("[fd00::1]", "fd00::1", "fd00::1/128"),
+    ("[fec0::1]", "fec0::1", "fec0::1/128"),  # deprecated site-local: private, not global
+    ("[fec0:1::5]", "fec0:1::5", "fec0:1::5/128"),
+    ("10.1.2.3", "10.1.2.3", "10.1.2.3/32"),
+])
+async def test_a_private_source_is_refused_with_a_suggestion_of_its_own_address_only(tmp_path, host, address, suggested):
+    """Issue 36: an IPv6 private address got a `/32` suggestion (a quarter of all IPv6 space around it),
+    and fec0::/10 passed as global."""
+    with pytest.raises(FetchError) as exc:
+        await asyncio.wait_for(download(f"http://{host}/x", tmp_path / "x", tmp_path, policy=AddressPolicy()), 5)
+    assert not exc.value.retryable and f"LLMGW_MIRROR_PRIVATE_SOURCES={suggested}," in str(exc.value), str(exc.value)
+    assert AddressPolicy.parse(suggested).refusal(ipaddress.ip_address(address)) is None  # the suggestion works
 
 
 async def test_link_local_is_refused_even_when_private_sources_are_allowed(tmp_path):

@@ -47,7 +47,7 @@ def test_ctl_apply_shows_repairs_and_diff_and_the_repairs_reach_placement(contro
     # This control plane runs no mirror: its `mirror:` source is said to be unchecked, not silently passed.
     assert "  note: could not ask the mirror at http://127.0.0.1:" in out.stdout
     assert out.stdout.count("  note: ") == 2
-    stored = httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]
+    stored = httpx.get(cp.admin + "/admin/v1/catalog", headers=cp.admin_headers).json()["models"]
     assert stored[0]["profiles"][0] == {"engine": "llamacpp", "source": "mirror:m.gguf", "gpus_per_node": 2}
     assert stored[1]["profiles"][0]["source"] == "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -68,7 +68,7 @@ def test_ctl_apply_shows_repairs_and_diff_and_the_repairs_reach_placement(contro
         conn.execute("INSERT INTO catalog_models (name, position, spec) VALUES (%s, %s, %s)",
                      ("old", 9, json.dumps({"name": "old", "profiles": [
                          {"engine": "llamacpp", "source": "mirror:old.gguf", "tp": 4}]})))
-    stored = httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]
+    stored = httpx.get(cp.admin + "/admin/v1/catalog", headers=cp.admin_headers).json()["models"]
     assert stored[-1]["profiles"][0] == {"engine": "llamacpp", "source": "mirror:old.gguf", "gpus_per_node": 4}
 
 
@@ -89,7 +89,7 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     off = {"models": [{**good["models"][0], "scaling": {"min": 0, "max": 0}}]}
     r = cp.apply(off)
     assert r.status_code == 200 and r.json()["changes"]["small"] == ["scaling.max: 1 -> 0"], r.json()
-    live = httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()
+    live = httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()
     assert live["models"][0]["scaling"] == {"min": 0, "max": 0}, live
     assert cp.apply(good).status_code == 200
 
@@ -119,7 +119,7 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     out = cp.ctl("apply", "-f", str(f), "--yes")
     assert out.returncode == 2
     assert "models[0] (g).profiles[0] (default).nodes: llama.cpp runs a replica on one node; remove `nodes`" in out.stderr
-    assert [m["name"] for m in httpx.get(cp.admin + "/admin/v1/catalog").json()["models"]] == ["small"]
+    assert [m["name"] for m in httpx.get(cp.admin + "/admin/v1/catalog", headers=cp.admin_headers).json()["models"]] == ["small"]
 
 
 def test_a_stored_profile_too_big_to_travel_does_not_wedge_the_reconciler(control_plane, database_url):
@@ -176,12 +176,12 @@ def test_a_stored_model_this_version_cannot_read_keeps_its_running_engine(contro
     os.kill(pid, 0)  # the engine runs
     out = cp.ctl("models")
     assert out.returncode == 0 and "keep" in out.stdout and "unreadable" in out.stdout, out.stdout
-    [view] = [m for m in httpx.get(cp.admin + "/admin/v1/models").json() if m["name"] == "keep"]
+    [view] = [m for m in httpx.get(cp.admin + "/admin/v1/models", headers=cp.admin_headers).json() if m["name"] == "keep"]
     assert view["status"] == "unreadable" and "8192" in view["reason"], view
     out = cp.ctl("catalog")
     assert out.returncode == 0 and "# NOT IN THIS FILE: keep:" in out.stdout, out.stdout
     # Writing it again is a change of `keep`, and its replica is the one that serves it.
-    dry = httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": [keep]}, "dry_run": True}).json()
+    dry = httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": [keep]}, "dry_run": True}, headers=cp.admin_headers).json()
     assert "keep" in dry["changed"] and "keep" not in dry["added"] and dry["removed"] == ["third"], dry
     assert cp.apply({"models": [keep, third]}).status_code == 200
     r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
@@ -212,5 +212,5 @@ def test_a_node_whose_stored_inventory_this_version_refuses_does_not_wedge_the_r
     assert wait_until(placed, timeout_s=60, what="`after` placed and ready", why=cp.logs) == [("node-a",)]
     out = cp.ctl("nodes")
     assert out.returncode == 0 and "old-node" in out.stdout, out.stdout + out.stderr
-    [old] = [n for n in httpx.get(cp.admin + "/admin/v1/nodes").json() if n["id"] == "old-node"]
+    [old] = [n for n in httpx.get(cp.admin + "/admin/v1/nodes", headers=cp.admin_headers).json() if n["id"] == "old-node"]
     assert old["inventory"]["gpus"] == [] and "cannot be read" in " ".join(old["inventory"]["notes"]), old

@@ -18,7 +18,7 @@ MODEL = {"name": "m", "scaling": {"min": 1, "max": 1},
 
 
 def node_ids(cp) -> set[str]:
-    return {n["id"] for n in httpx.get(cp.admin + "/admin/v1/nodes", timeout=10).json()}
+    return {n["id"] for n in httpx.get(cp.admin + "/admin/v1/nodes", timeout=10, headers=cp.admin_headers).json()}
 
 
 def test_lost_nodes_are_forgotten_and_ctl_nodes_remove_forgets_one_now(control_plane):
@@ -35,15 +35,15 @@ def test_lost_nodes_are_forgotten_and_ctl_nodes_remove_forgets_one_now(control_p
 
     # The admin API: bad bodies and names get clear 4xx, a dry run changes nothing.
     url = cp.admin + "/admin/v1/nodes/node-a/remove"
-    r = httpx.post(url, json={"forse": True}, timeout=10)
+    r = httpx.post(url, json={"forse": True}, timeout=10, headers=cp.admin_headers)
     assert r.status_code == 400 and "forse" in r.json()["error"]["message"]
-    r = httpx.post(url, content=b'{"force": true}', headers={"Content-Type": "text/plain"}, timeout=10)
+    r = httpx.post(url, content=b'{"force": true}', headers={"Content-Type": "text/plain", **cp.admin_headers}, timeout=10)
     assert r.status_code == 415 and "application/json" in r.text
-    r = httpx.post(cp.admin + "/admin/v1/nodes/" + "x" * 5000 + "/remove", json={}, timeout=10)
+    r = httpx.post(cp.admin + "/admin/v1/nodes/" + "x" * 5000 + "/remove", json={}, timeout=10, headers=cp.admin_headers)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-    r = httpx.post(url, json={"dry_run": True}, timeout=10)
+    r = httpx.post(url, json={"dry_run": True}, timeout=10, headers=cp.admin_headers)
     assert r.status_code == 200 and not r.json()["removed"] and [x["id"] for x in r.json()["live_replicas"]] == [rep["id"]]
-    r = httpx.post(url, json={}, timeout=10)
+    r = httpx.post(url, json={}, timeout=10, headers=cp.admin_headers)
     assert r.status_code == 409 and r.json()["error"]["code"] == "node_in_use"
     assert "node-a" in node_ids(cp)
 

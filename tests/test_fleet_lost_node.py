@@ -62,7 +62,7 @@ def test_a_lost_nodes_replicas_move_while_an_unaffected_model_keeps_serving(cont
 
         # Unreachable: no new requests go to node-a, and its replica is neither lost nor replaced yet.
         wait_until(lambda: any(n["id"] == "node-a" and n["status"] == "unreachable"
-                               for n in httpx.get(cp.admin + "/admin/v1/nodes").json()),
+                               for n in httpx.get(cp.admin + "/admin/v1/nodes", headers=cp.admin_headers).json()),
                    timeout_s=UNREACHABLE_S + POLLER_GRACE_S + 5, what="node-a unreachable")
         mid = [r for r in cp.replicas() if r["model"] == "moving"]
         assert time.monotonic() - killed_at < LOST_S

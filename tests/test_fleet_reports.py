@@ -47,7 +47,7 @@ def test_agents_that_stop_their_engines_on_exit_take_their_replicas_out_at_once(
     failure = next(r for r in cp.replicas() if r["id"] == one["id"])["failure"]
     assert "left: its agent stopped its engines" in failure, failure
     # An agent stopped on purpose is no restart: `one` (lost because its node left) counts no RESTARTS.
-    [view] = [m for m in httpx.get(cp.admin + "/admin/v1/models").json() if m["name"] == "one"]
+    [view] = [m for m in httpx.get(cp.admin + "/admin/v1/models", headers=cp.admin_headers).json() if m["name"] == "one"]
     assert view["replaced"] == 0, view
     listed = cp.ctl("replicas").stdout
     assert not any(line.startswith(rid[:8]) and " ready " in line for rid in (big["id"], one["id"])
@@ -73,7 +73,7 @@ def test_an_agent_that_leaves_makes_its_node_unreachable_at_once_and_its_replica
     assert next(p for p in cp.procs if p.name == f"agent-{leaving}").stop() == 0
 
     def node(node_id: str) -> dict:
-        return next(n for n in httpx.get(cp.admin + "/admin/v1/nodes", timeout=10).json() if n["id"] == node_id)
+        return next(n for n in httpx.get(cp.admin + "/admin/v1/nodes", timeout=10, headers=cp.admin_headers).json() if n["id"] == node_id)
     ended = wait_until(lambda: next((r for r in cp.replicas() if r["id"] == big["id"]
                                      and r["status"] in ("lost", "failed")), None), timeout_s=10,
                        what="the TP8 replica ended", why=cp.logs)

@@ -95,6 +95,11 @@ def catalog(e: FakeEngines, frozen: str, dead: str, dead2: str = "http://127.0.0
         {"name": "engine-503-wait", "endpoints": [e.url("busy503wait")]},
         {"name": "primary-to-short", "fallbacks": ["short-prompts"], **sim_off},
         {"name": "dead-to-limited", "endpoints": [dead], "fallbacks": ["limited"]},
+        {"name": "gate-fb", "endpoints": [e.url("hold")], "limits": {"max_concurrency": 1}},
+        {"name": "dead-to-gate", "endpoints": [dead], "fallbacks": ["gate-fb"]},
+        {"name": "media-public", "endpoints": [e.url("echo")], "limits": {"media_urls": "public"}},
+        {"name": "media-listed", "endpoints": [e.url("echo")], "limits": {"media_urls": ["*.example.com", "localhost"]}},
+        {"name": "leaky", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
         {"name": "primary", "fallbacks": ["echo"], **sim_off},
         {"name": "fleet-model", **sim_off},
         {"name": "sim-on-demand", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]},
@@ -120,7 +125,7 @@ async def gw(tmp_path_factory, module_database_url, engines, raw):
     try:
         await asyncio.to_thread(cp.start, worker=False)
         async with aiohttp.ClientSession() as s:
-            async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(engines, frozen, dead, dead2, raw)}) as r:
+            async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog(engines, frozen, dead, dead2, raw)}, headers=cp.admin_headers) as r:
                 assert r.status == 200, await r.text()
             deadline = time.monotonic() + 10
             while True:  # the gateway reloads its routes on the catalog's change notification
@@ -790,7 +795,7 @@ async def test_metrics_count_requests_latency_ttft_and_bound_the_labels(gw):
 async def test_a_removed_models_series_leave_the_metrics(gw):
     """`llmgw_ready_replicas{model="removable"} 1` would go on saying a model is served after it is gone."""
     async with aiohttp.ClientSession() as s:
-        async with s.get(gw.admin + "/admin/v1/catalog") as r:
+        async with s.get(gw.admin + "/admin/v1/catalog", headers=gw.admin_headers) as r:
             whole = await r.json()
         assert (await post(gw, "/v1/chat/completions", chat("removable")))[0] == 200
         text = await scrape(gw)
@@ -798,7 +803,7 @@ async def test_a_removed_models_series_leave_the_metrics(gw):
         assert sample(text, 'llmgw_requests_total{model="removable",status="200"}') == 1.0
         less = {**whole, "models": [m for m in whole["models"] if m["name"] != "removable"]}
         try:
-            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": less}) as r:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": less}, headers=gw.admin_headers) as r:
                 assert r.status == 200 and (await r.json())["removed"] == ["removable"], await r.text()
             deadline = time.monotonic() + 5
             while 'model="removable"' in (text := await scrape(gw)):
@@ -807,7 +812,7 @@ async def test_a_removed_models_series_leave_the_metrics(gw):
             assert sample(text, 'llmgw_ready_replicas{model="echo"}') == 1.0  # the others' stay
             assert sample(text, 'llmgw_requests_total{model="echo",status="200"}') >= 1
         finally:
-            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}) as r:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}, headers=gw.admin_headers) as r:
                 assert r.status == 200, await r.text()
         deadline = time.monotonic() + 5
         while (await post(gw, "/v1/chat/completions", chat("removable")))[0] != 200:  # back, and counted anew
@@ -1015,3 +1020,203 @@ async def test_a_fallback_keeps_its_own_concurrency_limit(gw, engines):
     statuses = sorted(r[0] for r in results)
     assert engines.state["max_active"] <= 4, engines.state["max_active"]
     assert statuses.count(200) >= 4 and set(statuses) <= {200, 429}, statuses
+
+
+async def test_a_fallbacks_slot_goes_back_to_the_gate_it_was_taken_from(gw, engines):
+    """Issue 36: the slot `gate-fb` gave as `dead-to-gate`'s fallback was released on the gate looked up
+    again at the end; a catalog change in between (a new gate) left that one's `active` at -1, so two
+    requests reached an engine limited to one."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.admin + "/admin/v1/catalog", headers=gw.admin_headers) as r:
+            whole = await r.json()
+    changed = {**whole, "models": [{**m, "limits": {**m["limits"], "queue_timeout_s": 7}} if m["name"] == "gate-fb"
+                                   else m for m in whole["models"]]}
+    engines.state["release"].clear()
+    hits = engines.state["hits"]["hold"]
+    first = asyncio.create_task(post(gw, "/v1/chat/completions", chat("dead-to-gate")))
+    try:
+        deadline = time.monotonic() + 10
+        while engines.state["hits"]["hold"] == hits:  # served by the fallback, holding its one slot
+            assert time.monotonic() < deadline and not first.done(), first.done() and first.result()
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": changed}, headers=gw.admin_headers) as r:
+                assert r.status == 200, await r.text()
+        await asyncio.sleep(1.5)  # the gateway's routes (and gates) refresh on the change
+        engines.state["release"].set()
+        assert (await first)[0] == 200
+        # The new gate takes one request at once; the second is refused (max_queue 0), never forwarded.
+        engines.state["release"].clear()
+        hits = engines.state["hits"]["hold"]
+        one = asyncio.create_task(post(gw, "/v1/chat/completions", chat("gate-fb")))
+        deadline = time.monotonic() + 10
+        while engines.state["hits"]["hold"] == hits:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        status, _, out = await post(gw, "/v1/chat/completions", chat("gate-fb"))
+        assert status == 429 and assert_envelope(out, status), (status, out)
+        assert engines.state["hits"]["hold"] == hits + 1
+        engines.state["release"].set()
+        assert (await one)[0] == 200
+    finally:
+        engines.state["release"].set()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.admin + "/admin/v1/catalog", json={"catalog": whole}, headers=gw.admin_headers) as r:
+                assert r.status == 200, await r.text()
+
+
+async def test_an_engines_output_never_reaches_a_client_only_the_operator(gw, module_database_url):
+    """Issue 36: the cause of a failed start quotes a line of the engine's output, which may be a logged
+    prompt of another tenant; `model_failing` answers and /v1/models said it to every client. They say how
+    the engine ended (its signal or exit code); the admin API keeps the whole cause."""
+    secret = "prompt: my card is 4111-1111-1111-1111"
+    with psycopg.connect(module_database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO replicas (id, model, profile, status, failure, ended_at) VALUES "
+                     "('leaky-r1', 'leaky', 'default', 'failed', %s, now())",
+                     (f"exited with code 1: {secret}\nlast output:\n{secret}",))
+        conn.execute("INSERT INTO model_state (name, failures, backoff_until, failed_at) VALUES "
+                     "('leaky', 1, now() + interval '10 minutes', now()) ON CONFLICT (name) DO UPDATE SET "
+                     "failures = 1, backoff_until = now() + interval '10 minutes', failed_at = now()")
+    try:
+        status, headers, out = await post(gw, "/v1/chat/completions", chat("leaky"))
+        assert status == 503 and assert_envelope(out, status)["code"] == "model_failing", out
+        assert "4111" not in json.dumps(out) and "exited with code 1" in out["error"]["message"], out
+        assert "llmgw ctl models" in out["error"]["message"]
+        async with aiohttp.ClientSession() as s:
+            for url in (gw.gateway + "/v1/models", gw.gateway + "/v1/models/leaky"):
+                async with s.get(url) as r:
+                    text = await r.text()
+                assert "4111" not in text and "exited with code 1" in text, text
+            async with s.get(gw.admin + "/admin/v1/models", headers=gw.admin_headers) as r:
+                [view] = [m for m in await r.json() if m["name"] == "leaky"]
+        assert secret in view["reason"], view  # the operator sees the whole cause
+    finally:
+        with psycopg.connect(module_database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM replicas WHERE id = 'leaky-r1'")
+            conn.execute("DELETE FROM model_state WHERE name = 'leaky'")
+
+
+# ---- issue 36: the prompt as the template renders it -------------------------------------------------
+
+def tool(description: str = "d", parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": "lookup", "description": description,
+                                             "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
+async def test_every_field_the_template_renders_counts_towards_the_prompt_bound(gw, engines):
+    """A `tools` entry with a 50 MB description had counted as 0 characters (so had tool-call arguments,
+    schemas, a completion's suffix, names): now each is refused like a long message, before any engine."""
+    hits = dict(engines.state["hits"])
+    status, _, out = await post(gw, "/v1/chat/completions", chat("echo", tools=[tool("d" * (50 << 20))]))
+    assert status == 400, out
+    err = assert_envelope(out, status)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "tools", err
+    assert f"{MAX_PROMPT_CHARS:,}" in err["message"]
+    over = PROMPT_LIMIT + 1  # `short-prompts` takes 100 characters
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "t", "type": "function", "function": {"name": "f", "arguments": "a" * over}}]}
+    cases = [
+        ("/v1/chat/completions", chat("short-prompts", "x", tools=[tool(parameters={"type": "object", "properties": {
+            "p" * over: {"type": "string"}}})]), "tools"),  # a schema's property names are rendered too
+        ("/v1/chat/completions", {"model": "short-prompts", "messages": [{"role": "user", "content": "q"}, call]},
+         "messages"),
+        ("/v1/chat/completions", {"model": "short-prompts", "messages": [
+            {"role": "user", "content": "q", "name": "n" * over}]}, "messages"),
+        ("/v1/chat/completions", {"model": "short-prompts", "messages": [
+            {"role": "assistant", "content": "a", "reasoning_content": "r" * over}]}, "messages"),
+        ("/v1/chat/completions", chat("short-prompts", "x", response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object", "description": "s" * over}}}), "response_format"),
+        ("/v1/completions", {"model": "short-prompts", "prompt": "p", "suffix": "s" * over}, "suffix"),
+    ]
+    for path, body, param in cases:
+        status, _, out = await post(gw, path, body)
+        assert status == 400, (param, out)
+        err = assert_envelope(out, status)
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, (param, err)
+    assert engines.state["hits"] == hits  # refused before any engine
+    # What fits still goes: a small tool, a short call, an image that is not text.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 5000}}
+    status, _, out = await post(gw, "/v1/chat/completions", {"model": "short-prompts", "tools": [tool()], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]})
+    assert status == 200, out
+
+
+async def test_the_guard_judges_tools_tool_calls_and_reasoning(gw, engines):
+    """The judge had read `messages` only, and only the `content` of answers: a forbidden `tools`
+    description, or a forbidden tool call or reasoning in the answer, went through unjudged."""
+    status, _, out = await post(gw, "/v1/chat/completions", chat("guarded", "a harmless question",
+                                                                 tools=[tool("something forbidden")]))
+    assert status == 400 and assert_envelope(out, status)["code"] == "content_filter", out
+    assert "request" in out["error"]["message"]
+    status, _, out = await post(gw, "/v1/chat/completions", {"model": "guarded", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t", "type": "function", "function": {"name": "f", "arguments": '{"x": "something forbidden"}'}}]},
+        {"role": "user", "content": "go on"}]})
+    assert status == 400 and out["error"]["code"] == "content_filter", out
+    for text in ("please call a tool", "reason it out"):
+        for stream in (False, True):
+            status, _, out = await post(gw, "/v1/chat/completions", chat("answer-judged", text, stream=stream))
+            assert status == 400, (text, stream, out)
+            assert out["error"]["code"] == "content_filter" and "response" in out["error"]["message"], out
+    status, _, out = await post(gw, "/v1/chat/completions", chat("answer-judged", "a plain question"))
+    assert status == 200, out
+
+
+
+# ---- issue 36: media URLs the engine would fetch -------------------------------------------------------
+
+def with_part(model: str, part: dict) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]}
+
+
+async def test_media_urls_are_refused_naming_the_part_unless_the_model_allows_them(gw, engines):
+    """Engines fetch a media part's URL from the GPU network (cloud metadata, the node API, ...): a URL is
+    400 naming the part and saying to send the media inline, unless `limits.media_urls` allows it; allowed,
+    the mirror's address policy applies."""
+    hits = engines.state["hits"]["echo"]
+    metadata = "http://169.254.169.254/latest/meta-data/iam"
+    refused = [
+        ("echo", {"type": "image_url", "image_url": {"url": metadata}}, "messages[0].content[1].image_url.url"),
+        ("echo", {"type": "image_url", "image_url": "https://images.example.com/a.png"}, "messages[0].content[1].image_url"),
+        ("echo", {"type": "video_url", "video_url": {"url": "http://10.0.0.1/v.mp4"}}, "messages[0].content[1].video_url.url"),
+        ("echo", {"type": "audio_url", "audio_url": {"url": "HTTP://127.0.0.1:8081/admin"}}, "messages[0].content[1].audio_url.url"),
+        ("echo", {"type": "input_audio", "input_audio": {"data": "http://10.1.1.1/a.wav", "format": "wav"}},
+         "messages[0].content[1].input_audio.data"),
+        ("echo", {"type": "file", "file": {"file_data": "file:///etc/passwd", "filename": "a.pdf"}},
+         "messages[0].content[1].file.file_data"),
+        ("media-public", {"type": "image_url", "image_url": {"url": metadata}}, "messages[0].content[1].image_url.url"),
+        ("media-public", {"type": "image_url", "image_url": {"url": "http://[::ffff:169.254.169.254]/x"}},
+         "messages[0].content[1].image_url.url"),
+        ("media-public", {"type": "image_url", "image_url": {"url": "http://localhost:8081/x"}},
+         "messages[0].content[1].image_url.url"),  # a name, resolved, to loopback
+        ("media-public", {"type": "image_url", "image_url": {"url": "http://[fec0::1]/x"}},
+         "messages[0].content[1].image_url.url"),
+        ("media-public", {"type": "image_url", "image_url": {"url": "ftp://93.184.216.34/x.png"}},
+         "messages[0].content[1].image_url.url"),
+        ("media-listed", {"type": "image_url", "image_url": {"url": "http://93.184.216.34/x.png"}},
+         "messages[0].content[1].image_url.url"),  # public, but not a listed host
+        ("media-listed", {"type": "image_url", "image_url": {"url": "http://localhost/x.png"}},
+         "messages[0].content[1].image_url.url"),  # listed, and still held to the address policy
+    ]
+    for model, part, param in refused:
+        status, _, out = await post(gw, "/v1/chat/completions", with_part(model, part))
+        assert status == 400, (model, part, out)
+        err = assert_envelope(out, status)
+        assert err["code"] == "media_url_refused" and err["param"] == param, (model, part, err)
+        assert "data:" in err["message"] and "limits.media_urls" in err["message"], err
+    assert engines.state["hits"]["echo"] == hits  # none reached an engine
+    # Inline media always goes; a public address goes where the model allows URLs.
+    for model, part in [
+        ("echo", {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}),
+        ("echo", {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}}),
+        ("echo", {"type": "file", "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "a:b.pdf"}}),
+        ("media-public", {"type": "image_url", "image_url": {"url": "https://93.184.216.34/x.png"}}),
+    ]:
+        status, _, out = await post(gw, "/v1/chat/completions", with_part(model, part))
+        assert status == 200, (model, part, out)
+    # Many URLs: each one is judged (the first refused one is named).
+    parts = [{"type": "image_url", "image_url": {"url": "https://93.184.216.34/%d.png" % n}} for n in range(5)]
+    parts.append({"type": "image_url", "image_url": {"url": "http://192.168.0.1/x.png"}})
+    status, _, out = await post(gw, "/v1/chat/completions", {"model": "media-public", "messages": [
+        {"role": "user", "content": parts}]})
+    assert status == 400 and out["error"]["param"] == "messages[0].content[5].image_url.url", out

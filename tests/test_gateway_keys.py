@@ -5,7 +5,6 @@ key stops working within a moment; the official openai client works both before 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 async def ctl(cp: ControlPlane, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "LLMGW_ADMIN_URL": cp.admin}
+    env = {**cp.env, "LLMGW_ADMIN_URL": cp.admin}  # its state directory: the admin token ctl sends
     p = await asyncio.create_subprocess_exec(sys.executable, "-m", "llmgw", "ctl", "keys", *args, env=env,
                                              stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await p.communicate()
@@ -51,7 +50,7 @@ async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, dat
     try:
         await asyncio.to_thread(cp.start, worker=False)
         async with aiohttp.ClientSession() as s:
-            async with s.post(cp.admin + "/admin/v1/catalog",
+            async with s.post(cp.admin + "/admin/v1/catalog", headers=cp.admin_headers,
                               json={"catalog": {"models": [{"name": "echo", "endpoints": [engines.url("echo")]}]}}) as r:
                 assert r.status == 200
         deadline = time.monotonic() + 10

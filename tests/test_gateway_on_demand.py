@@ -63,7 +63,7 @@ def body(model: str, **kw) -> dict:
 
 async def apply(cp, catalog: dict) -> None:
     async with aiohttp.ClientSession() as s:
-        async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog}) as r:
+        async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog}, headers=cp.admin_headers) as r:
             assert r.status == 200, await r.text()
         deadline = time.monotonic() + 10
         while True:

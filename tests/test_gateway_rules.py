@@ -35,6 +35,28 @@ def test_guard_reads_the_answer_streamed_or_not_and_the_prompt_as_a_conversation
     assert conversation("/v1/completions", {"prompt": ["a", "b"]}) == [{"role": "user", "content": "a\nb"}]
 
 
+def test_the_judge_reads_what_the_template_renders_and_all_the_answer_says():
+    """Issue 36 (the real path: tests/test_gateway_api.py `test_the_guard_judges_tools_tool_calls_and_reasoning`)."""
+    req = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "name": "bob", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:,"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}],
+        "tools": [{"type": "function", "function": {"name": "x", "description": "desc"}}],
+        "response_format": {"type": "json_object"}}
+    convo = conversation("/v1/chat/completions", req)
+    assert [m["role"] for m in convo] == ["system", "user", "assistant"]
+    assert convo[1]["content"].startswith("[what the request offers the model: ") and '"desc"' in convo[1]["content"]
+    assert '"json_object"' in convo[1]["content"] and convo[1]["content"].endswith("[bob]\nhi")
+    assert convo[2]["content"] == '[tool call f: {"a": 1}]'
+    assert conversation("/v1/completions", {"prompt": "a", "suffix": "z"}) == [{"role": "user", "content": "a\n[suffix: z]"}]
+    whole = {"choices": [{"message": {"content": None, "reasoning_content": "hmm",
+                                      "tool_calls": [{"function": {"name": "rm", "arguments": "-rf"}}]}}]}
+    assert answer_text(json.dumps(whole).encode(), sse=False) == "[reasoning: hmm]\n[tool call rm: -rf]"
+    events = [{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "rm", "arguments": "-r"}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "f /"}}]}}]}]
+    sse = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    assert answer_text(sse, sse=True) == "[tool call rm: -rf /]"  # a streamed call's pieces put together
+
+
 def test_engine_errors_keep_a_4xx_message_and_hide_a_5xx_body():
     vllm = json.dumps({"object": "error", "message": "too long", "type": "BadRequestError", "param": "max_tokens",
                        "code": 400}).encode()

@@ -47,7 +47,7 @@ async def start_gateway(cp: ControlPlane, models: list[dict], mirror: bool = Fal
     """Start the server (no worker, no Temporal needed) and wait until it routes every model."""
     await asyncio.to_thread(cp.start, worker=False, mirror=mirror)
     async with aiohttp.ClientSession() as s:
-        async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": models}}) as r:
+        async with s.post(cp.admin + "/admin/v1/catalog", json={"catalog": {"models": models}}, headers=cp.admin_headers) as r:
             assert r.status == 200, await r.text()
         deadline = time.monotonic() + 20
         while True:

@@ -51,10 +51,10 @@ async def test_each_failed_or_lost_replica_counts_once_and_nothing_sets_it_back(
 
 def test_the_migration_counts_the_replicas_that_had_already_failed(postgres):
     name = "t_" + uuid.uuid4().hex[:12]
-    admin = f"postgresql://postgres@127.0.0.1:{postgres.port}/postgres"
+    admin = postgres.url_for("postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql://postgres@127.0.0.1:{postgres.port}/{name}"
+    url = postgres.url_for(name)
     try:
         upgrade(url, "0008_model_failed_at")
         with psycopg.connect(url) as conn:

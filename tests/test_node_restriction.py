@@ -296,11 +296,11 @@ def test_a_node_may_say_goodbye_only_for_itself_and_only_for_its_current_boot(se
         assert r.status_code == 200 and r.json() == {"known": False, "lost": []}
 
         def rep() -> dict:
-            return next(x for x in httpx.get(server.admin + "/admin/v1/replicas?all=true", timeout=10).json()
+            return next(x for x in httpx.get(server.admin + "/admin/v1/replicas?all=true", timeout=10, headers=server.admin_headers).json()
                         if x["id"] == "rep-lv")
 
         def node(node_id: str) -> dict:
-            return next(n for n in httpx.get(server.admin + "/admin/v1/nodes", timeout=10).json() if n["id"] == node_id)
+            return next(n for n in httpx.get(server.admin + "/admin/v1/nodes", timeout=10, headers=server.admin_headers).json() if n["id"] == node_id)
         assert rep()["status"] == "ready" and node("lv-a")["status"] == "ready"
         r = a.post("/node/v1/leave", json={"node_id": "lv-a", "boot_id": "b1"})
         assert r.status_code == 200 and r.json() == {"known": True, "lost": ["rep-lv"]}, r.text

@@ -48,7 +48,7 @@ def catalog(weights: str) -> dict:
 
 
 def model_view(cp: ControlPlane, name: str) -> dict:
-    return next(m for m in httpx.get(cp.admin + "/admin/v1/models", timeout=10).json() if m["name"] == name)
+    return next(m for m in httpx.get(cp.admin + "/admin/v1/models", timeout=10, headers=cp.admin_headers).json() if m["name"] == name)
 
 
 def row(table: str, first: str) -> str:
@@ -125,7 +125,7 @@ def test_a_model_that_dies_at_start_shows_its_cause_everywhere(control_plane, tm
     for path, code in ((f"{'x' * 200}/logs", "bad_replica_id"), ("..%2F..%2Fetc/logs", None),
                        (f"{rid}/logs?rank=99999", "bad_request"), (f"{rid}/logs?limit=0", "bad_request"),
                        (f"{rid}/logs?offset=-7", "bad_request")):
-        r = httpx.get(f"{cp.admin}/admin/v1/replicas/{path}", timeout=10)
+        r = httpx.get(f"{cp.admin}/admin/v1/replicas/{path}", timeout=10, headers=cp.admin_headers)
         assert r.status_code in (400, 404) and "error" in r.json(), (path, r.status_code, r.text)
         assert code is None or r.json()["error"]["code"] == code, (path, r.text)
 

@@ -85,6 +85,16 @@ def test_a_limit_that_is_not_a_count_is_refused_at_apply():
     assert "max_prompt_chars" in str(err.value)
 
 
+@pytest.mark.parametrize("setting", ["allow", ["http://images.example.com"], ["a b"], ["*"], ["x"] * 65, 3])
+def test_a_media_urls_setting_that_is_not_refuse_public_or_host_names_is_refused_at_apply(setting):
+    with pytest.raises(CatalogError) as err:
+        parse_catalog({"models": [{"name": "m", "endpoints": ["http://e:1"], "limits": {"media_urls": setting}}]})
+    assert "media_urls" in str(err.value)
+    ok = parse_catalog({"models": [{"name": "m", "endpoints": ["http://e:1"],
+                                    "limits": {"media_urls": ["*.example.com", "cdn.example.org"]}}]})
+    assert ok.models[0].limits.media_urls == ["*.example.com", "cdn.example.org"]
+
+
 def test_only_a_model_served_by_llamacpp_alone_is_text_only():
     gguf = Profile(engine="llamacpp", source="/m.gguf")
     assert text_only(Model(name="m", profiles=[gguf]))
@@ -95,3 +105,24 @@ def test_only_a_model_served_by_llamacpp_alone_is_text_only():
         {"type": "text", "text": "a"}, image]}]}) == "messages[1].content[1]"
     assert media_part({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}]}) is None
     assert media_part({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}) == "messages[0].content[0]"
+
+
+def test_every_field_a_chat_template_renders_is_counted():
+    """Issue 36: tools, tool calls, schemas, names, reasoning and a completion's suffix (the real path:
+    tests/test_gateway_api.py `test_every_field_the_template_renders_counts_towards_the_prompt_bound`)."""
+    chat = "/v1/chat/completions"
+    user = {"role": "user", "content": "abc"}
+    tools = [{"type": "function", "function": {"name": "ab", "description": "cde",
+                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    # keys too: type(4)+function(4) | function(8)+{name(4)+ab(2)+description(11)+cde(3)+parameters(10)+{...}}
+    assert prompt_chars(chat, {"messages": [user], "tools": tools}) == 3 + (
+        4 + 8 + 8 + 4 + 2 + 11 + 3 + 10 + (4 + 6 + 10 + 1 + 4 + 6))
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "t", "type": "function", "function": {"name": "f", "arguments": "12345"}}]}
+    assert prompt_chars(chat, {"messages": [user, call]}) == 3 + (2 + 1) + (4 + 8) + (8 + 4 + 1 + 9 + 5)
+    # a message's own fields count by value (the template writes the name, not the key), what is inside by both
+    assert prompt_chars(chat, {"messages": [{**user, "name": "bob"}]}) == 3 + 3
+    assert prompt_chars(chat, {"messages": [{"role": "assistant", "content": "a", "reasoning_content": "xyz"}]}) == 1 + 3
+    assert prompt_chars(chat, {"messages": [user], "response_format": {"type": "json_object"}}) == 3 + 4 + 11
+    assert prompt_chars("/v1/completions", {"prompt": ["ab", "abcd"], "suffix": "xyz"}) == 4 + 3
+    assert prompt_chars("/v1/completions", {"prompt": "ab", "suffix": None}) == 2

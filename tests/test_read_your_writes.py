@@ -40,7 +40,7 @@ async def gw(tmp_path_factory, module_database_url, engines):
     try:
         await asyncio.to_thread(cp.start, worker=False)
         async with aiohttp.ClientSession() as s:
-            async with s.post(cp.admin + "/admin/v1/catalog",
+            async with s.post(cp.admin + "/admin/v1/catalog", headers=cp.admin_headers,
                               json={"catalog": {"models": [{"name": "first", "endpoints": [engines.url("echo")]}]}}) as r:
                 assert r.status == 200, await r.text()
         yield cp

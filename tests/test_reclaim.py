@@ -30,13 +30,13 @@ def test_reclaim_lists_then_collects_only_what_llmgw_fetched(control_plane):
     by_hand = cache / "copied-by-operator.gguf"
     by_hand.write_bytes(b"h")
 
-    listed = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": False}, timeout=120).json()
+    listed = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": False}, timeout=120, headers=cp.admin_headers).json()
     [n] = listed["nodes"]
     assert n["unwanted"] == [old.name] and n["removed"] == []
     assert "copied-by-operator.gguf" in n["ignored"]
     assert old.exists()
 
-    collected = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": True}, timeout=120).json()
+    collected = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": True}, timeout=120, headers=cp.admin_headers).json()
     [n] = collected["nodes"]
     assert n["removed"] == [old.name] and n["freed_mb"] == 1
     assert not old.exists() and wanted.exists() and by_hand.exists()
@@ -91,7 +91,7 @@ def test_weights_a_start_just_fetched_are_not_reclaimed_before_its_engine_holds_
     fetched = cp.state / "cache" / "n1" / cache_name_for("mirror:fresh.gguf")
     wait_until(fetched.exists, timeout_s=60, what="the weights fetched", why=cp.logs)
     assert cp.apply({"models": []}).status_code == 200
-    collected = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": True}, timeout=120).json()
+    collected = httpx.post(cp.admin + "/admin/v1/reclaim", json={"collect": True}, timeout=120, headers=cp.admin_headers).json()
     [n] = collected["nodes"]
     assert n["kept_in_use"] == [fetched.name] and n["removed"] == [], n
     assert fetched.exists()

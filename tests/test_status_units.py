@@ -138,3 +138,24 @@ def test_a_failing_model_s_503_says_the_decoded_cause_and_not_the_engine_s_log()
     assert "its replicas failed 2 time(s) in a row (starting or running)" in err.message, err.message
     assert "killed by SIGKILL (terminated at once)" in err.message
     assert "last output" not in err.message and "slot" not in err.message and "x.gguf" not in err.message
+
+
+@pytest.mark.parametrize("cause,said", [
+    ("exited with code 1: prompt: my card is 4111 (rank 0 on n1)", "exited with code 1"),
+    ("killed by SIGILL (illegal instruction): the binary uses CPU instructions: ggml_x (rank 0 on n1)",
+     "killed by SIGILL (illegal instruction)"),
+    ("start on n1: exited with code 2: user said hello\nlast output:\nuser said hello", "start on n1: exited with code 2"),
+    ("…/nope.gguf: the mirror answered 404", "…/nope.gguf: the mirror answered 404"),  # ours, not the engine's
+    (None, "its start failed"),
+])
+def test_a_client_is_told_how_an_engine_ended_and_never_what_it_printed(cause, said):
+    """Issue 36: a line of an engine's output (a logged prompt of another tenant) reached every client."""
+    from llmgw.placement.model_status import client_cause, client_reason
+
+    assert client_cause(cause) == said
+    facts = ModelFacts(failures=2, backoff_until=NOW + timedelta(seconds=40), last_failure=cause)
+    failing = model_condition(model(0, 1), facts, NOW)
+    assert failing.status == ModelStatus.FAILING and client_reason(failing).startswith(said)
+    assert failing.reason == (cause or "its last start failed")  # the operator's view keeps it whole
+    serving = model_condition(model(1, 1), ModelFacts(replicas={"ready": 1}, **facts.model_dump(exclude={"replicas"})), NOW)
+    assert client_reason(serving).startswith(f"serving; 2 start(s) of another replica failed in a row, the last with: {said}")

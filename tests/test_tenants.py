@@ -77,6 +77,7 @@ async def plane(tmp_path_factory, module_database_url):
         ]})
         assert r.status_code == 200, r.text
         cp.gw2 = f"http://127.0.0.1:{g2}"  # type: ignore[attr-defined]
+        cp.admin2 = f"http://127.0.0.1:{a2}"  # type: ignore[attr-defined]
         cp.sims = sims  # type: ignore[attr-defined]
         cp.fake = fake  # type: ignore[attr-defined]
         cp.db = module_database_url  # type: ignore[attr-defined]
@@ -103,7 +104,7 @@ def auth(key: str) -> dict[str, str]:
 
 
 def admin(cp: ControlPlane, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, cp.admin + path, json=body, timeout=10)
+    return httpx.request(method, cp.admin + path, json=body, timeout=10, headers=cp.admin_headers)
 
 
 def create_tenant(cp: ControlPlane, name: str, **limits) -> dict:
@@ -174,6 +175,11 @@ async def test_two_gateways_share_one_tenants_rpm(plane):
     # Counted exactly once: the rows hold every admitted request, from both gateways, and no refused one.
     wait_until(lambda: sum(r[2] for r in usage_rows(cp, "shared")) == admitted, timeout_s=5,
                what="usage rows of every admitted request", why=lambda: usage_rows(cp, "shared"))
+    # The refusals by tenant: on each gateway's admin API, behind its token; never on the public port.
+    for gw, admin_url in ((cp.gateway, cp.admin), (cp.gw2, cp.admin2)):
+        assert 'tenant="shared"' not in httpx.get(gw + "/metrics", timeout=10).text
+        text = httpx.get(admin_url + "/metrics", timeout=10, headers=cp.admin_headers).text
+        assert f'llmgw_rate_limited_total{{limit="rpm",tenant="shared"}} {float(statuses[gw].count(429))}' in text, text
 
 
 async def test_a_streamed_answer_is_counted_once_and_its_usage_chunk_reaches_only_a_client_that_asked(plane):
@@ -206,8 +212,15 @@ async def test_a_streamed_answer_is_counted_once_and_its_usage_chunk_reaches_onl
     assert (engine_prompt, engine_generated) == (6, 14)
     wait_until(lambda: [r[2:] for r in usage_rows(cp, "streams")] == [(2, engine_prompt, engine_generated)],
                timeout_s=5, what="the two streams counted once each", why=lambda: usage_rows(cp, "streams"))
-    for gw in (cp.gateway, cp.gw2):  # each gateway counted its own stream in its metrics
-        text = httpx.get(gw + "/metrics", timeout=10).text
+    # Each gateway counted its own stream in its metrics: on its admin API's /metrics, which wants the admin
+    # token even on loopback; the public port's /metrics names no tenant (issue 36).
+    for gw, admin_url in ((cp.gateway, cp.admin), (cp.gw2, cp.admin2)):
+        public = httpx.get(gw + "/metrics", timeout=10).text
+        assert "streams" not in public and "tenant=" not in public and "llmgw_requests_total" in public, gw
+        refused = httpx.get(admin_url + "/metrics", timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_token"
+        assert httpx.get(admin_url + "/metrics", timeout=10, headers={"authorization": "Bearer wrong"}).status_code == 401
+        text = httpx.get(admin_url + "/metrics", timeout=10, headers=cp.admin_headers).text
         assert 'llmgw_tokens_total{model="sim",tenant="streams",type="completion"} 7.0' in text, gw
         assert 'llmgw_tokens_total{model="sim",tenant="streams",type="prompt"} 3.0' in text, gw
 
@@ -403,7 +416,7 @@ async def test_a_fallback_serves_only_a_key_that_may_use_the_fallback_model(plan
     tenant is served by the fallback."""
     cp = plane
     dead = f"http://127.0.0.1:{free_port()}"
-    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()["models"]
               if m["name"] != "down"]
     models.append({"name": "down", "endpoints": [dead], "fallbacks": ["sim-b"]})
     assert cp.apply({"models": models}).status_code == 200
@@ -450,7 +463,7 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
     for limits, field in BAD_LIMITS:
         refused(admin(cp, "POST", "/admin/v1/tenants", {"name": "abuse", "limits": limits}), 400, field)
     r = httpx.post(cp.admin + "/admin/v1/tenants", content=b'{"name": "abuse", "limits": {"rpm": 1' + b"0" * 30 + b"}}",
-                   headers={"content-type": "application/json"}, timeout=10)
+                   headers={"content-type": "application/json", **cp.admin_headers}, timeout=10)
     refused(r, 400, None)  # beyond int64: refused before it is parsed
     assert admin(cp, "GET", "/admin/v1/tenants").status_code == 200
     assert "abuse" not in [t["name"] for t in admin(cp, "GET", "/admin/v1/tenants").json()]
@@ -607,7 +620,7 @@ async def test_an_error_answer_to_an_accounted_request_carries_its_rate_limit_he
     is answered with the `x-ratelimit-*` headers as every other answer of a key with limits is."""
     cp = plane
     dead = f"http://127.0.0.1:{free_port()}"
-    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()["models"]
               if m["name"] not in ("refuse", "dead")]
     models += [{"name": "refuse", "endpoints": [cp.fake.url("refuse400")]},  # type: ignore[attr-defined]
                {"name": "dead", "endpoints": [dead]}]
@@ -632,7 +645,7 @@ async def test_a_prompt_the_guard_refuses_is_charged_what_its_judge_read(plane):
     content_filter). Before, that cost the tenant nothing, so refused prompts loaded the judge without
     limit; now the prompt is charged, a token for each 4 characters."""
     cp = plane
-    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10).json()["models"]
+    models = [m for m in httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()["models"]
               if m["name"] not in ("judge", "g-req")]
     models += [{"name": "judge", "role": "guard", "endpoints": [cp.fake.url("judge")]},  # type: ignore[attr-defined]
                {"name": "g-req", "endpoints": [cp.fake.url("echo")],  # type: ignore[attr-defined]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
+import types
 from pathlib import Path
 
 import aiohttp
@@ -158,3 +160,39 @@ def test_source_kinds_and_cache_names():
     assert cache_name_for("mirror:a.gguf") != cache_name_for("mirror:b.gguf")
     assert cache_name_for("mirror:a.gguf").endswith("-a.gguf")
     assert cache_name_for("https://h/x/").endswith("-x")
+
+
+async def test_concurrent_requests_for_an_unrecorded_file_hash_it_once(mirror, monkeypatch):
+    """Issue 36: the mirror hashed a file it has no record for once per concurrent request (each reading
+    it whole), so a fleet asking at once cost the mirror a fleet's worth of reads."""
+    import llmgw.weights.manifest as manifest_module
+
+    root, url, _ = mirror
+    data = write(root / "big" / "w.gguf", 48 << 20)
+    write(root / "big" / "other.bin", 1 << 20)
+    started = []
+
+    class Counting:
+        def __init__(self):
+            started.append(1)
+            self.h = hashlib.sha256()
+
+        def update(self, block):
+            self.h.update(block)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(manifest_module, "hashlib", types.SimpleNamespace(sha256=Counting))
+    async with aiohttp.ClientSession() as session:
+        async def one(method: str, path: str) -> tuple[int, dict, bytes]:
+            async with session.request(method, url + path) as r:
+                return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+
+        answers = await asyncio.gather(*[one("HEAD", "/files/big/w.gguf") for _ in range(24)],
+                                       *[one("GET", "/files/big/") for _ in range(8)])
+    assert all(a[0] == 200 for a in answers), [a[0] for a in answers]
+    want = hashlib.sha256(data).hexdigest()
+    assert {a[1]["x-llmgw-sha256"] for a in answers[:24]} == {want}
+    assert all({f["name"]: f["sha256"] for f in json.loads(a[2])["files"]}["w.gguf"] == want for a in answers[24:])
+    assert len(started) == 2, len(started)  # once for each file, whatever asked and however many at once

@@ -28,7 +28,7 @@ from llmgw.control.fleet_service import FleetService
 from llmgw.control.nodeapi import Renewer, create_node_api, listen_refusal
 from llmgw.control.revocations import DenyList
 from llmgw.schemas.payloads import LivenessFacts
-from llmgw.security.admin_token import ensure_token, loopback_only
+from llmgw.security.admin_token import ensure_token
 from llmgw.http.serving import TLS, Listener, install_stop_handlers, listener_limits, serve
 from llmgw.temporal import LazyClient
 
@@ -65,7 +65,6 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
         await asyncio.to_thread(upgrade, url)
     raise_open_files_limit()
     token = ensure_token(settings)
-    require_token = not loopback_only(settings.admin_host)
     engine = async_engine(url, pool_size=10)
     gw = Gateway(settings, engine)
     stop = asyncio.Event()
@@ -75,13 +74,12 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
                  limits=listener_limits(settings)),
         Listener(create_admin_api(engine, gw.temporal, settings.node_unreachable_after_s, settings.node_lost_after_s,
                                   LivenessFacts(poller_grace_s=settings.poller_grace_s, silent_share=settings.silent_share),
-                                  token=token, require_token=require_token),
+                                  token=token, metrics=gw.metrics.render_tenants),
                  settings.admin_host, settings.admin_port, "admin", lifespan="off",
                  limits=listener_limits(settings, CONTROL_BODY_BYTES)),
     ]
-    log.info("gateway on %s:%d, admin on %s:%d (bearer token %s; in %s unless LLMGW_ADMIN_TOKEN is set)",
-             settings.host, settings.gateway_port, settings.admin_host, settings.admin_port,
-             "required" if require_token else "optional on loopback", settings.admin_token_path)
+    log.info("gateway on %s:%d, admin on %s:%d (bearer token required; in %s unless LLMGW_ADMIN_TOKEN is set)",
+             settings.host, settings.gateway_port, settings.admin_host, settings.admin_port, settings.admin_token_path)
     node_api = NodeAPIProcess(settings, stop) if settings.node_api_port else None
     try:
         if node_api is not None:

@@ -36,11 +36,14 @@ class GatewayMetrics:
     - `llmgw_ready_replicas{model}`, `llmgw_open_breakers{model}`: from the route table, at scrape time;
     - `llmgw_upstream_retries_total{model}`: requests sent to another replica before the first byte;
     - `llmgw_guard_refusals_total{model,stage}`;
-    - tenants (issue 15; `tenant` is a tenant this gateway knows, or `-` for a key of no tenant: the
-      operator creates them, at most `MAX_TENANTS`): `llmgw_tokens_total{tenant,model,type}` (`prompt`,
-      `completion`: what the engines reported for accounted requests), `llmgw_rate_limited_total{tenant,limit}`
-      (`rpm`, `tpm`, `tokens_per_day`, `tokens_per_month`, `models`), `llmgw_usage_missing_total{model}`
-      (accounted requests that ended without usage), `llmgw_usage_sync_errors_total`.
+    - `llmgw_usage_missing_total{model}` (accounted requests that ended without usage),
+      `llmgw_usage_sync_errors_total`;
+    - tenants, on a registry of their own (`tenant_registry`, rendered by `render_tenants` on the admin
+      API's `/metrics`, which wants the admin token: issue 36, the public port had named every tenant with
+      its usage; issue 15: `tenant` is a tenant this gateway knows, or `-` for a key of no tenant, at most
+      `MAX_TENANTS`): `llmgw_tokens_total{tenant,model,type}` (`prompt`, `completion`: what the engines
+      reported for accounted requests), `llmgw_rate_limited_total{tenant,limit}` (`rpm`, `tpm`,
+      `tokens_per_day`, `tokens_per_month`, `models`).
     """
 
     def __init__(self) -> None:
@@ -61,10 +64,11 @@ class GatewayMetrics:
                                ["model"], registry=r)
         self.guard_refusals = Counter("llmgw_guard_refusals", "Requests or responses refused by a guard model",
                                       ["model", "stage"], registry=r)
+        t = self.tenant_registry = CollectorRegistry()  # never on the public port
         self.tokens = Counter("llmgw_tokens", "Tokens the engines reported for accounted requests",
-                              ["tenant", "model", "type"], registry=r)
+                              ["tenant", "model", "type"], registry=t)
         self.rate_limited = Counter("llmgw_rate_limited", "Requests refused by a tenant's or key's limits",
-                                    ["tenant", "limit"], registry=r)
+                                    ["tenant", "limit"], registry=t)
         self.usage_missing = Counter("llmgw_usage_missing", "Accounted requests that ended without usage",
                                      ["model"], registry=r)
         self.usage_sync_errors = Counter("llmgw_usage_sync_errors", "Usage syncs with Postgres that failed",
@@ -151,7 +155,12 @@ class GatewayMetrics:
         self._gauged -= gone
 
     def render(self) -> bytes:
+        """The public port's page: per-model series only, no tenant's name."""
         return generate_latest(self.registry)
+
+    def render_tenants(self) -> bytes:
+        """The tenant-labelled series, for the admin API's `/metrics` (behind the admin token)."""
+        return generate_latest(self.tenant_registry)
 
 
 class AgentMetrics:

@@ -191,7 +191,7 @@ class FaultFleet:
         return out
 
     def nodes(self) -> dict[str, dict]:
-        return {n["id"]: n for n in httpx.get(self.cp.admin + "/admin/v1/nodes", timeout=10).json()}
+        return {n["id"]: n for n in httpx.get(self.cp.admin + "/admin/v1/nodes", timeout=10, headers=self.cp.admin_headers).json()}
 
     def launches(self, replica_id: str) -> int:
         """How many times any agent launched a shard of `replica_id` (its log line per launch)."""

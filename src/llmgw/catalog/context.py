@@ -19,7 +19,9 @@ against an accounted key's budgets: `limits.max_output_tokens` (also sent to the
 stop there by itself), else the declared context (an engine stops there anyway), else the context the prompt
 bound implies (its characters / `CHARS_PER_TOKEN`).
 
-The gateway counts a request's text (gateway/openai_api.py `prompt_chars`) and refuses a longer one with
+The gateway counts a request's text as its engine renders it (gateway/openai_api.py `prompt_chars`: messages
+with their names, tool calls and reasoning, `tools`, `response_format` schemas, a completion's `suffix`) and
+refuses a longer one with
 400 `context_length_exceeded` before it is routed, queued, counted against a quota or loads a model.
 """
 

@@ -4,9 +4,10 @@ nodes, explain, API keys, tenants and usage, reclaim. Used by `llmgw ctl`."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Callable
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError
@@ -28,10 +29,13 @@ from llmgw.temporal import LazyClient
 
 
 def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float,
-                     liveness: LivenessFacts | None = None, token: str | None = None, require_token: bool = False):
-    """The admin API behind its guard (control/admin_guard.py): with `require_token`, every request
-    must carry `Authorization: Bearer <token>`. `liveness` carries the liveness settings (poller grace,
-    silent share) the planner uses too."""
+                     liveness: LivenessFacts | None = None, token: str | None = None,
+                     metrics: Callable[[], bytes] | None = None):
+    """The admin API behind its guard (control/admin_guard.py): every request must carry
+    `Authorization: Bearer <token>`, wherever it listens (issue 36: on loopback it had been optional, and
+    any local user of a shared GPU box could administer the fleet). `liveness` carries the liveness
+    settings (poller grace, silent share) the planner uses too. `metrics`: the page of tenant-labelled
+    series served at `/metrics`."""
     app = FastAPI(title="llmgw admin API", docs_url=None, redoc_url=None, openapi_url=None)
     status = StatusService(engine, temporal, temporal.settings.resolved_temporal_ui_url,
                            temporal.settings.temporal_namespace)
@@ -47,6 +51,11 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error",
                                                                 "param": "catalog", "code": "catalog_refused",
                                                                 "problems": exc.problems}})
+
+    @app.get("/metrics")
+    async def tenant_metrics():
+        """Series that name tenants (telemetry.py `GatewayMetrics.render_tenants`): never on the public port."""
+        return Response(metrics() if metrics is not None else b"", media_type="text/plain; version=0.0.4")
 
     @app.get("/admin/v1/catalog")
     async def get_catalog():
@@ -159,5 +168,5 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
             raise APIError(404, f"no API key with id {key_id!r}", param="id", code="not_found")
         return KeyView(**asdict(row))
 
-    return AdminGuard(BoundedJSON(app), token, require_token)
+    return AdminGuard(BoundedJSON(app), token)
 

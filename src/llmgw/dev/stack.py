@@ -30,6 +30,7 @@ from llmgw.dev.postgres import EmbeddedPostgres
 from llmgw.dev.procs import kill_pid_file, port_open, stop_process, wait_port
 from llmgw.dev.temporal_server import TemporalDevServer
 from llmgw.node.supervisor import kill_leftover_engines
+from llmgw.security.admin_token import ensure_token
 
 log = logging.getLogger(__name__)
 DEFAULT_CATALOG = Path(__file__).parent / "default_catalog.yaml"
@@ -45,6 +46,15 @@ WHAT = {  # what each printed address is for (README, "Two commands")
     "temporal": "Temporal's frontend (LLMGW_TEMPORAL_ADDRESS)", "database": "Postgres (LLMGW_DATABASE_URL)",
     "logs": "every process's log",
 }
+
+def _without_password(url: str) -> str:
+    """A DSN as `llmgw dev` prints it: the password replaced by the name of its file in the state directory."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:<postgres.password>@{host}"
+
 
 class AlreadyRunning(SystemExit):
     pass
@@ -215,8 +225,9 @@ class DevStack:
         digest = hashlib.sha256(text.encode()).hexdigest()
         marker = self.run_dir / "catalog.applied"
         admin = f"http://127.0.0.1:{self.s.admin_port}"
+        auth = {"authorization": f"Bearer {ensure_token(self.s)}"}  # the file the server created, or the variable
         if not always and marker.exists() and marker.read_text() == digest:
-            current = httpx.get(admin + "/admin/v1/catalog", timeout=30).json().get("models", [])
+            current = httpx.get(admin + "/admin/v1/catalog", timeout=30, headers=auth).json().get("models", [])
             if current:
                 self.echo(f"catalog: {path} is unchanged since the last start; keeping the control plane's catalog "
                           f"({len(current)} models, `llmgw ctl apply` changes included)")
@@ -225,7 +236,7 @@ class DevStack:
             raw = read_yaml(path, text)
         except CatalogError as exc:
             raise SystemExit(f"the catalog {path} was refused:\n{exc}") from None
-        r = httpx.post(admin + "/admin/v1/catalog", json={"catalog": raw}, timeout=30)
+        r = httpx.post(admin + "/admin/v1/catalog", json={"catalog": raw}, timeout=30, headers=auth)
         if r.status_code != 200:
             detail = r.json().get("error", {}).get("message", r.text)
             raise SystemExit(f"the catalog {path} was refused:\n{detail}")
@@ -247,7 +258,7 @@ class DevStack:
         if self.temporal and self.temporal.ui_port:
             out["temporal-ui"] = f"http://127.0.0.1:{self.temporal.ui_port}"
         out["temporal"] = self.s.temporal_address or ""
-        out["database"] = self.s.database_url or ""
+        out["database"] = _without_password(self.s.database_url or "")
         return out
 
     # ---- run ------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from llmgw.gateway.proxy import Proxy
 from llmgw.gateway.quotas import Quotas
 from llmgw.gateway.routes import TABLES, RouteTable
 from llmgw.gateway.upstream import Upstream
-from llmgw.placement.model_status import ModelCondition
+from llmgw.placement.model_status import ModelCondition, client_reason
 from llmgw.schemas.catalog import Model
 from llmgw.gateway.keys import KeyRing
 from llmgw.security.logtext import for_client
@@ -52,13 +52,14 @@ def model_object(m: Model, cond: ModelCondition | None = None, created: int = 0)
     `llmgw` (an extension OpenAI clients ignore) carries its status for the chat page and for clients that
     want to know before asking: `status` (ready, loading, on demand, failing, ...), `reason`, and while
     failing `restarts`, `retry_in_s` and `on_request` (its next start waits for a request;
-    placement/model_status.py). The reason names no URL, path or address of the fleet (`for_client`).
+    placement/model_status.py). The reason names no URL, path or address of the fleet (`for_client`), and
+    never quotes an engine's output (`client_reason`: it may hold a logged prompt).
     `created`: when the model was first applied (Unix seconds, OpenAI's field); `llmgw.aliases`: the other
     names a request may use for it."""
     out: dict = {"id": m.name, "object": "model", "created": created,
                  "owned_by": "llmgw-sim" if m.simulated else "llmgw"}
     if cond is not None:
-        out["llmgw"] = {"status": cond.status.value, "reason": for_client(cond.reason), "restarts": cond.restarts,
+        out["llmgw"] = {"status": cond.status.value, "reason": for_client(client_reason(cond)), "restarts": cond.restarts,
                         "retry_in_s": cond.retry_in_s, "on_request": cond.on_request, "aliases": list(m.aliases)}
     return out
 

@@ -36,7 +36,7 @@ from llmgw.db import catalog_repo, load_repo, status_repo
 from llmgw.http import errors
 from llmgw.gateway.load import LoadSampler
 from llmgw.gateway.routes import ModelRoute, RouteTable
-from llmgw.placement.model_status import ModelCondition, ModelStatus
+from llmgw.placement.model_status import ModelCondition, ModelStatus, client_reason
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class Demand:
 
     @staticmethod
     def _failing(name: str, cond: ModelCondition) -> errors.APIError:
-        return errors.failing(name, cond.reason, cond.retry_in_s or 0, cond.restarts)
+        return errors.failing(name, client_reason(cond), cond.retry_in_s or 0, cond.restarts)
 
     async def condition(self, name: str, fresh: bool = False) -> ModelCondition | None:
         """`name`'s status now (kept `CONDITION_TTL_S`, so a burst of requests for a failing model costs one

@@ -136,28 +136,89 @@ def _check_parts(content: Any, i: int) -> None:
             raise errors.bad_request(f"`{where}[{j}].text` must be a string", param=f"{where}[{j}].text")
 
 
+# Request fields besides `messages` that a chat template renders into the prompt (vLLM and SGLang render
+# `tools` and `documents`, and may take the template itself and its kwargs from the request), or that an
+# engine turns into prompt text (`response_format`'s JSON schema, legacy `functions`). Counted whole:
+# every string in them, keys included (a JSON schema's property names are rendered too).
+RENDERED = ("tools", "functions", "response_format", "documents", "chat_template", "chat_template_kwargs")
+_RENDERED = frozenset(RENDERED)
+# A message's own fields that are not text to count: its role, and `content`, counted part by part.
+_NOT_COUNTED = frozenset(("role", "content"))
+
+
+def text_len(value: Any) -> int:
+    """Characters in every string of a decoded JSON value, object keys included. The body's skeleton
+    check bounds its depth (64) and element count, so this walk is bounded too."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + text_len(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(text_len(v) for v in value)
+    return 0
+
+
+def _message_chars(m: dict) -> int:
+    content = m.get("content")
+    n = 0
+    if isinstance(content, str):
+        n = len(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                n += len(part["text"])
+    if len(m) > 2 or "content" not in m:  # `name`, `tool_calls`, `reasoning_content`, `refusal`, ...
+        for k, v in m.items():
+            if k not in _NOT_COUNTED:
+                n += text_len(v)
+    return n
+
+
 def prompt_chars(path: str, req: dict) -> int:
-    """The characters of text in the request's prompt, as the prompt bound counts them (catalog/context.py):
-    a chat's messages together (their string `content`, and the `text` of their content parts; images and
-    other parts are not text), or the longest of a completion's `prompt`s or an embedding's `input`s (each
-    is a prompt of its own). Token-id arrays are not counted: the body's element bound holds them."""
+    """The characters of text in the request's prompt as its engine renders it, as the prompt bound counts
+    them (catalog/context.py). A chat: its messages together (string `content`, the `text` of content
+    parts, and every other field of a message: `name`, `tool_calls` with their function names and
+    arguments, `reasoning_content`, ...; images and other media parts are not text), plus every field of
+    `RENDERED` (`tools` with names, descriptions and parameter schemas, `response_format`'s schema, ...).
+    A completion: its longest `prompt` plus its `suffix` (each prompt is rendered with it); an
+    embedding: its longest `input`. Token-id arrays are not counted: the body's element bound holds them.
+    Issue 36: a `tools` entry with a 50 MB description had counted as nothing."""
     if path == "/v1/chat/completions":
         n = 0
         for m in req["messages"]:
             content = m.get("content")
-            if isinstance(content, str):
+            if type(content) is str and len(m) == 2:  # the common message, {role, content}: no call
                 n += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        n += len(part["text"])
+            else:
+                n += _message_chars(m)
+        if not _RENDERED.isdisjoint(req):
+            for field in RENDERED:
+                if field in req:
+                    n += text_len(req[field])
         return n
     value = req.get(REQUIRED[path])
     if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return max((len(v) for v in value if isinstance(v, str)), default=0)
-    return 0
+        n = len(value)
+    elif isinstance(value, list):
+        n = max((len(v) for v in value if isinstance(v, str)), default=0)
+    else:
+        n = 0
+    suffix = req.get("suffix") if path == "/v1/completions" else None
+    return n + len(suffix) if isinstance(suffix, str) else n
+
+
+def prompt_param(path: str, req: dict) -> str:
+    """The field that holds most of a refused prompt's text (`tools`, `messages`, `suffix`), for the
+    refusal's `param`; computed only for a refusal."""
+    field = REQUIRED[path]
+    if path == "/v1/chat/completions":
+        sizes = {f: text_len(req[f]) for f in RENDERED if f in req}
+        sizes[field] = sum(_message_chars(m) for m in req["messages"])
+        return max(sizes, key=sizes.__getitem__)
+    suffix = req.get("suffix") if path == "/v1/completions" else None
+    if isinstance(suffix, str) and len(suffix) > prompt_chars(path, {field: req.get(field)}):
+        return "suffix"
+    return field
 
 
 def media_part(req: dict) -> str | None:

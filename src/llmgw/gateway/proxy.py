@@ -36,13 +36,15 @@ import time
 from typing import Any, Awaitable, Callable
 
 from llmgw.http import errors
-from llmgw.gateway.admission import Gates
+from llmgw.gateway.admission import Gate, Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand, Hold
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
+from llmgw.gateway.media import check_media, has_parts, media_urls
 from llmgw.gateway.openai_api import (
-    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, read_body,
+    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
+    read_body,
     sse_error,
 )
 from llmgw.gateway.quotas import Account, Meter, Quotas
@@ -61,6 +63,7 @@ from llmgw.telemetry import GatewayMetrics
 log = logging.getLogger(__name__)
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 GUARDED = (CHAT, "/v1/completions")
 MAX_HELD = 16 << 20  # an answer held for a response check
 MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
@@ -92,6 +95,10 @@ def _start(status: int, headers: list[tuple[bytes, bytes]], x: "_Exchange") -> d
     if m.lines:
         return {"type": "http.response.start", "status": status, "headers": headers, HEAD: m.head}
     return {"type": "http.response.start", "status": status, "headers": headers + m.headers}
+
+
+def _media_setting(route: ModelRoute) -> object:
+    return route.model.limits.media_urls if route.model.limits is not None else "refuse"
 
 
 def looks_like_json(data: bytes) -> bool:
@@ -199,9 +206,11 @@ class Proxy:
             label = route.model.name
             chars = prompt_chars(path, req)
             if chars > route.bound.chars:  # before it is queued, counted or loads a model
-                raise errors.prompt_too_long(label, chars, route.bound, REQUIRED[path])
+                raise errors.prompt_too_long(label, chars, route.bound, prompt_param(path, req))
             if route.text_only and path == CHAT and (part := media_part(req)) is not None:
                 raise errors.text_only(label, part)
+            if path != COMPLETIONS and has_parts(req) and (urls := list(media_urls(req))):  # (embeddings too)
+                await check_media(label, route.model.limits, urls)
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
@@ -281,6 +290,10 @@ class Proxy:
             self.demand.ask(route)  # load it for next time even while a fallback serves
         fallbacks = [r for r in self.routes.fallbacks(route) if r.endpoints and chars <= r.bound.chars
                      and not (r.text_only and path == CHAT and media_part(req) is not None)]
+        if fallbacks and path != COMPLETIONS and has_parts(req) and next(media_urls(req), None) is not None:
+            # Media URLs the asked model allows: only a fallback with the same `limits.media_urls` takes them.
+            allowed = _media_setting(route)
+            fallbacks = [r for r in fallbacks if _media_setting(r) == allowed]
         if meter is not None:
             fallbacks = [r for r in fallbacks if meter.account.refusing(r.model) is None]
         return [r for r in (route, *fallbacks) if r.endpoints]
@@ -301,7 +314,10 @@ class Proxy:
             await gate.acquire()
         usage = self.demand.usage
         usage.begin(name)
-        fallback: list[str] = []  # the fallback serving, once `_open` has taken its slot
+        # The fallback serving, once `_open` has taken its slot: (name, the gate it took the slot of). The slot
+        # goes back to that gate object: a catalog refresh in between may have put a new gate under the name,
+        # whose `active` a release would take below 0 (issue 36).
+        fallback: list[tuple[str, Gate | None]] = []
         try:
             resp, ep = await self._open(plan, path, req, body, meter, fallback)
             healthy: bool | None = None
@@ -319,22 +335,23 @@ class Proxy:
             usage.end(name)
             if gate is not None:
                 gate.release()
-            for other in fallback:
+            for other, g in fallback:
                 usage.end(other)
-                if (g := self.gates.get(other)) is not None:
+                if g is not None:
                     g.release()
 
-    def _take_fallback(self, name: str, taken: list[str]) -> bool:
+    def _take_fallback(self, name: str, taken: list[tuple[str, Gate | None]]) -> bool:
         """Move the request to fallback `name`: a free slot under its limits (no waiting: the request
-        already waited once), and its use for the idle clock. False when it has no free slot."""
+        already waited once), and its use for the idle clock. False when it has no free slot. `taken` holds
+        the fallback serving and the gate object its slot came from (released on that same object)."""
         gate = self.gates.get(name)
         if gate is not None and not gate.try_acquire():
             return False
-        for other in taken:  # the previous fallback, which could not answer
+        for other, g in taken:  # the previous fallback, which could not answer
             self.demand.usage.end(other)
-            if (g := self.gates.get(other)) is not None:
+            if g is not None:
                 g.release()
-        taken[:] = [name]
+        taken[:] = [(name, gate)]
         self.demand.usage.begin(name)
         return True
 
@@ -348,7 +365,8 @@ class Proxy:
             ep.trial = False  # cancelled: no verdict on the endpoint
 
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
-                    meter: Meter | None = None, fallback: list[str] | None = None) -> tuple[Response, Endpoint]:
+                    meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None
+                    ) -> tuple[Response, Endpoint]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
         client. Returns an answer with a status below 400, its endpoint counted as outstanding. An
         accounted request's `meter.sent` says whether an engine has it (so a client that leaves before the
@@ -544,7 +562,7 @@ class Proxy:
             raise errors.model_not_found(model, self.routes.similar(model))
         chars = prompt_chars(path, payload)
         if chars > route.bound.chars:  # 400 as a request to it would get, not a retryable 503 after it refused
-            raise errors.prompt_too_long(route.model.name, chars, route.bound, REQUIRED[path])
+            raise errors.prompt_too_long(route.model.name, chars, route.bound, prompt_param(path, payload))
         if route.text_only and path == CHAT and (part := media_part(payload)) is not None:
             raise errors.text_only(route.model.name, part)
 

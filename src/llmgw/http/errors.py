@@ -64,9 +64,10 @@ def loading(name: str, retry_after_s: int, detail: str | None = None) -> APIErro
 
 def failing(name: str, cause: str, retry_after_s: int, restarts: int) -> APIError:
     """Its starts keep failing and it is backing off (a CrashLoopBackOff): not "loading", which a client
-    would retry in seconds for minutes. Retry-After is the backoff left. The cause names no URL, path or
-    address of the fleet (`for_client`)."""
-    first = cause.strip().splitlines()[0] if cause.strip() else "no cause recorded"  # not the engine's log lines
+    would retry in seconds for minutes. Retry-After is the backoff left. `cause` is the client's version
+    (placement/model_status.py `client_reason`: never an engine's output); it names no URL, path or address
+    of the fleet (`for_client`)."""
+    first = cause.strip().splitlines()[0] if cause.strip() else "no cause recorded"
     return APIError(503, f"the model `{name}` is failing: its replicas failed {restarts} time(s) in a row (starting "
                     f"or running), the last with: {for_client(first)}; "
                     f"the next start is in about {retry_after_s}s (an operator runs `llmgw ctl retry {name}` once the "
@@ -137,8 +138,11 @@ def prompt_too_long(name: str, chars: int, bound: PromptBound, param: str) -> AP
     why = (f"its context is {bound.context:,} tokens" if bound.context is not None
            else "its `limits.max_prompt_chars`" if bound.source == "limits.max_prompt_chars"
            else "the gateway's `max_prompt_chars`")
-    return APIError(400, f"`{param}` holds {chars:,} characters of text; the model `{name}` takes at most "
-                    f"{bound.chars:,} ({why}). Shorten the prompt, or send fewer or shorter messages.",
+    where = (f"`{param}` holds" if param in ("messages", "prompt", "input")
+             else f"the prompt holds (`{param}` the most of it)")
+    return APIError(400, f"{where} {chars:,} characters of text as the model renders it (messages, tools, schemas, "
+                    f"suffix); the model `{name}` takes at most {bound.chars:,} ({why}). Shorten the prompt, or "
+                    f"send fewer or shorter messages or tools.",
                     param=param, code="context_length_exceeded")
 
 
@@ -147,6 +151,14 @@ def text_only(name: str, param: str) -> APIError:
     return APIError(400, f"`{param}` is not text, and the model `{name}` reads only text (its engine, llama.cpp, "
                     "runs here without a multimodal projector); send text parts only, or use a vision model",
                     param=param, code="unsupported_content")
+
+
+def media_url_refused(name: str, param: str, why: str) -> APIError:
+    """400: a media part's URL the model's engine would fetch from inside the cluster (gateway/media.py)."""
+    return APIError(400, f"`{param}` is a URL the engine of `{name}` would fetch from inside the cluster, and "
+                    f"{why}. Send the media inline instead: a data: URL (`data:image/png;base64,...`), or "
+                    "`input_audio` with base64 `data`. (An operator may allow URLs for this model with its "
+                    "catalog `limits.media_urls`.)", param=param, code="media_url_refused")
 
 
 def overloaded(name: str, retry_after_s: int = 1) -> APIError:

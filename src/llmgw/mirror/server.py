@@ -5,7 +5,8 @@
 - `GET /files/<name>/` serves a version's manifest: `{"files": [{"name", "size", "sha256"}]}`, built from
   the directory rather than a file beside it (a manifest on disk would disagree the first time someone
   copies a file in by hand, which the mirror allows). The sha256s come from the record `mirror add` wrote
-  while downloading (`manifest.file_sha256`), else are computed once.
+  while downloading (`manifest.file_sha256`), else are computed once: concurrent requests for one file
+  share one computation.
 - A name being mirrored (`llmgw mirror add`, still in `.staging`) answers 409 "not ready yet", and so does
   a directory that is not whole: a `*.part` file in it, a shard its index names or a split-GGUF part
   missing. Never a partial manifest (seeds 000).
@@ -72,6 +73,18 @@ def _not_ready(name: str, why: str) -> Response:
 
 def create_mirror_app(root: Path, metrics=None) -> Starlette:
     root.mkdir(parents=True, exist_ok=True)
+    flights: dict[tuple[str, str], asyncio.Future] = {}
+
+    async def once(kind: str, path: Path, fn):
+        """`fn(path)` in a thread, shared by every request for the same `kind` and path that arrives while
+        it runs: a thousand nodes asking for one unrecorded file start one hash, not a thousand (issue 36),
+        and hold no thread each while they wait. A client that leaves does not cancel it for the others."""
+        key = (kind, str(path))
+        fut = flights.get(key)
+        if fut is None:
+            fut = flights[key] = asyncio.ensure_future(asyncio.to_thread(fn, path))
+            fut.add_done_callback(lambda _: flights.pop(key, None))
+        return await asyncio.shield(fut)
 
     async def files(request: Request) -> Response:
         name = request.path_params["name"]
@@ -85,7 +98,7 @@ def create_mirror_app(root: Path, metrics=None) -> Starlette:
                 if name in pending(root):
                     return _not_ready(name, "it is still being mirrored")
                 return JSONResponse({"error": f"no version named {name}"}, 404)
-            m, why = await asyncio.to_thread(manifest, path)
+            m, why = await once("manifest", path, manifest)
             if m is None:
                 return _not_ready(name, why or "incomplete")
             return JSONResponse(m)
@@ -93,7 +106,7 @@ def create_mirror_app(root: Path, metrics=None) -> Starlette:
             if name in pending(root):
                 return _not_ready(name, "it is still being mirrored")
             return JSONResponse({"error": f"no file named {name}"}, 404)
-        sha = await asyncio.to_thread(file_sha256, path)
+        sha = await once("sha256", path, file_sha256)
         return FileResponse(path, headers={SHA_HEADER: sha}, filename=None)
 
     async def index(request: Request) -> Response:

@@ -21,6 +21,7 @@ The statuses, in the order they are decided:
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from enum import StrEnum
 
@@ -134,3 +135,34 @@ def failure_cause(failure: str | None, exit_reasons: list[tuple[int, str, str]] 
     if not failure or not failure.strip():
         return None
     return failure.strip().splitlines()[0][:300]
+
+
+# The words of an engine's exit that say what happened (engines/exits.py `describe_exit`): `killed by SIGILL
+# (illegal instruction)`, `exited with code 1`. What follows them in a cause is the line of the engine's own
+# output that `with_output` picked (or our hint about the signal).
+_EXIT_WORDS = re.compile(r"killed by SIG[A-Z0-9]+ \([^)]*\)|exited with code -?\d+")
+OPERATOR_SEES = "an operator sees the whole cause in `llmgw ctl models` and `llmgw ctl replicas`"
+
+
+def client_cause(cause: str | None) -> str:
+    """A failure's cause as an API client (a tenant) may read it: its first line, and when that tells how an
+    engine ended, only up to those words. The engine's output the operator's cause goes on to quote (a line
+    `with_output` picked, the tail after `last output:`) may hold a logged prompt of another tenant (issue
+    36). Causes of our own (a download that failed, a start that timed out) are kept; `for_client` then
+    takes the fleet's addresses and paths out of them."""
+    first = (cause or "").strip().split("\n", 1)[0].strip()
+    if not first:
+        return "its start failed"
+    m = _EXIT_WORDS.search(first)
+    return first[:m.end()] if m else first
+
+
+def client_reason(cond: ModelCondition) -> str:
+    """`cond.reason` as `/v1/models` and the gateway's 503s say it to a client: a failing model's cause
+    cut to `client_cause` (the whole cause stays in the admin API's `reason` and `last_failure`)."""
+    if cond.status == ModelStatus.FAILING:
+        return f"{client_cause(cond.last_failure)} ({OPERATOR_SEES})"
+    if cond.status == ModelStatus.READY and cond.restarts:
+        return (f"serving; {cond.restarts} start(s) of another replica failed in a row, the last with: "
+                f"{client_cause(cond.last_failure)}" + (f"; next try in {cond.retry_in_s}s" if cond.retry_in_s else ""))
+    return cond.reason

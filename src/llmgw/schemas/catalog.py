@@ -298,6 +298,10 @@ class Profile(_Strict):
         return self.nodes if self.tensor_parallel else 1
 
 
+MAX_MEDIA_HOSTS = 64
+_MEDIA_HOST = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*")
+
+
 class Limits(_Strict):
     """How much traffic each gateway lets through to a model at once (gateway/admission.py), and how long
     a prompt it takes.
@@ -308,6 +312,11 @@ class Limits(_Strict):
     - `max_prompt_chars`: the most characters of text one prompt may hold; longer is refused with 400
       `context_length_exceeded` before it reaches an engine. Unset: from the context the profiles declare,
       else the setting `max_prompt_chars` (catalog/context.py).
+    - `media_urls`: whether a chat's media parts (`image_url`, `audio_url`, `video_url`, `file`, ...) may
+      name a URL the engine then fetches from inside the cluster (gateway/media.py): `refuse` (the
+      default: only inline `data:` media), `public` (any http(s) URL whose host resolves only to public
+      addresses, the mirror's address policy), or a list of host names (`*.example.com` for subdomains),
+      each also held to that policy.
     - `max_output_tokens`: the most tokens one choice of an accounted request that sets no length cap may
       generate: reserved against its tenant's budgets and sent to the engine as `max_tokens`. Unset: the
       declared context is reserved, and nothing is sent (catalog/context.py `output_bound`). Keep it well
@@ -319,6 +328,17 @@ class Limits(_Strict):
     queue_timeout_s: float = Field(30.0, gt=0, le=MAX_DURATION_S)
     max_prompt_chars: int | None = Field(None, ge=1, le=1 << 30)
     max_output_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
+    media_urls: Literal["refuse", "public"] | list[str] = Field("refuse", max_length=MAX_MEDIA_HOSTS)
+
+    @field_validator("media_urls")
+    @classmethod
+    def _hosts(cls, v):
+        if isinstance(v, list):
+            for host in v:
+                if not _MEDIA_HOST.fullmatch(host):
+                    raise ValueError(f"{host[:80]!r} is not a host name (`images.example.com`, or "
+                                     "`*.example.com` for its subdomains)")
+        return v
 
 
 class GuardPolicy(_Strict):

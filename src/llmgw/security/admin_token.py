@@ -1,10 +1,9 @@
-"""The admin API's bearer token: who may change the catalog, keys and fleet when the admin API is reachable
-beyond this machine.
+"""The admin API's bearer token: who may read or change the catalog, keys and fleet.
 
 - The token is `LLMGW_ADMIN_TOKEN` when set (at least 32 characters), else the file
   `<state_dir>/admin.token`, created (mode 0600) at the server's first start.
-- The admin API requires it whenever it listens beyond loopback (`LLMGW_ADMIN_HOST` not 127.0.0.0/8,
-  ::1 or localhost); on loopback it is optional, but a wrong one is still refused.
+- The admin API requires it on every request, wherever it listens (issue 36: on loopback it had been
+  optional, and any local user of a shared machine could administer the fleet or read engine keys).
 - `llmgw ctl` sends it, read the same way, so `llmgw dev` and `llmgw ctl` on one machine need no step.
 """
 

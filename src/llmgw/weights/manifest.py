@@ -24,6 +24,7 @@ import json
 import os
 import re
 import struct
+import threading
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
@@ -165,22 +166,33 @@ def check_weights_file(path: Path) -> str | None:
 # ---- the sha256 record beside files the mirror wrote ---------------------------------------------
 
 _sha_cache: dict[tuple[str, int, int], str] = {}
+_sha_locks: dict[tuple[str, int, int], threading.Lock] = {}
+_sha_locks_guard = threading.Lock()
 
 
 def file_sha256(path: Path) -> str:
     """sha256 of a file: the record beside it when it still matches, else computed once per (path, size,
-    mtime) and kept in memory."""
+    mtime) and kept in memory. Threads asking for the same file at once wait for one computation (issue
+    36: the mirror hashed an unrecorded file once per concurrent request, each pass reading it whole)."""
     recorded = recorded_sha256(path)
     if recorded:
         return recorded
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _sha_cache:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _sha_cache[key] = h.hexdigest()
+    done = _sha_cache.get(key)
+    if done is not None:
+        return done
+    with _sha_locks_guard:
+        lock = _sha_locks.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _sha_cache:  # the first holder computes; the others find its result
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            _sha_cache[key] = h.hexdigest()
+    with _sha_locks_guard:
+        _sha_locks.pop(key, None)
     return _sha_cache[key]
 
 

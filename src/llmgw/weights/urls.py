@@ -9,7 +9,7 @@
   `2130706433`, `0x7f.1`, `[::ffff:127.0.0.1]`, a name that resolves there): every host is resolved and
   every address it resolves to is checked, IPv4-mapped and 6to4/NAT64-embedded IPv4 unwrapped first.
   Private, loopback and shared ranges are allowed only when listed in `LLMGW_MIRROR_PRIVATE_SOURCES`
-  (private mirrors); link-local (169.254.0.0/16 with cloud metadata, fe80::/10), multicast, unspecified
+  (private mirrors; IPv6's deprecated site-local fec0::/10 counts as private); link-local (169.254.0.0/16 with cloud metadata, fe80::/10), multicast, unspecified
   and reserved addresses never are. The connection then goes to exactly the addresses checked
   (`http.py`), so a name that resolves differently between check and connect (DNS rebinding) gains nothing.
 - Redirects (`http.open_url`) are followed by hand, each hop checked: http(s) only, never https to http,
@@ -74,6 +74,12 @@ def _unwrap(ip: IPAddress) -> IPAddress:
     return ip
 
 
+def _site_local(ip: IPAddress) -> bool:
+    """fec0::/10, IPv6's deprecated site-local range (RFC 3879): private in practice, though Python's
+    `is_global` says otherwise."""
+    return isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local
+
+
 @dataclass(frozen=True)
 class AddressPolicy:
     """Which addresses a mirror fetch may connect to. `private` lists the non-public networks allowed
@@ -106,13 +112,13 @@ class AddressPolicy:
             return f"{ip} is link-local (cloud metadata lives there); never a weight source"
         if real.is_multicast or real.is_unspecified or real.is_reserved:
             return f"{ip} is not a unicast address"
-        if real.is_global and real not in _SHARED:
+        if real.is_global and real not in _SHARED and not _site_local(real):
             return None
         if self.all_private or any(real in n for n in self.private if n.version == real.version):
             return None
         kind = "loopback" if real.is_loopback else "private"
         return (f"{ip} is a {kind} address; fetching from it needs {self.setting} to list it "
-                f"(for example {self.setting}={real}/32, or 'private' for every private range)")
+                f"(for example {self.setting}={real}/{real.max_prefixlen}, or 'private' for every private range)")
 
     def check_addresses(self, host: str, addresses: list[str]) -> None:
         for a in addresses:

@@ -43,7 +43,7 @@ from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.media import check_media, has_parts, media_urls
 from llmgw.gateway.openai_api import (
-    MAX_BODY, REQUIRED, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
+    MAX_BODY, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
     read_body,
     sse_error,
 )

@@ -69,7 +69,7 @@ def test_sglang_tp8_over_two_nodes():
     for argv, rank in ((r0, "0"), (r1, "1")):
         assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
         assert after(argv, "--model-path") == "/models/qwen-72b/"
-        assert after(argv, "--tp") == "8"  # SGLang's --tp is the total across nodes
+        assert after(argv, "--tp-size") == "8"  # SGLang's --tp-size is the total across nodes
         assert after(argv, "--nnodes") == "2" and after(argv, "--node-rank") == rank
         assert after(argv, "--dist-init-addr") == "10.0.0.1:6379"
     assert after(r0, "--port") == "8000" and "--port" not in r1  # only rank 0 serves HTTP

@@ -150,3 +150,46 @@ def test_a_vllm_that_exits_at_start_fails_its_replica_with_vllm_s_own_error(flee
     logs = cp.ctl("logs", failed["id"], timeout_s=60)
     assert "not-a-dtype" in logs.stdout, logs.stdout + logs.stderr
     assert cp.apply(catalog()).status_code == 200  # the bad model goes; the good replica is untouched
+
+
+def test_removing_the_model_drains_vllm_s_request_in_flight_before_the_stop(fleet):
+    """Last in the module: the drain reads vLLM's own `num_requests_running` and waits for it to reach 0."""
+    import threading
+
+    cp, _, rep = fleet
+    pid = cp.shard_pid("cpu-1", f"{rep['id']}-r0")
+    result: dict = {}
+
+    def long_answer() -> None:
+        try:
+            result["r"] = chat(cp.gateway, max_tokens=200, extra_body={"ignore_eos": True})
+        except Exception as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    t = threading.Thread(target=long_answer)
+    t.start()
+    try:
+        wait_until(lambda: any(r["model"] == MODEL for r in cp.replicas(all=False)) and "r" not in result
+                   and _running(shard_spec(cp, rep)) >= 1, timeout_s=60, interval_s=0.1, what="the request in vLLM")
+        assert cp.apply({"models": []}).status_code == 200
+    finally:
+        t.join(180)
+    assert "error" not in result, result
+    r = result["r"]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 200  # whole, not cut
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+               timeout_s=120, what="vLLM stopped after the drain")
+
+
+def _running(spec: dict) -> int:
+    import asyncio
+
+    import aiohttp
+
+    from llmgw.engines.vllm import VllmAdapter
+
+    async def read() -> int | None:
+        async with aiohttp.ClientSession() as s:
+            return await VllmAdapter().in_flight(s, spec["endpoint"], spec["api_key"])
+
+    return asyncio.run(read()) or 0

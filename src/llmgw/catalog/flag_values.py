@@ -42,7 +42,7 @@ VALUES: dict[str, dict[str, str]] = {
     "sglang": {
         **dict.fromkeys((
             "--max-running-requests", "--max-total-tokens", "--max-prefill-tokens", "--chunked-prefill-size",
-            "--context-length", "--random-seed", "--cuda-graph-max-bs", "--torch-compile-max-bs", "--page-size",
+            "--context-length", "--random-seed", "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--torch-compile-max-bs", "--page-size",
             "--stream-interval"), _INT),
         **dict.fromkeys(("--mem-fraction-static", "--schedule-conservativeness", "--watchdog-timeout"), _FLOAT),
     },

@@ -147,6 +147,8 @@ VLLM = EngineRules(
         "--data-parallel-size"}),
 )
 
+# Checked by hand against SGLang 0.5.23's parser (`ServerArgs.add_cli_args`; PyPI `sglang --no-deps`, issue
+# 35: its full install needs `cuda-tile` from NVIDIA's index): `--cuda-graph-max-bs` had become two flags.
 SGLANG = EngineRules(
     engine="sglang",
     flags=frozenset({
@@ -154,7 +156,7 @@ SGLANG = EngineRules(
         "--chunked-prefill-size", "--context-length", "--dtype", "--kv-cache-dtype", "--quantization",
         "--schedule-policy", "--schedule-conservativeness", "--random-seed", "--attention-backend",
         "--sampling-backend", "--grammar-backend", "--disable-radix-cache", "--disable-cuda-graph",
-        "--cuda-graph-max-bs", "--enable-torch-compile", "--torch-compile-max-bs", "--enable-mixed-chunk",
+        "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--enable-torch-compile", "--torch-compile-max-bs", "--enable-mixed-chunk",
         "--disable-overlap-schedule", "--page-size", "--stream-interval", "--watchdog-timeout", "--log-level",
         "--log-requests", "--revision", "--tool-call-parser", "--reasoning-parser",
     }),

@@ -52,9 +52,10 @@ class SglangAdapter(EngineAdapter):
     def build(self, spec: ShardSpec) -> LaunchPlan:
         p = spec.profile
         model = weights_argument(spec, "SGLang needs a model id or a weights directory")
-        # The worker's flags come after the profile's: argparse takes the last occurrence.
+        # The worker's flags come after the profile's: argparse takes the last occurrence. Flags are written whole
+        # (`--tp-size`, not the prefix `--tp` argparse expands while it is unambiguous: SGLang 0.5.23's parser).
         argv = [self.python, "-m", "sglang.launch_server", *p.args, "--model-path", model,
-                "--served-model-name", spec.model, "--tp", str(p.tp), "--pp-size", str(p.pp), "--enable-metrics"]
+                "--served-model-name", spec.model, "--tp-size", str(p.tp), "--pp-size", str(p.pp), "--enable-metrics"]
         rz = spec.rendezvous
         if rz is not None:
             argv += ["--nnodes", str(rz.world_size), "--node-rank", str(spec.rank), "--dist-init-addr", rz.address]

@@ -47,7 +47,7 @@ async def engines():
 
 
 def create_key(cp: ControlPlane, name: str, **limits) -> str:
-    r = httpx.post(cp.admin + "/admin/v1/keys", json={"name": name, "tenant": None, "limits": limits}, timeout=10)
+    r = httpx.post(cp.admin + "/admin/v1/keys", json={"name": name, "tenant": None, "limits": limits}, timeout=10, headers=cp.admin_headers)
     assert r.status_code == 200, r.text
     return r.json()["key"]
 

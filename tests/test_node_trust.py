@@ -143,9 +143,9 @@ def test_a_revoked_node_is_refused_at_its_next_request_and_a_new_certificate_let
         assert heartbeat(b, "rv-b").status_code == 200  # another node is untouched
 
     # `ctl nodes remove` no longer says the node will simply register again.
-    plan = httpx.post(cp.admin + "/admin/v1/nodes/rv-a/remove", json={"dry_run": True}, timeout=10).json()
+    plan = httpx.post(cp.admin + "/admin/v1/nodes/rv-a/remove", json={"dry_run": True}, timeout=10, headers=cp.admin_headers).json()
     assert "are revoked: it cannot register again unless it is given a new one" in plan["note"]
-    plan = httpx.post(cp.admin + "/admin/v1/nodes/rv-b/remove", json={"dry_run": True}, timeout=10).json()
+    plan = httpx.post(cp.admin + "/admin/v1/nodes/rv-b/remove", json={"dry_run": True}, timeout=10, headers=cp.admin_headers).json()
     assert "unless it is stopped or its certificate revoked (llmgw ctl cert revoke rv-b)" in plan["note"]
     listed = cp.ctl("cert", "revoked")
     assert listed.returncode == 0 and "rv-a" in listed.stdout and "machine stolen" in listed.stdout
@@ -167,7 +167,7 @@ def test_a_revoked_node_is_refused_at_its_next_request_and_a_new_certificate_let
         assert heartbeat(a, "rv-a").status_code == 200  # rv-a's new certificate is not that one
 
     # A node id no certificate can have: a 400 in the envelope, not a row.
-    r = httpx.post(cp.admin + "/admin/v1/nodes/a%20b/revoke", json={}, timeout=10)
+    r = httpx.post(cp.admin + "/admin/v1/nodes/a%20b/revoke", json={}, timeout=10, headers=cp.admin_headers)
     assert r.status_code == 400 and "no certificate names it" in r.json()["error"]["message"]
 
 
@@ -231,7 +231,7 @@ def test_an_agent_renews_its_certificate_before_it_runs_out_and_a_revoked_one_ca
         while time.time() < until:
             time.sleep(0.5)
         time.sleep(3 * REFRESH_S + 2)
-        [node] = [n for n in httpx.get(cp.admin + "/admin/v1/nodes", timeout=10).json() if n["id"] == "rn-1"]
+        [node] = [n for n in httpx.get(cp.admin + "/admin/v1/nodes", timeout=10, headers=cp.admin_headers).json() if n["id"] == "rn-1"]
         assert node["status"] == "ready" and node["heartbeat_age_s"] < 2.5, node
         assert "certificate_revoked" not in agent.log()
 

@@ -105,7 +105,8 @@ async def relayed(database_url):
     u = urlsplit(database_url)
     cutter = CommitCutter(u.hostname, u.port)
     port = await cutter.start()
-    engine = async_engine(f"postgresql://{u.username}@127.0.0.1:{port}{u.path}?sslmode=disable&gssencmode=disable")
+    auth = u.username + (f":{u.password}" if u.password else "")  # the test Postgres wants its password
+    engine = async_engine(f"postgresql://{auth}@127.0.0.1:{port}{u.path}?sslmode=disable&gssencmode=disable")
     try:
         yield cutter, engine
     finally:

@@ -175,20 +175,29 @@ def run_llamacpp_selftest(binary: str | None = None, cache: Path | None = None, 
     return res
 
 
+def wait_healthy(client: httpx.Client, proc: subprocess.Popen, base: str, timeout_s: float,
+                 interval_s: float = 0.2) -> str:
+    """Poll `base`/health until 200: "ok", or "exited" (the process ended first), or "timeout"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return "exited"
+        try:
+            if client.get(base + "/health", timeout=2).status_code == 200:
+                return "ok"
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    return "timeout"
+
+
 def _complete(proc: subprocess.Popen, port: int, timeout_s: float, res: SelftestResult) -> bool:
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=30) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return False
-            try:
-                if client.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
+        health = wait_healthy(client, proc, base, timeout_s)
+        if health == "exited":
+            return False
+        if health == "timeout":
             res.say(f"llama-server did not become healthy within {timeout_s:.0f}s")
             return False
         try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from llmgw.engines.selftest import SelftestResult, _free_port, default_cache, fetch_model
+from llmgw.engines.selftest import SelftestResult, _free_port, default_cache, fetch_model, wait_healthy
 from llmgw.engines.vllm import find_vllm, vllm_home
 
 SERVED_NAME = "smol"
@@ -119,19 +119,12 @@ def run_vllm_selftest(binary: str | None = None, timeout_s: float = 600.0) -> Se
 
 def _serve_checks(proc: subprocess.Popen, base: str, key: str, timeout_s: float, res: SelftestResult,
                   started: float) -> bool:
-    deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=60) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                res.say(f"vllm exited with code {proc.returncode} before it answered")
-                return False
-            try:
-                if client.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
+        health = wait_healthy(client, proc, base, timeout_s, interval_s=0.5)
+        if health == "exited":
+            res.say(f"vllm exited with code {proc.returncode} before it answered")
+            return False
+        if health == "timeout":
             res.say(f"vllm did not become healthy within {timeout_s:.0f}s")
             return False
         res.say(f"healthy after {time.monotonic() - started:.0f}s")

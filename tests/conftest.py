@@ -23,6 +23,13 @@ from tests.helpers import TEMPORAL_DYNAMIC_CONFIG, ControlPlane
 
 TEMPLATE = "llmgw_template"
 
+import llmgw as _llmgw_checked
+
+if not Path(_llmgw_checked.__file__).resolve().is_relative_to(Path(__file__).resolve().parents[1]):
+    raise pytest.UsageError(
+        f"the tests would import llmgw from {Path(_llmgw_checked.__file__).parent}, not from this checkout "
+        f"({Path(__file__).resolve().parents[1]}): run with PYTHONPATH=<this checkout>/src:<this checkout>")
+
 
 def pytest_configure(config):
     """SIGTERM (a CI job's timeout, `timeout`, a helper stopping a run) ends the run as Ctrl-C does, so the

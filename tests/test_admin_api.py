@@ -278,3 +278,11 @@ async def test_a_mirror_whose_listing_is_not_an_object_is_a_warning_not_a_500(tm
         assert warning.startswith(f"could not ask the mirror at http://127.0.0.1:{port} whether it holds x.gguf")
     finally:
         await runner.cleanup()
+
+
+def test_the_codec_endpoint_says_when_there_is_no_payload_key(cp):
+    """Without LLMGW_PAYLOAD_KEY nothing is encrypted: the codec endpoint says so (and wants the token first)."""
+    url = cp.admin + "/admin/v1/codec/decode"
+    assert httpx.post(url, json={"payloads": []}, timeout=10).status_code == 401
+    r = httpx.post(url, json={"payloads": []}, headers=cp.admin_headers, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_payload_key", r.text

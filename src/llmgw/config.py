@@ -87,6 +87,12 @@ class Settings(BaseSettings):
     activity_signing_key: Path | None = None
     activity_verify_key: Path | None = None
     accept_unsigned_node_activities: bool = False
+    # Payloads encrypted before they reach Temporal's history (security/payload_codec.py): a key file (one
+    # base64 AES-256 key a line, the first encrypts), unset looked for as `payload.key` beside `ca_cert`
+    # (`llmgw ctl cert payload-key`). Every process that talks to Temporal needs it. `payload_encrypt`
+    # false decrypts without encrypting, for the roll-out.
+    payload_key: Path | None = None
+    payload_encrypt: bool = True
     activity_origin_ttl_s: float = Field(300.0, gt=0)  # a token must be used (scheduled) within this
     # The CA's key, which the node API signs renewed node certificates with (default: `ca.key` beside
     # `ca_cert`, when it is there). Without it nodes cannot renew, and their certificates run out.
@@ -252,6 +258,10 @@ class Settings(BaseSettings):
     @property
     def resolved_activity_verify_key(self) -> Path | None:
         return self._beside_ca(self.activity_verify_key, "activity-signing.pub")
+
+    @property
+    def resolved_payload_key(self) -> Path | None:
+        return self._beside_ca(self.payload_key, "payload.key")
 
     @property
     def temporal_tls_on(self) -> bool:

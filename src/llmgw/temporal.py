@@ -54,6 +54,29 @@ def tls_config(settings: Settings):
                      client_private_key=read("temporal_tls_key", settings.temporal_tls_key))
 
 
+def payload_codec(settings: Settings):
+    """The codec that encrypts payloads when a payload key is set (security/payload_codec.py), else None. A
+    key file that cannot be used stops the process, naming the setting."""
+    from llmgw.security.payload_codec import EncryptionCodec, PayloadKeyError, load_keys
+
+    path = settings.resolved_payload_key
+    if path is None:
+        return None
+    try:
+        return EncryptionCodec(load_keys(path), encrypt=settings.payload_encrypt)
+    except PayloadKeyError as exc:
+        raise SystemExit(f"LLMGW_PAYLOAD_KEY: {exc}") from None
+
+
+def data_converter(settings: Settings):
+    """The pydantic data converter, with `payload_codec(settings)` when there is one."""
+    import dataclasses
+
+    codec = payload_codec(settings)
+    return pydantic_data_converter if codec is None else dataclasses.replace(pydantic_data_converter,
+                                                                             payload_codec=codec)
+
+
 async def connect(settings: Settings, attempts: int = 60) -> Client:
     """Connect to `settings.resolved_temporal_address`, retrying for about `attempts` seconds."""
     from llmgw.telemetry import tracing_enabled
@@ -66,11 +89,12 @@ async def connect(settings: Settings, attempts: int = 60) -> Client:
         # Spans travel in workflow/activity headers: one trace from a pass through the node's activities.
         interceptors.append(TracingInterceptor(always_create_workflow_spans=True))
     tls = tls_config(settings)
+    converter = data_converter(settings)
     last: Exception | None = None
     for i in range(attempts):
         try:
             return await Client.connect(address, namespace=settings.temporal_namespace,
-                                        data_converter=pydantic_data_converter, interceptors=interceptors,
+                                        data_converter=converter, interceptors=interceptors,
                                         tls=tls, api_key=settings.temporal_api_key or None)
         except Exception as exc:  # noqa: BLE001 - RuntimeError from the core SDK on refused connections
             last = exc

@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.catalog.loader import CatalogError
 from llmgw.control.admin_guard import AdminGuard
 from llmgw.control.catalog_service import CatalogService
+from llmgw.control.codec_api import mount_codec
 from llmgw.control.fleet_admin import FleetAdmin
 from llmgw.control.key_service import ApiKeyService
 from llmgw.control.status_service import StatusService
@@ -25,7 +26,7 @@ from llmgw.schemas.api import (
 )
 from llmgw.schemas.payloads import LivenessFacts, ReclaimInput, ReclaimResult
 from llmgw.schemas.tenants import LimitsChange, TenantCreate, TenantDeleted, TenantView, UsageReport
-from llmgw.temporal import LazyClient
+from llmgw.temporal import LazyClient, payload_codec
 
 
 def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float,
@@ -45,6 +46,7 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
     tenant_service = TenantService(engine)
 
     install_error_handlers(app, "the admin API")
+    mount_codec(app, payload_codec(temporal.settings))
 
     @app.exception_handler(CatalogError)
     async def _catalog_error(request: Request, exc: CatalogError):

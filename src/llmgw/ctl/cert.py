@@ -22,17 +22,44 @@ def _pki_dir(directory: Optional[Path]) -> Path:
 
 @app.command("ca")
 def ca(directory: Optional[Path] = typer.Option(None, "--dir", help="Where to write ca.crt/ca.key (default <state>/pki)")):
-    """Create the CA and the key that signs node activities. ca.key and activity-signing.key stay on the control
-    plane; ca.crt and activity-signing.pub go to every node."""
+    """Create the CA, the key that signs node activities and the key that encrypts Temporal payloads. ca.key and
+    activity-signing.key stay on the control plane; ca.crt and activity-signing.pub go to every node;
+    payload.key to every llmgw process (nodes, gateways, control and mirror workers, ctl)."""
+    from llmgw.security.payload_codec import create_key_file
     from llmgw.security.pki import create_ca
 
     try:
         out = create_ca(_pki_dir(directory))
+        payload, _ = create_key_file(out.cert.parent / "payload.key")
     except (FileExistsError, OSError) as exc:
         fail(f"error: {exc}", 2)
     typer.echo(f"{out.cert}\n{out.key}  (keep this key on the control plane only)\n"
                f"{out.cert.parent / 'activity-signing.pub'}\n"
-               f"{out.cert.parent / 'activity-signing.key'}  (the control workers' only: it signs node activities)")
+               f"{out.cert.parent / 'activity-signing.key'}  (the control workers' only: it signs node activities)\n"
+               f"{payload}  (every llmgw process: it encrypts what Temporal keeps)")
+
+
+@app.command("payload-key")
+def payload_key(
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Where the CA is (default <state>/pki)"),
+    rotate: bool = typer.Option(False, "--rotate", help="Add a new key as the second line: copy the file to every "
+                                "process, then move the new line first to encrypt with it"),
+):
+    """Make payload.key beside the CA (the key that encrypts every payload llmgw gives Temporal, so its history
+    holds no signed URL or setting in the clear), if it is not there yet. Copy it to every llmgw process, or
+    point LLMGW_PAYLOAD_KEY at it; during the roll-out set LLMGW_PAYLOAD_ENCRYPT=false until every process has it."""
+    from llmgw.security.payload_codec import PayloadKeyError, create_key_file
+
+    path = _pki_dir(directory) / "payload.key"
+    existed = path.exists()
+    try:
+        path, kid = create_key_file(path, rotate=rotate)
+    except (PayloadKeyError, OSError) as exc:
+        fail(f"error: {exc}", 2)
+    if rotate:
+        typer.echo(f"{path}: key {kid} added as the second line (it decrypts; move it first to encrypt with it)")
+    else:
+        typer.echo(f"{path}: key {kid}" + ("  (there already; --rotate adds another)" if existed else ""))
 
 
 @app.command("activity-key")

@@ -185,3 +185,18 @@ def test_setup_scripts_are_valid_shell(script_service, tmp_path):
     assert SERVICES[script_service]["entrypoint"][:2] == ["/bin/sh", "-euc"]
     r = subprocess.run(["sh", "-n", "-c", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_every_service_that_talks_to_temporal_sees_the_keys_beside_the_ca():
+    """The keys beside `ca.crt` (activity-signing.key/.pub, payload.key) are found through LLMGW_CA_CERT: a
+    service that has the variable but not the volume neither signs, checks nor decrypts (the worker had no
+    /pki: it could not sign, and the agent refused every activity)."""
+    for name in LLMGW - ONE_SHOT - {"pki"}:
+        if setting(name, "ca_cert") is None:
+            continue
+        ca_dir = str(Path(setting(name, "ca_cert")).parent)
+        mounts = [v.split(":")[1] for v in SERVICES[name].get("volumes", [])]
+        assert ca_dir in mounts, (name, mounts)
+    script = " ".join(SERVICES["pki"]["command"]) if isinstance(SERVICES["pki"].get("command"), list) else \
+        str(SERVICES["pki"].get("command") or SERVICES["pki"].get("entrypoint"))
+    assert "cert payload-key" in script and "cert activity-key" in script

@@ -52,10 +52,12 @@ def first_token(url: str, headers: dict | None = None, timeout_s: float = 900) -
     with httpx.Client(timeout=timeout_s) as c, c.stream("POST", url + "/v1/chat/completions", headers=headers,
                                                         json=BODY | {"stream": True}) as r:
         r.raise_for_status()
+        seen = []
         for line in r.iter_lines():
             if line.startswith("data: ") and '"content"' in line:
                 return time.monotonic() - start
-    raise RuntimeError("no token")
+            seen.append(line)
+    raise RuntimeError(f"no token after {time.monotonic() - start:.0f} s: {' | '.join(seen)[-600:]}")
 
 
 def alone(exe: str, model_dir: Path, log: Path) -> float:
@@ -85,7 +87,7 @@ def _healthy(base: str) -> bool:
 
 
 def catalog(min_replicas: int) -> dict:
-    return {"models": [{"name": MODEL, "scaling": {"min": min_replicas, "max": 1, "idle_timeout": 3600},
+    return {"models": [{"name": MODEL, "scaling": {"min": min_replicas, "max": 1, "idle_timeout": 3600, "load_wait": 900},
                         "profiles": [{"engine": "vllm", "device": "cpu", "source": "mirror:smollm2-hf/",
                                       "memory_gb": 4, "env": ENV, "args": ARGS, "start_timeout": 900}]}]}
 
@@ -134,7 +136,7 @@ def main() -> None:
         pg.start()
         upgrade(pg.url)
         temporal.start()
-        cp = ControlPlane(root, pg.url, temporal.address, LLMGW_VLLM=exe)
+        cp = ControlPlane(root, pg.url, temporal.address, LLMGW_VLLM=exe, LLMGW_LOAD_WAIT_S="900")
         shutil.copytree(model_dir, cp.mirror_dir / "smollm2-hf")
         cp.start(mirror=True)
         cp.agent("cpu-1")

@@ -383,3 +383,16 @@ async def test_a_full_disk_removes_the_partial_and_says_so_once(origin, tmp_path
         await f.fetch(f"{origin.url}/big.gguf")
     assert not exc.value.retryable and "reclaim" in str(exc.value)
     assert not [p for p in (tmp_path / "cache").rglob("*.part")]
+
+
+async def test_a_cache_emptied_while_the_agent_runs_is_made_again(origin, tmp_path):
+    """An operator removes the whole cache directory under a running agent: the next fetch recreates it (it had
+    failed on its lock file, `No such file or directory`, until the agent restarted)."""
+    import shutil
+
+    data = put(origin, "one.gguf", 100_000)
+    f = Fetcher(tmp_path / "cache", None)
+    first = await f.fetch(f"{origin.url}/one.gguf")
+    shutil.rmtree(tmp_path / "cache")
+    again = await f.fetch(f"{origin.url}/one.gguf")
+    assert again.fetched and Path(again.path).read_bytes() == data and again.path == first.path

@@ -82,6 +82,9 @@ class Fetcher:
         target = self.cache_dir / name
         if target.exists():
             return Fetched(str(target), _size(target), fetched=False)
+        # An operator may empty the cache while the agent runs (`rm -rf` of the directory to free disk):
+        # made again here, else every fetch failed on its lock file until the agent restarted.
+        self.partial_dir.mkdir(parents=True, exist_ok=True)
         listeners = self._listeners.setdefault(name, [])
         if progress:
             listeners.append(progress)

@@ -346,10 +346,11 @@ async def test_the_sync_writes_this_gateways_counts_and_takes_the_fleets(monkeyp
     async def claim(conn, ids):
         return set(ids)  # none written before
 
-    async def totals(conn, since, periods):
+    async def totals(conn, since, periods, holds):
         assert since == minute - 60
+        assert holds.held == {} and not holds.write  # nothing held here (the tenant has no token limit)
         return ([MinuteTotal("team", "k1", minute, 5, 100), MinuteTotal("team", "k2", minute, 4, 50),
-                 MinuteTotal("team", "k2", minute - 60, 30, 0)], [PeriodTotal("team", "k1", "day", 150)])
+                 MinuteTotal("team", "k2", minute - 60, 30, 0)], [PeriodTotal("team", "k1", "day", 150)], [])
 
     from llmgw.db import usage_repo
     monkeypatch.setattr(usage_repo, "db_now", db_now)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger, Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, Text, func,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 metadata = MetaData()
 
@@ -173,6 +173,18 @@ usage_batches = Table(
     "usage_batches", metadata,
     Column("id", UUID(as_uuid=False), primary_key=True),
     Column("written_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# What each gateway's requests in flight hold, per tenant or key: one row per gateway, replaced at each
+# usage sync, counted by the others until `expires_at` (db/usage_repo.py) (0013_h37fleet_usage_holds).
+usage_holds = Table(
+    "usage_holds", metadata,
+    Column("gateway_id", Text, primary_key=True),
+    Column("scopes", ARRAY(Text), nullable=False, server_default="{}"),  # 'tenant' or 'key', each
+    Column("names", ARRAY(Text), nullable=False, server_default="{}"),  # the tenant's name or the key's id
+    Column("held", ARRAY(BigInteger), nullable=False, server_default="{}"),  # tokens held
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("expires_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 # The deny-list of node certificates (0012_node_cert_revocations): a row refuses one certificate (`serial`,

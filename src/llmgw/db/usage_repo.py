@@ -9,6 +9,11 @@ deadlock. A key of no tenant is stored with tenant ''.
 The write is additive, so each batch carries an id (`claim`), recorded in the same transaction: a sync
 whose COMMIT reached Postgres but whose answer was lost is retried with the same id, and adds nothing
 again (issue 37).
+
+What each gateway's requests in flight hold (tokens reserved at admission, released at their end) is
+shared the same way: the totals' statement also replaces this gateway's row of `usage_holds` and reads the
+other gateways' holds per tenant and key, from rows not past their `expires_at` (a dead gateway's holds
+stop counting there) (issue 37).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from llmgw.db.tables import usage
 
 RowKey = tuple[str, str, str]  # (tenant or '', key id, model)
 KEEP_BATCHES_S = 3 * 86400  # a batch id is kept this long: far longer than a gateway retries one
+FORGET_HOLDS_S = 3600.0  # a gateway's row of holds is deleted this long after it stopped counting
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,27 @@ class PeriodTotal:
     key_id: str
     period: str  # 'day' or 'month'
     tokens: int
+
+
+@dataclass(frozen=True)
+class HeldTotal:
+    """Tokens held by requests in flight on the other gateways, for one tenant or key."""
+
+    scope: str  # 'tenant' or 'key'
+    name: str  # the tenant's name or the key's id
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What this gateway publishes with its totals: its id, the tokens its requests in flight hold per
+    (scope, name), and how long the row counts for the others (`fresh_s`, from this sync). `write` False:
+    the row is not written (nothing held now, and nothing was in the row already written)."""
+
+    gateway_id: str
+    held: dict[tuple[str, str], int]
+    fresh_s: float
+    write: bool = True
 
 
 @dataclass(frozen=True)
@@ -91,8 +118,17 @@ _CLAIM = """
 INSERT INTO usage_batches (id) SELECT unnest(%s::uuid[]) ON CONFLICT (id) DO NOTHING RETURNING id::text
 """
 _PRUNE = "DELETE FROM usage_batches WHERE written_at < now() - make_interval(secs => %s)"
-# Minute rows carry their minute; period rows carry NULL there and their period's name first.
+# Minute rows carry their minute; period rows carry NULL there and their period's name first; the other
+# gateways' holds carry 'held' there, then the scope and name. The data-modifying CTE replaces this
+# gateway's own row of holds first (when the last parameter of its SELECT is true): one statement, so
+# sharing holds adds no round trip to the sync (bench/README.md measures its cost).
 _TOTALS = """
+WITH mine AS (
+    INSERT INTO usage_holds (gateway_id, scopes, names, held, updated_at, expires_at)
+    SELECT %s, %s::text[], %s::text[], %s::bigint[], now(), now() + make_interval(secs => %s) WHERE %s
+    ON CONFLICT (gateway_id) DO UPDATE SET scopes = excluded.scopes, names = excluded.names,
+        held = excluded.held, updated_at = excluded.updated_at, expires_at = excluded.expires_at
+)
 SELECT NULL, tenant, key_id, extract(epoch FROM minute)::float8, sum(requests)::bigint,
        sum(prompt_tokens + completion_tokens)::bigint
 FROM usage WHERE minute >= to_timestamp(%s) GROUP BY tenant, key_id, minute
@@ -100,7 +136,14 @@ UNION ALL
 SELECT u.period, u.tenant, u.key_id, NULL, NULL, u.tokens
 FROM usage_periods u JOIN unnest(%s::text[], %s::float8[]) AS x(p, s)
     ON u.period = x.p AND u.starts_at = to_timestamp(x.s)
+UNION ALL
+SELECT 'held', x.s, x.n, NULL, NULL, sum(x.t)::bigint
+FROM usage_holds g, unnest(g.scopes, g.names, g.held) AS x(s, n, t)
+WHERE g.gateway_id <> %s AND g.expires_at > now()
+GROUP BY x.s, x.n
 """
+_PRUNE_HOLDS = "DELETE FROM usage_holds WHERE expires_at < now() - make_interval(secs => %s)"
+_FORGET_HOLDS = "DELETE FROM usage_holds WHERE gateway_id = %s"
 
 
 async def claim(conn: AsyncConnection, ids: list[str]) -> set[str]:
@@ -135,20 +178,37 @@ async def add(conn: AsyncConnection, minute: float, periods: dict[str, float],
         await conn.exec_driver_sql(_ADD_PERIODS, tuple(map(list, cols)))
 
 
-async def totals(conn: AsyncConnection, since_minute: float,
-                 periods: dict[str, float]) -> tuple[list[MinuteTotal], list[PeriodTotal]]:
-    """The fleet's requests and tokens per tenant and key in each minute from `since_minute` on, and its
-    tokens in each budget period of `periods` ('day'/'month' -> its start)."""
+async def totals(conn: AsyncConnection, since_minute: float, periods: dict[str, float],
+                 holds: Holds | None = None) -> tuple[list[MinuteTotal], list[PeriodTotal], list[HeldTotal]]:
+    """The fleet's requests and tokens per tenant and key in each minute from `since_minute` on, its tokens
+    in each budget period of `periods` ('day'/'month' -> its start), and the tokens held by requests in
+    flight on the gateways other than `holds.gateway_id`, as their rows not expired say. `holds.held`
+    replaces this gateway's own row first, counting for `holds.fresh_s` (unless `holds.write` is False).
+    Now and then, rows expired for `FORGET_HOLDS_S` go."""
     minutes: list[MinuteTotal] = []
     out: list[PeriodTotal] = []
+    held: list[HeldTotal] = []
     names = list(periods)
-    for period, t, k, m, r, n in (await conn.exec_driver_sql(
-            _TOTALS, (since_minute, names, [periods[p] for p in names]))).all():
+    h = holds or Holds("", {}, 0.0, write=False)
+    ordered = sorted(h.held.items())
+    for period, t, k, m, r, n in (await conn.exec_driver_sql(_TOTALS, (
+            h.gateway_id, [s for (s, _), _ in ordered], [name for (_, name), _ in ordered],
+            [v for _, v in ordered], h.fresh_s, h.write,
+            since_minute, names, [periods[p] for p in names], h.gateway_id))).all():
         if period is None:
             minutes.append(MinuteTotal(t, k, m, int(r), int(n)))
+        elif period == "held":
+            held.append(HeldTotal(t, k, int(n)))
         else:
             out.append(PeriodTotal(t, k, period, int(n)))
-    return minutes, out
+    if h.write and random.random() < 0.01:  # keep the table small without a job of its own (as `claim`)
+        await conn.exec_driver_sql(_PRUNE_HOLDS, (FORGET_HOLDS_S,))
+    return minutes, out, held
+
+
+async def forget_holds(conn: AsyncConnection, gateway_id: str) -> None:
+    """A gateway stopping cleanly takes its row of holds with it."""
+    await conn.exec_driver_sql(_FORGET_HOLDS, (gateway_id,))
 
 
 async def report(conn: AsyncConnection, since: float, by: str, tenant: str | None = None) -> list[UsageTotal]:

@@ -2,7 +2,8 @@
 
 It stands in for a GPU engine wherever there is none: it serves `/v1/chat/completions`,
 `/v1/completions`, `/v1/embeddings`, `/v1/models`, `/health` and `/metrics`, streaming or not, emitting
-tokens from the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16). Its
+tokens from the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16), for
+each of `n` choices (default 1; their tokens interleaved in a stream, as vLLM sends them). Its
 models are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503
 until `--startup-delay` seconds have passed, then 200 with the number of requests in flight.
 
@@ -143,6 +144,9 @@ class SimEngine:
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         if not isinstance(n, int) or n < 1:
             return error(400, "`max_tokens` must be a positive integer", param="max_tokens")
+        k = body.get("n", 1)
+        if not isinstance(k, int) or not 1 <= k <= 128:
+            return error(400, "`n` must be an integer from 1 to 128", param="n")
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):  # as vLLM's request model refuses it
             return error(400, "`stream_options` must be an object", param="stream_options")
@@ -152,8 +156,8 @@ class SimEngine:
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         prompt = body.get("messages") if chat else body.get("prompt")
-        usage = {"prompt_tokens": prompt_tokens(prompt), "completion_tokens": n}
-        usage["total_tokens"] = usage["prompt_tokens"] + n
+        usage = {"prompt_tokens": prompt_tokens(prompt), "completion_tokens": n * k}
+        usage["total_tokens"] = usage["prompt_tokens"] + n * k
         self.in_flight += 1
         self.requests_total += 1
         self.prompt_tokens_total += usage["prompt_tokens"]
@@ -162,28 +166,29 @@ class SimEngine:
             if self.group is not None:
                 await self.group.step()
             if not body.get("stream"):
-                for _ in range(n):
+                for _ in range(n * k):
                     if self.delay:
                         await asyncio.sleep(self.delay)
                     self.generation_tokens_total += 1
                 text = "".join(self.token(i) for i in range(n))
-                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                          if chat else {"index": 0, "text": text, "finish_reason": "length"})
+                choices = [{"index": c, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                           if chat else {"index": c, "text": text, "finish_reason": "length"} for c in range(k)]
                 return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
-                                          "choices": [choice], "usage": usage})
+                                          "choices": choices, "usage": usage})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-            for i in range(n):
+            for j in range(n * k):
+                i, c = divmod(j, k)  # token i of choice c
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 self.generation_tokens_total += 1
                 last = i == n - 1
                 if chat:
                     delta = {"content": self.token(i)} if i else {"role": "assistant", "content": self.token(i)}
-                    choice = {"index": 0, "delta": delta, "finish_reason": "length" if last else None}
+                    choice = {"index": c, "delta": delta, "finish_reason": "length" if last else None}
                 else:
-                    choice = {"index": 0, "text": self.token(i), "finish_reason": "length" if last else None}
+                    choice = {"index": c, "text": self.token(i), "finish_reason": "length" if last else None}
                 event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
             if (opts or {}).get("include_usage") is True:

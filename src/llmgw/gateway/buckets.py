@@ -16,8 +16,9 @@ which needs no more than the per-minute rows every gateway writes, never admits 
 across a minute boundary as fixed windows do, and refills smoothly as the previous minute fades. A request
 is admitted while `used + 1 ≤ limit` (requests) or `used + held < limit` (tokens: they are known only once
 the answer is, so a request is admitted while the bucket is not exhausted, and what it uses is counted
-after; `held` is what the requests in flight on this gateway may still use, reserved at admission, so
-that many requests admitted at once cannot all pass a budget before the first of them is counted).
+after; `held` is what the requests in flight may still use, reserved at admission: on this gateway now,
+on the others as of the last sync; so that many requests admitted at once cannot all pass a budget before
+the first of them is counted).
 
 Budgets count tokens over a UTC day or month (`period_bounds`, from the database clock); a spent one is
 refused until the period turns. Times are seconds since the epoch on the database's clock.

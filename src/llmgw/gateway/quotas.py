@@ -13,8 +13,9 @@ no task per request). A key of neither kind, or no key at all, takes the path it
   `rate_limit_exceeded` / `insufficient_quota` with Retry-After and OpenAI's `x-ratelimit-*` headers. The
   request is counted at once, so this gateway's next request sees it, and what it may use (a token per 4
   characters of prompt, plus its max_tokens, as OpenAI counts it) is held in its quotas until it ends: the
-  token limits judge what was used plus what requests in flight hold, so a burst admitted at once cannot
-  all pass a budget before the first answer is counted.
+  token limits judge what was used plus what requests in flight hold, on this gateway now and on the others
+  as of the last sync, so a burst admitted at once cannot all pass a budget before the first answer is
+  counted, on one gateway or across the fleet.
 - The answer's `usage` is read as it passes (`Meter`), and counted once when the request ends (`settle`),
   under the model the client asked for (its catalog name). A request that ends without usage (the engine
   broke off, the client left) is charged an estimate once its prompt reached an engine or a guard's
@@ -27,7 +28,9 @@ no task per request). A key of neither kind, or no key at all, takes the path it
   came back in, which would have shut every tenant that kept working out of its rpm); limits are judged
   meanwhile by the last fleet totals plus this gateway's own traffic. Each batch of counts carries an id
   recorded with it, so a sync whose COMMIT reached Postgres but whose answer was lost is not added again
-  when it is retried (issue 37: a bill counted twice).
+  when it is retried (issue 37: a bill counted twice). The same transaction replaces this gateway's row of
+  holds (what its requests in flight hold per tenant and key) and reads the other gateways' (`Quota.others`),
+  which count until `HOLDS_FRESH_SYNCS` sync intervals after their gateway's last sync (issue 37).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import time
 import uuid
 from datetime import datetime, timezone
@@ -60,13 +65,16 @@ _REQUEST_LINES = b"x-ratelimit-limit-requests: %s\r\nx-ratelimit-remaining-reque
 _TOKEN_LINES = b"x-ratelimit-limit-tokens: %s\r\nx-ratelimit-remaining-tokens: %d\r\nx-ratelimit-reset-tokens: %s\r\n"
 _BOTH_LINES = _REQUEST_LINES + _TOKEN_LINES
 _UNSEEN = object()  # a model not judged yet for an account
+# The other gateways count this gateway's holds for this many sync intervals after each of its syncs: a
+# sync delayed by a few seconds (a slow Postgres) keeps them; a gateway that died holds nothing after it.
+HOLDS_FRESH_SYNCS = 10
 
 
 class Quota:
     """One scope's limits and its fleet-wide counts: a tenant's (shared by every key of it) or a key's own."""
 
-    __slots__ = ("scope", "name", "limits", "metered", "requests", "tokens", "day", "month", "held", "requests_left",
-                 "requests_reset", "tokens_left", "tokens_reset")
+    __slots__ = ("scope", "name", "limits", "metered", "requests", "tokens", "day", "month", "held", "others",
+                 "requests_left", "requests_reset", "tokens_left", "tokens_reset")
 
     def __init__(self, scope: str, name: str, day_s: float | None):
         self.scope = scope  # "tenant" or "key"
@@ -80,6 +88,9 @@ class Quota:
         # Tokens the requests in flight on this gateway may still use (`Meter.held`, reserved at admission,
         # released when each settles): judged with the tokens already counted, in the window and both budgets.
         self.held = 0
+        # Tokens the requests in flight on the other gateways hold, as of the last sync (`Quotas.sync`):
+        # judged with this gateway's own, so that N gateways cannot each admit what is left.
+        self.others = 0
         # As of this scope's last admission (`take`): what the `x-ratelimit-*` headers say.
         self.requests_left = self.tokens_left = 0
         self.requests_reset = self.tokens_reset = 0.0
@@ -107,17 +118,18 @@ class Quota:
         if limit is not None and used + 1 > limit:
             return False
         if self.metered:
+            held = self.held + self.others
             t = self.tokens
             if t._limit is not None:
                 if now >= t.start + WINDOW_S:
                     t.report(now)  # rolls the window forward
                 te = now - t.start
-                tused = t.prev * (1.0 - te / WINDOW_S) + t.cur + self.held
+                tused = t.prev * (1.0 - te / WINDOW_S) + t.cur + held
                 if tused >= t._limit:
                     return False
                 self.tokens_left = int(t._limit - tused)
                 self.tokens_reset = 2 * WINDOW_S - te if t.cur else WINDOW_S - te if t.prev else 0.0
-            if not (self.day.room(now, self.held) and self.month.room(now, self.held)):
+            if not (self.day.room(now, held) and self.month.room(now, held)):
                 return False
         r.cur += 1
         r.unsynced += 1
@@ -135,10 +147,11 @@ class Quota:
         if r._limit is not None and not r.room(now, 1):
             return False
         if self.metered:
+            held = self.held + self.others
             t = self.tokens
-            if t._limit is not None and t.used(now) + self.held >= t._limit:
+            if t._limit is not None and t.used(now) + held >= t._limit:
                 return False
-            if not (self.day.room(now, self.held) and self.month.room(now, self.held)):
+            if not (self.day.room(now, held) and self.month.room(now, held)):
                 return False
         return True
 
@@ -166,7 +179,11 @@ class Quota:
 
 
 def _held_text(q: Quota) -> str:
-    return f", {q.held} held by requests in flight (prompt / 4 + max_tokens × n each)" if q.held else ""
+    held = q.held + q.others
+    if not held:
+        return ""
+    where = f", {q.others} of them on other gateways" if q.others else ""
+    return f", {held} held by requests in flight (prompt / 4 + max_tokens × n each{where})"
 
 
 # The fields engines read a choice's length cap from, in the order the cap is taken from a request: OpenAI's
@@ -222,7 +239,7 @@ def _room_left(quotas: tuple[Quota, ...]) -> int | None:
             left = n if left is None or n < left else left
         for b in (q.day, q.month):
             if b.limit is not None:
-                n = b.limit - b.used - q.held
+                n = b.limit - b.used - q.held - q.others
                 left = n if left is None or n < left else left
     return left
 
@@ -351,6 +368,11 @@ class Quotas:
         self.backlog: list[Batch] = []
         self.offset = 0.0  # database clock - this host's clock, as of the last sync
         self.clock = time.time  # this host's clock (tests set their own)
+        # This gateway's row of holds (`usage_repo.Holds`): its id, how long the others count it after a sync
+        # (a dead gateway's holds stop counting then), and whether the row last written held anything.
+        self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.holds_fresh_s = HOLDS_FRESH_SYNCS * sync_s
+        self._published = False
 
     # ---- what the keys and tenants say (KeyRing.refresh) ----------------------------------------
     def rebuild(self, tenants: dict[str, dict], keys: list[ActiveKey]) -> dict[str, Account]:
@@ -485,13 +507,14 @@ class Quotas:
                 f"Rate limit reached for {q.who} on requests per minute (RPM): limit {w.limit}, used "
                 f"{w.used(now):.0f}, requested 1. Please try again in {duration_text(wait)}.", wait, headers)
         w = q.tokens
-        if not w.room(now, 0) or (w.limit is not None and w.used(now) + q.held >= w.limit):
+        held = q.held + q.others
+        if not w.room(now, 0) or (w.limit is not None and w.used(now) + held >= w.limit):
             self.metrics.refused(account.label, "tpm")
             wait = w.wait_s(now, 0) or 1.0  # 0: what is held by requests in flight fills it; they end soon
             return errors.rate_limited(
                 f"Rate limit reached for {q.who} on tokens per minute (TPM): limit {w.limit}, used "
                 f"{w.used(now):.0f}{_held_text(q)}. Please try again in {duration_text(wait)}.", wait, headers)
-        b, period = (q.day, "day") if not q.day.room(now, q.held) else (q.month, "month")
+        b, period = (q.day, "day") if not q.day.room(now, held) else (q.month, "month")
         if b.room(now):  # not spent: what requests in flight may use fills it, until they are counted
             self.metrics.refused(account.label, f"tokens_per_{period}")
             return errors.rate_limited(
@@ -582,6 +605,10 @@ class Quotas:
             return  # no accounted key: nothing to write, nothing to read
         rows, self.pending = self.pending, {}
         taken = [(q, q.taken()) for q in quotas]
+        # What this gateway's requests in flight hold now, written in the same transaction as the counts
+        # taken above: the others never see a request's tokens both held and counted, nor neither.
+        held = {scope: q.held for scope, q in self.scopes.items() if q.held > 0 and q.metered}
+        holds = usage_repo.Holds(self.gateway_id, held, self.holds_fresh_s, write=bool(held) or self._published)
         fresh: Batch | None = None
         committing = False
         try:
@@ -601,9 +628,10 @@ class Quotas:
                         at = b.at
                         await usage_repo.add(conn, b.minute, {"day": period_bounds("day", at, self.day_s)[0],
                                                               "month": period_bounds("month", at)[0]}, b.rows)
-                minutes, spent = await usage_repo.totals(conn, minute - WINDOW_S, periods)
+                minutes, spent, others = await usage_repo.totals(conn, minute - WINDOW_S, periods, holds)
                 committing = True  # what fails from here on may have been written
         except BaseException:
+            self._published = True  # the row may hold what was sent: written again next time
             for q, t in taken:
                 q.restore(t)
             if fresh is None and rows:
@@ -614,7 +642,8 @@ class Quotas:
             raise
         written, self.backlog = self.backlog, []
         self.offset = now - t0
-        self._apply(minute, day, month, minutes, spent)
+        self._published = bool(held)
+        self._apply(minute, day, month, minutes, spent, others)
         for b in (*written, fresh) if fresh is not None else written:  # counted once, when known written
             for (tenant, _, model), (_, prompt, completion) in b.rows.items():
                 if prompt or completion:
@@ -647,7 +676,8 @@ class Quotas:
                 row[2] += c
 
     def _apply(self, minute: float, day: tuple[float, float], month: tuple[float, float],
-               minutes: list[usage_repo.MinuteTotal], spent: list[usage_repo.PeriodTotal]) -> None:
+               minutes: list[usage_repo.MinuteTotal], spent: list[usage_repo.PeriodTotal],
+               others: list[usage_repo.HeldTotal] = ()) -> None:
         # per tenant and per key: [requests prev minute, requests this minute, tokens prev, tokens this, day, month]
         sums: dict[tuple[str, str], list[int]] = {}
 
@@ -661,6 +691,7 @@ class Quotas:
             add(m.tenant, m.key_id, 3 if now_minute else 2, m.tokens)
         for s in spent:
             add(s.tenant, s.key_id, 4 if s.period == "day" else 5, s.tokens)
+        elsewhere = {(h.scope, h.name): h.tokens for h in others}
         zero = [0] * 6
         for scope, q in self.scopes.items():
             v = sums.get(scope, zero)
@@ -668,6 +699,7 @@ class Quotas:
             q.tokens.synced(minute, v[2], v[3])
             q.day.synced(day[0], day[1], v[4])
             q.month.synced(month[0], month[1], v[5])
+            q.others = elsewhere.get(scope, 0)
 
     async def sync_loop(self) -> None:
         while True:
@@ -679,9 +711,18 @@ class Quotas:
                 self.metrics.usage_sync_errors.inc()
 
     async def close(self) -> None:
-        """On a clean stop: what was counted since the last sync is written."""
+        """On a clean stop: what was counted since the last sync is written, and this gateway's row of holds
+        goes (its requests have ended)."""
         try:
             await self.sync()
         except Exception:  # noqa: BLE001 - the process is going; say what is lost
             log.warning("could not write the token usage not yet written (%d rows) on the way out",
                         len(self.pending) + sum(len(b.rows) for b in self.backlog))
+        if not self._published and not self.scopes:
+            return  # never wrote a row (no accounted key)
+        try:
+            async with self.engine.begin() as conn:
+                await usage_repo.forget_holds(conn, self.gateway_id)
+        except Exception:  # noqa: BLE001 - it expires by itself
+            log.warning("could not remove this gateway's row of holds on the way out; it expires in %.0f s",
+                        self.holds_fresh_s)

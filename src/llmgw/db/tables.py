@@ -176,7 +176,7 @@ usage_batches = Table(
 )
 
 # What each gateway's requests in flight hold, per tenant or key: one row per gateway, replaced at each
-# usage sync, counted by the others until `expires_at` (db/usage_repo.py) (0013_h37fleet_usage_holds).
+# usage sync, counted by the others until `expires_at` (db/usage_repo.py) (0013_usage_holds).
 usage_holds = Table(
     "usage_holds", metadata,
     Column("gateway_id", Text, primary_key=True),

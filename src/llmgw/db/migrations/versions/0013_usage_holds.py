@@ -8,14 +8,14 @@ statement as the fleet's totals (`db/usage_repo.py`). A gateway that dies stops 
 holds stop counting at `expires_at` (ten sync intervals after its last sync); rows an hour past it are
 pruned by the writers.
 
-Revision ID: 0013_h37fleet_usage_holds
+Revision ID: 0013_usage_holds
 Revises: 0012_node_cert_revocations
 """
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import ARRAY
 
-revision = "0013_h37fleet_usage_holds"
+revision = "0013_usage_holds"
 down_revision = "0012_node_cert_revocations"
 branch_labels = None
 depends_on = None

@@ -353,6 +353,8 @@ class Model(_Strict):
     """A catalog entry. `profiles` say how to run it; `endpoints` instead route to engines run elsewhere.
 
     `limits` caps concurrent requests per gateway; `guard` names the guard model that judges its traffic.
+    `cache_isolation`: whether tenants share its engines' prefix caches (`shared`) or each tenant has a
+    cache of its own (`tenant`, the default; gateway/isolation.py).
     """
 
     name: str
@@ -365,6 +367,7 @@ class Model(_Strict):
     endpoints: list[str] = Field(default_factory=list, max_length=64)
     limits: Limits | None = None
     guard: GuardPolicy | None = None
+    cache_isolation: Literal["tenant", "shared"] = "tenant"
 
     @field_validator("name")
     @classmethod

@@ -1,8 +1,10 @@
-"""Cache isolation through the real path (issue 37): a real `llmgw server`, tenants' keys made through the
+"""Cache isolation and prefix-aware balancing through the real path (issue 37): a real `llmgw server`, tenants' keys made through the
 admin API, and real sim engine processes with a prefix cache and a prefill time (`--prefix-cache-blocks`,
 `--prefill-tokens-per-second`) as static endpoints. A prompt sent again by the same tenant hits the cache
 (`usage.prompt_tokens_details.cached_tokens`, and a shorter time to first token); the same prompt from
 another tenant, or from a key of no tenant, finds nothing; a model with `cache_isolation: shared` shares.
+A model with `balancing: prefix` sends a system prompt's requests to one replica, and the gateway's trace
+(`LLMGW_TRACING=file:...`) says why.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ def sim(model: str) -> tuple[subprocess.Popen, int]:
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory, module_database_url):
-    sims = {m: sim(m) for m in ("iso", "iso-shared")}
-    cp = ControlPlane(tmp_path_factory.mktemp("isolation"), module_database_url, f"127.0.0.1:{free_port()}",
-                      LLMGW_ROUTE_REFRESH_S="0.5")
+    sims = {m: sim(m) for m in ("iso", "iso-shared", "px-0", "px-1", "px-2")}
+    tmp = tmp_path_factory.mktemp("isolation")
+    cp = ControlPlane(tmp, module_database_url, f"127.0.0.1:{free_port()}",
+                      LLMGW_ROUTE_REFRESH_S="0.5", LLMGW_TRACING=f"file:{tmp / 'traces'}")
+    cp.traces = tmp / "traces"  # type: ignore[attr-defined]
     try:
         for m, (proc, port) in sims.items():
             wait_port(port, 30, proc, f"sim engine {m}")
@@ -48,6 +52,7 @@ def plane(tmp_path_factory, module_database_url):
             {"name": "iso", "endpoints": [f"http://127.0.0.1:{sims['iso'][1]}"]},
             {"name": "iso-shared", "endpoints": [f"http://127.0.0.1:{sims['iso-shared'][1]}"],
              "cache_isolation": "shared"},
+            {"name": "px", "balancing": "prefix", "endpoints": [f"http://127.0.0.1:{sims[f'px-{i}'][1]}" for i in range(3)]},
         ]})
         assert r.status_code == 200, r.text
         for t in ("red", "blue"):
@@ -72,7 +77,7 @@ def prompt() -> str:
 
 async def ask(c: httpx.AsyncClient, cp: ControlPlane, who: str, model: str, text, **kw) -> tuple[int, float]:
     """Stream one chat; (cached tokens the engine reported, seconds to the first event)."""
-    body = {"model": model, "messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}],
+    body = {"model": model, "messages": [{"role": "system", "content": text}, {"role": "user", "content": kw.pop("user", "hi")}],
             "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 2, **kw}
     t = time.perf_counter()
     ttft, usage = None, None
@@ -145,3 +150,33 @@ def test_the_sims_counters_show_the_hits(plane):
     text = httpx.get(plane.sims["iso"] + "/metrics", timeout=10).text
     counts = {ln.split()[0]: int(ln.split()[1]) for ln in text.splitlines() if ln.startswith("sim:prefix")}
     assert 0 < counts["sim:prefix_cache_hits_total"] < counts["sim:prefix_cache_queries_total"], counts
+
+
+def route_spans(cp: ControlPlane) -> list[dict]:
+    out = []
+    for f in cp.traces.glob("*.jsonl"):  # type: ignore[attr-defined]
+        out += [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
+    return [x for x in out if x["name"] == "gateway route"]
+
+
+async def test_prefix_balancing_keeps_a_prompts_requests_on_one_replica_and_traces_why(plane):
+    """Six chats with one system prompt and different user messages, on three replicas: every one after the
+    first finds the system prompt cached (least outstanding would have spread them over the three, and
+    found it on one in three), and each routing choice is a span saying which replica and why."""
+    cp = plane
+    p = prompt()
+    async with httpx.AsyncClient(timeout=30) as c:
+        got = [(await ask(c, cp, "red", "px", p, user=f"question {i}"))[0] for i in range(6)]
+        assert got[0] == 0 and all(n >= WORDS - 16 for n in got[1:]), got
+        # Another tenant's copy of the prompt is a prefix of its own, homed on its own.
+        assert (await ask(c, cp, "blue", "px", p))[0] == 0
+    spans = wait_until(lambda: (lambda s: s if len(s) >= 7 else None)(
+        [x for x in route_spans(cp) if x["attributes"]["llmgw.model"] == "px"]), timeout_s=10, what="7 route spans")
+    reds = spans[:6] if len(spans) == 7 else spans[-7:-1]
+    assert len({x["attributes"]["llmgw.replica"] for x in reds}) == 1, reds
+    reasons = [x["attributes"]["llmgw.route.reason"] for x in reds]
+    assert "a new prefix; homed on" in reasons[0] and all("its home" in r for r in reasons[1:]), reasons
+    assert all(x["attributes"]["llmgw.balancing"] == "prefix" and x["service"] == "llmgw-server" for x in spans)
+    others = [x for x in route_spans(cp) if x["attributes"]["llmgw.model"] == "iso"]
+    assert others and all(x["attributes"]["llmgw.balancing"] == "least_outstanding"
+                          and "least outstanding" in x["attributes"]["llmgw.route.reason"] for x in others)

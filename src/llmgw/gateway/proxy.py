@@ -43,6 +43,7 @@ from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.media import check_media, has_parts, media_urls
 from llmgw.gateway.isolation import Isolated, Isolation
+from llmgw.gateway.prefix import prefix_key
 from llmgw.gateway.openai_api import (
     MAX_BODY, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
     read_body,
@@ -59,7 +60,7 @@ from llmgw.gateway.upstream import (
 from llmgw.http.response_head import EXTENSION as HEAD
 from llmgw.schemas.catalog import GuardPolicy
 from llmgw.security.logtext import printable
-from llmgw.telemetry import GatewayMetrics
+from llmgw.telemetry import GatewayMetrics, trace_route, tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +361,18 @@ class Proxy:
         self.demand.usage.begin(name)
         return True
 
+    @staticmethod
+    def _prefix_key(mr: ModelRoute, path: str, req: dict, iso: Isolated | None) -> int | None:
+        """The request's prefix key for `balancing: prefix` (gateway/prefix.py), within the salt its engine
+        keys its cache by: its tenant's (gateway/isolation.py), else the client's own; None for embeddings."""
+        if path == EMBEDDINGS:
+            return None
+        if iso is not None and iso.salt is not None and mr.model.cache_isolation == "tenant":
+            salt = iso.salt
+        else:
+            salt = req.get("cache_salt")
+        return prefix_key(path, req, salt if isinstance(salt, str) else None, mr.model.name)
+
     def _done(self, ep: Endpoint, healthy: bool | None) -> None:
         ep.outstanding -= 1
         if healthy is True:
@@ -386,10 +399,14 @@ class Proxy:
                 last = errors.overloaded(name)
                 continue
             data = body if req["model"] == name else json.dumps({**req, "model": name}).encode()
+            key = self._prefix_key(mr, path, req, iso) if mr.model.balancing == "prefix" else None
             while True:
-                ep = self.balancer.pick(mr.endpoints, tried, loop.time())
+                ep = self.balancer.pick(mr.endpoints, tried, loop.time(), key)
                 if ep is None:
                     break
+                if tracing_enabled() and self.balancer.last is not None:
+                    c = self.balancer.last
+                    trace_route(name, ep.replica_id, c.policy, c.reason(), len(tried))
                 sent = data if iso is None else iso.body(mr.model, ep.kind, req if data is body else {**req, "model": name}, data)
                 if tried:
                     self.metrics.retries.labels(plan[0].model.name).inc()

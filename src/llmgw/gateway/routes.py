@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,6 +50,10 @@ class Endpoint:
     node_id: str
     target: Target
     kind: str = SALTED
+    seed: int = field(init=False, default=0)  # its replica id hashed: its score in prefix balancing
+
+    def __post_init__(self) -> None:
+        self.seed = int.from_bytes(hashlib.blake2b(self.replica_id.encode(), digest_size=8).digest(), "big")
     outstanding: int = 0
     failures: int = 0
     open_until: float = 0.0

@@ -129,3 +129,93 @@ def test_prefill_is_one_at_a_time_and_only_for_what_was_not_found():
         await asyncio.gather(cache.prefill(50), cache.prefill(50), cache.prefill(0))
         return time.perf_counter() - t
     assert asyncio.run(run()) >= 0.095  # two prefills of 50 ms queue behind each other
+
+
+async def test_the_route_table_knows_each_replicas_engine(database_url):
+    """Each routed replica carries its engine's form of isolation, from the profile it runs (a model may have
+    a llama.cpp profile and a vLLM one at once), read from Postgres as the gateway reads it."""
+    from llmgw.db import catalog_repo, fleet_repo
+    from llmgw.db.engine import async_engine
+    from llmgw.gateway.routes import RouteTable
+    from llmgw.schemas.catalog import Catalog
+    from llmgw.schemas.inventory import Inventory, ShardReport
+    from llmgw.schemas.payloads import ShardPlacement
+
+    model = Model.model_validate({"name": "mixed", "scaling": {"max": 2}, "profiles": [
+        {"name": "cpu", "engine": "llamacpp", "source": "file:///m.gguf"},
+        {"name": "gpu", "engine": "vllm", "source": "org/m"}]})
+    engine = async_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            await catalog_repo.apply_catalog(conn, Catalog(models=[model]))
+            await fleet_repo.upsert_node(conn, "n1", "boot", Inventory())
+            for rid, profile, port in (("r-cpu", "cpu", 9), ("r-gpu", "gpu", 10)):
+                url = f"http://127.0.0.1:{port}"
+                await fleet_repo.create_replica(conn, rid, "mixed", profile, [ShardPlacement(node_id="n1")])
+                await fleet_repo.update_shard(conn, "n1", ShardReport(shard_id=f"{rid}-r0", replica_id=rid, model="mixed",
+                                                                      profile=profile, state="ready", endpoint=url))
+                await fleet_repo.transition_replica(conn, rid, "ready", endpoint=url)
+        table = RouteTable(engine, 15.0)
+        await table.refresh()
+        kinds = {ep.replica_id: ep.kind for ep in table.resolve("mixed").endpoints}
+        assert kinds == {"r-cpu": NO_CACHE, "r-gpu": SALTED}
+    finally:
+        await engine.dispose()
+
+
+async def test_the_proxy_sends_each_engine_its_own_form(monkeypatch):
+    """Through the real proxy and upstream client to a recording engine: one model with a llama.cpp replica
+    and a vLLM one (kinds as the route table gives them); a tenant's request reaches the llama.cpp replica
+    with `cache_prompt: false` and no salt, the vLLM one with its tenant's salt; a fallback-free retry to
+    the other replica gets that replica's form."""
+    from llmgw.gateway.admission import Gates
+    from llmgw.gateway.balancer import Balancer
+    from llmgw.gateway.demand import Demand
+    from llmgw.gateway.proxy import Proxy
+    from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+    from llmgw.gateway.upstream import Upstream, parse_target
+    from llmgw.catalog.context import prompt_bound
+    from llmgw.telemetry import GatewayMetrics
+    from tests.fake_engine import FakeEngines
+
+    fake = await FakeEngines().start()
+    upstream = Upstream(10)
+    try:
+        model = Model(name="mixed", endpoints=["http://unused"])
+        routes = RouteTable(None, 15.0)  # type: ignore[arg-type]
+        eps = [Endpoint("r-cpu", fake.url("echo"), "n1", parse_target(fake.url("echo")), kind=NO_CACHE),
+               Endpoint("r-gpu", fake.url("echo"), "n1", parse_target(fake.url("echo")), kind=SALTED)]
+        routes.models = {"mixed": ModelRoute(model, prompt_bound(model), endpoints=eps)}
+        routes.names = {"mixed": "mixed"}
+        salts = Salts(b"k" * 32)
+        proxy = Proxy(routes, Demand(None, routes, None, 1.0), Gates(), Balancer(), upstream,  # type: ignore[arg-type]
+                      GatewayMetrics(), isolation=Isolation(salts, lambda: True))
+        body = json.dumps({"model": "mixed", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+        async def call(account) -> None:
+            sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive():
+                return sent.pop() if sent else await asyncio.sleep(3600)
+
+            async def send(msg):
+                if msg["type"] == "http.response.start":
+                    assert msg["status"] == 200
+
+            await proxy.handle({"type": "http", "path": "/v1/chat/completions", "method": "POST", "headers": []},
+                               receive, send, account)
+
+        fake.state["bodies"].clear()
+        for _ in range(2):  # least outstanding with ties rotating: one request to each replica
+            await call(_Account("ml"))
+        got = sorted((b for _, b in fake.state["bodies"]), key=lambda b: "cache_salt" in b)
+        assert got[0].get("cache_prompt") is False and "cache_salt" not in got[0]
+        assert got[1]["cache_salt"] == salts.salt("ml") and "cache_prompt" not in got[1]
+        fake.state["bodies"].clear()
+        for _ in range(2):  # no tenant: no salt; llama.cpp still reads no cache while tenants exist
+            await call(None)
+        got = sorted((b for _, b in fake.state["bodies"]), key=lambda b: "cache_prompt" in b)
+        assert "cache_salt" not in got[0] and "cache_prompt" not in got[0] and got[1]["cache_prompt"] is False
+    finally:
+        await upstream.close()
+        await fake.close()

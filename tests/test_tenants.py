@@ -745,7 +745,8 @@ async def test_n_multiplies_the_reservation_and_every_length_field_is_clamped_to
         got = await sent("echo", n_predict=3)  # one engine's field: the others are told too (vLLM ignores it)
         assert got["n_predict"] == got["max_tokens"] == 3, got
         got = await sent("echo", max_tokens=5)
-        assert got == chat("echo", max_tokens=5), got  # its own cap fits: sent untouched
+        salt = got.pop("cache_salt")  # its tenant's prefix-cache salt (gateway/isolation.py): the one change
+        assert got == chat("echo", max_tokens=5) and salt.startswith("llmgw-"), got  # its own cap fits
         got = await sent("echo-capped", who=cp.plain_key, n=4)  # type: ignore[attr-defined]
         assert "max_tokens" not in got, got  # unaccounted: nothing reserved, nothing rewritten
 

@@ -219,6 +219,10 @@ class Settings(BaseSettings):
     # at the server's first start. Required whenever the admin API listens beyond loopback; `llmgw ctl`
     # sends it (security/admin_token.py).
     admin_token: str | None = None
+    # The key tenants' prefix-cache salts are made with (gateway/isolation.py). Unset: derived from the
+    # database URL's password, which every gateway of a fleet shares. Set it alike on every gateway when
+    # they connect with different credentials, so a tenant's salt is the same on each.
+    cache_salt_secret: str | None = None
 
     # Weight fetches, on nodes and by the mirror (weights/download.py): at least `fetch_stall_bytes` every
     # `fetch_stall_s`, one attempt at one file within `fetch_deadline_s`, at most `fetch_max_bytes` per file.

@@ -387,6 +387,16 @@ class JsonLinesExporter:
         return True
 
 
+def trace_route(model: str, replica: str, policy: str, reason: str, attempt: int) -> None:
+    """A span for one routing choice of the gateway (called only while tracing is on): which replica of
+    `model` a request was sent to, by which `policy`, and why (gateway/balancer.py `Choice.reason`)."""
+    from opentelemetry import trace
+
+    trace.get_tracer("llmgw.gateway").start_span("gateway route", attributes={
+        "llmgw.model": model, "llmgw.replica": replica, "llmgw.balancing": policy, "llmgw.route.reason": reason,
+        "llmgw.route.attempt": attempt}).end()
+
+
 def setup_tracing(spec: str, service: str) -> bool:
     """Install a tracer provider for `service` according to `spec` (see `Settings.tracing`). False when off."""
     global _tracing_on

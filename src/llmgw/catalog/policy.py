@@ -205,7 +205,8 @@ LLAMACPP = EngineRules(
 
 SIM = EngineRules(
     engine="sim",
-    flags=frozenset({"--tokens-per-second", "--startup-delay", "--join-timeout"}),
+    flags=frozenset({"--tokens-per-second", "--startup-delay", "--join-timeout", "--prefix-cache-blocks",
+                     "--prefill-tokens-per-second"}),
     env=frozenset(),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {"--rank", "--world-size", "--rendezvous", "--token"}),
 )

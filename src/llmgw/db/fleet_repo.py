@@ -540,6 +540,7 @@ class RouteRow:
     api_key: str | None = None  # the engine's key (rank 0's), which the gateway sends
     observer_age_s: float | None = None  # `observer_age_s` of the node API (the same on every row; None: blind)
     pollers_age_s: float | None = None  # and of the pollers
+    profile: str = ""  # the catalog profile it runs (its engine: the gateway's cache isolation)
 
 
 async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list[RouteRow]:
@@ -554,7 +555,7 @@ async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list
     q = (
         select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
                poll_age.label("poll_age"), shards.c.api_key, _observer_age(fresh_s, NODE_API).label("observer_age"),
-               _observer_age(fresh_s, POLLERS).label("pollers_age"))
+               _observer_age(fresh_s, POLLERS).label("pollers_age"), replicas.c.profile)
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
         .where(and_(replicas.c.status == ReplicaStatus.READY, replicas.c.endpoint.is_not(None),
@@ -566,7 +567,7 @@ async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list
     def since(x) -> float | None:
         return None if x is None else max(0.0, float(x))
     return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), f(r.poll_age), r.api_key,
-                     since(r.observer_age), since(r.pollers_age)) for r in (await conn.execute(q)).all()]
+                     since(r.observer_age), since(r.pollers_age), r.profile) for r in (await conn.execute(q)).all()]
 
 
 async def db_now(conn: AsyncConnection) -> datetime:

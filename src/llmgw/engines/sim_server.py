@@ -13,6 +13,13 @@ prompt tokens are the prompt's words (at least 1), its completion tokens the tok
 counts them as vLLM's counters do (`sim:prompt_tokens_total`, `sim:generation_tokens_total`, as each token
 is generated, whether or not anyone reads it), which is what the gateway's accounting is checked against.
 
+A prefix cache (`--prefix-cache-blocks N`, blocks of 16 tokens; 0, the default, keeps none) and a prefill
+time (`--prefill-tokens-per-second`, one prefill at a time; 0, the default, none) model what a GPU engine's
+automatic prefix caching does to time to first token (engines/sim_cache.py): the cache is keyed by the
+request's `cache_salt` and its leading blocks, as vLLM's; `cache_prompt: false` reads nothing from it, as
+llama-server. With a cache, `usage` carries `prompt_tokens_details.cached_tokens` (as vLLM's does) and
+`/metrics` `sim:prefix_cache_queries_total` and `sim:prefix_cache_hits_total` (tokens).
+
 A multi-node (tensor-parallel) sim replica is one process per shard, each with its `--rank`, all given the
 replica's `--rendezvous HOST:PORT`, `--world-size` and `--token` (`llmgw.engines.sim_group`): rank 0
 listens there and is the only one serving HTTP; its `/health` stays 503 until every worker has joined,
@@ -42,6 +49,7 @@ import uuid
 
 from aiohttp import web
 
+from llmgw.engines.sim_cache import MAX_CACHED_BLOCKS, PrefixCache, prompt_words
 from llmgw.engines.sim_group import Group, run_worker
 
 GREEK = "α β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω".split()
@@ -57,8 +65,9 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 
 class SimEngine:
     def __init__(self, model: str, tokens_per_second: float, startup_delay: float, rank: int = 0,
-                 group: Group | None = None):
+                 group: Group | None = None, cache: PrefixCache | None = None):
         self.model = model
+        self.cache = cache or PrefixCache(0)
         self.delay = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.ready_at = time.monotonic() + startup_delay
         self.in_flight = 0
@@ -89,6 +98,10 @@ class SimEngine:
         for name, help_, value in (("sim:prompt_tokens_total", "Prompt tokens processed", self.prompt_tokens_total),
                                    ("sim:generation_tokens_total", "Tokens generated", self.generation_tokens_total),
                                    ("sim:requests_total", "Requests started", self.requests_total),
+                                   ("sim:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+                                    self.cache.queries),
+                                   ("sim:prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
+                                    self.cache.hits),
                                    ("sim:num_requests_running", "Requests in flight", self.in_flight)):
             kind = "gauge" if name.endswith("running") else "counter"
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
@@ -150,6 +163,11 @@ class SimEngine:
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):  # as vLLM's request model refuses it
             return error(400, "`stream_options` must be an object", param="stream_options")
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):  # as vLLM refuses it
+            return error(400, "`cache_salt` must be a non-empty string", param="cache_salt")
+        if not isinstance(body.get("cache_prompt", True), bool):
+            return error(400, "`cache_prompt` must be true or false", param="cache_prompt")
         if self.group is not None and not self.group.complete:
             return error(503, "the replica's ranks have not all joined yet", code="not_ready")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -158,6 +176,11 @@ class SimEngine:
         prompt = body.get("messages") if chat else body.get("prompt")
         usage = {"prompt_tokens": prompt_tokens(prompt), "completion_tokens": n * k}
         usage["total_tokens"] = usage["prompt_tokens"] + n * k
+        cached = 0
+        if self.cache.capacity > 0:  # whole blocks, never the whole prompt (its last token is computed)
+            cached = min(self.cache.lookup(salt, prompt_words(prompt), body.get("cache_prompt") is not False),
+                         usage["prompt_tokens"] - 1)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         self.in_flight += 1
         self.requests_total += 1
         self.prompt_tokens_total += usage["prompt_tokens"]
@@ -165,6 +188,7 @@ class SimEngine:
         try:
             if self.group is not None:
                 await self.group.step()
+            await self.cache.prefill(usage["prompt_tokens"] - cached)
             if not body.get("stream"):
                 for _ in range(n * k):
                     if self.delay:
@@ -206,9 +230,11 @@ class SimEngine:
 
 
 def prompt_tokens(prompt) -> int:
-    """A rough count (words) of a prompt or a message list, for `usage`."""
+    """A rough count (words) of a prompt or a message list, for `usage` (a message of content parts: the
+    words of its text parts)."""
     if isinstance(prompt, list):
-        return sum(prompt_tokens(m.get("content") if isinstance(m, dict) else m) for m in prompt) or 1
+        return sum(max(1, len(prompt_words([m]))) if isinstance(m, dict) and isinstance(m.get("content"), list)
+                   else prompt_tokens(m.get("content") if isinstance(m, dict) else m) for m in prompt) or 1
     return max(1, len(str(prompt or "").split()))
 
 
@@ -246,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--tokens-per-second", type=float, default=50.0, help="0 = no delay")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before /health answers 200")
+    p.add_argument("--prefix-cache-blocks", type=int, default=0,
+                   help=f"blocks of 16 tokens its prefix cache holds (0 = no cache; at most {MAX_CACHED_BLOCKS})")
+    p.add_argument("--prefill-tokens-per-second", type=float, default=0.0,
+                   help="prompt tokens not found in the cache computed per second, one prefill at a time (0 = no delay)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1, help="shards in the replica (multi-node)")
     p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
@@ -254,6 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", default=os.environ.get("LLMGW_SIM_API_KEY") or None,
                    help="refuse requests without `Authorization: Bearer KEY` (default: $LLMGW_SIM_API_KEY)")
     args = p.parse_args(argv)
+    if not 0 <= args.prefix_cache_blocks <= MAX_CACHED_BLOCKS:
+        p.error(f"--prefix-cache-blocks must be from 0 to {MAX_CACHED_BLOCKS}")
+    if args.prefill_tokens_per_second < 0:
+        p.error("--prefill-tokens-per-second must be 0 or more")
     if args.world_size > 1 and not args.rendezvous:
         p.error("--world-size > 1 needs --rendezvous HOST:PORT")
     if args.rank > 0:
@@ -269,7 +303,8 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.world_size > 1:
         group = Group(args.rendezvous, args.world_size, args.token)
         await group.start()
-    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group)
+    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group,
+                       PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second))
     runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -28,6 +28,7 @@ from llmgw.http import errors
 from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
+from llmgw.gateway.isolation import Isolation, Salts, salt_secret
 from llmgw.http.errors import install_error_handlers, send_error
 from llmgw.db.feed import ChangeFeed
 from llmgw.gateway.openai_api import REQUIRED
@@ -89,9 +90,11 @@ class Gateway:
         # (and a scale-up for them could evict another model for nothing).
         self.demand = Demand(engine, self.routes, self.temporal, settings.load_wait_s)
         self.upstream = Upstream(settings.upstream_timeout_s)
+        isolation = Isolation(Salts(salt_secret(settings.cache_salt_secret, settings.database_url)),
+                              lambda: self.keys.tenanted)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
                            Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,
-                           max_body=settings.max_request_bytes, quotas=self.quotas)
+                           max_body=settings.max_request_bytes, quotas=self.quotas, isolation=isolation)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:

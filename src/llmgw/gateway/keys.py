@@ -28,6 +28,7 @@ class KeyRing:
         self.quotas = quotas
         self.entries: dict[str, "Account | None"] = {}  # key hash -> its account (None: not accounted)
         self.accounted = False
+        self.tenanted = False  # some valid key belongs to a tenant (gateway/isolation.py)
         self.created = 0
 
     @property
@@ -41,6 +42,7 @@ class KeyRing:
         accounts = self.quotas.rebuild(tenants, keys) if self.quotas is not None else {}
         self.entries = {k.key_hash: accounts.get(k.id) for k in keys}
         self.accounted = bool(accounts)
+        self.tenanted = any(a.tenant is not None for a in accounts.values() if a is not None)
         self.created = created
 
     def allows(self, headers: list[tuple[bytes, bytes]]) -> bool:

@@ -42,6 +42,8 @@ from llmgw.gateway.demand import Demand, Hold
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.media import check_media, has_parts, media_urls
+from llmgw.gateway.isolation import Isolated, Isolation
+from llmgw.gateway.prefix import prefix_key
 from llmgw.gateway.openai_api import (
     MAX_BODY, Receive, Send, engine_error, media_part, parse_request, prompt_chars, prompt_param,
     read_body,
@@ -58,12 +60,13 @@ from llmgw.gateway.upstream import (
 from llmgw.http.response_head import EXTENSION as HEAD
 from llmgw.schemas.catalog import GuardPolicy
 from llmgw.security.logtext import printable
-from llmgw.telemetry import GatewayMetrics
+from llmgw.telemetry import GatewayMetrics, trace_route, tracing_enabled
 
 log = logging.getLogger(__name__)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 GUARDED = (CHAT, "/v1/completions")
 MAX_HELD = 16 << 20  # an answer held for a response check
 MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
@@ -173,8 +176,10 @@ class Proxy:
     """The ASGI handler for POST /v1/chat/completions, /v1/completions and /v1/embeddings."""
 
     def __init__(self, routes: RouteTable, demand: Demand, gates: Gates, balancer: Balancer, upstream: Upstream,
-                 metrics: GatewayMetrics, max_body: int = MAX_BODY, quotas: Quotas | None = None):
+                 metrics: GatewayMetrics, max_body: int = MAX_BODY, quotas: Quotas | None = None,
+                 isolation: Isolation | None = None):
         self.routes = routes
+        self.isolation = isolation
         self.quotas = quotas
         self.demand = demand
         self.gates = gates
@@ -211,13 +216,14 @@ class Proxy:
                 raise errors.text_only(label, part)
             if path != COMPLETIONS and has_parts(req) and (urls := list(media_urls(req))):  # (embeddings too)
                 await check_media(label, route.model.limits, urls)
+            iso = self.isolation.of(account, req) if self.isolation is not None and path != EMBEDDINGS else None
             if account is not None and self.quotas is not None:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
             self.metrics.begin(label)
             counted = True
             x.watch(receive)
-            status, ttft = await self._serve(route, path, req, req_body, send, x, started, chars)
+            status, ttft = await self._serve(route, path, req, req_body, send, x, started, chars, iso)
         except APIError as err:
             status = err.status
             if not x.started:  # an accounted request's answer carries its rate-limit headers, errors too
@@ -248,7 +254,7 @@ class Proxy:
 
     # ---- one request -----------------------------------------------------------------------------
     async def _serve(self, route: ModelRoute, path: str, req: dict, body: bytes, send: Send, x: _Exchange,
-                     started: float, chars: int = 0) -> tuple[int, float | None]:
+                     started: float, chars: int = 0, iso: Isolated | None = None) -> tuple[int, float | None]:
         policy = route.model.guard if path in GUARDED else None
         if policy is not None:
             convo = conversation(path, req)  # 400 for a prompt its guard cannot read (token ids)
@@ -266,7 +272,7 @@ class Proxy:
             return await self._relay(resp, req.get("stream") is True, send, x, started)
 
         hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
-        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars)
+        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso)
 
     @staticmethod
     def _holder(name: str, send: Send, x: _Exchange) -> Hold:
@@ -300,7 +306,7 @@ class Proxy:
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
                         consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None,
-                        meter: Meter | None = None, chars: int = 0) -> Any:
+                        meter: Meter | None = None, chars: int = 0, iso: Isolated | None = None) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
         replica the request is held for a load (`hold` is called while it waits). A fallback that serves
@@ -319,7 +325,7 @@ class Proxy:
         # whose `active` a release would take below 0 (issue 36).
         fallback: list[tuple[str, Gate | None]] = []
         try:
-            resp, ep = await self._open(plan, path, req, body, meter, fallback)
+            resp, ep = await self._open(plan, path, req, body, meter, fallback, iso)
             healthy: bool | None = None
             try:
                 result = await consume(resp)
@@ -355,6 +361,18 @@ class Proxy:
         self.demand.usage.begin(name)
         return True
 
+    @staticmethod
+    def _prefix_key(mr: ModelRoute, path: str, req: dict, iso: Isolated | None) -> int | None:
+        """The request's prefix key for `balancing: prefix` (gateway/prefix.py), within the salt its engine
+        keys its cache by: its tenant's (gateway/isolation.py), else the client's own; None for embeddings."""
+        if path == EMBEDDINGS:
+            return None
+        if iso is not None and iso.salt is not None and mr.model.cache_isolation == "tenant":
+            salt = iso.salt
+        else:
+            salt = req.get("cache_salt")
+        return prefix_key(path, req, salt if isinstance(salt, str) else None, mr.model.name)
+
     def _done(self, ep: Endpoint, healthy: bool | None) -> None:
         ep.outstanding -= 1
         if healthy is True:
@@ -365,12 +383,13 @@ class Proxy:
             ep.trial = False  # cancelled: no verdict on the endpoint
 
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
-                    meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None
-                    ) -> tuple[Response, Endpoint]:
+                    meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None,
+                    iso: Isolated | None = None) -> tuple[Response, Endpoint]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
         client. Returns an answer with a status below 400, its endpoint counted as outstanding. An
         accounted request's `meter.sent` says whether an engine has it (so a client that leaves before the
-        answer is still charged its prompt): set as it is sent, cleared when no engine took it."""
+        answer is still charged its prompt): set as it is sent, cleared when no engine took it. `iso`: what
+        its endpoints are told for cache isolation (gateway/isolation.py), by model and engine."""
         loop = asyncio.get_running_loop()
         tried: set[str] = set()
         last: APIError | None = None
@@ -380,10 +399,15 @@ class Proxy:
                 last = errors.overloaded(name)
                 continue
             data = body if req["model"] == name else json.dumps({**req, "model": name}).encode()
+            key = self._prefix_key(mr, path, req, iso) if mr.model.balancing == "prefix" else None
             while True:
-                ep = self.balancer.pick(mr.endpoints, tried, loop.time())
+                ep = self.balancer.pick(mr.endpoints, tried, loop.time(), key)
                 if ep is None:
                     break
+                if tracing_enabled() and self.balancer.last is not None:
+                    c = self.balancer.last
+                    trace_route(name, ep.replica_id, c.policy, c.reason(), len(tried))
+                sent = data if iso is None else iso.body(mr.model, ep.kind, req if data is body else {**req, "model": name}, data)
                 if tried:
                     self.metrics.retries.labels(plan[0].model.name).inc()
                 tried.add(ep.replica_id)
@@ -391,7 +415,7 @@ class Proxy:
                 if meter is not None:
                     meter.sent = True
                 try:
-                    resp = await self.upstream.post(ep.target, path, data)
+                    resp = await self.upstream.post(ep.target, path, sent)
                 except ConnectFailed as exc:
                     if meter is not None:
                         meter.sent = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.context import MAX_PROMPT_CHARS, OutputBound, PromptBound, output_bound, prompt_bound, text_only
 from llmgw.db import catalog_repo, fleet_repo
+from llmgw.gateway.isolation import SALTED, engine_class
 from llmgw.gateway.misses import MissCheck
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
@@ -40,12 +42,18 @@ class Endpoint:
 
     `outstanding`: this gateway's requests in flight to it. `failures`, `open_until` (event-loop time)
     and `trial`: its circuit breaker (gateway/balancer.py). Kept across refreshes, keyed by replica id.
+    `kind`: how its prefix cache is isolated (gateway/isolation.py `engine_class` of its engine).
     """
 
     replica_id: str
     url: str
     node_id: str
     target: Target
+    kind: str = SALTED
+    seed: int = field(init=False, default=0)  # its replica id hashed: its score in prefix balancing
+
+    def __post_init__(self) -> None:
+        self.seed = int.from_bytes(hashlib.blake2b(self.replica_id.encode(), digest_size=8).digest(), "big")
     outstanding: int = 0
     failures: int = 0
     open_until: float = 0.0
@@ -139,16 +147,17 @@ class RouteTable:
                 out.append(r)
         return out
 
-    def _endpoint(self, key: str, url: str, node_id: str, api_key: str | None = None) -> Endpoint | None:
+    def _endpoint(self, key: str, url: str, node_id: str, api_key: str | None = None,
+                  kind: str = SALTED) -> Endpoint | None:
         url = url.rstrip("/")
         auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         ep = self._endpoints.get(key)
-        if ep is not None and ep.url == url and ep.target.auth == auth:
+        if ep is not None and ep.url == url and ep.target.auth == auth and ep.kind == kind:
             return ep
         try:
             if "\r" in (api_key or "") or "\n" in (api_key or ""):
                 raise ValueError("its engine key is not a header value")
-            return Endpoint(key, url, node_id, dataclasses.replace(parse_target(url), auth=auth))
+            return Endpoint(key, url, node_id, dataclasses.replace(parse_target(url), auth=auth), kind=kind)
         except ValueError as exc:
             log.warning("not routing to %s: %s", key, exc)
             return None
@@ -188,7 +197,9 @@ class RouteTable:
             if live.status != "ready":
                 unreachable.setdefault(r.model, []).append(r.node_id)
                 continue
-            ep = self._endpoint(r.replica_id, r.endpoint, r.node_id, r.api_key)
+            profile = models[r.model].model.profile(r.profile)
+            ep = self._endpoint(r.replica_id, r.endpoint, r.node_id, r.api_key,
+                                engine_class(profile.engine if profile is not None else "unknown"))
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)

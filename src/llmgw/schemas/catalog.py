@@ -353,6 +353,10 @@ class Model(_Strict):
     """A catalog entry. `profiles` say how to run it; `endpoints` instead route to engines run elsewhere.
 
     `limits` caps concurrent requests per gateway; `guard` names the guard model that judges its traffic.
+    `cache_isolation`: whether tenants share its engines' prefix caches (`shared`) or each tenant has a
+    cache of its own (`tenant`, the default; gateway/isolation.py). `balancing`: how a replica is chosen
+    for a request: the fewest in flight (`least_outstanding`, the default), or by the prompt's leading
+    characters within a load bound (`prefix`; gateway/balancer.py).
     """
 
     name: str
@@ -365,6 +369,8 @@ class Model(_Strict):
     endpoints: list[str] = Field(default_factory=list, max_length=64)
     limits: Limits | None = None
     guard: GuardPolicy | None = None
+    cache_isolation: Literal["tenant", "shared"] = "tenant"
+    balancing: Literal["least_outstanding", "prefix"] = "least_outstanding"
 
     @field_validator("name")
     @classmethod

@@ -39,7 +39,7 @@ def sim(model: str) -> tuple[subprocess.Popen, int]:
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory, module_database_url):
-    sims = {m: sim(m) for m in ("iso", "iso-shared", "px-0", "px-1", "px-2")}
+    sims = {m: sim(m) for m in ("iso", "iso-shared", "px-0", "px-1", "px-2", "iso-judge", "iso-guarded")}
     tmp = tmp_path_factory.mktemp("isolation")
     cp = ControlPlane(tmp, module_database_url, f"127.0.0.1:{free_port()}",
                       LLMGW_ROUTE_REFRESH_S="0.5", LLMGW_TRACING=f"file:{tmp / 'traces'}")
@@ -52,6 +52,9 @@ def plane(tmp_path_factory, module_database_url):
             {"name": "iso", "endpoints": [f"http://127.0.0.1:{sims['iso'][1]}"]},
             {"name": "iso-shared", "endpoints": [f"http://127.0.0.1:{sims['iso-shared'][1]}"],
              "cache_isolation": "shared"},
+            {"name": "iso-judge", "role": "guard", "endpoints": [f"http://127.0.0.1:{sims['iso-judge'][1]}"]},
+            {"name": "iso-guarded", "endpoints": [f"http://127.0.0.1:{sims['iso-guarded'][1]}"],
+             "guard": {"model": "iso-judge"}},
             {"name": "px", "balancing": "prefix", "endpoints": [f"http://127.0.0.1:{sims[f'px-{i}'][1]}" for i in range(3)]},
         ]})
         assert r.status_code == 200, r.text
@@ -150,6 +153,36 @@ def test_the_sims_counters_show_the_hits(plane):
     text = httpx.get(plane.sims["iso"] + "/metrics", timeout=10).text
     counts = {ln.split()[0]: int(ln.split()[1]) for ln in text.splitlines() if ln.startswith("sim:prefix")}
     assert 0 < counts["sim:prefix_cache_hits_total"] < counts["sim:prefix_cache_queries_total"], counts
+
+
+def prefix_counts(base: str) -> dict[str, int]:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {ln.split()[0]: int(ln.split()[1]) for ln in text.splitlines() if ln.startswith("sim:prefix")}
+
+
+def test_a_guard_reads_a_tenants_prompt_under_the_tenants_salt(plane):
+    """The judge is an engine with a prefix cache too: the prompt it reads for a tenant is salted as the
+    tenant's own request is, so another tenant's same prompt finds nothing there (it had been sent unsalted:
+    one cache across tenants). The sim's answer is no verdict, so the guard says it cannot judge (503); the
+    judge was asked all the same."""
+    cp, judge = plane, plane.sims["iso-judge"]  # type: ignore[attr-defined]
+    text = prompt()
+
+    def guarded(who: str) -> None:
+        r = httpx.post(cp.gateway + "/v1/chat/completions", headers=auth(cp.keys[who]), timeout=30,  # type: ignore[attr-defined]
+                       json={"model": "iso-guarded", "messages": [{"role": "user", "content": text}], "max_tokens": 4})
+        assert r.status_code in (200, 503), r.text
+
+    before = prefix_counts(judge)
+    guarded("red")
+    first = prefix_counts(judge)
+    assert first["sim:prefix_cache_queries_total"] > before["sim:prefix_cache_queries_total"], first  # it was asked
+    guarded("blue")
+    crossed = prefix_counts(judge)
+    assert crossed["sim:prefix_cache_hits_total"] == first["sim:prefix_cache_hits_total"], (first, crossed)
+    guarded("red")
+    again = prefix_counts(judge)
+    assert again["sim:prefix_cache_hits_total"] > crossed["sim:prefix_cache_hits_total"], (crossed, again)
 
 
 def route_spans(cp: ControlPlane) -> list[dict]:

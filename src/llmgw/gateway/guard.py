@@ -25,7 +25,7 @@ from llmgw.http import errors
 from llmgw.schemas.catalog import GuardPolicy
 
 # (model, path, payload) -> (status, decoded JSON body or None); routes like any request.
-Call = Callable[[str, str, dict], Awaitable[tuple[int, Any]]]
+Call = Callable[[str, str, dict, Any], Awaitable[tuple[int, Any]]]  # model, path, payload, isolation
 VERDICT_TOKENS = 16
 REASONING = ("reasoning_content", "reasoning")  # vLLM and SGLang; OpenRouter and others
 # What the gateway itself refuses to send the judge (Proxy.call): the client's request is wrong, not the judge away.
@@ -182,13 +182,14 @@ class Guard:
     def __init__(self, call: Call):
         self.call = call
 
-    async def judge(self, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None) -> None:
+    async def judge(self, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None,
+                    iso: Any = None) -> None:
         """Raises `errors.content_filter` (400) when the judge refuses, `errors.guard_unavailable` (503)
         when it cannot judge; returns when it allows."""
         payload = {"model": policy.model, "messages": messages, "max_tokens": VERDICT_TOKENS, "temperature": 0,
                    "stream": False}
         try:
-            status, body = await self.call(policy.model, "/v1/chat/completions", payload)
+            status, body = await self.call(policy.model, "/v1/chat/completions", payload, iso)
         except errors.APIError as exc:
             if exc.code in JUDGE_REFUSES:  # the prompt cannot be judged as sent: retrying will not help
                 raise

@@ -262,13 +262,13 @@ class Proxy:
                 if x.meter is not None:
                     x.meter.sent = True  # the judge reads the prompt: charged, even if it is refused
                 await self._judge(route.model.name, policy, "request", convo,
-                                  "messages" if path.endswith("chat/completions") else "prompt")
+                                  "messages" if path.endswith("chat/completions") else "prompt", iso)
 
         judged = policy is not None and "response" in policy.check
 
         async def consume(resp: Response) -> tuple[int, float | None]:
             if judged:
-                return await self._send_judged(resp, route.model.name, policy, path, req, send, x), None
+                return await self._send_judged(resp, route.model.name, policy, path, req, send, x, iso), None
             return await self._relay(resp, req.get("stream") is True, send, x, started)
 
         hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
@@ -528,7 +528,7 @@ class Proxy:
         return resp.status, ttft
 
     async def _send_judged(self, resp: Response, label: str, policy: GuardPolicy, path: str, req: dict,
-                           send: Send, x: _Exchange) -> int:
+                           send: Send, x: _Exchange, iso: Isolated | None = None) -> int:
         """Hold the whole answer, have the guard judge it, then send it (or the refusal), under the same
         contract as `_relay`."""
         stream = req.get("stream") is True
@@ -543,7 +543,7 @@ class Proxy:
         elif x.meter is not None:
             x.meter.body(data)
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
-        await self._judge(label, policy, "response", messages, None)
+        await self._judge(label, policy, "response", messages, None, iso)
         x.started = x.finished = True
         await send(_start(resp.status, STREAM_HEADERS if stream else _whole_headers(resp, data), x))
         await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -569,16 +569,19 @@ class Proxy:
             raise errors.upstream_failed("its answer is not one JSON body")
         return data
 
-    async def _judge(self, label: str, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None) -> None:
+    async def _judge(self, label: str, policy: GuardPolicy, stage: str, messages: list[dict], param: str | None,
+                     iso: Isolated | None = None) -> None:
+        """`iso`: the request's own isolation, so the judge reads the tenant's prompt under the tenant's salt
+        (a judge's prefix cache shared across tenants would leak prompts through its timing)."""
         try:
-            await self.guard.judge(policy, stage, messages, param)
+            await self.guard.judge(policy, stage, messages, param, iso)
         except APIError as err:
             if err.code == "content_filter":
                 self.metrics.guard_refusals.labels(label, stage).inc()
             raise
 
     # ---- requests the gateway makes itself (the guard's judge) ------------------------------------
-    async def call(self, model: str, path: str, payload: dict) -> tuple[int, Any]:
+    async def call(self, model: str, path: str, payload: dict, iso: Isolated | None = None) -> tuple[int, Any]:
         """POST `payload` to `model` like a client request (routing, load on demand, limits, breaker).
         Returns (status, decoded JSON or None). Raises `APIError` when it cannot be served."""
         route = await self.routes.lookup(model)
@@ -598,4 +601,4 @@ class Proxy:
                 return resp.status, None
 
         payload = {**payload, "model": route.model.name}
-        return await self._exchange(route, path, payload, json.dumps(payload).encode(), consume)
+        return await self._exchange(route, path, payload, json.dumps(payload).encode(), consume, iso=iso)

@@ -123,7 +123,8 @@ class FleetService:
                             "it was until the node registers again", req.node_id, sid, exc)
                 unverified.add(sid)
         async with self.engine.begin() as conn:
-            prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory)
+            prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory,
+                                                     req.version or None)
             known = await fleet_repo.known_shards(conn, list(reported))
             catalog = None
             for sid, report in reported.items():

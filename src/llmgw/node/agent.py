@@ -42,6 +42,7 @@ from llmgw.schemas.inventory import DownloadProgress, ShardReport
 from llmgw.schemas.simulate import SimulatedNode
 from llmgw.schemas.status import ShardStatus
 from llmgw.temporal import connect
+from llmgw.version import VERSION
 from llmgw.weights.download import Limits
 from llmgw.weights.fetcher import Fetcher
 from llmgw.node.attempts import Attempts, end_left
@@ -194,7 +195,7 @@ class Agent:
 
         def body() -> RegisterRequest:
             sent.append(RegisterRequest(node_id=self.node_id, boot_id=self.boot_id, inventory=inv,
-                                        shards=self.shard_reports()))
+                                        shards=self.shard_reports(), version=VERSION))
             return sent[-1]
         resp = RegisterResponse.model_validate(await self._post("/node/v1/register", body))
         await self.stop_unwanted(resp.stop, "which it cannot identify or no longer wants")

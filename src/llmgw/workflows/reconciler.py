@@ -45,11 +45,13 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.workflows.ids import replica_start_id, replica_stop_id, rollout_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
     from llmgw.workflows.rollout import RolloutWorkflow
+    # workflow.patched ids, each registered with the version that added it and when it may go (patches.py)
+    from llmgw.workflows.patches import DECIDE_IN_ACTIVITY as DECIDE_PATCH
+    from llmgw.workflows.patches import DECIDE_PLACES as DECIDE_PLACES_PATCH
+    from llmgw.workflows.patches import DECIDE_STARTS as DECIDE_STARTS_PATCH
+    from llmgw.workflows.patches import ROLLOUT as ROLLOUT_PATCH
 
-MAX_PASSES = 100
-DECIDE_PATCH = "decide-in-activity"
-DECIDE_PLACES_PATCH = "issue13-decide-places"  # `decide` creates the replicas it places (no record_placements)
-DECIDE_STARTS_PATCH = "issue13-decide-starts"  # and starts their start workflows (the pass starts the rest)
+MAX_PASSES = 100  # patches.py counts on it: a reconciler patch may be retired one release after it came
 
 
 def _abandoned(handle):
@@ -244,7 +246,7 @@ class ReconcilerWorkflow:
                     replica_id=d.replica_id, reason=d.reason, drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
                     final_status=d.final_status), d.model, rep.profile if rep else None,
                     sorted({s.node_id for s in rep.shards}) if rep else [])
-            elif d.kind == "rollout" and workflow.patched("rollout"):
+            elif d.kind == "rollout" and workflow.patched(ROLLOUT_PATCH):
                 await self._rollout(d.model)
 
     async def _legacy_place(self, d: Decision, inp: ReconcilerInput) -> None:

@@ -28,14 +28,14 @@ class _NodeSends(WireModel):
 
 
 class RegisterRequest(_NodeSends):
-    """Sent by a node worker on every start and reconnect, with every shard it runs (possibly none).
-    `version`: the node worker's llmgw version (`ctl nodes` VERSION; "" from a node before it was sent)."""
+    """Sent by a node worker on every start and reconnect, with every shard it runs (possibly none). Its
+    llmgw version comes in its `User-Agent` (`llmgw/0.2.0`; version.py), which a control plane of any
+    version takes, where a new body field would be refused by one from before issue 38."""
 
     node_id: str = Field(min_length=1, max_length=253)
     boot_id: str = Field(min_length=1, max_length=200)
     inventory: Inventory
     shards: list[ShardReport] = Field(default_factory=list, max_length=1024)
-    version: str = Field("", max_length=100)
 
 
 class RegisterResponse(_NodeReads):

@@ -51,7 +51,6 @@ class Patch:
 DECIDE_IN_ACTIVITY = "decide-in-activity"
 DECIDE_PLACES = "issue13-decide-places"
 DECIDE_STARTS = "issue13-decide-starts"
-ROLLOUT = "rollout"
 # workflows/replica.py
 FENCED_START = "issue9-fenced-start"
 STOP_FENCES_START = "issue9-stop-fences-start"
@@ -61,14 +60,14 @@ SETTLE_COUNTS = "settle-counts-failure"
 DRAIN_OWNS = "drain-owns-the-engine"
 
 PATCHES: dict[str, Patch] = {p.id: p for p in [
-    Patch(DECIDE_IN_ACTIVITY, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True,
-          why="a pass plans in the `decide` activity, not in workflow code (`_legacy_pass`, `one_per_pass`)"),
+    # Deprecated in 0.2.0 (`_legacy_pass`, `one_per_pass` and the histories of runs that planned in workflow
+    # code removed): runs of 0.1.0 asked it at pass 0. The call may go in 0.3.0.
+    Patch(DECIDE_IN_ACTIVITY, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True, state="deprecated",
+          why="a pass plans in the `decide` activity, not in workflow code"),
     Patch(DECIDE_PLACES, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True,
           why="`decide` creates the replicas it places (no `record_placements` activity)"),
     Patch(DECIDE_STARTS, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True,
           why="`decide` starts the replicas it placed"),
-    Patch(ROLLOUT, "ReconcilerWorkflow", "0.1.0", RECONCILER,
-          why="a legacy pass starts the model's RolloutWorkflow (asked only inside `_legacy_pass`)"),
     Patch(FENCED_START, "ReplicaStartWorkflow", "0.1.0", BOUNDED_RUNS,
           why="a start asks \"still wanted?\" and carries the fencing generation"),
     Patch(QUICK_CHECKS, "ReplicaStartWorkflow", "0.1.0", BOUNDED_RUNS,

@@ -117,10 +117,10 @@ async def test_back_to_back_passes_continue_as_new_when_temporal_suggests(server
 
 
 async def test_a_new_run_still_records_the_retired_patch_for_workers_one_release_back(server):
-    """`decide-in-activity` is deprecated (issue 38: `_legacy_pass` removed): a run of this code still records
-    its marker at the first pass (`deprecate_patch`), flagged deprecated, so a control worker one release
-    back, which asks `patched("decide-in-activity/0")` there, replays it on its `decide` branch during a
-    rolling deploy. The other two patches are still asked as before."""
+    """The reconciler's patches are deprecated (issue 38: `_legacy_pass` and the `record_placements` branch
+    removed): a run of this code still records their markers at its first pass (`deprecate_patch`), flagged
+    deprecated, so a control worker one release back, which asks `patched(...)` there, replays it on the
+    branch this code takes during a rolling deploy."""
     client = await Client.connect(server.address, namespace="can", data_converter=pydantic_data_converter)
     wf_id = f"reconciler-{uuid.uuid4().hex[:8]}"
     stand = Stand(more=False)
@@ -137,8 +137,8 @@ async def test_a_new_run_still_records_the_retired_patch_for_workers_one_release
     assert stand.decides == 1 and stand.snapshots == 0 and scheduled(evs) == ["decide"]
     markers = [e.marker_recorded_event_attributes for e in evs if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
     patches = {(d := json.loads(m.details["patch-data"].payloads[0].data))["id"]: d["deprecated"] for m in markers}
-    assert patches == {"decide-in-activity/0": True, "issue13-decide-places/0": False,
-                       "issue13-decide-starts/0": False}, patches
+    assert patches == {"decide-in-activity/0": True, "issue13-decide-places/0": True,
+                       "issue13-decide-starts/0": True}, patches
 
 
 class Placing(Stand):

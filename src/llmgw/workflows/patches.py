@@ -64,9 +64,11 @@ PATCHES: dict[str, Patch] = {p.id: p for p in [
     # code removed): runs of 0.1.0 asked it at pass 0. The call may go in 0.3.0.
     Patch(DECIDE_IN_ACTIVITY, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True, state="deprecated",
           why="a pass plans in the `decide` activity, not in workflow code"),
-    Patch(DECIDE_PLACES, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True,
+    # Deprecated in 0.2.0 with it (the pass's `record_placements` branch and the histories of runs that
+    # took it removed). The calls may go in 0.3.0.
+    Patch(DECIDE_PLACES, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True, state="deprecated",
           why="`decide` creates the replicas it places (no `record_placements` activity)"),
-    Patch(DECIDE_STARTS, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True,
+    Patch(DECIDE_STARTS, "ReconcilerWorkflow", "0.1.0", RECONCILER, per_pass=True, state="deprecated",
           why="`decide` starts the replicas it placed"),
     Patch(FENCED_START, "ReplicaStartWorkflow", "0.1.0", BOUNDED_RUNS,
           why="a start asks \"still wanted?\" and carries the fencing generation"),

@@ -3,10 +3,9 @@
 Each pass runs the `decide` activity (snapshot, pure planner, decisions saved for `llmgw ctl explain`;
 `control/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
 abandoned on close so they outlive a continue-as-new): each `place` action's replica, already created by
-`decide` in the transaction that decided it (issue 13: one step less between a request and its load;
-runs from before call `record_placements` for them), is started (since `issue13-decide-starts` by
-`decide` itself once it committed, with no workflow task of this one in between; the pass starts only
-those `decide` could not); `stop` and `evict` drain then stop one; `lost` and `cleanup` stop every shard
+`decide` in the transaction that decided it (issue 13: one step less between a request and its load),
+is started (by `decide` itself once it committed, with no workflow task of this one in between; the pass
+starts only those `decide` could not); `stop` and `evict` drain then stop one; `lost` and `cleanup` stop every shard
 of one that cannot serve. A pass that
 stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
 (catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
@@ -16,7 +15,8 @@ suggests it or after `MAX_PASSES` passes, to keep its history short.
 Runs started before `decide` existed planned inside workflow code (`_legacy_pass`), and moved to `decide`
 at their first live pass (patch `decide-in-activity/<pass>`). That branch is gone (issue 38): every run
 open now asked the patch at its first pass, which `workflow.deprecate_patch` still answers on replay
-(workflows/patches.py has when it may go entirely; docs/architecture.md, "Changing workflow code").
+(workflows/patches.py has when it may go entirely; docs/architecture.md, "Changing workflow code"). So
+did the pass's issue-13 patches (`decide` records, then starts, what it places).
 
 Every child carries a memo (model, profile) and, when the namespace has them registered (the pass says),
 llmgw's search attributes (workflows/attributes.py); neither is part of what replay compares.
@@ -32,8 +32,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
-        DecideInput, DecideResult, PassAction, ReconcilerInput, RecordPlacementInput, RecordPlacementsInput,
-        ReplicaStartInput, ReplicaStopInput, RolloutInput,
+        DecideInput, DecideResult, PassAction, ReconcilerInput, ReplicaStartInput, ReplicaStopInput, RolloutInput,
     )
     from llmgw.workflows import activities, attributes, options
     from llmgw.workflows.queues import CONTROL_QUEUE
@@ -66,8 +65,6 @@ class ReconcilerWorkflow:
     def __init__(self) -> None:
         self._wakes: list[str] = []
         self._last: list[str] = []
-        self._decide_places = False
-        self._decide_starts = False
         self._search_attributes = False  # the namespace has llmgw's search attributes (from the latest pass)
 
     @workflow.signal
@@ -79,20 +76,6 @@ class ReconcilerWorkflow:
         """The last pass's decisions that were not `keep`, one line each."""
         return self._last
 
-    def _decide_records_placements(self, pass_no: int) -> bool:
-        """True from this run's first pass under code whose `decide` creates what it places (the per-pass id
-        for the same reason as `_decides_in_activity`)."""
-        if not self._decide_places:
-            self._decide_places = workflow.patched(f"{DECIDE_PLACES_PATCH}/{pass_no}")
-        return self._decide_places
-
-    def _decide_starts_replicas(self, pass_no: int) -> bool:
-        """True from this run's first pass under code whose `decide` starts the replicas it places (issue 13:
-        no workflow task between a placement and its start)."""
-        if not self._decide_starts:
-            self._decide_starts = workflow.patched(f"{DECIDE_STARTS_PATCH}/{pass_no}")
-        return self._decide_starts
-
     @workflow.run
     async def run(self, inp: ReconcilerInput) -> None:
         passes = 0
@@ -101,7 +84,7 @@ class ReconcilerWorkflow:
             if passes == 0:
                 # Runs recorded before issue 38 asked this at their first pass (patches.py: deprecated).
                 workflow.deprecate_patch(f"{DECIDE_PATCH}/0")
-            res = await self._pass(inp.passes + passes)
+            res = await self._pass(inp.passes + passes, first=passes == 0)
             passes += 1
             if passes >= MAX_PASSES or workflow.info().is_continue_as_new_suggested():
                 break
@@ -115,23 +98,18 @@ class ReconcilerWorkflow:
                 break
         workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + passes}))
 
-    async def _pass(self, pass_no: int) -> DecideResult:
-        recorded = self._decide_records_placements(pass_no)
-        starts = recorded and self._decide_starts_replicas(pass_no)
+    async def _pass(self, pass_no: int, first: bool = False) -> DecideResult:
+        if first:
+            # Runs recorded before issue 38 asked these at their first pass, numbered by the passes of the
+            # runs before them (patches.py: deprecated); `decide` records and starts what it places.
+            workflow.deprecate_patch(f"{DECIDE_PLACES_PATCH}/{pass_no}")
+            workflow.deprecate_patch(f"{DECIDE_STARTS_PATCH}/{pass_no}")
         res = await workflow.execute_activity(
-            activities.decide, DecideInput(passes=pass_no, record_placements=recorded, start_replicas=starts),
+            activities.decide, DecideInput(passes=pass_no, record_placements=True, start_replicas=True),
             task_queue=CONTROL_QUEUE, **options.DECIDE,
         )
         self._last = res.lines
         self._search_attributes = res.search_attributes
-        places = [a for a in res.actions if a.kind == "place"]
-        if places and not recorded:  # one activity for all of them: a pass's placements start together
-            await workflow.execute_activity(
-                activities.record_placements, RecordPlacementsInput(placements=[
-                    RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",
-                                         shards=a.shards, reason=a.line) for a in places]),
-                task_queue=CONTROL_QUEUE, **options.CONTROL,
-            )
         await asyncio.gather(*[self._carry_out(a, res) for a in res.actions])
         return res
 

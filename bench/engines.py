@@ -132,6 +132,7 @@ def main() -> None:
     pg = EmbeddedPostgres(root / "pg", free_port(), root / "postgres.log", durable=False)
     temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log")
     cp = None
+    ok = False
     try:
         pg.start()
         upgrade(pg.url)
@@ -155,12 +156,16 @@ def main() -> None:
               f"ratio {p50_l / p50_a:.2f}   added {p50_l - p50_a:+.1f} s")
         print(f"{'warm chat completion, 4 tokens':40s} gateway p50 {through * 1000:6.1f} ms  direct p50 "
               f"{direct * 1000:6.1f} ms   ratio {through / direct:.2f}   added {(through - direct) * 1000:+.1f} ms")
+        ok = True
     finally:
         if cp is not None:
             cp.stop()
         temporal.stop()
         pg.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        if ok:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"failed: logs kept in {root}", file=sys.stderr)
 
 
 if __name__ == "__main__":

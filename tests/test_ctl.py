@@ -19,6 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from llmgw.cli import app, quiet_flag_types
+from llmgw.version import VERSION
 from llmgw.dev.procs import free_port
 from tests.fleet import sim_spec
 
@@ -115,6 +116,10 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert "on demand" in [line for line in cp.ctl("models").stdout.splitlines() if line.startswith("od ")][0]
     wide = cp.ctl("nodes", "-o", "wide").stdout
     assert "FABRICS" in wide.splitlines()[0] and "(simulated)" in wide
+    # each node's version, as its worker registered it (issue 38: which nodes an upgrade has reached)
+    table = wide.splitlines()
+    at = table[0].split().index("VERSION")
+    assert [line.split()[at] for line in table[1:] if line.startswith("n1 ")] == [VERSION], table
 
     # The live catalog round-trips: printed, applied back unchanged, edited, applied with the change shown.
     live = cp.ctl("catalog")

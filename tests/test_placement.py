@@ -164,13 +164,6 @@ def test_placements_per_pass_are_capped_and_the_next_pass_follows_at_once():
     assert plan.decisions[3].model == "b"
 
 
-def test_one_placement_per_pass_for_runs_that_plan_in_workflow_code():
-    # The rule of reconciler runs started before `decide`: replaying their passes must decide what they did.
-    plan = plan_pass(snapshot([model("a"), model("b")], [node("n")]), one_per_pass=True)
-    assert [d.kind for d in plan.decisions] == ["place", "wait"]
-    assert plan.more and "one placement per pass" in plan.decisions[1].reason
-
-
 def test_room_an_eviction_frees_is_reserved_for_the_model_it_is_for():
     low = model("low", gpus_per_node=2)
     filler = model("filler", gpus_per_node=2, priority=5)

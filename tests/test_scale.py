@@ -80,7 +80,6 @@ def test_plan_pass_places_on_load_and_drains_the_newest_when_it_falls():
     places = plan.of_kind("place")
     assert len(places) == 2  # both missing replicas in one pass, each accounted before the next
     assert all("ceil(25/10) = 3" in d.reason for d in places)
-    assert len(plan_pass(busy, one_per_pass=True).of_kind("place")) == 1  # the legacy rule
 
     quiet = snapshot([m(min=1, max=3)], nodes,
                      [replica("old", "m", [("n1", [])], age_s=600), replica("new", "m", [("n1", [])], age_s=120)],

@@ -24,6 +24,20 @@ selftest_app = typer.Typer(no_args_is_help=True, help="Prove that an engine inst
 app.add_typer(selftest_app, name="selftest")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from llmgw.version import VERSION
+
+        typer.echo(f"llmgw {VERSION}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print llmgw's version and exit.")) -> None:
+    """Run and operate an llmgw fleet."""
+
+
 def setup_process(service: str, settings: Settings | None = None) -> Settings:
     """Logging and tracing for one llmgw process."""
     from llmgw.telemetry import setup_tracing

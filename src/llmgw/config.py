@@ -181,6 +181,10 @@ class Settings(BaseSettings):
     # once any key has been created; true = always; false = never.
     load_wait_s: float = 600.0
     upstream_timeout_s: float = 300.0
+    # On SIGTERM the gateway drains (gateway/drain.py): it refuses new requests (503, `/readyz` says
+    # draining), answers the ones held for a load, and lets open answers and streams finish for this long
+    # before it ends them (a stream with an error event). 0: end them at once.
+    gateway_drain_timeout_s: float = Field(30.0, ge=0, le=3600)
     require_api_key: bool | None = None
     breaker_failures: int = 5  # consecutive failures that take an endpoint out of routing ...
     breaker_open_s: float = 10.0  # ... for this long, then one trial request decides

@@ -35,6 +35,9 @@ from llmgw.temporal import LazyClient
 log = logging.getLogger(__name__)
 
 CONTROL_BODY_BYTES = 16 << 20  # the admin and node APIs' request bodies (a catalog, a node's report)
+# uvicorn's graceful shutdown of the gateway listener, after its drain (gateway/drain.py) has ended every open
+# request: long enough for their last words (an error event) to be written, and for idle connections to close.
+DRAIN_CLOSE_S = 5.0
 
 
 def _run(coro) -> None:
@@ -71,7 +74,7 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
     install_stop_handlers(stop)
     listeners = [
         Listener(create_gateway_app(gw), settings.host, settings.gateway_port, "gateway",
-                 limits=listener_limits(settings)),
+                 limits=listener_limits(settings), graceful_s=DRAIN_CLOSE_S),
         Listener(create_admin_api(engine, gw.temporal, settings.node_unreachable_after_s, settings.node_lost_after_s,
                                   LivenessFacts(poller_grace_s=settings.poller_grace_s, silent_share=settings.silent_share),
                                   token=token, metrics=gw.metrics.render_tenants),
@@ -84,7 +87,7 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
     try:
         if node_api is not None:
             await node_api.start()
-        await serve(listeners, stop)
+        await serve(listeners, stop, before_close=gw.drain.drain)  # SIGTERM: the gateway drains first
     finally:
         if node_api is not None:
             await node_api.stop()

@@ -1,16 +1,63 @@
-"""Temporal client connection, with the pydantic data converter every llmgw client uses."""
+"""Temporal client connection, with the data converter every llmgw client and worker uses (`data_converter`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+from typing import Any
 
+from pydantic import TypeAdapter
+from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter
+from temporalio.converter import (
+    CompositePayloadConverter, DataConverter, DefaultPayloadConverter, JSONPlainPayloadConverter,
+)
 
 from llmgw.config import Settings
+from llmgw.version import VERSION
 
 log = logging.getLogger(__name__)
+
+
+class _TolerantJSON(PydanticJSONPlainPayloadConverter):
+    """temporalio's pydantic JSON converter, reading every payload with unknown fields ignored, at every
+    depth. A fleet runs two versions during an upgrade (docs/operating.md, "Upgrading llmgw"): a newer
+    control plane's activity input, or a newer node's result, may carry a field this version does not
+    know. The payload models themselves ignore unknown fields (`schemas/payloads.py`); this reaches the
+    models they embed that forbid them for their operators' sake (a catalog `Profile` inside a
+    `LaunchShardInput`: a typo in a catalog is an error, a newer field on the wire is not)."""
+
+    def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
+        hint = type_hint if type_hint is not None else Any
+        try:
+            adapter = self._type_adapter(hint)
+        except TypeError:  # an unhashable hint: not cached (as the parent does)
+            adapter = TypeAdapter(hint)
+        return adapter.validate_json(payload.data, extra="ignore")
+
+
+class TolerantPayloadConverter(CompositePayloadConverter):
+    """The default payload converters with JSON read by `_TolerantJSON` (as `PydanticPayloadConverter`)."""
+
+    def __init__(self) -> None:
+        json_converter = _TolerantJSON()
+        super().__init__(*(json_converter if isinstance(c, JSONPlainPayloadConverter) else c
+                           for c in DefaultPayloadConverter.default_encoding_payload_converters))
+
+
+# What every llmgw Temporal client, worker and replayer uses (with a payload codec when a payload key is set:
+# `data_converter(settings)`). Payloads are written exactly as `pydantic_data_converter` writes them
+# (histories are unchanged); only reading tolerates unknown fields.
+WIRE_CONVERTER = DataConverter(payload_converter_class=TolerantPayloadConverter)
+
+
+def identity() -> str:
+    """This process's Temporal identity: Temporal's default (`pid@host`) with the llmgw version, so the
+    Temporal UI and `temporal task-queue describe` show which version polls a queue during an upgrade."""
+    return f"{os.getpid()}@{socket.gethostname()} llmgw/{VERSION}"
 
 
 def workflow_runner(sandbox_own_modules: bool = False):
@@ -68,13 +115,12 @@ def payload_codec(settings: Settings):
         raise SystemExit(f"LLMGW_PAYLOAD_KEY: {exc}") from None
 
 
-def data_converter(settings: Settings):
-    """The pydantic data converter, with `payload_codec(settings)` when there is one."""
+def data_converter(settings: Settings) -> DataConverter:
+    """`WIRE_CONVERTER`, with `payload_codec(settings)` when there is one."""
     import dataclasses
 
     codec = payload_codec(settings)
-    return pydantic_data_converter if codec is None else dataclasses.replace(pydantic_data_converter,
-                                                                             payload_codec=codec)
+    return WIRE_CONVERTER if codec is None else dataclasses.replace(WIRE_CONVERTER, payload_codec=codec)
 
 
 async def connect(settings: Settings, attempts: int = 60) -> Client:
@@ -94,7 +140,7 @@ async def connect(settings: Settings, attempts: int = 60) -> Client:
     for i in range(attempts):
         try:
             return await Client.connect(address, namespace=settings.temporal_namespace,
-                                        data_converter=converter, interceptors=interceptors,
+                                        data_converter=converter, interceptors=interceptors, identity=identity(),
                                         tls=tls, api_key=settings.temporal_api_key or None)
         except Exception as exc:  # noqa: BLE001 - RuntimeError from the core SDK on refused connections
             last = exc

@@ -55,7 +55,8 @@ class FleetAdmin:
         return [NodeView(id=n.id, status=live.status(n.id), last_heartbeat=n.last_heartbeat, inventory=n.inventory,
                          heartbeat_age_s=round(n.age_s, 1),
                          polled_at=n.polled_at, poll_age_s=None if n.poll_age_s is None else round(n.poll_age_s, 1),
-                         liveness=live.nodes[n.id].describe(), notes=live.notes, registered_at=n.registered_at)
+                         liveness=live.nodes[n.id].describe(), notes=live.notes, registered_at=n.registered_at,
+                         version=n.version or "")
                 for n in rows]
 
     async def replicas(self, include_ended: bool) -> list[ReplicaView]:

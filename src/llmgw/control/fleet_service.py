@@ -107,7 +107,8 @@ class FleetService:
                 log.warning("observer tick failed: %s", exc)
             await asyncio.sleep(interval_s)
 
-    async def register(self, req: RegisterRequest, node: NodeAddresses) -> RegisterResponse:
+    async def register(self, req: RegisterRequest, node: NodeAddresses, version: str | None = None) -> RegisterResponse:
+        """`version`: the node worker's llmgw version, from its `User-Agent` (None: not an llmgw one, or older)."""
         reported = {s.shard_id: s for s in req.shards}
         resp = RegisterResponse(node_id=req.node_id)
         lost: list[str] = []
@@ -123,7 +124,7 @@ class FleetService:
                             "it was until the node registers again", req.node_id, sid, exc)
                 unverified.add(sid)
         async with self.engine.begin() as conn:
-            prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory)
+            prev_boot = await fleet_repo.upsert_node(conn, req.node_id, req.boot_id, req.inventory, version)
             known = await fleet_repo.known_shards(conn, list(reported))
             catalog = None
             for sid, report in reported.items():

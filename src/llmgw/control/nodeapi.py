@@ -30,6 +30,7 @@ from llmgw.http.errors import APIError, install_error_handlers, json_error
 from llmgw.control.fleet_service import FleetService, NodeRestricted
 from llmgw.control.revocations import DenyList, DenyListUnknown
 from llmgw.http.jsonbody import BoundedJSON
+from llmgw.version import from_user_agent
 from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
     RegisterRequest, RegisterResponse, RenewRequest, RenewResponse, ShardStatusRequest,
@@ -152,7 +153,7 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
     @app.post("/node/v1/register", response_model=RegisterResponse)
     async def register(req: RegisterRequest, request: Request) -> RegisterResponse:
         identify(request, req.node_id)
-        return await fleet.register(req, node_addresses(request))
+        return await fleet.register(req, node_addresses(request), from_user_agent(request.headers.get("user-agent")))
 
     # `stop` is left out when None: a node from before it reads every answer that stops nothing.
     @app.post("/node/v1/heartbeat", response_model=HeartbeatResponse, response_model_exclude_none=True)

@@ -157,21 +157,21 @@ def _nodes_table(nodes: list[dict], now: datetime, wide: bool):
     """Both liveness witnesses: LAST SEEN (the node's last heartbeat to the node API) and POLLED (its
     worker last seen polling `node/<id>`); MESSAGE says how the control plane judges them, and why a silent
     node is not declared lost. What the control plane itself cannot see now comes first, as notes."""
-    cols = ["NODE", "STATUS", "GPUS", "CPUS", "MEMORY", "DISK FREE", "ENGINES", "LAST SEEN", "POLLED", "AGE",
-            "MESSAGE"]
+    cols = ["NODE", "STATUS", "VERSION", "GPUS", "CPUS", "MEMORY", "DISK FREE", "ENGINES", "LAST SEEN", "POLLED",
+            "AGE", "MESSAGE"]
     if wide:
-        cols[6:6] = ["FABRICS"]
+        cols[7:7] = ["FABRICS"]
         cols.append("NOTES")
     rows = []
     for n in nodes:
         inv = n["inventory"]
         engines = ",".join(inv["engines"]) + (" (simulated)" if inv.get("simulated") else "")
         seen = _ago(n["heartbeat_age_s"], now) if "heartbeat_age_s" in n else age(n.get("last_heartbeat"), now) + " ago"
-        row = [n["id"], n["status"], _gpus(inv), inv["cpus"], f"{inv['memory_mb'] // 1024}GiB",
+        row = [n["id"], n["status"], n.get("version") or "-", _gpus(inv), inv["cpus"], f"{inv['memory_mb'] // 1024}GiB",
                f"{inv['disk_free_mb'] // 1024}GiB", engines, seen, _ago(n.get("poll_age_s"), now),
                age(n.get("registered_at"), now), n.get("liveness") or ""]
         if wide:
-            row[6:6] = [",".join(f"{f['name']}({len(f['adapters'])} HCA, {f['rate_gbps']:g}Gb/s)"
+            row[7:7] = [",".join(f"{f['name']}({len(f['adapters'])} HCA, {f['rate_gbps']:g}Gb/s)"
                                  for f in inv.get("fabrics", [])) or "-"]
             row.append("; ".join(x for x in inv.get("notes", []) if not x.startswith("simulated inventory")) or "-")
         rows.append(row)

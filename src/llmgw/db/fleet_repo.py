@@ -32,15 +32,17 @@ _ENDED = tuple(s for s in ReplicaStatus if s.is_ended)
 
 # ---- nodes --------------------------------------------------------------------------------------
 
-async def upsert_node(conn: AsyncConnection, node_id: str, boot_id: str, inventory: Inventory) -> str | None:
-    """Record a registration. Returns the boot id the node had before (None if new)."""
+async def upsert_node(conn: AsyncConnection, node_id: str, boot_id: str, inventory: Inventory,
+                      version: str | None = None) -> str | None:
+    """Record a registration (`version`: the node worker's llmgw version; None: not sent). Returns the
+    boot id the node had before (None if new)."""
     prev = (await conn.execute(select(nodes.c.boot_id).where(nodes.c.id == node_id))).first()
     inv = inventory.model_dump(mode="json")
-    stmt = insert(nodes).values(id=node_id, boot_id=boot_id, inventory=inv)
+    stmt = insert(nodes).values(id=node_id, boot_id=boot_id, inventory=inv, version=version)
     await conn.execute(stmt.on_conflict_do_update(
         index_elements=[nodes.c.id],
         set_={"boot_id": boot_id, "inventory": inv, "registered_at": func.now(), "last_heartbeat": func.now(),
-              "left_at": None},
+              "left_at": None, "version": version},
     ))
     return prev.boot_id if prev else None
 
@@ -80,6 +82,7 @@ class NodeRow:
     poll_age_s: float | None = None
     registered_at: datetime | None = None  # its latest registration (the node worker's start)
     left_at: datetime | None = None  # its agent said it was leaving, since its latest registration
+    version: str | None = None  # its worker's llmgw version, as it last registered
 
 
 async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
@@ -87,7 +90,8 @@ async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
     rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
     return [NodeRow(r.id, r.boot_id, _stored_inventory(r.id, r.inventory), r.last_heartbeat, float(r.age),
-                    r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at)
+                    r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at,
+                    r.version)
             for r in rows]
 
 

@@ -43,6 +43,7 @@ nodes = Table(
     Column("last_heartbeat", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("polled_at", DateTime(timezone=True)),  # its worker last seen polling node/<id> (0005)
     Column("left_at", DateTime(timezone=True)),  # its agent said it was leaving; cleared on registering (0007)
+    Column("version", Text),  # its worker's llmgw version, as it last registered (0013)
 )
 
 # One row per node-API process, ticked while it runs: when the control plane could receive heartbeats (0005).

@@ -310,9 +310,12 @@ class DevStack:
         started = bool(self.children or self.temporal or self.pg)
         if started:  # a refusal before anything started (a port taken) says only why, not "stopping ... stopped."
             self.echo("stopping ...")
-        # The agent first: it stops its engines. Then the rest, in reverse order of start.
-        for name, proc in sorted(self.children, key=lambda c: c[0] != "agent"):
-            stop_process(proc, grace_s=20 if name == "agent" else 10)
+        # The server first: its gateway drains (gateway/drain.py: open streams finish, or end with an error
+        # event, within gateway_drain_timeout_s) while the engines still run. Then the agent, which stops
+        # its engines. Then the rest, in reverse order of start.
+        grace = {"server": self.s.gateway_drain_timeout_s + 15, "agent": 20}
+        for name, proc in sorted(self.children, key=lambda c: {"server": 0, "agent": 1}.get(c[0], 2)):
+            stop_process(proc, grace_s=grace.get(name, 10))
             (self.run_dir / f"{name}.pid").unlink(missing_ok=True)
         kill_leftover_engines(self.s.shard_dir)  # engines of an agent that died before stopping them
         if self.temporal:

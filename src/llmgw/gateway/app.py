@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.config import Settings
@@ -29,6 +29,7 @@ from llmgw.gateway.admission import Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
 from llmgw.gateway.isolation import Isolation, Salts, salt_secret
+from llmgw.gateway.drain import Drain
 from llmgw.http.errors import install_error_handlers, send_error
 from llmgw.db.feed import ChangeFeed
 from llmgw.gateway.openai_api import REQUIRED
@@ -42,6 +43,7 @@ from llmgw.gateway.keys import KeyRing
 from llmgw.security.logtext import for_client
 from llmgw.telemetry import GatewayMetrics
 from llmgw.temporal import LazyClient
+from llmgw.version import VERSION
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -92,6 +94,8 @@ class Gateway:
         self.upstream = Upstream(settings.upstream_timeout_s)
         isolation = Isolation(Salts(salt_secret(settings.cache_salt_secret, settings.database_url)),
                               lambda: self.keys.tenanted)
+        self.drain = Drain(settings.gateway_drain_timeout_s)
+        self.drain.on_drain.append(self.demand.draining.set)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
                            Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,
                            max_body=settings.max_request_bytes, quotas=self.quotas, isolation=isolation)
@@ -175,7 +179,14 @@ def create_gateway_app(gw: Gateway):
 
     @api.get("/healthz")
     async def health():
-        return {"status": "ok", "models": len(gw.routes.models)}
+        """Liveness: 200 while the process runs, draining included."""
+        return {"status": "ok", "models": len(gw.routes.models), "version": VERSION, "draining": gw.drain.draining}
+
+    @api.get("/readyz")
+    async def ready():
+        """Readiness, for a load balancer: 200 `ready`, or 503 `draining` from SIGTERM on (gateway/drain.py)."""
+        state = {**gw.drain.state(), "version": VERSION}
+        return JSONResponse(state, status_code=503 if gw.drain.draining else 200)
 
     @api.get("/metrics")
     async def metrics():
@@ -189,8 +200,9 @@ def create_gateway_app(gw: Gateway):
     keys = gw.keys
     quotas = gw.quotas
     gw_metrics = gw.metrics
+    drain = gw.drain
 
-    async def app(scope, receive, send):
+    async def serve(scope, receive, send):
         if scope["type"] == "http":
             path = scope["path"]
             if path.startswith("/v1/"):
@@ -211,6 +223,12 @@ def create_gateway_app(gw: Gateway):
                 if account is not None:
                     scope[ACCOUNT] = account
         await api(scope, receive, send)
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            await drain(serve, scope, receive, send)  # counted while open; refused once draining (drain.py)
+        else:
+            await serve(scope, receive, send)
 
     app.fastapi = api  # type: ignore[attr-defined]
     return app

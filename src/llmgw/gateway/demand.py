@@ -88,6 +88,7 @@ class Demand:
         self.flush_s = flush_s
         self.usage = Usage()
         self.waiting: dict[str, int] = {}  # model -> requests held here for a Ready replica
+        self.draining = asyncio.Event()  # set when the gateway begins to drain: held requests are answered 503
         self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.sampler = LoadSampler(self.usage, self.waiting, queued, self._window)
         self._reported_busy = False
@@ -181,7 +182,9 @@ class Demand:
                         raise errors.unplaceable(name, cond.reason)
                 else:
                     unplaceable_since = None
-                ready = await self.routes.wait_for_endpoint(name, max(0.0, min(HOLD_TICK_S, deadline - loop.time())))
+                ready = await self._wait_endpoint(name, max(0.0, min(HOLD_TICK_S, deadline - loop.time())))
+                if self.draining.is_set():  # the gateway is shutting down: the load may take minutes (drain.py)
+                    raise errors.draining()
                 if ready and ready.endpoints:
                     return ready
                 if loop.time() >= deadline:
@@ -211,6 +214,21 @@ class Demand:
             raise errors.unavailable(name, "its ready replicas are on nodes this gateway does not reach now",
                                      retry_after_s=2)
         raise errors.pending(name)
+
+    async def _wait_endpoint(self, name: str, timeout_s: float) -> ModelRoute | None:
+        """`routes.wait_for_endpoint`, ended early when the gateway begins to drain (`draining`)."""
+        if self.draining.is_set():
+            return None
+        waiting = asyncio.ensure_future(self.routes.wait_for_endpoint(name, timeout_s))
+        drain = asyncio.ensure_future(self.draining.wait())
+        try:
+            await asyncio.wait((waiting, drain), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+        if not waiting.done():  # the drain began first
+            waiting.cancel()
+            return None
+        return waiting.result()
 
     def _unreachable(self, name: str) -> errors.APIError:
         silent = self.routes.unreachable.get(name) or []

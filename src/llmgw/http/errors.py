@@ -94,6 +94,20 @@ def unavailable(name: str, why: str, retry_after_s: int = 5) -> APIError:
                     code="model_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
+def draining(retry_after_s: int = 1) -> APIError:
+    """503: this gateway is shutting down (SIGTERM, gateway/drain.py); another gateway takes the request."""
+    return APIError(503, "this gateway is shutting down; retry the request (another gateway will answer it)",
+                    type="service_unavailable", code="gateway_draining", headers={"Retry-After": str(retry_after_s)})
+
+
+def drain_timeout(seconds: float) -> APIError:
+    """The answer was still open when this gateway's drain ran out (`gateway_drain_timeout_s`): the error event
+    that ends the stream, or a 503 when nothing of the answer was sent yet."""
+    return APIError(503, f"this gateway shut down before the answer was complete (it waited {seconds:g}s); "
+                    "retry the request", type="service_unavailable", code="gateway_draining",
+                    headers={"Retry-After": "1"})
+
+
 def answer_too_large(limit: int) -> APIError:
     """502: the engine's answer to this request is longer than the gateway holds whole. The request asked for
     it (thousands of embedding inputs, `n: 128`), so it says what to ask instead, and the replica is not

@@ -45,11 +45,13 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 import signal
 import socket
 import ssl
 import struct
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -57,6 +59,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from llmgw.http import response_head
 from llmgw.http.response_head import HeadCycle
 from llmgw.security.pki import cert_addresses, common_name
+
+log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
@@ -553,6 +557,9 @@ class Listener:
     lifespan: str = "on"
     tls: TLS | None = None
     limits: ListenerLimits = field(default_factory=ListenerLimits)
+    # uvicorn's graceful shutdown: how long connections still busy when the listener closes may go on before
+    # their tasks are cancelled. The gateway drains first (gateway/drain.py), so this only bounds the rest.
+    graceful_s: float = 5.0
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:
@@ -561,12 +568,19 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str = "warning") -> None:
-    """Serve every listener until `stop` is set or one of them fails."""
+async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str = "warning",
+                before_close: Callable[[], Awaitable[object]] | None = None) -> None:
+    """Serve every listener until `stop` is set or one of them fails. `before_close` is awaited once `stop`
+    is set, while every listener still serves (the gateway's drain), before they close."""
     servers = [_Server(_config(lst, log_level)) for lst in listeners]
     tasks = [asyncio.create_task(s.serve(), name=lst.name) for s, lst in zip(servers, listeners)]
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+    if waiter in done and before_close is not None:
+        try:
+            await before_close()
+        except Exception:  # noqa: BLE001 - the listeners close all the same
+            log.exception("before closing the listeners")
     for s in servers:
         s.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -581,7 +595,7 @@ async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str =
 
 def _config(listener: Listener, log_level: str) -> uvicorn.Config:
     kw: dict = dict(host=listener.host, port=listener.port, log_level=log_level, lifespan=listener.lifespan,
-                    access_log=False, timeout_graceful_shutdown=5, http=GuardedProtocol)
+                    access_log=False, timeout_graceful_shutdown=listener.graceful_s, http=GuardedProtocol)
     tls = listener.tls
     if tls is not None:
         kw.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)

@@ -42,6 +42,7 @@ from llmgw.schemas.inventory import DownloadProgress, ShardReport
 from llmgw.schemas.simulate import SimulatedNode
 from llmgw.schemas.status import ShardStatus
 from llmgw.temporal import connect
+from llmgw.version import USER_AGENT
 from llmgw.weights.download import Limits
 from llmgw.weights.fetcher import Fetcher
 from llmgw.node.attempts import Attempts, end_left
@@ -141,7 +142,9 @@ class Agent:
         await old.close()
 
     def _session(self) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+        # Its version goes in a header, not a body field: a control plane one release older reads node
+        # bodies with unknown fields refused (before issue 38), while every version ignores a header it lacks.
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers={"User-Agent": USER_AGENT},
                                      connector=aiohttp.TCPConnector(ssl=self._ssl))
 
     async def _post(self, path: str, body, timeout_s: float | None = None) -> dict:

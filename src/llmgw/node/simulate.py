@@ -45,7 +45,8 @@ def load_spec(spec: str) -> SimulatedNode:
     if not isinstance(raw, dict):
         raise SimulateError(f"--simulate: expected a mapping such as {{gpus: 4, gpu_memory_gb: 80}}, got {raw!r}")
     try:
-        return SimulatedNode.model_validate(raw)
+        # An operator's spec: a typo is refused at every depth, the wire models it embeds (HCA) included.
+        return SimulatedNode.model_validate(raw, extra="forbid")
     except ValidationError as exc:
         problems = []
         for e in exc.errors():

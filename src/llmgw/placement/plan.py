@@ -141,21 +141,14 @@ def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
 MAX_PLACEMENTS = 64  # per pass: each costs the workflow a record_placement and a child start (history events)
 
 
-def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_pass: bool = False) -> Plan:
+def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
     """Decide one pass. Pure: the same snapshot always gives the same plan.
 
     Up to `max_placements` replicas are placed, each accounted in the pass's `FleetView` before the next is
     chosen; room an eviction or a drain will free is reserved for the model it is for, so a later (lower
     priority) model in the same pass cannot take it. At most one eviction per pass: the view cannot tell
     which of two evictions' victims will have gone first.
-
-    `one_per_pass` is the rule of reconciler runs started before decisions moved into the `decide` activity
-    (they plan inside workflow code, and replaying their recorded passes must decide exactly what they
-    did): one placement or eviction per pass, nothing reserved. See docs/architecture.md, "Changing
-    workflow code".
     """
-    if one_per_pass:
-        max_placements = 1
     now = snapshot.now
     plan = Plan()
     fleet = fleet_liveness(snapshot)
@@ -244,10 +237,9 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
             continue
         for have in range(serving, want):
             head = f"{have} of {want} wanted ({why})"
-            if placed >= max_placements or (one_per_pass and evicted):
+            if placed >= max_placements:
                 plan.more = True
-                rule = ("one placement per pass" if one_per_pass
-                        else f"{max_placements} placements this pass, the most one pass makes")
+                rule = f"{max_placements} placements this pass, the most one pass makes"
                 plan.decisions.append(Decision(kind="wait", model=model.name, reason=f"{head}; {rule}, next pass"))
                 break
             view = view or FleetView(nodes, snapshot.replicas, snapshot.models)
@@ -257,16 +249,12 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
                 plan.decisions.append(d)
                 placed += 1
                 view.add(_holding(d, f"placed-{placed}"))
-                if one_per_pass:
-                    plan.more = plan.more or have + 1 < want
-                    break
                 continue
             probe = Probe(model, view)
             drains = fits_after_drains(model, view, draining, probe)
             if drains is not None:
                 ids, after = drains
-                if not one_per_pass:
-                    view.add(_holding(after, f"reserved-{model.name}"))
+                view.add(_holding(after, f"reserved-{model.name}"))
                 plan.decisions.append(Decision(kind="wait", model=model.name, refusals=d.refusals, reason=(
                     f"{head}; waiting for draining replica(s) {', '.join(i[:8] for i in ids)} to stop and free room")))
                 break
@@ -284,10 +272,7 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, one_per_
                     plan.decisions.append(d)
                 break
             evicted = True
-            if one_per_pass:
-                placed = max_placements  # the rest of the pass only waits, as it did before
-            else:
-                view.add(_holding(ev.placement, f"reserved-{model.name}"))
+            view.add(_holding(ev.placement, f"reserved-{model.name}"))
             names = []
             for v in ev.victims:
                 evicting.add(v.id)

@@ -10,21 +10,27 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
 from llmgw.schemas.status import ReplicaStatus, ShardStatus
 from llmgw.schemas.tenants import KeyName, Limits, TenantName
+from llmgw.schemas.wire import WireModel
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _NodeReads(BaseModel):
+class _NodeReads(WireModel):
     """An answer the node worker reads from the node API. A control plane is upgraded before its nodes, and
     a newer one may add fields: an older node ignores them rather than failing every registration or beat."""
 
-    model_config = ConfigDict(extra="ignore")
+
+class _NodeSends(WireModel):
+    """What a node worker sends the node API. During an upgrade a node may be one version ahead of its
+    control plane (docs/operating.md, "Upgrading llmgw"): a field it adds is ignored here, not refused."""
 
 
-class RegisterRequest(_Strict):
-    """Sent by a node worker on every start and reconnect, with every shard it runs (possibly none)."""
+class RegisterRequest(_NodeSends):
+    """Sent by a node worker on every start and reconnect, with every shard it runs (possibly none). Its
+    llmgw version comes in its `User-Agent` (`llmgw/0.2.0`; version.py), which a control plane of any
+    version takes, where a new body field would be refused by one from before issue 38."""
 
     node_id: str = Field(min_length=1, max_length=253)
     boot_id: str = Field(min_length=1, max_length=200)
@@ -38,7 +44,7 @@ class RegisterResponse(_NodeReads):
     stop: list[str] = Field(default_factory=list)  # shard ids the node must stop
 
 
-class HeartbeatRequest(_Strict):
+class HeartbeatRequest(_NodeSends):
     """Liveness. `inventory` is sent when it changed (weights fetched, disk used) or every so often."""
 
     node_id: str = Field(min_length=1, max_length=253)
@@ -56,7 +62,7 @@ class HeartbeatResponse(_NodeReads):
     stop: list[str] | None = None
 
 
-class ShardStatusRequest(_Strict):
+class ShardStatusRequest(_NodeSends):
     """One shard transition (starting, ready, failed with its output tail, stopped)."""
 
     node_id: str = Field(min_length=1, max_length=253)
@@ -64,7 +70,7 @@ class ShardStatusRequest(_Strict):
     shard: ShardReport
 
 
-class LaunchCheckRequest(_Strict):
+class LaunchCheckRequest(_NodeSends):
     """A node about to fetch for, or launch, a shard asks whether its replica is still wanted
     (`node/activities.py`, `start_shard`): the "still wanted?" check made where the launch happens."""
 
@@ -73,7 +79,7 @@ class LaunchCheckRequest(_Strict):
     replica_id: str = Field(max_length=200)
 
 
-class LeaveRequest(_Strict):
+class LeaveRequest(_NodeSends):
     """A node's agent is leaving and stops its engines as it goes (`--stop-engines-on-exit`): sent before
     it stops them, so their replicas end as lost (not as failed by a peer rank that lost its partner) and
     nothing more is placed on the node until it registers again."""
@@ -95,7 +101,7 @@ class LaunchCheckResponse(_NodeReads):
     generation: int = 0  # its fencing generation, which the node's commands for it carry
 
 
-class RenewRequest(_Strict):
+class RenewRequest(_NodeSends):
     """A node renews its certificate before it runs out (security/pki.py): a PEM certificate signing
     request for a key it made itself. Sent over its current certificate, which must not be revoked."""
 
@@ -245,6 +251,7 @@ class NodeView(_Strict):
     liveness: str = ""
     notes: list[str] = Field(default_factory=list)
     registered_at: datetime | None = None
+    version: str = ""  # the node worker's llmgw version, as it registered ("": before nodes sent it)
 
 
 class NodeRemoveRequest(_Strict):

@@ -1,16 +1,17 @@
-"""What a node reports about itself: hardware inventory and the shards it runs."""
+"""What a node reports about itself: hardware inventory and the shards it runs.
+
+Sent by nodes to the node API and carried in workflow payloads: unknown fields from a newer node are
+ignored (`schemas/wire.py`). The one operator surface that embeds these models, a `--simulate` inventory,
+refuses them at its own call (`node/simulate.py`)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from llmgw.schemas.status import ShardStatus
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from llmgw.schemas.wire import WireModel as _Wire
 
 
 # What a node may report (the node API stores it in int32 columns and text the operator reads): a pid
@@ -24,7 +25,7 @@ def _id():
     return Field(max_length=200)
 
 
-class GPU(_Strict):
+class GPU(_Wire):
     """One GPU. `memory_mb` is total memory in MiB; `nvlink_peers` are indices on the same node."""
 
     index: int = Field(ge=0, lt=MAX_GPUS)
@@ -34,7 +35,7 @@ class GPU(_Strict):
     nvlink_peers: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
 
 
-class HCAPort(_Strict):
+class HCAPort(_Wire):
     """One port of an InfiniBand adapter as discovery (or a simulated inventory) sees it.
 
     `state` is the port's logical state as sysfs spells it (`ACTIVE`, `INIT`, `DOWN`, `ARMED`); only
@@ -46,7 +47,7 @@ class HCAPort(_Strict):
     rate_gbps: float = 400.0
 
 
-class HCA(_Strict):
+class HCA(_Wire):
     """An InfiniBand adapter (HCA, for example `mlx5_0`) and the fabric the operator declared it is on.
 
     Fabric membership is configuration, not inferred: OpenSM's default subnet prefix is the same on every
@@ -58,7 +59,7 @@ class HCA(_Strict):
     ports: list[HCAPort] = Field(default_factory=lambda: [HCAPort()])
 
 
-class Fabric(_Strict):
+class Fabric(_Wire):
     """An InfiniBand fabric this node is on, with the adapters (HCAs) that have an ACTIVE port.
 
     `rate_gbps` is the slowest active link: a collective runs at the speed of its slowest member.
@@ -69,7 +70,7 @@ class Fabric(_Strict):
     rate_gbps: float = 0.0
 
 
-class Inventory(_Strict):
+class Inventory(_Wire):
     """A node's hardware. Memory and disk in MiB; `disk_free_mb` is free space under the weight cache."""
 
     cpus: int = Field(0, ge=0, le=1 << 20)
@@ -97,7 +98,7 @@ ShardState = Literal[ShardStatus.STARTING, ShardStatus.READY, ShardStatus.DRAINI
                      ShardStatus.FAILED]
 
 
-class ShardReport(_Strict):
+class ShardReport(_Wire):
     """One shard as the node sees it. Sent on register (every running shard) and on each transition."""
 
     shard_id: str = _id()
@@ -118,7 +119,7 @@ class ShardReport(_Strict):
     api_key: str | None = Field(None, repr=False, pattern=r"^[A-Za-z0-9_-]{16,256}$")
 
 
-class DownloadProgress(_Strict):
+class DownloadProgress(_Wire):
     """Weights being fetched for a replica on this node. `total` is None when the server sent no length:
     no percentage is invented (seeds 001, "Carry a download's progress to where somebody is looking")."""
 

@@ -1,16 +1,14 @@
 """`MirrorWorkflow` and mirror activity inputs/outputs (one model in, one out), and the progress that
-`llmgw mirror add/list` and the Temporal UI show. New fields get defaults; unknown fields are refused."""
+`llmgw mirror add/list` and the Temporal UI show. New fields get defaults; unknown fields are ignored (`schemas/wire.py`)."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from llmgw.schemas.wire import WireModel as _Wire
 
 
 class MirrorState(StrEnum):
@@ -29,7 +27,7 @@ class MirrorState(StrEnum):
         return {cls.published, cls.failed, cls.canceled}
 
 
-class MirrorInput(_Strict):
+class MirrorInput(_Wire):
     """Mirror `sources` (file URLs, or one directory URL ending in `/` holding a safetensors layout) as
     `name` in the mirror. `version` identifies the set of sources (`explorer.version_of`): with the
     name it makes the workflow id `mirror/<name>/<version>`. Timings come from the CLI's settings."""
@@ -42,7 +40,7 @@ class MirrorInput(_Strict):
     progress_interval_s: float = 2.0
 
 
-class PlannedFile(_Strict):
+class PlannedFile(_Wire):
     """One file to mirror: its name in the version, where from, and what the origin promised (size from
     Content-Length/Range, sha256 when a header states one)."""
 
@@ -52,13 +50,13 @@ class PlannedFile(_Strict):
     sha256: str | None = None
 
 
-class ExploreInput(_Strict):
+class ExploreInput(_Wire):
     name: str
     version: str
     sources: list[str]
 
 
-class MirrorPlan(_Strict):
+class MirrorPlan(_Wire):
     """`kind` `file`: one file published as `mirror:<name>`; `version`: a directory published as
     `mirror:<name>/` with a manifest."""
 
@@ -73,14 +71,14 @@ class MirrorPlan(_Strict):
         return f"mirror:{self.name}" + ("/" if self.kind == "version" else "")
 
 
-class FetchMirrorFileInput(_Strict):
+class FetchMirrorFileInput(_Wire):
     name: str
     version: str
     file: PlannedFile
     progress_interval_s: float = 2.0
 
 
-class MirroredFile(_Strict):
+class MirroredFile(_Wire):
     """A file present and verified in the version's staging directory. `received`: bytes fetched over HTTP
     by the attempt that completed it; `resumed_from`: bytes it found already on disk."""
 
@@ -91,30 +89,30 @@ class MirroredFile(_Strict):
     received: int = 0
 
 
-class PublishInput(_Strict):
+class PublishInput(_Wire):
     name: str
     version: str
     kind: Literal["file", "version"]
     files: list[MirroredFile]
 
 
-class PublishResult(_Strict):
+class PublishResult(_Wire):
     source: str  # what a catalog profile writes: mirror:<name> or mirror:<name>/
     files: int
     bytes: int
     already: bool = False  # an identical version was already published (a retried publish, a re-run)
 
 
-class DiscardInput(_Strict):
+class DiscardInput(_Wire):
     name: str
     version: str
 
 
-class DiscardResult(_Strict):
+class DiscardResult(_Wire):
     removed: bool
 
 
-class FileProgress(_Strict):
+class FileProgress(_Wire):
     """Sent by a fetch activity to its workflow (signal `file_progress`)."""
 
     file: str
@@ -122,7 +120,7 @@ class FileProgress(_Strict):
     total: int | None = None
 
 
-class MirrorProgress(_Strict):
+class MirrorProgress(_Wire):
     """What the workflow's `progress` query returns and its memo holds. `total` is None while any file's
     length is unknown: then only bytes so far are shown, never an invented percentage (seeds 001)."""
 
@@ -163,7 +161,7 @@ def human_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-class MirrorResult(_Strict):
+class MirrorResult(_Wire):
     name: str
     version: str
     source: str

@@ -1,7 +1,8 @@
 """Workflow and activity inputs/outputs. Each activity takes one model and returns one.
 
-New fields always get defaults, so a workflow history recorded by an older version still decodes.
-Internal payloads forbid unknown fields.
+New fields always get defaults, so a workflow history recorded by an older version still decodes, and
+unknown fields are ignored, so a newer sender's input still runs here (`schemas/wire.py` has the rule,
+`tests/test_wire_compat.py` holds every model reachable from a registered activity or workflow to it).
 """
 
 from __future__ import annotations
@@ -9,23 +10,20 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from llmgw.schemas.catalog import Model, Profile
 from llmgw.schemas.inventory import Inventory
 from llmgw.schemas.status import ReplicaStatus
+from llmgw.schemas.wire import WireModel as _Wire
 
 # A replica's status as read, or "unknown": there is no such replica (the results below that read one).
 StatusRead = ReplicaStatus | Literal["unknown"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 # ---- snapshot (control plane state, read by the reconciler) -------------------------------------
 
-class ModelState(_Strict):
+class ModelState(_Wire):
     """Per-model facts the reconciler keeps: failure backoff and demand/use times."""
 
     name: str
@@ -47,7 +45,7 @@ class ModelState(_Strict):
         return self.in_flight + self.queued
 
 
-class NodeSnap(_Strict):
+class NodeSnap(_Wire):
     id: str
     status: str  # ready | unreachable | lost (derived from both witnesses by placement.liveness)
     last_heartbeat: datetime | None = None
@@ -56,7 +54,7 @@ class NodeSnap(_Strict):
     left_at: datetime | None = None  # its agent said it was leaving (since it last registered): unreachable
 
 
-class ShardPlacement(_Strict):
+class ShardPlacement(_Wire):
     """Where one shard of a replica runs: node, rank, and GPU indices on that node (empty on CPU)."""
 
     node_id: str
@@ -64,7 +62,7 @@ class ShardPlacement(_Strict):
     gpus: list[int] = Field(default_factory=list)
 
 
-class ReplicaSnap(_Strict):
+class ReplicaSnap(_Wire):
     """A replica as the reconciler sees it. Active ones (`starting`, `ready`, `draining`) hold resources;
     an ended one (`stopped`, `failed`, `lost`) appears only while `settled` is False, that is until a
     workflow has stopped every shard it had and counted its failure against the model."""
@@ -80,7 +78,7 @@ class ReplicaSnap(_Strict):
     profile_hash: str | None = None  # what rank 0's node reports it runs; None until it reports
 
 
-class LivenessFacts(_Strict):
+class LivenessFacts(_Wire):
     """What the control plane could see when the snapshot was read (placement/liveness.py).
 
     - `observer_since`: since when the node API has been continuously able to receive heartbeats (its
@@ -107,7 +105,7 @@ class LivenessFacts(_Strict):
     recent_lost: int = 0
 
 
-class Snapshot(_Strict):
+class Snapshot(_Wire):
     """Everything one reconcile pass needs, read in one transaction. `now` is the database clock.
 
     `liveness` is None in snapshots recorded before it existed: nodes are then judged by heartbeats alone.
@@ -133,7 +131,7 @@ class Snapshot(_Strict):
 
 # ---- reconciler ---------------------------------------------------------------------------------
 
-class ReconcilerInput(_Strict):
+class ReconcilerInput(_Wire):
     """`passes`: passes run by earlier runs of the singleton (carried over at continue-as-new).
 
     The other fields are read only by passes of runs started before the `decide` activity (they froze the
@@ -147,7 +145,7 @@ class ReconcilerInput(_Strict):
     search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
 
 
-class DecideInput(_Strict):
+class DecideInput(_Wire):
     """`passes`: how many passes the reconciler has run, this one not included (logs and traces).
     `record_placements`: create the replicas the pass places in its own transaction (issue 13; a
     reconciler run from before calls `record_placements` itself). `start_replicas`: and start their start
@@ -158,7 +156,7 @@ class DecideInput(_Strict):
     start_replicas: bool = False  # start the placed replicas' start workflows too, once committed (issue 13)
 
 
-class PassAction(_Strict):
+class PassAction(_Wire):
     """One decision the workflow carries out (`placement.decisions.Decision`, without its refusals).
 
     - `place`: record replica `replica_id` (an id `decide` chose) on `shards` and start it;
@@ -181,7 +179,7 @@ class PassAction(_Strict):
     nodes: list[str] = Field(default_factory=list)  # a stop: the nodes its replica's shards are on
 
 
-class DecideResult(_Strict):
+class DecideResult(_Wire):
     """What one pass decided, and the settings the workflow uses until the next pass.
 
     `more`: run the next pass at once (a pass stopped short: the most placements per pass, one eviction).
@@ -202,7 +200,7 @@ class DecideResult(_Strict):
 MAX_PASS_LINES = 50
 
 
-class RecordPlacementInput(_Strict):
+class RecordPlacementInput(_Wire):
     replica_id: str
     model: str
     profile: str
@@ -210,13 +208,13 @@ class RecordPlacementInput(_Strict):
     reason: str = ""
 
 
-class RecordPlacementsInput(_Strict):
+class RecordPlacementsInput(_Wire):
     """Every replica one pass placed, recorded in one transaction (`record_placements`)."""
 
     placements: list[RecordPlacementInput] = Field(default_factory=list)
 
 
-class RecordDecisionsInput(_Strict):
+class RecordDecisionsInput(_Wire):
     """The pass's decisions as text lines (what was done and every candidate turned down, and why)."""
 
     lines: list[str] = Field(default_factory=list)
@@ -227,7 +225,7 @@ class RecordDecisionsInput(_Strict):
 
 # ---- replica lifecycle --------------------------------------------------------------------------
 
-class ReplicaStartInput(_Strict):
+class ReplicaStartInput(_Wire):
     replica_id: str
     model: str
     profile: Profile
@@ -235,12 +233,12 @@ class ReplicaStartInput(_Strict):
     ready_timeout_s: float = 900.0
 
 
-class ReplicaStartResult(_Strict):
+class ReplicaStartResult(_Wire):
     replica_id: str
     endpoint: str
 
 
-class ReplicaStopInput(_Strict):
+class ReplicaStopInput(_Wire):
     """Drain (when `final_status` is `stopped` and `drain_timeout_s` > 0), stop every shard, settle.
 
     `final_status` `failed` or `lost` marks the replica so at once (it leaves routing) and, for `failed`,
@@ -253,7 +251,7 @@ class ReplicaStopInput(_Strict):
     final_status: ReplicaStatus = ReplicaStatus.STOPPED
 
 
-class MarkReplicaInput(_Strict):
+class MarkReplicaInput(_Wire):
     """Move a replica to `status`. `ready` applies only to a starting replica (a stopped one stays stopped).
     `reason` is kept as why it ended when `status` is final."""
 
@@ -264,7 +262,7 @@ class MarkReplicaInput(_Strict):
     reason: str | None = None
 
 
-class MarkReplicaResult(_Strict):
+class MarkReplicaResult(_Wire):
     """`generation`: the replica's fencing generation after the call (0 from code before issue 9)."""
 
     applied: bool
@@ -272,7 +270,7 @@ class MarkReplicaResult(_Strict):
     generation: int = 0
 
 
-class SettleReplicaInput(_Strict):
+class SettleReplicaInput(_Wire):
     """Record that every shard of an ended replica was asked to stop; `reason` says why it ended. With
     `count_failure`, the settle that settles a failed replica also counts its failure (and sets the backoff)
     in the same transaction, so no reconcile pass sees it settled and its failure not yet counted."""
@@ -282,7 +280,7 @@ class SettleReplicaInput(_Strict):
     count_failure: bool = False
 
 
-class SettleReplicaResult(_Strict):
+class SettleReplicaResult(_Wire):
     """`applied` is False when another workflow settled it first (so only one counts its failure)."""
 
     applied: bool
@@ -290,7 +288,7 @@ class SettleReplicaResult(_Strict):
     model: str = ""
 
 
-class _ModelFailuresInput(_Strict):
+class _ModelFailuresInput(_Wire):
     """One model's failed starts. Before these models the input was the model's name alone (a JSON string):
     workflows started by that code still schedule it so, and this version's control worker reads it."""
 
@@ -310,22 +308,22 @@ class ResetModelFailuresInput(_ModelFailuresInput):
     """A start of `model` reached Ready: clear its failed starts and backoff (`reset_model_failures`)."""
 
 
-class ReplicaShardsInput(_Strict):
+class ReplicaShardsInput(_Wire):
     replica_id: str
 
 
-class ReplicaShardsResult(_Strict):
+class ReplicaShardsResult(_Wire):
     shards: list[ShardPlacement] = Field(default_factory=list)
     in_flight: int = 0
     status: ReplicaStatus | Literal[""] = ""  # the replica's status when read ("": no such replica, or code before issue 9)
     generation: int = 0
 
 
-class CheckReplicaInput(_Strict):
+class CheckReplicaInput(_Wire):
     replica_id: str
 
 
-class CheckReplicaResult(_Strict):
+class CheckReplicaResult(_Wire):
     """Is the replica still wanted by its start (it is `starting`)? `generation` is what its node commands
     carry: a node refuses a launch older than a stop it was given (docs/architecture.md, "Fencing")."""
 
@@ -334,7 +332,7 @@ class CheckReplicaResult(_Strict):
     generation: int = 1
 
 
-class AwaitStartClosedInput(_Strict):
+class AwaitStartClosedInput(_Wire):
     """Wait until the replica's start workflow has closed (or `timeout_s`); cancel it first when `cancel`."""
 
     replica_id: str
@@ -342,20 +340,20 @@ class AwaitStartClosedInput(_Strict):
     cancel: bool = True
 
 
-class AwaitStartClosedResult(_Strict):
+class AwaitStartClosedResult(_Wire):
     closed: bool
     status: str = ""  # the start workflow's final status, or why it was not waited for
 
 
 # ---- node activities ----------------------------------------------------------------------------
 
-class FetchWeightsInput(_Strict):
+class FetchWeightsInput(_Wire):
     replica_id: str
     source: str | None
     generation: int = 0  # fencing: refused on a node told to stop this replica at a later generation
 
 
-class FetchWeightsResult(_Strict):
+class FetchWeightsResult(_Wire):
     """`path` is what the engine loads: a file, a directory (a version), or a bare model id passed through."""
 
     path: str | None
@@ -363,7 +361,7 @@ class FetchWeightsResult(_Strict):
     fetched: bool = False  # False when it was already in the cache or nothing needed fetching
 
 
-class Rendezvous(_Strict):
+class Rendezvous(_Wire):
     """Where the shards of a multi-node replica meet: an address on rank 0's node, opened before any
     shard launches so that workers (started first) know where to join.
 
@@ -379,14 +377,14 @@ class Rendezvous(_Strict):
     token: str
 
 
-class OpenRendezvousInput(_Strict):
+class OpenRendezvousInput(_Wire):
     replica_id: str
     engine: str
     world_size: int
     generation: int = 0  # fencing, as for a launch
 
 
-class LaunchShardInput(_Strict):
+class LaunchShardInput(_Wire):
     shard_id: str
     replica_id: str
     model: str
@@ -402,7 +400,7 @@ NOT_WANTED = "NotWanted"  # the failure type of a `start_shard` whose replica st
 UNREACHABLE = "ControlPlaneUnreachable"  # ... of one whose node could not ask (the start takes its steps)
 
 
-class StartShardInput(_Strict):
+class StartShardInput(_Wire):
     """Fetch, then launch, one shard of a single-shard replica in one node activity (`start_shard`): the
     cold-start path with no workflow step between the fetch and the launch (issue 13)."""
 
@@ -410,24 +408,24 @@ class StartShardInput(_Strict):
     source: str | None
 
 
-class LaunchShardResult(_Strict):
+class LaunchShardResult(_Wire):
     shard_id: str
     pid: int
     endpoint: str
     adopted: bool = False  # it was already running (a retried activity finds it by its spec file)
 
 
-class WaitShardReadyInput(_Strict):
+class WaitShardReadyInput(_Wire):
     shard_id: str
     timeout_s: float = 900.0
 
 
-class WaitShardReadyResult(_Strict):
+class WaitShardReadyResult(_Wire):
     shard_id: str
     endpoint: str
 
 
-class DrainShardInput(_Strict):
+class DrainShardInput(_Wire):
     """Wait until shard `shard_id`'s engine has nothing in flight, at most `timeout_s`. The same fields as
     `WaitShardReadyInput`, which `drain_shard` took before: a node of either version reads either."""
 
@@ -435,7 +433,7 @@ class DrainShardInput(_Strict):
     timeout_s: float = 900.0
 
 
-class DrainShardResult(_Strict):
+class DrainShardResult(_Wire):
     """`in_flight`: requests still in flight when the drain ended (0: drained, or the engine is gone).
     Before this model the result was that number alone: recorded histories and older nodes hold a bare int."""
 
@@ -447,19 +445,19 @@ class DrainShardResult(_Strict):
         return {"in_flight": data} if isinstance(data, int) and not isinstance(data, bool) else data
 
 
-class WaitShardJoinedInput(_Strict):
+class WaitShardJoinedInput(_Wire):
     """Wait until worker shard `shard_id` (rank > 0) has joined its replica's rendezvous."""
 
     shard_id: str
     timeout_s: float = 900.0
 
 
-class WaitShardJoinedResult(_Strict):
+class WaitShardJoinedResult(_Wire):
     shard_id: str
     waited_s: float = 0.0
 
 
-class StopShardInput(_Strict):
+class StopShardInput(_Wire):
     """Stop a shard. The node first records the fence (`replica_id`, `generation`) on disk, so no launch of
     that replica at an earlier generation runs afterwards, even across an agent restart."""
 
@@ -469,7 +467,7 @@ class StopShardInput(_Strict):
     generation: int = 0
 
 
-class StopShardResult(_Strict):
+class StopShardResult(_Wire):
     shard_id: str
     was_running: bool
     exit_code: int | None = None
@@ -477,18 +475,18 @@ class StopShardResult(_Strict):
 
 # ---- reclaiming the weight cache ----------------------------------------------------------------
 
-class ReclaimInput(_Strict):
+class ReclaimInput(_Wire):
     """`collect` False lists what would go; True asks each node to delete it."""
 
     collect: bool = False
 
 
-class NodeReclaimInput(_Strict):
+class NodeReclaimInput(_Wire):
     wanted: list[str] = Field(default_factory=list)  # cache names the catalog still wants
     collect: bool = False
 
 
-class CacheEntry(_Strict):
+class CacheEntry(_Wire):
     """One cache entry a node listed: its size (bytes) and when it was last written (epoch seconds)."""
 
     name: str
@@ -496,7 +494,7 @@ class CacheEntry(_Strict):
     modified_at: float = 0.0
 
 
-class NodeReclaimResult(_Strict):
+class NodeReclaimResult(_Wire):
     node_id: str
     entries: list[CacheEntry] = Field(default_factory=list)  # size and age of each unwanted / kept entry
     unwanted: list[str] = Field(default_factory=list)  # llmgw-fetched, no longer wanted
@@ -506,12 +504,12 @@ class NodeReclaimResult(_Strict):
     freed_mb: int = 0
 
 
-class ReclaimTargets(_Strict):
+class ReclaimTargets(_Wire):
     wanted: list[str] = Field(default_factory=list)
     nodes: list[str] = Field(default_factory=list)
 
 
-class ReclaimResult(_Strict):
+class ReclaimResult(_Wire):
     collect: bool
     nodes: list[NodeReclaimResult] = Field(default_factory=list)
     unreachable: list[str] = Field(default_factory=list)
@@ -519,7 +517,7 @@ class ReclaimResult(_Strict):
 
 # ---- engine logs (`llmgw ctl logs`) -------------------------------------------------------------
 
-class ReadShardLogInput(_Strict):
+class ReadShardLogInput(_Wire):
     """Read a shard's engine log on its node. `offset` < 0: the last `limit` bytes; otherwise from `offset`
     (a follower passes back the `offset` it was given)."""
 
@@ -528,7 +526,7 @@ class ReadShardLogInput(_Strict):
     limit: int = Field(65536, ge=1, le=1 << 20)
 
 
-class ReadShardLogResult(_Strict):
+class ReadShardLogResult(_Wire):
     """`data`: the text read (whole UTF-8 characters only); `offset`: where the next read starts; `size`:
     the log's size now; `found`: the node has a log for this shard; `running`: its engine runs now."""
 
@@ -541,7 +539,7 @@ class ReadShardLogResult(_Strict):
     running: bool = False
 
 
-class ShardLogInput(_Strict):
+class ShardLogInput(_Wire):
     """`ShardLogWorkflow`: read `shard_id`'s log on `node_id` (for the admin API)."""
 
     node_id: str
@@ -551,18 +549,18 @@ class ShardLogInput(_Strict):
 
 # ---- rolling replacement ------------------------------------------------------------------------
 
-class RolloutInput(_Strict):
+class RolloutInput(_Wire):
     """`RolloutWorkflow` (id `rollout/<model>`): replace `model`'s outdated replicas one at a time."""
 
     model: str
     steps: int = 0  # steps taken by earlier runs (continue-as-new)
 
 
-class RolloutStepInput(_Strict):
+class RolloutStepInput(_Wire):
     model: str
 
 
-class RolloutStep(_Strict):
+class RolloutStep(_Wire):
     """What a rollout does next (placement/rollout.py `next_step`): `done`, `wait` (for the reconciler to
     place a surge replica, for it to become Ready, or out of a backoff), or `retire` `replica_id` (drain and
     stop it). `drain_timeout_s` is the control plane's current setting."""
@@ -575,7 +573,7 @@ class RolloutStep(_Strict):
     drain_timeout_s: float = 0.0
 
 
-class RolloutResult(_Strict):
+class RolloutResult(_Wire):
     model: str
     retired: list[str] = Field(default_factory=list)
     reason: str = ""

@@ -3,21 +3,20 @@
 Each pass runs the `decide` activity (snapshot, pure planner, decisions saved for `llmgw ctl explain`;
 `control/decide.py`) and acts on the actions it returns by starting child workflows (replica start/stop,
 abandoned on close so they outlive a continue-as-new): each `place` action's replica, already created by
-`decide` in the transaction that decided it (issue 13: one step less between a request and its load;
-runs from before call `record_placements` for them), is started (since `issue13-decide-starts` by
-`decide` itself once it committed, with no workflow task of this one in between; the pass starts only
-those `decide` could not); `stop` and `evict` drain then stop one; `lost` and `cleanup` stop every shard
+`decide` in the transaction that decided it (issue 13: one step less between a request and its load),
+is started (by `decide` itself once it committed, with no workflow task of this one in between; the pass
+starts only those `decide` could not); `stop` and `evict` drain then stop one; `lost` and `cleanup` stop every shard
 of one that cannot serve. A pass that
 stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
 (catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
 settings each pass). After every pass, back-to-back ones included, the run continues as new when Temporal
 suggests it or after `MAX_PASSES` passes, to keep its history short.
 
-Runs started before `decide` existed planned inside workflow code (`_legacy_pass`). A run replaying such
-passes keeps them (the decisions were recorded), and moves to `decide` at the first pass it runs live: the
-patch id carries the pass number, because `workflow.patched` decides once per id and run, and one id
-would keep an old run on the old path until it continued as new. docs/architecture.md, "Changing workflow
-code", has the rule.
+Runs started before `decide` existed planned inside workflow code (`_legacy_pass`), and moved to `decide`
+at their first live pass (patch `decide-in-activity/<pass>`). That branch is gone (issue 38): every run
+open now asked the patch at its first pass, which `workflow.deprecate_patch` still answers on replay
+(workflows/patches.py has when it may go entirely; docs/architecture.md, "Changing workflow code"). So
+did the pass's issue-13 patches (`decide` records, then starts, what it places).
 
 Every child carries a memo (model, profile) and, when the namespace has them registered (the pass says),
 llmgw's search attributes (workflows/attributes.py); neither is part of what replay compares.
@@ -26,30 +25,26 @@ llmgw's search attributes (workflows/attributes.py); neither is part of what rep
 from __future__ import annotations
 
 import asyncio
-import warnings
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.contrib.opentelemetry import workflow as otel
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
-    from llmgw.placement.decisions import Decision, Plan
-    from llmgw.placement.plan import plan_pass
     from llmgw.schemas.payloads import (
-        DecideInput, DecideResult, PassAction, ReconcilerInput, RecordDecisionsInput, RecordPlacementInput,
-        RecordPlacementsInput, ReplicaSnap, ReplicaStartInput, ReplicaStopInput, RolloutInput,
+        DecideInput, DecideResult, PassAction, ReconcilerInput, ReplicaStartInput, ReplicaStopInput, RolloutInput,
     )
     from llmgw.workflows import activities, attributes, options
     from llmgw.workflows.queues import CONTROL_QUEUE
     from llmgw.workflows.ids import replica_start_id, replica_stop_id, rollout_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
     from llmgw.workflows.rollout import RolloutWorkflow
+    # workflow.patched ids, each registered with the version that added it and when it may go (patches.py)
+    from llmgw.workflows.patches import DECIDE_IN_ACTIVITY as DECIDE_PATCH
+    from llmgw.workflows.patches import DECIDE_PLACES as DECIDE_PLACES_PATCH
+    from llmgw.workflows.patches import DECIDE_STARTS as DECIDE_STARTS_PATCH
 
-MAX_PASSES = 100
-DECIDE_PATCH = "decide-in-activity"
-DECIDE_PLACES_PATCH = "issue13-decide-places"  # `decide` creates the replicas it places (no record_placements)
-DECIDE_STARTS_PATCH = "issue13-decide-starts"  # and starts their start workflows (the pass starts the rest)
+MAX_PASSES = 100  # patches.py counts on it: a reconciler patch may be retired one release after it came
 
 
 def _abandoned(handle):
@@ -70,9 +65,6 @@ class ReconcilerWorkflow:
     def __init__(self) -> None:
         self._wakes: list[str] = []
         self._last: list[str] = []
-        self._decides = False
-        self._decide_places = False
-        self._decide_starts = False
         self._search_attributes = False  # the namespace has llmgw's search attributes (from the latest pass)
 
     @workflow.signal
@@ -84,70 +76,40 @@ class ReconcilerWorkflow:
         """The last pass's decisions that were not `keep`, one line each."""
         return self._last
 
-    def _decides_in_activity(self, pass_no: int) -> bool:
-        """True from this run's first pass under code that has `decide` (see the module docstring)."""
-        if not self._decides:
-            self._decides = workflow.patched(f"{DECIDE_PATCH}/{pass_no}")
-        return self._decides
-
-    def _decide_records_placements(self, pass_no: int) -> bool:
-        """True from this run's first pass under code whose `decide` creates what it places (the per-pass id
-        for the same reason as `_decides_in_activity`)."""
-        if not self._decide_places:
-            self._decide_places = workflow.patched(f"{DECIDE_PLACES_PATCH}/{pass_no}")
-        return self._decide_places
-
-    def _decide_starts_replicas(self, pass_no: int) -> bool:
-        """True from this run's first pass under code whose `decide` starts the replicas it places (issue 13:
-        no workflow task between a placement and its start)."""
-        if not self._decide_starts:
-            self._decide_starts = workflow.patched(f"{DECIDE_STARTS_PATCH}/{pass_no}")
-        return self._decide_starts
-
     @workflow.run
     async def run(self, inp: ReconcilerInput) -> None:
         passes = 0
         while True:
             self._wakes.clear()
-            if self._decides_in_activity(passes):
-                res = await self._pass(inp.passes + passes)
-                passes += 1
-                if passes >= MAX_PASSES or workflow.info().is_continue_as_new_suggested():
-                    break
-                more, interval_s = res.more, res.interval_s
-            else:
-                # The loop as it was: the history of a pre-`decide` pass records exactly these commands.
-                more, interval_s = await self._legacy_pass(inp), inp.interval_s
-                passes += 1
-                if more and passes >= MAX_PASSES:
-                    break
-            if more:
+            if passes == 0:
+                # Runs recorded before issue 38 asked this at their first pass (patches.py: deprecated).
+                workflow.deprecate_patch(f"{DECIDE_PATCH}/0")
+            res = await self._pass(inp.passes + passes, first=passes == 0)
+            passes += 1
+            if passes >= MAX_PASSES or workflow.info().is_continue_as_new_suggested():
+                break
+            if res.more:
                 continue
             try:
-                await workflow.wait_condition(lambda: bool(self._wakes), timeout=timedelta(seconds=interval_s))
+                await workflow.wait_condition(lambda: bool(self._wakes), timeout=timedelta(seconds=res.interval_s))
             except TimeoutError:
                 pass
             if workflow.info().is_continue_as_new_suggested() or passes >= MAX_PASSES:
                 break
         workflow.continue_as_new(inp.model_copy(update={"passes": inp.passes + passes}))
 
-    async def _pass(self, pass_no: int) -> DecideResult:
-        recorded = self._decide_records_placements(pass_no)
-        starts = recorded and self._decide_starts_replicas(pass_no)
+    async def _pass(self, pass_no: int, first: bool = False) -> DecideResult:
+        if first:
+            # Runs recorded before issue 38 asked these at their first pass, numbered by the passes of the
+            # runs before them (patches.py: deprecated); `decide` records and starts what it places.
+            workflow.deprecate_patch(f"{DECIDE_PLACES_PATCH}/{pass_no}")
+            workflow.deprecate_patch(f"{DECIDE_STARTS_PATCH}/{pass_no}")
         res = await workflow.execute_activity(
-            activities.decide, DecideInput(passes=pass_no, record_placements=recorded, start_replicas=starts),
+            activities.decide, DecideInput(passes=pass_no, record_placements=True, start_replicas=True),
             task_queue=CONTROL_QUEUE, **options.DECIDE,
         )
         self._last = res.lines
         self._search_attributes = res.search_attributes
-        places = [a for a in res.actions if a.kind == "place"]
-        if places and not recorded:  # one activity for all of them: a pass's placements start together
-            await workflow.execute_activity(
-                activities.record_placements, RecordPlacementsInput(placements=[
-                    RecordPlacementInput(replica_id=a.replica_id, model=a.model, profile=a.profile or "default",
-                                         shards=a.shards, reason=a.line) for a in places]),
-                task_queue=CONTROL_QUEUE, **options.CONTROL,
-            )
         await asyncio.gather(*[self._carry_out(a, res) for a in res.actions])
         return res
 
@@ -206,55 +168,3 @@ class ReconcilerWorkflow:
             ))
         except WorkflowAlreadyStartedError:
             pass
-
-    # ---- passes of runs started before `decide` (remove once none can be running) --------------------
-
-    async def _legacy_pass(self, inp: ReconcilerInput) -> bool:
-        started = workflow.now()
-        snapshot = await workflow.execute_activity(
-            activities.read_snapshot, task_queue=CONTROL_QUEUE, **options.CONTROL,
-        )
-        self._search_attributes = snapshot.search_attributes
-        plan = plan_pass(snapshot, one_per_pass=True)
-        await self._legacy_act(plan, inp, {r.id: r for r in snapshot.replicas}, started)
-        return plan.more
-
-    async def _legacy_act(self, plan: Plan, inp: ReconcilerInput, replicas: dict[str, ReplicaSnap],
-                          started: datetime) -> None:
-        lines = [d.line() for d in plan.decisions]
-        self._last = lines
-        if plan.acts():
-            with warnings.catch_warnings():  # without the tracing interceptor this is a no-op that warns
-                warnings.simplefilter("ignore", DeprecationWarning)
-                otel.completed_span("reconcile pass", attributes={
-                    "llmgw.decisions": lines, "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]})
-        await workflow.execute_activity(
-            activities.record_decisions, RecordDecisionsInput(lines=lines, refusals=plan.explanations(),
-                                                              kinds=[d.kind for d in plan.decisions],
-                                                              started_at=started),
-            task_queue=CONTROL_QUEUE, **options.CONTROL,
-        )
-        for d in plan.decisions:
-            if d.kind == "place":
-                await self._legacy_place(d, inp)
-            elif d.kind in ("stop", "evict", "lost", "cleanup"):
-                assert d.replica_id
-                rep = replicas.get(d.replica_id)
-                await self._start_stop(d.replica_id, ReplicaStopInput(
-                    replica_id=d.replica_id, reason=d.reason, drain_timeout_s=inp.drain_timeout_s if d.drain else 0,
-                    final_status=d.final_status), d.model, rep.profile if rep else None,
-                    sorted({s.node_id for s in rep.shards}) if rep else [])
-            elif d.kind == "rollout" and workflow.patched("rollout"):
-                await self._rollout(d.model)
-
-    async def _legacy_place(self, d: Decision, inp: ReconcilerInput) -> None:
-        replica_id = str(workflow.uuid4())
-        await workflow.execute_activity(
-            activities.record_placement,
-            RecordPlacementInput(replica_id=replica_id, model=d.model, profile=d.profile or "default",
-                                 shards=d.shards, reason="\n".join([d.line(), *d.refusals])),
-            task_queue=CONTROL_QUEUE, **options.CONTROL,
-        )
-        assert d.profile_spec is not None
-        await self._start_replica(replica_id, d.model, d.profile or "default", d.profile_spec, d.shards,
-                                  inp.ready_timeout_s)

@@ -51,16 +51,11 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.workflows import activities, options
     from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
     from llmgw.workflows.ids import RECONCILER_ID, shard_id
+    # workflow.patched ids, each registered with the version that added it and when it may go (patches.py)
+    from llmgw.workflows.patches import (
+        DRAIN_OWNS, FENCED_START, ONE_NODE_STEP, QUICK_CHECKS, SETTLE_COUNTS, STOP_FENCES_START,
+    )
 
-# workflow.patched ids: each names a change to the commands these workflows issue (tests/test_replay.py).
-FENCED_START = "issue9-fenced-start"
-STOP_FENCES_START = "issue9-stop-fences-start"
-QUICK_CHECKS = "issue13-quick-checks"  # a start's "still wanted?" checks as local activities
-ONE_NODE_STEP = "issue13-one-node-step"  # a single-shard start fetches and launches in one node activity
-SETTLE_COUNTS = "settle-counts-failure"  # settling a failed replica counts its failure in the same transaction
-# A start that finds its replica draining (a stop came after the node pushed "ready") leaves the engine to
-# that stop, which drains it first, instead of stopping it in the middle of the drain.
-DRAIN_OWNS = "drain-owns-the-engine"
 START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
 
 

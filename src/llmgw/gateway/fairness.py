@@ -105,14 +105,16 @@ def request_cost(req: dict, chars: int, output: "OutputBound | None") -> int:
 
 
 class Waiter:
-    """One request waiting for a slot: its future (set when a slot is handed to it), flow and start tag."""
+    """One request waiting for a slot: its future (set when a slot is handed to it), flow, start and finish
+    tags."""
 
-    __slots__ = ("fut", "flow", "start", "seq")
+    __slots__ = ("fut", "flow", "start", "finish", "seq")
 
-    def __init__(self, fut: asyncio.Future, flow: "Flow", start: float, seq: int):
+    def __init__(self, fut: asyncio.Future, flow: "Flow", start: float, finish: float, seq: int):
         self.fut = fut
         self.flow = flow
         self.start = start
+        self.finish = finish
         self.seq = seq
 
 
@@ -170,7 +172,7 @@ class FairQueue:
         start = flow.finish if flow.finish > band.vtime else band.vtime
         flow.finish = start + share.cost / share.weight
         flow.weight = share.weight
-        w = Waiter(fut, flow, start, next(self._seq))
+        w = Waiter(fut, flow, start, flow.finish, next(self._seq))
         flow.waiters.append(w)
         heapq.heappush(band.heap, (start, w.seq, w))
         band.waiting += 1
@@ -200,14 +202,14 @@ class FairQueue:
         return None
 
     def remove(self, w: Waiter) -> None:
-        """A waiter that left before a slot came: out of its flow; the newest of a flow gives its finish
-        tag back (it was never served)."""
+        """A waiter that left before a slot came: out of its flow; the flow's latest request gives its tags
+        back (it was never served)."""
         flow = w.flow
         try:
             flow.waiters.remove(w)
         except ValueError:
             return  # already taken out
-        if flow.finish > w.start and not any(x.start > w.start for x in flow.waiters):
+        if flow.finish == w.finish:
             flow.finish = w.start
         self._count_out(flow.band)
 

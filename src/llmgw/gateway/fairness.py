@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from llmgw.catalog.context import OutputBound
 
 INTERACTIVE, BATCH = 0, 1
-BAND_NAMES = ("interactive", "batch")
 BATCH_EVERY = 10  # while both bands wait, one slot in this many goes to batch
 SHARED_FLOW = ("-",)  # every request of a key that is not accounted, or of no key
 DEFAULT_WEIGHT = 1.0

@@ -39,7 +39,6 @@ MAX_TPM = 100_000_000_000
 MAX_TOKENS = 1_000_000_000_000_000  # a budget; sums stay far inside Postgres' bigint
 MAX_PATTERNS = 64
 MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0  # shares a thousand times apart at most: a sane fleet needs far less
-BANDS = ("interactive", "batch")  # served in this order (gateway/fairness.py says how batch is not starved)
 MAX_PATTERN_LEN = 256
 _PATTERN_CHARS = re.compile(r"[A-Za-z0-9._:/@+\-*?\[\]!]+")
 

@@ -16,7 +16,8 @@ Phases (each `--seconds` long):
    serves, A asking `--tokens` per request and B 4x that: Jain's fairness index of their goodput in
    tokens/s (target >= 0.95): token-fair queuing gives each half, FIFO gives B four times A's tokens.
 
-Run: `.venv/bin/python bench/fairness.py` (about two minutes).
+Run: `.venv/bin/python bench/fairness.py` (about two minutes); `--headroom 1` gives the model a slot of headroom
+(docs/gateway.md, "Fair queues"), which is what takes L's TTFT under saturation near its TTFT alone.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--slots", type=int, default=8, help="the model's limits.max_concurrency")
     p.add_argument("--queue", type=int, default=64, help="the model's limits.max_queue")
+    p.add_argument("--headroom", type=int, default=0, help="the model's limits.headroom")
     p.add_argument("--tokens-per-second", type=float, default=50.0, help="the sim engine's speed per stream")
     p.add_argument("--tokens", type=int, default=16, help="max_tokens of each request (B's: 4x)")
     p.add_argument("--light-rate", type=float, default=3.0, help="L's requests per second (H: 10x)")
@@ -135,7 +137,7 @@ def main() -> None:
     tokens_s = args.slots * args.tokens_per_second  # what the model streams at saturation, tokens/s
     heavy = 10 * args.light_rate
     rate_a, rate_b = 0.75 * tokens_s / n, 3 * tokens_s / (4 * n)
-    print(f"model: {args.slots} slots, queue {args.queue}, {n} tokens per request at {args.tokens_per_second:g} "
+    print(f"model: {args.slots} slots (+{args.headroom} headroom), queue {args.queue}, {n} tokens per request at {args.tokens_per_second:g} "
           f"tokens/s ({service_s * 1e3:.0f} ms each): serves {capacity:.1f} requests/s, {tokens_s:.0f} tokens/s")
     print(f"offered: L {args.light_rate:g}/s, H {heavy:g}/s of {n} tokens (together {(heavy + args.light_rate) / capacity:.2f}x "
           f"what it serves); A {rate_a:.1f}/s of {n} tokens (0.75x), B {rate_b:.1f}/s of {4 * n} tokens (3x)")
@@ -144,7 +146,8 @@ def main() -> None:
         r = admin.post("/admin/v1/catalog", json={"catalog": {"models": [
             {"name": "bench", "endpoints": [st.direct.rsplit("/v1/", 1)[0]]},
             {"name": "bench-slow", "endpoints": [st.direct_slow.rsplit("/v1/", 1)[0]],
-             "limits": {"max_concurrency": args.slots, "max_queue": args.queue, "queue_timeout_s": 60}}]}})
+             "limits": {"max_concurrency": args.slots, "max_queue": args.queue, "queue_timeout_s": 60,
+                        "headroom": args.headroom}}]}})
         r.raise_for_status()
         keys: dict[str, str] = {}
         for name in ("h", "l", "a", "b"):

@@ -206,3 +206,33 @@ def test_weights_and_bands_that_are_accepted_and_how_they_are_stored():
     assert Limits.model_validate({"weight": 2, "band": "batch"}).stored() == {"weight": 2.0, "band": "batch"}
     assert Limits.model_validate({"weight": 0.01}).weight == 0.01 and Limits(weight=100).weight == 100
     assert Limits.model_validate({"weight": None, "band": None}).empty
+
+
+async def test_headroom_lets_a_flow_with_nothing_waiting_past_a_backlog_and_goes_back_when_freed():
+    g = Gate("m", ModelLimits(max_concurrency=2, max_queue=100, queue_timeout_s=60, headroom=1))
+    assert g.try_acquire() and g.try_acquire()
+    w = Waiting(g)
+    for i in range(3):
+        await w.add(f"h{i}", Share(("tenant", "h")))
+    assert g.queued == 2 and g.active == 3  # h0 took the headroom (nothing of h waited), h1 and h2 wait
+    await w.add("l", Share(("tenant", "l")))
+    assert w.served == ["h0"] and g.queued == 3  # the headroom is taken: l waits, first in line
+    await w.add("batch", Share(("tenant", "b"), band=BATCH))  # batch never takes headroom
+    g.release()  # 3 in flight, over the 2: this slot goes back to the headroom
+    await asyncio.sleep(0)
+    assert g.active == 2 and w.served == ["h0"]
+    assert await w.serve(1) == ["l"]  # h was charged for h0: l's start tag is the smallest
+    assert g.active == 2
+    await w.add("l2", Share(("tenant", "l")))  # nothing of l waits: straight through the headroom again
+    assert w.served[-1] == "l2" and g.active == 3
+    for t in w.tasks:
+        t.cancel()
+    await asyncio.gather(*w.tasks, return_exceptions=True)
+
+
+def test_the_headroom_setting_is_checked():
+    from llmgw.catalog.loader import CatalogError, parse_catalog
+    for bad in (-1, 10**7, 1.5, "many"):
+        with pytest.raises(CatalogError, match="limits.headroom"):
+            parse_catalog({"models": [{"name": "m", "endpoints": ["http://m"], "limits": {"headroom": bad}}]})
+    assert parse_catalog({"models": [{"name": "m", "endpoints": ["http://m"]}]}).models[0].limits is None

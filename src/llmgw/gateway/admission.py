@@ -5,14 +5,16 @@ slot, at most `queue_timeout_s`; beyond that a request is refused at once with 4
 too long gets 503, both with Retry-After. Several gateways behind a load balancer each allow
 `max_concurrency`: size it per gateway. Who of those waiting gets a freed slot is gateway/fairness.py's
 to say: weighted fair queuing by tokens between tenants, inside priority bands (issue 37). A request that
-finds a free slot and nobody waiting takes it at once (`try_acquire`): no queue, no await.
+finds a free slot and nobody waiting takes it at once (`try_acquire`): no queue, no await. With
+`limits.headroom` (0 by default), an interactive request whose tenant has nothing waiting may take one of
+that many slots beyond `max_concurrency` while others wait (gateway/fairness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from llmgw.gateway.fairness import SHARED_FLOW, FairQueue, Share
+from llmgw.gateway.fairness import INTERACTIVE, SHARED_FLOW, FairQueue, Share
 from llmgw.http import errors
 from llmgw.schemas.catalog import Catalog, Limits
 
@@ -36,6 +38,11 @@ class Gate:
         if share is None:
             share = Share(SHARED_FLOW)
         queue = self.waiters
+        if (self.limits.headroom and self.active < self.max_concurrency + self.limits.headroom
+                and share.band == INTERACTIVE and not queue.waits(share)):
+            queue.charge(share)  # headroom: a flow with nothing waiting goes on at once (gateway/fairness.py)
+            self.active += 1
+            return
         if queue.waiting >= self.limits.max_queue:
             out = queue.victim(share) if self.limits.max_queue else None
             if out is None:
@@ -76,8 +83,8 @@ class Gate:
         return False
 
     def release(self) -> None:
-        """Give the slot to the waiter fair queuing picks, or free it."""
-        w = self.waiters.next()
+        """Give the slot to the waiter fair queuing picks, or free it (a slot of the headroom goes back)."""
+        w = self.waiters.next() if self.active <= self.max_concurrency else None
         if w is not None:
             w.fut.set_result(None)
             return

@@ -23,6 +23,13 @@ behind another flow's backlog. When a band has nobody waiting its memory (`V`, t
 every `BATCH_EVERY`-th slot handed out goes to `batch`, so a batch flow gets at least 1/`BATCH_EVERY` of
 the slots under any interactive backlog (and every wait is still bounded by the model's `queue_timeout_s`).
 
+**Headroom** (the model's `limits.headroom`, 0 by default): what fair queuing cannot do is take a slot
+from a request in flight, so a light tenant's request still waits for the next slot to free. With headroom
+H, an interactive request whose flow has nothing waiting takes one of H slots beyond `max_concurrency` at
+once, while others wait; a slot freed while more than `max_concurrency` are in flight goes back to the
+headroom rather than to a waiter. A heavy tenant with a backlog never uses it; its flow is charged the
+request's cost all the same.
+
 **The queue bound** stays the model's `max_queue`, over all flows. When it is full a newcomer is not
 refused if a flow holds more than its share of the queue: the newest request of the flow with the most
 waiting per unit of weight (in the lowest band waiting) is refused instead (429, as a full queue's
@@ -225,6 +232,24 @@ class FairQueue:
         self.waiting -= 1
         if not band.waiting:
             band.reset()  # nobody waits: the band's fairness memory ends with its busy period
+
+    def waits(self, share: Share) -> bool:
+        """Whether `share`'s flow has a request waiting."""
+        flow = self.bands[share.band].flows.get(share.flow)
+        return flow is not None and bool(flow.waiters)
+
+    def charge(self, share: Share) -> None:
+        """A request of `share` served without waiting while others wait (the gate's headroom): its flow's
+        finish tag moves on as if it had waited, so headroom is no way around its share."""
+        band = self.bands[share.band]
+        flow = band.flows.get(share.flow)
+        if flow is None:
+            if len(band.flows) > 2 * band.waiting + 64:
+                self._forget(band)
+            flow = band.flows[share.flow] = Flow(share.flow, band)
+        start = flow.finish if flow.finish > band.vtime else band.vtime
+        flow.finish = start + share.cost / share.weight
+        flow.weight = share.weight
 
     def victim(self, share: Share) -> Waiter | None:
         """When the queue is full: the waiter to refuse so that a newcomer of `share` may wait instead, or

@@ -183,13 +183,14 @@ def main() -> None:
 
     base = pct(alone[0]["L"].ttft, .99)
     ratio = {m: pct(mixed[m][0]["L"].ttft, .99) / base for m in mixed}
+    median = {m: pct(mixed[m][0]["L"].ttft, .5) / pct(alone[0]["L"].ttft, .5) for m in mixed}
     total = {m: sum(goodput(t, w) for t in ts.values()) for m, (ts, w) in mixed.items()}
     total_pair = {m: sum(goodput(t, w) for t in ts.values()) for m, (ts, w) in pair.items()}
     fairness = {m: jain([goodput(t, w) for t in ts.values()]) for m, (ts, w) in pair.items()}
     t_ratio = min(total["fair"] / total["FIFO"], total_pair["fair"] / total_pair["FIFO"])
     print("\nfigures:")
     print(f"  L p99 TTFT with H / alone: fair {ratio['fair']:.2f}x, FIFO {ratio['FIFO']:.2f}x   (target <= 1.5x: "
-          f"{'met' if ratio['fair'] <= 1.5 else 'NOT met'})")
+          f"{'met' if ratio['fair'] <= 1.5 else 'NOT met'}; p50: fair {median['fair']:.2f}x, FIFO {median['FIFO']:.2f}x)")
     print(f"  Jain's index of A's and B's goodput (tokens/s): fair {fairness['fair']:.3f}, FIFO {fairness['FIFO']:.3f}   "
           f"(target >= 0.95: {'met' if fairness['fair'] >= 0.95 else 'NOT met'})")
     print(f"  throughput fair / FIFO: H+L {total['fair']:.0f} / {total['FIFO']:.0f} tokens/s = "

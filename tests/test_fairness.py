@@ -236,3 +236,17 @@ def test_the_headroom_setting_is_checked():
         with pytest.raises(CatalogError, match="limits.headroom"):
             parse_catalog({"models": [{"name": "m", "endpoints": ["http://m"], "limits": {"headroom": bad}}]})
     assert parse_catalog({"models": [{"name": "m", "endpoints": ["http://m"]}]}).models[0].limits is None
+
+
+def test_ctl_takes_weight_and_band_and_refuses_a_weight_that_is_not_a_number(capsys):
+    import typer
+
+    from llmgw.ctl.tenants import limits_body, limits_text
+
+    assert limits_body(None, None, None, None, None, "2.5", "batch") == {"weight": 2.5, "band": "batch"}
+    assert limits_body(None, None, None, None, None, "none", "none") == {"weight": None, "band": None}
+    for text in ("nan", "inf", "heavy", ""):
+        with pytest.raises(typer.Exit):
+            limits_body(None, None, None, None, None, text, None)
+        assert "--weight" in capsys.readouterr().err
+    assert limits_text({"weight": 2.0, "band": "batch"}) == "weight 2, band batch"

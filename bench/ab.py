@@ -117,6 +117,9 @@ def main() -> None:
     ap.add_argument("--paced-tokens", type=int, default=300, help="tokens per paced stream")
     ap.add_argument("--paced-segments", type=int, default=4, help="paced segments per gateway, alternating")
     ap.add_argument("--gateway-cpu", type=int, default=0)
+    ap.add_argument("--limits", type=json.loads, default=None,
+                    help='the catalog `limits` of model `bench`, as JSON: `{"max_concurrency": 64}` measures the '
+                         "concurrency gate's path with a free slot")
     args = ap.parse_args()
 
     import httpx
@@ -168,7 +171,7 @@ def main() -> None:
             gw[name] = psutil.Process(p.pid)
             admin = f"http://127.0.0.1:{a}"
         httpx.post(admin + "/admin/v1/catalog", timeout=30, headers={"authorization": f"Bearer {token}"}, json={"catalog": {"models": [
-            {"name": "bench", "endpoints": [f"http://127.0.0.1:{eport}"]},
+            {"name": "bench", "endpoints": [f"http://127.0.0.1:{eport}"], **({"limits": args.limits} if args.limits else {})},
             {"name": "paced", "endpoints": [f"http://127.0.0.1:{pport}"]}]}}).raise_for_status()
         deadline = time.monotonic() + 30
         while any(httpx.post(u, json=CHAT, timeout=10).status_code != 200 for u in urls.values()):

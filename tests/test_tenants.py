@@ -442,7 +442,11 @@ BAD_LIMITS = [({"rpm": -1}, "limits.rpm"), ({"rpm": 0}, "limits.rpm"), ({"rpm": 
               ({"tokens_per_month": 10**18}, "limits.tokens_per_month"), ({"models": []}, "limits.models"),
               ({"models": ["llama["]}, "limits.models"), ({"models": ["a b"]}, "limits.models"),
               ({"models": ["x"] * 65}, "limits.models"), ({"models": "sim"}, "limits.models"),
-              ({"models": ["\u202esim"]}, "limits.models"), ({"burst": 5}, "limits.burst")]
+              ({"models": ["\u202esim"]}, "limits.models"), ({"burst": 5}, "limits.burst"),
+              # fair queues (issue 37): a weight from 0.01 to 100, a band by name
+              ({"weight": 0}, "limits.weight"), ({"weight": -1}, "limits.weight"), ({"weight": 1e300}, "limits.weight"),
+              ({"weight": "2"}, "limits.weight"), ({"weight": True}, "limits.weight"), ({"band": "bulk"}, "limits.band"),
+              ({"band": 1}, "limits.band")]
 
 
 def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
@@ -465,6 +469,10 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
     r = httpx.post(cp.admin + "/admin/v1/tenants", content=b'{"name": "abuse", "limits": {"rpm": 1' + b"0" * 30 + b"}}",
                    headers={"content-type": "application/json", **cp.admin_headers}, timeout=10)
     refused(r, 400, None)  # beyond int64: refused before it is parsed
+    for raw in (b"NaN", b"Infinity", b"1e999"):  # a weight JSON cannot carry
+        r = httpx.post(cp.admin + "/admin/v1/tenants", content=b'{"name": "abuse", "limits": {"weight": ' + raw + b"}}",
+                       headers={"content-type": "application/json", **cp.admin_headers}, timeout=10)
+        refused(r, 400, None)
     assert admin(cp, "GET", "/admin/v1/tenants").status_code == 200
     assert "abuse" not in [t["name"] for t in admin(cp, "GET", "/admin/v1/tenants").json()]
     create_tenant(cp, "abuse")
@@ -505,7 +513,8 @@ def test_abusive_input_on_the_tenant_surfaces_gets_400_naming_the_field(plane):
     assert out.returncode == 1 and out.stderr.startswith("--rpm -5: a limit is at least 1") and "Traceback" not in out.stderr, out
     r = admin(cp, "POST", "/admin/v1/tenants/abuse", {"limits": {"rpm": 7, "models": ["nothing-*"]}})
     assert r.status_code == 200 and r.json()["limits"] == {"rpm": 7, "models": ["nothing-*"], "tpm": None,
-                                                           "tokens_per_day": None, "tokens_per_month": None}
+                                                           "tokens_per_day": None, "tokens_per_month": None,
+                                                           "weight": None, "band": None}
     assert r.json()["notes"] == ["models: 'nothing-*' matches no model of the catalog now"]
 
 

@@ -9,7 +9,9 @@ import typer
 
 from llmgw.ctl.client import Admin, confirm, fail, seg
 from llmgw.ctl.output import Output, age, output_option, show, table
-from llmgw.ctl.tenants import MODELS, PER_DAY, PER_MONTH, RPM, TPM, changed_limits, limits_body, limits_text
+from llmgw.ctl.tenants import (
+    BAND, MODELS, PER_DAY, PER_MONTH, RPM, TPM, WEIGHT, changed_limits, limits_body, limits_text,
+)
 
 NAMESAKES_SHOWN = 5  # namesakes named one by one after a create; the rest are counted
 
@@ -21,10 +23,12 @@ app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",
 def create(name: str = typer.Option("", "--name", help="Whose key this is (free text)"),
            tenant: Optional[str] = typer.Option(None, "--tenant", help="The tenant it belongs to (its limits apply)"),
            rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
-           tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
+           tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS,
+           weight: Optional[str] = WEIGHT, band: Optional[str] = BAND):
     """Create an API key and print it. It is shown only now: only its hash is stored. With `--tenant` (or
     limits of its own) its use is counted and limited; without, it is unlimited."""
-    body: dict = {"name": name, "limits": limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models)}
+    body: dict = {"name": name, "limits": limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models, weight,
+                                                      band)}
     if tenant is not None:
         body["tenant"] = tenant
     admin = Admin()
@@ -56,9 +60,11 @@ def namesakes(admin: Admin, created: dict) -> None:
 
 @app.command("set")
 def set_(key_id: str, rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
-         tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
-    """Change a key's own limits (on top of its tenant's): only those given (`none` removes one)."""
-    body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models)
+         tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS,
+         weight: Optional[str] = WEIGHT, band: Optional[str] = BAND):
+    """Change a key's own limits (on top of its tenant's): only those given (`none` removes one). A key's
+    `--weight` and `--band` can only lower its tenant's share (the smaller weight, `batch` if either says it)."""
+    body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models, weight, band)
     k = Admin().post(f"/admin/v1/keys/{seg(key_id)}", {"limits": body})
     typer.echo(f"key {k['id']}: {limits_text(k['limits'])}")
 

@@ -2,13 +2,16 @@
 they used.
 
 Limit options take an integer (`60`, or with a suffix: `10k`, `2M`, `1G`), or `none` to remove the limit
-(on `set`); `--models` a comma-separated list of model names, aliases or patterns (`llama-*,judge`). What
+(on `set`); `--models` a comma-separated list of model names, aliases or patterns (`llama-*,judge`);
+`--weight` a number (`2`, `0.5`) and `--band` `interactive` or `batch`, the share of a saturated model's
+slots (gateway/fairness.py), `none` for the default (1, interactive). What
 they mean and how they are checked is the admin API's to say (schemas/tenants.py): a value it refuses is
 printed as its one-line error.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
 from datetime import datetime
@@ -41,8 +44,21 @@ def limit_value(text: str, option: str = "the limit") -> Any:
     fail(f"{option} {text!r} is not a whole number: write one such as 60, 10k, 2M or 1G, or `none` for no limit")
 
 
+def weight_value(text: str) -> float | None:
+    """`2`, `0.5` -> the number; `none` -> None (the default, 1). Its range is the admin API's to check."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        w = float(text)
+    except ValueError:
+        w = math.nan
+    if not math.isfinite(w):
+        fail(f"--weight {text!r} is not a number: write one such as 1, 2 or 0.5, or `none` for the default (1)")
+    return w
+
+
 def limits_body(rpm: str | None, tpm: str | None, per_day: str | None, per_month: str | None,
-                models: str | None) -> dict:
+                models: str | None, weight: str | None = None, band: str | None = None) -> dict:
     """The `limits` object of the options given (an option not given is left out: unchanged on `set`)."""
     out: dict[str, Any] = {}
     for field, value in (("rpm", rpm), ("tpm", tpm), ("tokens_per_day", per_day), ("tokens_per_month", per_month)):
@@ -50,15 +66,20 @@ def limits_body(rpm: str | None, tpm: str | None, per_day: str | None, per_month
             out[field] = limit_value(value, "--" + field.replace("_", "-"))
     if models is not None:
         out["models"] = None if models.strip().lower() == "none" else models.split(",")
+    if weight is not None:
+        out["weight"] = weight_value(weight)
+    if band is not None:
+        out["band"] = None if band.strip().lower() == "none" else band
     return out
 
 
 def changed_limits(rpm: str | None, tpm: str | None, per_day: str | None, per_month: str | None,
-                   models: str | None) -> dict:
+                   models: str | None, weight: str | None = None, band: str | None = None) -> dict:
     """`limits_body` for a `set`: at least one option must be given (else exit 2 saying which there are)."""
-    body = limits_body(rpm, tpm, per_day, per_month, models)
+    body = limits_body(rpm, tpm, per_day, per_month, models, weight, band)
     if not body:
-        typer.echo("nothing to change: give --rpm, --tpm, --tokens-per-day, --tokens-per-month or --models", err=True)
+        typer.echo("nothing to change: give --rpm, --tpm, --tokens-per-day, --tokens-per-month, --models, --weight "
+                   "or --band", err=True)
         raise typer.Exit(2)
     return body
 
@@ -69,6 +90,9 @@ PER_DAY = typer.Option(None, "--tokens-per-day", help="A token budget per UTC da
 PER_MONTH = typer.Option(None, "--tokens-per-month", help="A token budget per UTC month (`none`: no budget)")
 MODELS = typer.Option(None, "--models", help="Models it may use: names, aliases or patterns, comma-separated "
                       "(`llama-*,judge`; `none`: every model)")
+WEIGHT = typer.Option(None, "--weight", help="Its share of a saturated model's slots against others waiting, "
+                      "0.01 to 100 (`none`: the default, 1)")
+BAND = typer.Option(None, "--band", help="`interactive` (served first) or `batch` (`none`: the default, interactive)")
 
 
 def limit_number(n: int | None) -> str:
@@ -94,6 +118,10 @@ def limits_text(limits: dict) -> str:
         parts.append(f"{limit_number(limits['tokens_per_month'])}/month")
     if limits.get("models") is not None:
         parts.append("models " + ",".join(limits["models"]))
+    if limits.get("weight") is not None:
+        parts.append(f"weight {limits['weight']:g}")
+    if limits.get("band"):
+        parts.append(f"band {limits['band']}")
     return ", ".join(parts) or "unlimited"
 
 
@@ -105,10 +133,11 @@ def _notes(view: dict) -> None:
 @app.command("create")
 def create(name: str = typer.Argument(..., help="The tenant's name: lower-case letters, digits and . _ -"),
            rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
-           tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS):
+           tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS,
+           weight: Optional[str] = WEIGHT, band: Optional[str] = BAND):
     """Create a tenant with its limits. Its keys come from `llmgw ctl keys create --tenant NAME`."""
-    view = Admin().post("/admin/v1/tenants", {"name": name, "limits": limits_body(rpm, tpm, tokens_per_day,
-                                                                                 tokens_per_month, models)})
+    view = Admin().post("/admin/v1/tenants", {"name": name, "limits": limits_body(
+        rpm, tpm, tokens_per_day, tokens_per_month, models, weight, band)})
     typer.echo(f"created tenant {view['name']}: {limits_text(view['limits'])}")
     _notes(view)
 
@@ -116,10 +145,10 @@ def create(name: str = typer.Argument(..., help="The tenant's name: lower-case l
 @app.command("set")
 def set_(name: str = typer.Argument(..., help="The tenant"), rpm: Optional[str] = RPM, tpm: Optional[str] = TPM,
          tokens_per_day: Optional[str] = PER_DAY, tokens_per_month: Optional[str] = PER_MONTH,
-         models: Optional[str] = MODELS):
+         models: Optional[str] = MODELS, weight: Optional[str] = WEIGHT, band: Optional[str] = BAND):
     """Change a tenant's limits: only those given (`none` removes one). Every gateway applies them within a
     moment."""
-    body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models)
+    body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models, weight, band)
     view = Admin().post(f"/admin/v1/tenants/{seg(name)}", {"limits": body})
     typer.echo(f"tenant {view['name']}: {limits_text(view['limits'])}")
     _notes(view)
@@ -146,7 +175,7 @@ def delete(name: str = typer.Argument(..., help="The tenant"),
 
 
 def _tenants_table(tenants: list[dict], now: datetime, wide: bool):
-    cols = ["NAME", "RPM", "TPM", "TOKENS/DAY", "TOKENS/MONTH", "MODELS", "KEYS", "AGE"]
+    cols = ["NAME", "RPM", "TPM", "TOKENS/DAY", "TOKENS/MONTH", "MODELS", "WEIGHT", "BAND", "KEYS", "AGE"]
     if wide:
         cols += ["CREATED", "UPDATED"]
     rows = []
@@ -154,6 +183,7 @@ def _tenants_table(tenants: list[dict], now: datetime, wide: bool):
         lim = t["limits"]
         row = [t["name"], *(limit_number(lim.get(f)) for f in ("rpm", "tpm", "tokens_per_day", "tokens_per_month")),
                ",".join(lim["models"]) if lim.get("models") else "*",
+               f"{lim['weight']:g}" if lim.get("weight") is not None else "1", lim.get("band") or "interactive",
                t["keys"], age(t["created_at"], now)]
         if wide:
             row += [t["created_at"], t["updated_at"]]
@@ -163,7 +193,8 @@ def _tenants_table(tenants: list[dict], now: datetime, wide: bool):
 
 @app.command("list")
 def list_tenants(output: Output = output_option()):
-    """Every tenant: its limits (`-`: none; MODELS `*`: every model), active keys, age."""
+    """Every tenant: its limits (`-`: none; MODELS `*`: every model), its share of a saturated model (WEIGHT,
+    BAND), active keys, age."""
     admin = Admin()
     show(lambda: (admin.get("/admin/v1/tenants"), admin.now), _tenants_table, output,
          empty="no tenants; `llmgw ctl tenants create NAME --rpm 60` makes one")

@@ -1,40 +1,58 @@
 """Per-model concurrency limit and queue, enforced by each gateway on its own (catalog `limits:`).
 
-At most `max_concurrency` requests for a model are forwarded at once; up to `max_queue` more wait in
-arrival order for a slot, at most `queue_timeout_s`; beyond that a request is refused at once with 429,
-and one that waited too long gets 503, both with Retry-After. Several gateways behind a load balancer each
-allow `max_concurrency`: size it per gateway.
+At most `max_concurrency` requests for a model are forwarded at once; up to `max_queue` more wait for a
+slot, at most `queue_timeout_s`; beyond that a request is refused at once with 429, and one that waited
+too long gets 503, both with Retry-After. Several gateways behind a load balancer each allow
+`max_concurrency`: size it per gateway. Who of those waiting gets a freed slot is gateway/fairness.py's
+to say: weighted fair queuing by tokens between tenants, inside priority bands (issue 37). A request that
+finds a free slot and nobody waiting takes it at once (`try_acquire`): no queue, no await. With
+`limits.headroom` (0 by default), an interactive request whose tenant has nothing waiting may take one of
+that many slots beyond `max_concurrency` while others wait (gateway/fairness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
+from llmgw.gateway.fairness import INTERACTIVE, SHARED_FLOW, FairQueue, Share
 from llmgw.http import errors
 from llmgw.schemas.catalog import Catalog, Limits
 
 
 class Gate:
-    """One model's slots and queue. `acquire()` then, always, `release()`."""
+    """One model's slots and queue. `try_acquire()` or `acquire()`, then, always, `release()`."""
 
     def __init__(self, name: str, limits: Limits):
         self.name = name
         self.limits = limits
         self.max_concurrency = limits.max_concurrency or 1 << 30
         self.active = 0
-        self.waiters: deque[asyncio.Future] = deque()
+        self.waiters = FairQueue()
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in the queue if there is room. Raises 429/503 `APIError`s."""
-        if self.active < self.max_concurrency and not self.waiters:
+    async def acquire(self, share: Share | None = None) -> None:
+        """Take a slot, waiting in `share`'s flow (None: the shared flow, cost 1) if there is room in the
+        queue. Raises 429/503 `APIError`s."""
+        if self.active < self.max_concurrency and not self.waiters.waiting:
             self.active += 1
             return
-        if len(self.waiters) >= self.limits.max_queue:
-            raise errors.overloaded(self.name)
+        if share is None:
+            share = Share(SHARED_FLOW)
+        queue = self.waiters
+        if (self.limits.headroom and self.active < self.max_concurrency + self.limits.headroom
+                and share.band == INTERACTIVE and not queue.waits(share)):
+            queue.charge(share)  # headroom: a flow with nothing waiting goes on at once (gateway/fairness.py)
+            self.active += 1
+            return
+        if queue.waiting >= self.limits.max_queue:
+            out = queue.victim(share) if self.limits.max_queue else None
+            if out is None:
+                raise errors.overloaded(self.name)
+            queue.remove(out)  # a heavier flow's newest waiter makes room (gateway/fairness.py)
+            if not out.fut.done():
+                out.fut.set_exception(errors.overloaded(self.name))
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.waiters.append(fut)
+        waiter = queue.add(fut, share)
         expired = False
 
         def expire() -> None:
@@ -50,10 +68,7 @@ class Gate:
             if fut.done() and not fut.cancelled():
                 self.release()  # the slot arrived just as we were cancelled: pass it on
             else:
-                try:
-                    self.waiters.remove(fut)
-                except ValueError:
-                    pass
+                queue.remove(waiter)
             if expired:
                 raise errors.queue_timeout(self.name, self.limits.queue_timeout_s) from None
             raise
@@ -61,20 +76,24 @@ class Gate:
             timer.cancel()
 
     def try_acquire(self) -> bool:
-        """Take a free slot now, without queueing: False when there is none."""
-        if self.active < self.max_concurrency and not self.waiters:
+        """Take a free slot now, without queueing: False when there is none or others wait for one."""
+        if self.active < self.max_concurrency and not self.waiters.waiting:
             self.active += 1
             return True
         return False
 
     def release(self) -> None:
-        """Give the slot to the longest waiter, or free it."""
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        """Give the slot to the waiter fair queuing picks, or free it (a slot of the headroom goes back)."""
+        w = self.waiters.next() if self.active <= self.max_concurrency else None
+        if w is not None:
+            w.fut.set_result(None)
+            return
         self.active -= 1
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return self.waiters.waiting
 
 
 class Gates:

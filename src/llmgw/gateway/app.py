@@ -110,7 +110,7 @@ class Gateway:
     def _queued(self, name: str) -> int:
         """Requests waiting for a slot under `name`'s limits on this gateway."""
         gate = self.gates.get(name)
-        return len(gate.waiters) if gate else 0
+        return gate.queued if gate else 0
 
     async def close(self) -> None:
         for t in self._tasks:

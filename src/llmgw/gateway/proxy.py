@@ -10,7 +10,8 @@ For each request:
 - a guard policy's request check runs first (gateway/guard.py);
 - the route: the model's Ready replicas, then its fallbacks' in catalog order; with none at all, the
   model is loaded on demand (gateway/demand.py);
-- the model's concurrency gate (gateway/admission.py), then least-outstanding balancing with a circuit
+- the model's concurrency gate (gateway/admission.py; when it is full, the request waits in its tenant's
+  queue, served by weighted fair queuing in tokens: gateway/fairness.py), then least-outstanding balancing with a circuit
   breaker per endpoint (gateway/balancer.py); a replica that fails before anything reached the client
   (no connection, or a 502/503/504 answer) is replaced by another;
 - the answer keeps OpenAI's contract whatever the engine sends: a non-streaming request gets one JSON
@@ -39,6 +40,7 @@ from llmgw.http import errors
 from llmgw.gateway.admission import Gate, Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand, Hold
+from llmgw.gateway.fairness import request_cost, share_of
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway.media import check_media, has_parts, media_urls
@@ -316,8 +318,9 @@ class Proxy:
             plan = [await self.demand.wait(route, hold)]
         name = plan[0].model.name
         gate = self.gates.get(name)
-        if gate is not None:
-            await gate.acquire()
+        if gate is not None and not gate.try_acquire():  # saturated: wait in its tenant's queue (fairness.py)
+            await gate.acquire(share_of(meter.account, meter.held) if meter is not None
+                               else share_of(None, request_cost(req, chars, plan[0].output)))
         usage = self.demand.usage
         usage.begin(name)
         # The fallback serving, once `_open` has taken its slot: (name, the gate it took the slot of). The slot

@@ -317,6 +317,9 @@ class Limits(_Strict):
       default: only inline `data:` media), `public` (any http(s) URL whose host resolves only to public
       addresses, the mirror's address policy), or a list of host names (`*.example.com` for subdomains),
       each also held to that policy.
+    - `headroom`: slots beyond `max_concurrency` that an interactive request may take at once, while others
+      wait, when its tenant has nothing waiting (gateway/fairness.py): a light tenant does not wait for a
+      heavy one's slot to free. 0 (the default): `max_concurrency` is a hard cap.
     - `max_output_tokens`: the most tokens one choice of an accounted request that sets no length cap may
       generate: reserved against its tenant's budgets and sent to the engine as `max_tokens`. Unset: the
       declared context is reserved, and nothing is sent (catalog/context.py `output_bound`). Keep it well
@@ -328,6 +331,7 @@ class Limits(_Strict):
     queue_timeout_s: float = Field(30.0, gt=0, le=MAX_DURATION_S)
     max_prompt_chars: int | None = Field(None, ge=1, le=1 << 30)
     max_output_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
+    headroom: int = Field(0, ge=0, le=MAX_COUNT)
     media_urls: Literal["refuse", "public"] | list[str] = Field("refuse", max_length=MAX_MEDIA_HOSTS)
 
     @field_validator("media_urls")

@@ -6,7 +6,10 @@ apply: a key never gets more than its tenant). Every limit is optional (null: no
 - `rpm`, `tpm`: requests and tokens per minute, fleet-wide (every gateway counts against the same minute);
 - `tokens_per_day`, `tokens_per_month`: budgets of tokens (prompt + completion) per UTC day and month;
 - `models`: the models it may use: catalog names or aliases, or glob patterns over them (`llama-*`,
-  `team-?/[ab]*`); null means every model.
+  `team-?/[ab]*`); null means every model;
+- `weight`, `band`: its share when a model is saturated and requests wait for a slot (gateway/fairness.py):
+  weighted fair queuing by tokens, `weight` from `MIN_WEIGHT` to `MAX_WEIGHT` (null: 1), inside a priority
+  `band`, `interactive` (null: the default) or `batch`.
 
 Every input is bounded and refused with the field named rather than repaired: integers only (no `1.5`,
 `"10"` or `true`), from 1 to a ceiling no fleet reaches (`MAX_RPM`, `MAX_TPM`, `MAX_TOKENS`), at most
@@ -22,7 +25,7 @@ import re
 from fnmatch import fnmatchcase
 import unicodedata
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
@@ -35,12 +38,15 @@ MAX_RPM = 10_000_000  # ~170,000 requests a second
 MAX_TPM = 100_000_000_000
 MAX_TOKENS = 1_000_000_000_000_000  # a budget; sums stay far inside Postgres' bigint
 MAX_PATTERNS = 64
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0  # shares a thousand times apart at most: a sane fleet needs far less
 MAX_PATTERN_LEN = 256
 _PATTERN_CHARS = re.compile(r"[A-Za-z0-9._:/@+\-*?\[\]!]+")
 
 Rpm = Annotated[int, Field(strict=True, ge=1, le=MAX_RPM)]
 Tpm = Annotated[int, Field(strict=True, ge=1, le=MAX_TPM)]
 Tokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)]
+Weight = Annotated[float, Field(strict=True, ge=MIN_WEIGHT, le=MAX_WEIGHT, allow_inf_nan=False)]
+Band = Literal["interactive", "batch"]
 
 
 def tenant_name_problem(name: object) -> str | None:
@@ -137,6 +143,8 @@ class Limits(BaseModel):
     tokens_per_day: Tokens | None = None
     tokens_per_month: Tokens | None = None
     models: list[str] | None = Field(None, max_length=MAX_PATTERNS)
+    weight: Weight | None = None
+    band: Band | None = None
 
     @field_validator("models")
     @classmethod

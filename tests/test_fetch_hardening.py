@@ -394,5 +394,6 @@ async def test_a_cache_emptied_while_the_agent_runs_is_made_again(origin, tmp_pa
     f = Fetcher(tmp_path / "cache", None)
     first = await f.fetch(f"{origin.url}/one.gguf")
     shutil.rmtree(tmp_path / "cache")
+    assert f.cached_names() == []  # what the agent's heartbeat reports meanwhile, instead of failing
     again = await f.fetch(f"{origin.url}/one.gguf")
     assert again.fetched and Path(again.path).read_bytes() == data and again.path == first.path

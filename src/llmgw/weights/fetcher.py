@@ -58,8 +58,13 @@ class Fetcher:
         self.partial_dir.mkdir(parents=True, exist_ok=True)
 
     def cached_names(self) -> list[str]:
-        """Cache names present and complete (what placement may treat as already held)."""
-        return sorted(p.name for p in self.cache_dir.iterdir() if not p.name.startswith("."))
+        """Cache names present and complete (what placement may treat as already held); none when the
+        cache directory is gone (an operator emptied it): it is made again at the next fetch, and the
+        agent's heartbeat must not fail meanwhile (it had, every 4 s, until the agent restarted)."""
+        try:
+            return sorted(p.name for p in self.cache_dir.iterdir() if not p.name.startswith("."))
+        except FileNotFoundError:
+            return []
 
     async def fetch(self, source: str | None, progress: Progress | None = None) -> Fetched:
         """Make `source` available on this node and return what the engine should load."""

@@ -133,7 +133,7 @@ def test_a_misspelt_field_or_engine_gets_the_spelling_meant_and_an_unnamed_profi
     assert "zzzz: unknown field; check its spelling against docs/catalog.md" in msg, msg
     for written, meant in (("vlm", "vllm"), ("LlamaCpp", "llamacpp"), ("sglang2", "sglang")):
         msg = refused({"models": [{"name": "m", "profiles": [{"name": "gpu", "engine": written}]}]})
-        assert f"models[0] (m).profiles[0] (gpu).engine: Input should be" in msg and f"did you mean {meant!r}?" in msg, msg
+        assert "models[0] (m).profiles[0] (gpu).engine: Input should be" in msg and f"did you mean {meant!r}?" in msg, msg
     msg = refused({"models": [{"name": "m", "profiles": [{"engine": "tensorrt"}]}]})
     assert "profiles[0] (default).engine: Input should be" in msg and "did you mean" not in msg, msg
 

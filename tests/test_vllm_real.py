@@ -118,7 +118,7 @@ def test_vllm_s_own_metrics_are_read_for_load(fleet):
     import threading
 
     # vLLM's own `ignore_eos`: the answer runs its full length, so it is in flight long enough to be seen
-    t = threading.Thread(target=lambda: chat(cp.gateway, max_tokens=600, extra_body={"ignore_eos": True}))
+    t = threading.Thread(target=lambda: chat(cp.gateway, max_tokens=200, extra_body={"ignore_eos": True}))
     t.start()
     try:
         wait_until(lambda: (asyncio.run(running()) or 0) >= 1, timeout_s=60, interval_s=0.1,

@@ -169,15 +169,8 @@ class FairQueue:
         return self.waiting
 
     def add(self, fut: asyncio.Future, share: Share) -> Waiter:
-        band = self.bands[share.band]
-        flow = band.flows.get(share.flow)
-        if flow is None:
-            if len(band.flows) > 2 * band.waiting + 64:
-                self._forget(band)
-            flow = band.flows[share.flow] = Flow(share.flow, band)
-        start = flow.finish if flow.finish > band.vtime else band.vtime
-        flow.finish = start + share.cost / share.weight
-        flow.weight = share.weight
+        flow, start = self._tag(share)
+        band = flow.band
         w = Waiter(fut, flow, start, flow.finish, next(self._seq))
         flow.waiters.append(w)
         heapq.heappush(band.heap, (start, w.seq, w))
@@ -241,6 +234,11 @@ class FairQueue:
     def charge(self, share: Share) -> None:
         """A request of `share` served without waiting while others wait (the gate's headroom): its flow's
         finish tag moves on as if it had waited, so headroom is no way around its share."""
+        self._tag(share)
+
+    def _tag(self, share: Share) -> tuple["Flow", float]:
+        """Start-time fair queuing's tags for one request of `share`: its flow (made if new), its start tag
+        (the later of the flow's last finish and the band's virtual time), the flow's finish moved past it."""
         band = self.bands[share.band]
         flow = band.flows.get(share.flow)
         if flow is None:
@@ -250,6 +248,7 @@ class FairQueue:
         start = flow.finish if flow.finish > band.vtime else band.vtime
         flow.finish = start + share.cost / share.weight
         flow.weight = share.weight
+        return flow, start
 
     def victim(self, share: Share) -> Waiter | None:
         """When the queue is full: the waiter to refuse so that a newcomer of `share` may wait instead, or

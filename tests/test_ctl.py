@@ -54,6 +54,55 @@ def test_every_ctl_command_against_a_stopped_admin_api_says_so_in_one_line(tmp_p
             (cmd, r.stderr)
 
 
+def test_ctl_sent_to_a_program_that_is_not_llmgw_says_what_answered(tmp_path):
+    """A web page where the admin API should be: what answered (its server, type, title), never "error (200)"."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        server_version = "SomeWiki/2.1"
+
+        def do_GET(self):
+            body = b"<html><head><title>Team wiki</title></head><body>hello</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+        env.update(LLMGW_ADMIN_URL=f"http://127.0.0.1:{httpd.server_port}", LLMGW_ADMIN_TOKEN="llmgw-admin-x")
+        r = run_ctl(env, "models")
+    finally:
+        httpd.shutdown()
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1 and "error (200)" not in r.stderr, r
+    assert "answered HTTP 200 with something that is not llmgw's admin API (a server that calls itself " \
+        "'SomeWiki/2.1 " in r.stderr and "answering text/html, titled 'Team wiki')" in r.stderr, r.stderr
+
+
+def test_a_bad_choice_is_refused_in_plain_words():
+    """Typer 0.29 printed pydantic's "Value error, " before the message."""
+    r = run_ctl({**os.environ, "LLMGW_ADMIN_PORT": "1"}, "models", "-o", "xml")
+    assert r.returncode == 2 and "Value error" not in r.stderr, r.stderr
+    assert "'xml' is not one of 'table', 'wide', 'json', 'yaml'." in " ".join(
+        line.strip("│ ") for line in r.stderr.splitlines()), r.stderr
+
+
+def test_a_new_key_or_admin_token_never_starts_with_a_separator_after_its_prefix():
+    from llmgw.security.api_keys import KEY_PREFIX, new_key, random_token
+
+    keys = [new_key() for _ in range(3000)]  # a token starts with - or _ one time in 32
+    assert all(k.startswith(KEY_PREFIX) and k[len(KEY_PREFIX)].isalnum() and len(k) == len(KEY_PREFIX) + 43
+               for k in keys)
+    assert all(random_token()[0].isalnum() for _ in range(3000))
+
+
 def _commands(cmd, path: list[str]):
     yield path, cmd
     if hasattr(cmd, "commands"):  # a group
@@ -91,6 +140,13 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     out = cp.ctl("apply", "-f", str(f), "--yes")
     assert out.returncode == 0, out.stderr
     cp.wait_replicas("s", timeout_s=60)
+
+    # ctl sent to another llmgw listener says which it reached (its `server` header), not "error (404)".
+    wrong = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "models"],
+                           env={**cp.env, "LLMGW_ADMIN_URL": cp.gateway}, capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 1 and wrong.stdout == "" and wrong.stderr.count("\n") == 1, wrong
+    assert f"{cp.gateway} is llmgw's gateway (the OpenAI API), not llmgw's admin API (HTTP 404 for GET " \
+        "/admin/v1/models); set LLMGW_ADMIN_URL (or LLMGW_ADMIN_PORT) to the admin listener" in wrong.stderr, wrong
 
     out = cp.ctl("keys", "list")  # no keys: a header, and a line saying what that means
     assert out.returncode == 0 and out.stdout.split() == ["ID", "PREFIX", "NAME", "TENANT", "STATUS", "AGE"], out.stdout
@@ -172,19 +228,36 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
         in out.stderr and "Aborted" not in out.stderr, out.stderr
     assert len(json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"]) == 2
 
-    # Key names need not be unique (a key is rotated under its name), but a namesake is named by id.
+    # Key names need not be unique (a key is rotated under its name), but a second key of a name is asked about
+    # first, its namesakes named by id (issue 44); a script with no answer changes nothing.
     first = cp.ctl("keys", "create", "--name", "ci")
     assert first.returncode == 0 and "also named" not in first.stderr, first.stderr
     keys = {k["name"] or "-": k for k in json.loads(cp.ctl("keys", "list", "-o", "json").stdout)}
     old = keys["ci"]["id"]
-    second = cp.ctl("keys", "create", "--name", "ci")
+
+    def create_ci(*extra: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "llmgw", "ctl", "keys", "create", "--name", "ci", *extra],
+                              env=cp.env, capture_output=True, text=True, timeout=30, **kw)
+
+    refused = create_ci(stdin=subprocess.DEVNULL)
+    assert refused.returncode == 1 and refused.stdout == "", (refused.stdout, refused.stderr)
+    assert f"1 active key(s) are already named 'ci': {old} (" in refused.stderr and "Add --yes" in refused.stderr, \
+        refused.stderr
+    named_ci = lambda: [k for k in json.loads(cp.ctl("keys", "list", "-o", "json").stdout)  # noqa: E731
+                        if k["name"] == "ci" and not k["revoked_at"]]
+    assert len(named_ci()) == 1
+    second = create_ci("--yes")
     assert second.returncode == 0 and second.stdout.strip() != first.stdout.strip()
-    assert f"1 other active key(s) are also named 'ci': {old} (" in second.stderr, second.stderr
+    assert "1 other active key(s) are also named 'ci'" in second.stderr, second.stderr
     assert "revoke it by id: `llmgw ctl keys revoke ID`" in second.stderr
-    assert cp.ctl("keys", "revoke", old, "--yes").returncode == 0
-    third = cp.ctl("keys", "create", "--name", "ci")  # the revoked one is no namesake; the second still is
-    assert "1 other active key(s)" in third.stderr and old not in third.stderr, third.stderr
-    assert "also named" not in cp.ctl("keys", "create", "--name", "cd").stderr
+    asked = create_ci(input="y\n")  # answered yes on the input
+    assert asked.returncode == 0 and "2 active key(s) are already named 'ci'" in asked.stderr, asked.stderr
+    assert len(named_ci()) == 3
+    # A key is named by the start of its id when no other id starts so (as git names commits).
+    assert cp.ctl("keys", "revoke", old[:5], "--yes").returncode == 0
+    assert old not in [k["id"] for k in named_ci()] and len(named_ci()) == 2
+    by_name = cp.ctl("keys", "revoke", "ci", "--yes")
+    assert by_name.returncode == 1 and "2 active key(s) named so: give the id" in by_name.stderr, by_name.stderr
 
     # An argument is one path segment of the admin URL, whatever it holds: a node "named" with a path to
     # another endpoint names no node (this revoked the key, in the dry run that asks nothing), and a model
@@ -239,27 +312,35 @@ def test_limit_options_take_suffixes_and_none():
         "rpm": 10_000, "tpm": 2_000_000, "tokens_per_day": 10**9, "tokens_per_month": None, "models": ["a-*", "b"]}
 
 
-def test_namesakes_of_a_new_key_are_named_up_to_five_and_the_rest_counted(capsys):
+def test_namesakes_are_named_up_to_five_and_an_id_prefix_names_one_key_or_is_refused(capsys):
     from datetime import datetime, timezone
 
-    from llmgw.ctl.keys import namesakes
+    from llmgw.ctl.keys import listed, namesakes, resolve
+
+    made = "2026-12-02T11:00:00Z"
 
     class FakeAdmin:
         now = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
 
         def get(self, path):
             assert path == "/admin/v1/keys"
-            made = "2026-12-02T11:00:00Z"
-            return ([{"id": f"k{i}", "name": "ci", "prefix": f"llmgw-{i:04d}", "created_at": made, "revoked_at": None}
-                     for i in range(12)]
+            return ([{"id": f"k{i:02d}", "name": "ci", "prefix": f"llmgw-{i:04d}", "created_at": made,
+                      "revoked_at": None} for i in range(12)]
                     + [{"id": "r", "name": "ci", "prefix": "x", "created_at": made, "revoked_at": made},
-                       {"id": "o", "name": "other", "prefix": "y", "created_at": made, "revoked_at": None}])
+                       {"id": "abc123", "name": "other", "prefix": "y", "created_at": made, "revoked_at": None}])
 
-    namesakes(FakeAdmin(), {"id": "k0", "name": "ci"})
-    err = capsys.readouterr().err
-    assert "11 other active key(s) are also named 'ci': k1 (llmgw-0001..., created 1h ago), k2 (" in err, err
-    assert "k5 (" in err and "k6 (" not in err and "and 6 more (`llmgw ctl keys list`)" in err, err
-    assert "r (" not in err and "o (" not in err
+    admin = FakeAdmin()
+    others = namesakes(admin, "ci")
+    assert [k["id"] for k in others] == [f"k{i:02d}" for i in range(12)]  # the revoked one is no namesake
+    text = listed(others[1:], admin.now)
+    assert text.startswith("k01 (llmgw-0001..., created 1h ago), k02 (") and "k05 (" in text and "k06 (" not in text
+    assert text.endswith("and 6 more (`llmgw ctl keys list`)"), text
+    assert resolve(admin, "abc")["id"] == "abc123" and resolve(admin, "k03")["id"] == "k03"
+    for ref, says in (("k0", "'k0' is the start of 10 key ids (k00, k01"), ("zz", "no API key with id 'zz'"),
+                      ("ci", "12 active key(s) named so: give the id (k00; ids: k00 or k01")):
+        with pytest.raises(typer.Exit):
+            resolve(admin, ref)
+        assert says in capsys.readouterr().err
 
 
 def test_a_limit_is_shown_as_the_options_take_it_and_reads_back_the_same():

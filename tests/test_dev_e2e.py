@@ -183,7 +183,8 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
             timeout_s=30, what=f"gateway route to {m}")
         completions_work(client, m)
 
-    # A prompt far longer than smollm2's context (--ctx-size 4096) is refused by the gateway at once, not
+    # A prompt far longer than smollm2's context (--ctx-size 4096 over --parallel 2 slots: 2,048 tokens a request,
+    # as llama-server logs `n_ctx_slot = 2048`) is refused by the gateway at once, not
     # after llama-server has tokenized it in a slot (a 50 MB prompt held one for 59.5 s). One within the
     # gateway's coarse bound (32 characters a token) but past the context is still the engine's to refuse.
     def ask(text: str) -> httpx.Response:
@@ -191,8 +192,8 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
             "model": "smollm2-135m", "messages": [{"role": "user", "content": text}], "max_tokens": 1})
     refused = ask("word " * 1_000_000)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded", refused.text
-    assert "its context is 4,096 tokens" in refused.json()["error"]["message"]
-    past = ask("word " * 20_000)  # 100,000 characters, about 20,000 tokens: llama-server's words, OpenAI's code
+    assert "its context is 2,048 tokens a request" in refused.json()["error"]["message"]
+    past = ask("word " * 12_000)  # 60,000 characters, about 12,000 tokens: llama-server's words, OpenAI's code
     assert past.status_code == 400 and past.json()["error"]["code"] == "context_length_exceeded", past.text
     assert "exceeds the available context size" in past.json()["error"]["message"], past.text
     assert "try increasing it" not in past.json()["error"]["message"]

@@ -541,7 +541,7 @@ async def test_a_prompt_longer_than_the_declared_context_never_loads_the_model(g
     status, _, out = await post(gw, "/v1/chat/completions", chat("small-context", "c" * (SMALL_CONTEXT * 32 + 1)))
     err = assert_envelope(out, status)
     assert status == 400 and err["code"] == "context_length_exceeded", err
-    assert f"at most {SMALL_CONTEXT * 32:,} (its context is {SMALL_CONTEXT} tokens)" in err["message"], err
+    assert f"at most {SMALL_CONTEXT * 32:,} (its context is {SMALL_CONTEXT} tokens a request)" in err["message"], err
     await asyncio.sleep(0.5)
     assert demand_at() is None
     status, _, out = await post(gw, "/v1/chat/completions", chat("small-context", "c" * (SMALL_CONTEXT * 32)))

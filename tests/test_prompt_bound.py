@@ -15,7 +15,16 @@ from llmgw.schemas.catalog import Model, Profile
 
 
 @pytest.mark.parametrize("engine,args,env,tokens", [
-    ("llamacpp", ["--ctx-size", "4096", "--parallel", "2"], {}, 4096),
+    # llama-server's context is shared by its slots: --parallel 2 logs `n_ctx_slot = 2048, kv_unified = 'false'`
+    ("llamacpp", ["--ctx-size", "4096", "--parallel", "2"], {}, 2048),
+    ("llamacpp", ["--ctx-size", "4096", "--parallel", "2", "--kv-unified"], {}, 4096),  # one request may use all
+    ("llamacpp", ["--ctx-size", "4096", "--kv-unified", "--parallel", "2", "--no-kv-unified"], {}, 2048),  # last wins
+    ("llamacpp", ["--ctx-size", "4096", "--parallel", "1"], {}, 4096),
+    ("llamacpp", ["--ctx-size", "4096"], {}, 4096),  # --parallel left to it: 4 slots over a unified cache
+    ("llamacpp", ["--ctx-size", "4096", "--parallel", "-1"], {}, 4096),
+    ("llamacpp", ["--ctx-size", "4096"], {"LLAMA_ARG_N_PARALLEL": "4"}, 1024),
+    ("llamacpp", ["--ctx-size", "4096"], {"LLAMA_ARG_N_PARALLEL": "4", "LLAMA_ARG_KV_UNIFIED": "true"}, 4096),
+    ("llamacpp", [], {"LLAMA_ARG_CTX_SIZE": "8192", "LLAMA_ARG_N_PARALLEL": "2"}, 4096),
     ("llamacpp", ["--ctx_size", "1024"], {}, 1024),  # llama-server reads `_` as `-`
     ("llamacpp", ["--ctx-size", "512", "--ctx-size", "2048"], {}, 2048),  # the last one given wins
     ("llamacpp", [], {"LLAMA_ARG_CTX_SIZE": "2048"}, 2048),

@@ -316,8 +316,31 @@ def quiet_flag_types() -> None:
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
+def plain_value_errors() -> None:
+    """Typer (0.29) checks option values with pydantic and prints pydantic's message as it is, so a bad
+    choice read "Invalid value for '--output': Value error, 'xml' is not one of ...": the stray "Value
+    error, " goes (its modules import the function by name; a typer without them is left as it is)."""
+    import importlib
+
+    for name in ("typer._coercion", "typer._param_types"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        plain = getattr(module, "get_error_msg", None)
+        if plain is None or getattr(plain, "_llmgw_plain", False):
+            continue
+
+        def get_error_msg(exc, _plain=plain):
+            return _plain(exc).removeprefix("Value error, ")
+
+        get_error_msg._llmgw_plain = True  # type: ignore[attr-defined]
+        module.get_error_msg = get_error_msg  # type: ignore[attr-defined]
+
+
 def main() -> None:
     quiet_flag_types()
+    plain_value_errors()
     app()
 
 

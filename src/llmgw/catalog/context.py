@@ -63,28 +63,67 @@ def _tokens(value: str, engine: str) -> int | None:
 
 
 def declared_context(profile: Profile) -> int | None:
-    """The context length (tokens) `profile`'s args or env give its engine, or None when they give none
-    (the engine then takes the model's own, which only the weights know)."""
+    """The context length (tokens) one request of `profile`'s engine may use, as its args or env give it, or
+    None when they give none (the engine then takes the model's own, which only the weights know). For
+    llama.cpp that is one slot's share: `--ctx-size` is the KV cache of all `--parallel` slots, each held to
+    ctx / parallel tokens unless the cache is unified (`--kv-unified`, llama-server's default only when
+    `--parallel` is left to it). Seen on llama-server: `--ctx-size 4096 --parallel 2` logs
+    `n_ctx_slot = 2048, kv_unified = 'false'`, and refuses a 3,000-token prompt the gateway had let through."""
     flag = CONTEXT_FLAGS.get(profile.engine)
     if flag is None:
         return None
-    rules = rules_for(profile.engine)
-    found: str | None = None
-    args = profile.args
-    for i, arg in enumerate(args):
-        try:
-            name = read_flag(arg, rules)
-        except ValueError:
-            return None  # a form the policy refuses: the catalog is refused anyway
-        if name != flag:
-            continue
-        if "=" in arg and rules.split_equals:
-            found = arg.split("=", 1)[1]
-        elif i + 1 < len(args):
-            found = args[i + 1]  # the last one given wins, as in every engine's parser
+    try:
+        values = flag_values(profile)
+    except ValueError:
+        return None  # a form the policy refuses: the catalog is refused anyway
+    found = values.get(flag)
     if found is None and profile.engine == "llamacpp":
         found = profile.env.get(LLAMA_CTX_ENV)
-    return _tokens(found, profile.engine) if found is not None else None
+    context = _tokens(found, profile.engine) if found is not None else None
+    if context is None or profile.engine != "llamacpp":
+        return context
+    return context // llama_slots(values, profile.env)
+
+
+def flag_values(profile: Profile) -> dict[str, str | None]:
+    """Each flag in `profile.args` (normalised as its engine reads it) with the value given it last (as
+    every engine's parser takes it), None for a flag given no value, in the order they were given last.
+    Raises ValueError for a form the policy refuses."""
+    rules = rules_for(profile.engine)
+    values: dict[str, str | None] = {}
+    args = profile.args
+    for i, arg in enumerate(args):
+        name = read_flag(arg, rules)
+        if name is None:
+            continue
+        values.pop(name, None)  # the order of the dict is the order each flag was given last
+        if "=" in arg and rules.split_equals:
+            values[name] = arg.split("=", 1)[1]
+        else:
+            following = args[i + 1] if i + 1 < len(args) else None
+            values[name] = following if following is not None and read_flag(following, rules) is None else None
+    return values
+
+
+_LLAMA_TRUE = {"1", "true", "on", "enabled"}  # how llama.cpp reads a boolean LLAMA_ARG_* variable
+
+
+def llama_slots(values: dict[str, str | None], env: dict[str, str]) -> int:
+    """How many slots share llama-server's `--ctx-size`: `--parallel` when given and the KV cache is not
+    unified, else 1 (a unified cache lets one request use all of it)."""
+    raw = values.get("--parallel") or env.get("LLAMA_ARG_N_PARALLEL")
+    try:
+        parallel = int(raw) if raw is not None else -1
+    except ValueError:
+        return 1
+    if parallel <= 1:
+        return 1  # -1 (auto): four slots over a unified cache
+    if "--no-kv-unified" in values or "--kv-unified" in values:
+        unified = list(values).index("--kv-unified") > list(values).index("--no-kv-unified") \
+            if "--no-kv-unified" in values and "--kv-unified" in values else "--kv-unified" in values
+    else:
+        unified = env.get("LLAMA_ARG_KV_UNIFIED", "").strip().lower() in _LLAMA_TRUE
+    return 1 if unified else parallel
 
 
 def text_only(model: Model) -> bool:

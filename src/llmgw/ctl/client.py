@@ -57,6 +57,38 @@ def confirm(question: str) -> bool:
              "Add --yes to go ahead without asking")
 
 
+LLMGW_LISTENERS = {"llmgw-gateway": "llmgw's gateway (the OpenAI API)", "llmgw-node-api": "llmgw's node API",
+                   "llmgw-mirror": "llmgw's weight mirror"}
+
+
+def reached(r: httpx.Response) -> str | None:
+    """What answered instead of the admin API, when its `server` header says so (http/serving.py names every
+    llmgw listener; a proxy in front may replace the header, so an unknown or missing one proves nothing)."""
+    server = r.headers.get("server", "")
+    if server in LLMGW_LISTENERS:
+        return LLMGW_LISTENERS[server]
+    if server == "llmgw-admin" or r.status_code < 400:
+        return None
+    if r.headers.get("content-type", "").startswith("text/html") or (server and not server.startswith("llmgw")):
+        return describe(r)
+    return None
+
+
+def describe(r: httpx.Response) -> str:
+    """A foreign answer in a few words: the program that says it answered, its content type, an HTML title."""
+    import re
+
+    parts = [f"a server that calls itself {r.headers['server']!r}" if r.headers.get("server") else
+             "a server that does not say what it is"]
+    kind = r.headers.get("content-type", "").split(";")[0].strip()
+    if kind:
+        parts.append(f"answering {kind}")
+    title = re.search(r"<title[^>]*>([^<]{1,80})", r.text[:4096], re.IGNORECASE) if kind == "text/html" else None
+    if title:
+        parts.append(f"titled {title.group(1).strip()!r}")
+    return ", ".join(parts)
+
+
 class Admin:
     """A short-lived client of the admin API at `Settings().resolved_admin_url`, sending the admin bearer
     token when there is one (security/admin_token.py). `now` is the server's clock (its Date header) at the
@@ -97,11 +129,17 @@ class Admin:
         except UnicodeEncodeError as exc:
             not_utf8(exc.object if isinstance(exc.object, str) else str(exc.object))
         self._clock(r)
+        other = reached(r)
+        if other is not None and (r.status_code >= 400 or other.startswith("llmgw's")):
+            fail(f"{self.url} is {other}, not llmgw's admin API (HTTP {r.status_code} for {method} {path}); "
+                 "set LLMGW_ADMIN_URL (or LLMGW_ADMIN_PORT) to the admin listener, 127.0.0.1:8081 unless "
+                 "configured otherwise")
         try:
             body = r.json()
         except ValueError:
-            fail(f"error ({r.status_code}): the answer from {self.url} is not llmgw's admin API "
-                 f"(is another program on that port?)")
+            fail(f"{self.url} answered HTTP {r.status_code} with something that is not llmgw's admin API "
+                 f"({other or describe(r)}); set LLMGW_ADMIN_URL (or LLMGW_ADMIN_PORT) to the admin listener, "
+                 "127.0.0.1:8081 unless configured otherwise")
         if r.status_code >= 400:
             err = body.get("error") if isinstance(body, dict) else None
             msg = err.get("message") if isinstance(err, dict) else None

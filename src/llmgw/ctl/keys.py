@@ -24,48 +24,80 @@ def create(name: str = typer.Option("", "--name", help="Whose key this is (free 
            tenant: Optional[str] = typer.Option(None, "--tenant", help="The tenant it belongs to (its limits apply)"),
            rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
            tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS,
-           weight: Optional[str] = WEIGHT, band: Optional[str] = BAND):
+           weight: Optional[str] = WEIGHT, band: Optional[str] = BAND,
+           yes: bool = typer.Option(False, "--yes", "-y", help="Create it even if active keys carry the name")):
     """Create an API key and print it. It is shown only now: only its hash is stored. With `--tenant` (or
-    limits of its own) its use is counted and limited; without, it is unlimited."""
+    limits of its own) its use is counted and limited; without, it is unlimited. A name other active keys
+    carry is asked about first (`--yes` to go ahead)."""
     body: dict = {"name": name, "limits": limits_body(rpm, tpm, tokens_per_day, tokens_per_month, models, weight,
                                                       band)}
     if tenant is not None:
         body["tenant"] = tenant
     admin = Admin()
+    if name:
+        others = namesakes(admin, name)
+        if others and not yes and not confirm(
+                f"{len(others)} active key(s) are already named {name!r}: {listed(others, admin.now)}. "
+                "Create another under the same name (to rotate a key: create, move the clients, revoke the old)?"):
+            raise typer.Exit(1)
     k = admin.post("/admin/v1/keys", body)
     typer.echo(k["key"])
     owner = f", tenant {k['tenant']}" if k.get("tenant") else ""
     typer.echo(f"created key {k['id']}{' (' + k['name'] + ')' if k['name'] else ''}{owner}; it cannot be shown again. "
                "Once any key exists the gateway requires one (see docs/gateway.md).", err=True)
-    if name:
-        namesakes(admin, k)
+    if name and others:
+        typer.echo(f"note: {len(others)} other active key(s) are also named {name!r}. All of them work; to "
+                   "replace one, revoke it by id: `llmgw ctl keys revoke ID`.", err=True)
 
 
-def namesakes(admin: Admin, created: dict) -> None:
-    """Say which other active keys carry the new key's name. Names are free text and need not be unique
-    (a key is rotated by creating its successor under the same name, then revoking the old one), but two
-    keys that look alike in `ctl keys list` should be told apart by id before one is revoked."""
-    others = [k for k in admin.get("/admin/v1/keys")
-              if k["name"] == created["name"] and k["id"] != created["id"] and not k["revoked_at"]]
-    if not others:
-        return
-    now = admin.now
-    listed = ", ".join(f"{k['id']} ({k['prefix']}..., created {age(k['created_at'], now)} ago)"
-                       for k in others[:NAMESAKES_SHOWN])
-    if len(others) > NAMESAKES_SHOWN:
-        listed += f" and {len(others) - NAMESAKES_SHOWN} more (`llmgw ctl keys list`)"
-    typer.echo(f"note: {len(others)} other active key(s) are also named {created['name']!r}: {listed}. All of them "
-               "work; to replace one, revoke it by id: `llmgw ctl keys revoke ID`.", err=True)
+def namesakes(admin: Admin, name: str) -> list[dict]:
+    """The active keys named `name`. Names are free text and need not be unique (a key is rotated by creating
+    its successor under the same name, then revoking the old one), so a second key of a name is asked about,
+    and the two are told apart by id in `ctl keys list` before one is revoked."""
+    return [k for k in admin.get("/admin/v1/keys") if k["name"] == name and not k["revoked_at"]]
+
+
+def listed(keys: list[dict], now: datetime) -> str:
+    """Keys by id, first characters and age: up to five, the rest counted."""
+    text = ", ".join(f"{k['id']} ({k['prefix']}..., created {age(k['created_at'], now)} ago)"
+                     for k in keys[:NAMESAKES_SHOWN])
+    if len(keys) > NAMESAKES_SHOWN:
+        text += f" and {len(keys) - NAMESAKES_SHOWN} more (`llmgw ctl keys list`)"
+    return text
+
+
+def resolve(admin: Admin, ref: str) -> dict:
+    """The key `ref` names: its id, or a prefix of exactly one key's id (as git takes commits). A name is
+    not taken (names need not be unique): it is answered with the ids to use."""
+    keys = admin.get("/admin/v1/keys")
+    exact = [k for k in keys if k["id"] == ref]
+    if exact:
+        return exact[0]
+    by_prefix = [k for k in keys if ref and k["id"].startswith(ref)]
+    if len(by_prefix) == 1:
+        return by_prefix[0]
+    if len(by_prefix) > 1:
+        fail(f"{ref!r} is the start of {len(by_prefix)} key ids ({', '.join(k['id'] for k in by_prefix[:8])}"
+             f"{', ...' if len(by_prefix) > 8 else ''}); give more of the id")
+    named = [k["id"] for k in keys if k["name"] == ref and not k["revoked_at"]]
+    if named:  # a name: say its id (names need not be unique, so the id is what revoke takes)
+        ids = " or ".join(named)
+        fail(f"no API key with id {ref!r}, but {len(named)} active key(s) named so: give the id "
+             f"({named[0]}{'; ids: ' + ids if len(named) > 1 else ''})")
+    fail(f"no API key with id {ref!r}; `llmgw ctl keys list` shows them")
 
 
 @app.command("set")
-def set_(key_id: str, rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
+def set_(key_id: str = typer.Argument(..., help="The key's id, or its first characters if no other id starts so"),
+         rpm: Optional[str] = RPM, tpm: Optional[str] = TPM, tokens_per_day: Optional[str] = PER_DAY,
          tokens_per_month: Optional[str] = PER_MONTH, models: Optional[str] = MODELS,
          weight: Optional[str] = WEIGHT, band: Optional[str] = BAND):
     """Change a key's own limits (on top of its tenant's): only those given (`none` removes one). A key's
     `--weight` and `--band` can only lower its tenant's share (the smaller weight, `batch` if either says it)."""
     body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models, weight, band)
-    k = Admin().post(f"/admin/v1/keys/{seg(key_id)}", {"limits": body})
+    admin = Admin()
+    key_id = resolve(admin, key_id)["id"]
+    k = admin.post(f"/admin/v1/keys/{seg(key_id)}", {"limits": body})
     typer.echo(f"key {k['id']}: {limits_text(k['limits'])}")
 
 
@@ -100,21 +132,13 @@ def list_keys(output: Output = output_option()):
 
 
 @app.command("revoke")
-def revoke(key_id: str, yes: bool = typer.Option(False, "--yes", "-y", help="Revoke without asking")):
+def revoke(key_id: str = typer.Argument(..., help="The key's id, or its first characters if no other id starts so"),
+           yes: bool = typer.Option(False, "--yes", "-y", help="Revoke without asking")):
     """Revoke a key by id. Every gateway refuses it within a moment (they are notified)."""
     admin = Admin()
-    keys = admin.get("/admin/v1/keys")
-    match = [k for k in keys if k["id"] == key_id]
-    if not match:
-        named = [k["id"] for k in keys if k["name"] == key_id and not k["revoked_at"]]
-        if named:  # a name: say its id (names need not be unique, so the id is what revoke takes)
-            ids = " or ".join(named)
-            fail(f"no API key with id {key_id!r}, but {len(named)} active key(s) named so: revoke by id "
-                 f"(`llmgw ctl keys revoke {named[0]}`{'; ids: ' + ids if len(named) > 1 else ''})")
-        fail(f"no API key with id {key_id!r}; `llmgw ctl keys list` shows them")
-    k = match[0]
+    k = resolve(admin, key_id)
     typer.echo(f"  {k['id']}  {k['prefix']}...  {k['name'] or '-'}")
     if not yes and not confirm("revoke?"):
         raise typer.Exit(1)
-    admin.post(f"/admin/v1/keys/{seg(key_id)}/revoke", {})
+    admin.post(f"/admin/v1/keys/{seg(k['id'])}/revoke", {})
     typer.echo("revoked")

@@ -149,7 +149,7 @@ def too_large(limit: int) -> APIError:
 def prompt_too_long(name: str, chars: int, bound: PromptBound, param: str) -> APIError:
     """400: the prompt's text is longer than the model's prompt bound (catalog/context.py `PromptBound`).
     OpenAI's code, which clients that trim a conversation to fit recognise."""
-    why = (f"its context is {bound.context:,} tokens" if bound.context is not None
+    why = (f"its context is {bound.context:,} tokens a request" if bound.context is not None
            else "its `limits.max_prompt_chars`" if bound.source == "limits.max_prompt_chars"
            else "the gateway's `max_prompt_chars`")
     where = (f"`{param}` holds" if param in ("messages", "prompt", "input")

@@ -593,9 +593,17 @@ async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str =
             raise SystemExit(f"{lst.name} could not listen on {lst.host}:{lst.port}")
 
 
+def server_name(listener: str) -> str:
+    """The `server` header of a listener's answers: `llmgw-gateway`, `llmgw-admin`, `llmgw-node-api`, ..."""
+    return f"llmgw-{listener}"
+
+
 def _config(listener: Listener, log_level: str) -> uvicorn.Config:
+    # `server: llmgw-<listener>` on every answer (no version: the gateway's is public), so a client sent to the
+    # wrong port can say what it reached (ctl/client.py) instead of failing on an answer it cannot read.
     kw: dict = dict(host=listener.host, port=listener.port, log_level=log_level, lifespan=listener.lifespan,
-                    access_log=False, timeout_graceful_shutdown=listener.graceful_s, http=GuardedProtocol)
+                    access_log=False, timeout_graceful_shutdown=listener.graceful_s, http=GuardedProtocol,
+                    server_header=False, headers=[("server", server_name(listener.name))])
     tls = listener.tls
     if tls is not None:
         kw.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)

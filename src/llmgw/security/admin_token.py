@@ -12,10 +12,10 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
-import secrets
 from typing import NamedTuple
 
 from llmgw.config import Settings
+from llmgw.security.api_keys import random_token
 
 MIN_LENGTH = 32
 PREFIX = "llmgw-admin-"
@@ -44,7 +44,7 @@ def ensure_token(settings: Settings) -> str:
     if existing:
         return existing
     path.parent.mkdir(parents=True, exist_ok=True)
-    token = PREFIX + secrets.token_urlsafe(32)
+    token = PREFIX + random_token()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another server on this state directory was quicker

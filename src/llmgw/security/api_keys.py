@@ -19,8 +19,17 @@ KEY_PREFIX = "llmgw-"
 
 
 def new_key() -> str:
-    """A fresh API key: `llmgw-` + 43 URL-safe characters."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
+    """A fresh API key: `llmgw-` + 43 URL-safe characters, the first a letter or digit (drawn again
+    otherwise: `llmgw--x...` read as a typo, and its shown prefix as two separators)."""
+    return KEY_PREFIX + random_token()
+
+
+def random_token(nbytes: int = 32) -> str:
+    """`secrets.token_urlsafe(nbytes)` whose first character is a letter or digit, never `-` or `_`."""
+    while True:
+        token = secrets.token_urlsafe(nbytes)
+        if token[0].isalnum():
+            return token
 
 
 def hash_key(key: str) -> str:

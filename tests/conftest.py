@@ -150,3 +150,11 @@ def control_plane(tmp_path: Path, database_url, temporal, namespace):
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture
+def browser():
+    """A headless Chromium (tests/browser.py), for the pages' browser tests."""
+    from tests.browser import open_browser
+
+    yield from open_browser()

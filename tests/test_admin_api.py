@@ -125,6 +125,27 @@ def test_a_chunked_body_over_the_limit_is_cut_off_with_413(cp):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_the_fleet_page_is_the_one_answer_without_the_token_and_holds_no_data(cp):
+    """Issue 44: a browser cannot send a bearer header when it opens a URL, so the static page is served
+    without it; everything it shows it reads with the token. Only GET/HEAD of exactly /fleet, and still not
+    across sites."""
+    r = httpx.get(cp.admin + "/fleet", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), r.text[:200]
+    assert r.headers["server"] == "llmgw-admin"
+    assert "frame-ancestors 'none'" in r.headers["content-security-policy"] and r.headers["x-frame-options"] == "DENY"
+    assert "connect-src 'self'" in r.headers["content-security-policy"]
+    assert "/admin/v1/models" in r.text and "Authorization: 'Bearer ' + token" in r.text
+    for method, path in (("POST", "/fleet"), ("GET", "/fleet/"), ("GET", "/fleet/../admin/v1/keys"), ("GET", "/fleetx"),
+                         ("GET", "/admin/v1/models")):
+        r = httpx.request(method, cp.admin + path, json={} if method == "POST" else None, timeout=10)
+        assert r.status_code == 401, (method, path, r.status_code, r.text)
+    r = httpx.get(cp.admin + "/fleet", headers={"Sec-Fetch-Site": "cross-site"}, timeout=10)
+    assert r.status_code == 403
+    out = cp.ctl("page")
+    token = cp.admin_headers["authorization"].removeprefix("Bearer ")
+    assert out.returncode == 0 and out.stdout.strip() == f"{cp.admin}/fleet#token={token}", out
+
+
 def test_beyond_loopback_every_request_needs_the_token_and_ctl_sends_it(tmp_path, database_url):
     plane = ControlPlane(tmp_path, database_url, f"127.0.0.1:{free_port()}", LLMGW_ADMIN_HOST="0.0.0.0")
     try:
@@ -243,6 +264,27 @@ def test_a_profile_name_with_a_newline_or_an_escape_is_refused(cp):
         assert r.status_code == 400, r.text
         assert any(p.startswith("models[0] (esc).profiles[0]") and "profile name" in p
                    for p in r.json()["error"]["problems"]), r.json()
+
+
+def test_every_args_and_env_problem_of_a_profile_is_refused_at_once_each_with_its_rewrite(cp):
+    """Issue 44: apply named only the first bad arg, so each fix cost one more apply."""
+    r = httpx.post(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers, json={"catalog": {"models": [
+        {"name": "m", "scaling": {"max": 1}, "profiles": [{
+            "engine": "llamacpp", "source": "mirror:x.gguf", "env": {"FOO": "1"},
+            "args": ["-c", "4096", "--parallel=2", "--ctx-sise", "5", "--threads", "x", "--port", "5", "--bogus"]}]}]}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "catalog_refused", r.text
+    problems = [p.removeprefix("models[0] (m).profiles[0] (default): ") for p in r.json()["error"]["problems"]]
+    assert problems[0].startswith("env: FOO is not allowed for llamacpp; allowed: ")
+    assert problems[1:4] == [
+        "args: short flags such as '-c' are not accepted; write the long form (--ctx-size)",
+        'args: --parallel=2: llamacpp does not read --flag=value; write the flag and its value as two items: '
+        '"--parallel", "2"'] + problems[3:4], problems
+    assert problems[3].startswith("args: --ctx-sise is not an allowed llamacpp flag (did you mean --ctx-size?)")
+    assert "Allowed llamacpp flags: --batch-size" in problems[3]
+    assert problems[4:] == [
+        "args: --threads takes an integer, not 'x'", "args: --port is set by the node worker; remove it",
+        "args: --bogus is not an allowed llamacpp flag. Flags are matched whole (an engine would expand a prefix to "
+        "a flag that is not allowed). The allowed flags are listed above."], problems
 
 
 def test_ctl_given_an_argument_that_is_not_utf8_says_so_in_one_line(cp):

@@ -10,57 +10,18 @@ test is skipped, unless LLMGW_REQUIRE_BROWSER=1 (as in CI), where their absence 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import tempfile
 import time
 
 import httpx
 import pytest
 
+from tests.browser import BROWSER_WIDTH
 from tests.helpers import wait_until
 from tests.test_operator_view import SIGILL, sigill_server
 
 pytestmark = pytest.mark.integration
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-WIDTH = 400
-
-
-def _require_browser():
-    missing = [name for name, path in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER)) if not path]
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        missing.append("selenium (pip)")
-    if missing:
-        why = f"needs {', '.join(missing)}: apt-get install chromium chromium-driver (.ci/run does)"
-        if os.environ.get("LLMGW_REQUIRE_BROWSER") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-
-
-@pytest.fixture
-def browser():
-    _require_browser()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="llmgw-chromium-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--window-size={WIDTH},900"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_window_size(WIDTH, 900)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+WIDTH = BROWSER_WIDTH
 
 
 def statuses(cp) -> dict[str, str]:

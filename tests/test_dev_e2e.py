@@ -264,7 +264,8 @@ def test_llmgw_dev_serves_smollm2_and_sim_end_to_end(dev):
     dev.log_path.write_text("")
     dev.start()
     dev.wait_up()
-    assert "is unchanged since the last start; keeping the control plane's catalog (2 models" in dev.output()
+    assert "is unchanged since the last start; keeping the control plane's catalog (2 models, `llmgw ctl apply` " \
+        "changes included: sim-small changed)" in dev.output(), dev.output()
     assert mirror_file.stat().st_mtime_ns == mtime
     catalog_now = httpx.get(dev.admin + "/admin/v1/catalog", timeout=10, headers=dev.admin_headers).json()
     assert next(m for m in catalog_now["models"] if m["name"] == "sim-small")["aliases"] == ["greek"]

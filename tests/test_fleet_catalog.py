@@ -92,6 +92,13 @@ def test_a_bad_catalog_is_refused_whole_naming_the_field(control_plane, tmp_path
     live = httpx.get(cp.admin + "/admin/v1/catalog", timeout=10, headers=cp.admin_headers).json()
     assert live["models"][0]["scaling"] == {"min": 0, "max": 0}, live
     assert cp.apply(good).status_code == 200
+    # No `scaling` at all: off too, said in the diff of a model added or changed so (issue 44).
+    bare = {k: v for k, v in good["models"][0].items() if k != "scaling"}
+    r = cp.apply({"models": [bare, {**bare, "name": "new"}]})
+    assert r.status_code == 200 and r.json()["changes"] == {
+        "small": ["scaling: min 0, max 1 -> (none): off, it does not run; write `scaling: {max: 1}` to load it on demand"],
+        "new": ["scaling: (none): off, it does not run; write `scaling: {max: 1}` to load it on demand"]}, r.json()
+    assert cp.apply(good).status_code == 200
 
     # `scaling: on` as YAML reads it: told what to write.
     r = cp.apply({"models": [{**good["models"][0], "scaling": True}]})

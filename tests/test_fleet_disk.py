@@ -4,6 +4,9 @@ names the reason for every node turned down."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 import yaml
 
@@ -53,40 +56,55 @@ def test_a_node_without_disk_room_is_refused_unless_it_holds_the_weights(control
     assert not [r for r in cp.replicas() if r["model"] == "nowhere"]
 
 
-def test_apply_says_which_mirror_sources_the_mirror_does_not_have(control_plane):
-    """A `mirror:` source the mirror neither holds nor is mirroring is said at apply (a note: it may be
-    published later), naming the models and the command that publishes it, instead of being found only
-    when a start fails; a file it holds and a version with files under it are not mentioned. With the
-    mirror unreachable, apply says it could not ask."""
+def test_apply_refuses_mirror_sources_the_mirror_does_not_have(control_plane):
+    """A `mirror:` source the mirror neither holds nor is mirroring is refused at apply (issue 44: a note had let
+    it in, to fail every start), naming the models and the command that publishes it; a file it holds and a
+    version with files under it pass. A source the live catalog already names and the mirror has lost since is
+    a note, so that it blocks no other change. With the mirror unreachable, apply says it could not ask."""
     cp = control_plane.start(mirror=True, worker=False)
     (cp.mirror_dir / "org" / "v1").mkdir(parents=True, exist_ok=True)
     (cp.mirror_dir / "org" / "v1" / "model.safetensors").write_bytes(b"v")
     (cp.mirror_dir / "here.bin").write_bytes(b"h")
+    (cp.mirror_dir / "lost.bin").write_bytes(b"l")
     catalog = {"models": [
         {"name": f"m{i}", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "source": src}]}
         for i, src in enumerate(["mirror:here.bin", "mirror:org/v1/", "mirror:gone.bin", "mirror:org/v2/"])]}
     catalog["models"].append({"name": "m9", "scaling": {"max": 1},
                               "profiles": [{"engine": "sim", "source": "mirror:gone.bin"}]})
-    r = cp.apply(catalog)
-    assert r.status_code == 200, r.text
-    notes = [w for w in r.json()["warnings"] if "the mirror has no" in w]
-    assert notes == [
-        "m2, m9: the mirror has no 'gone.bin' (nor is it being mirrored), so a start fails until it is published: "
-        "`llmgw mirror add <url> --name gone.bin`",
-        "m3: the mirror has no 'org/v2/' (nor is it being mirrored), so a start fails until it is published: "
-        "`llmgw mirror add <url> --name org/v2/`"], r.json()["warnings"]
+    for dry_run in (True, False):
+        r = httpx.post(cp.admin + "/admin/v1/catalog", json={"catalog": catalog, "dry_run": dry_run}, timeout=30,
+                       headers=cp.admin_headers)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "catalog_refused", r.text
+        assert r.json()["error"]["problems"] == [
+            "models (m2, m9).profiles.source `mirror:gone.bin`: the mirror has no 'gone.bin' (nor is it being "
+            "mirrored), so a start fails until it is published: `llmgw mirror add <url> --name gone.bin`; a download "
+            "in progress is enough (`--detach`), then apply again",
+            "models (m3).profiles.source `mirror:org/v2/`: the mirror has no 'org/v2/' (nor is it being mirrored), so "
+            "a start fails until it is published: `llmgw mirror add <url> --name org/v2/`; a download in progress is "
+            "enough (`--detach`), then apply again"], r.json()
+    assert json.loads(cp.ctl("catalog", "-o", "json").stdout).get("models", []) == []  # nothing half applied
     typo = {"models": [{"name": "t", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "source": "mirror:here.bim"}]}]}
     r = cp.apply(typo)  # a typo of a file it holds: that file is named
-    assert [w for w in r.json()["warnings"] if "the mirror has no" in w] == [
-        "t: the mirror has no 'here.bim' (nor is it being mirrored), so a start fails until it is published: "
-        "did you mean `mirror:here.bin`, which it holds? Else `llmgw mirror add <url> --name here.bim`"], r.json()
-    assert cp.apply(catalog).status_code == 200
+    assert r.status_code == 400 and "did you mean `mirror:here.bin`, which it holds? Else `llmgw mirror add <url> " \
+        "--name here.bim`" in r.json()["error"]["problems"][0], r.json()
     path = cp.state / "catalog.yaml"
     path.write_text(yaml.safe_dump(catalog))
-    out = cp.ctl("apply", "-f", str(path), "--yes")  # as an operator sees them: notes
-    assert out.returncode == 0 and "  note: m2, m9: the mirror has no 'gone.bin'" in out.stdout, out
+    out = cp.ctl("apply", "-f", str(path), "--yes")  # as an operator sees it: refused, every source named
+    assert out.returncode == 1 and "catalog refused" in out.stderr and "`mirror:gone.bin`" in out.stderr \
+        and "`mirror:org/v2/`" in out.stderr, out
+
+    held = {"models": [m for m in catalog["models"] if m["name"] in ("m0", "m1")]
+            + [{"name": "l", "scaling": {"max": 1}, "profiles": [{"engine": "sim", "source": "mirror:lost.bin"}]}]}
+    r = cp.apply(held)
+    assert r.status_code == 200 and not [w for w in r.json()["warnings"] if "the mirror has no" in w], r.json()
+    (cp.mirror_dir / "lost.bin").unlink()  # lost from the mirror after the catalog named it
+    held["models"][0]["scaling"]["max"] = 2
+    r = cp.apply(held)  # another change goes in; the lost file is a note
+    assert r.status_code == 200 and [w for w in r.json()["warnings"] if "the mirror has no" in w] == [
+        "l: the mirror has no 'lost.bin' (nor is it being mirrored), so a start fails until it is published: "
+        "`llmgw mirror add <url> --name lost.bin`"], r.json()
     mirror = next(p for p in cp.procs if p.name == "mirror")
     mirror.proc.terminate()
     mirror.proc.wait(10)
-    r = cp.apply(catalog)
+    r = cp.apply(catalog)  # unasked: nothing refused, the doubt said
     assert r.status_code == 200 and any("could not ask the mirror" in w for w in r.json()["warnings"]), r.json()

@@ -108,8 +108,11 @@ def test_a_failing_models_cause_reaches_clients_without_the_fleets_addresses(con
     cp.start(mirror=True)
     cp.agent("n1")
     cp.wait_nodes("n1")
+    # Applied while the mirror held the file (apply refuses a source it lacks), lost from it before a start.
+    (cp.mirror_dir / "nope.gguf").write_bytes(b"GGUF")
     assert cp.apply({"models": [{"name": "m", "scaling": {"min": 0, "max": 1}, "profiles": [
         {"engine": "llamacpp", "source": "mirror:nope.gguf", "memory_gb": 0.1}]}]}).status_code == 200
+    (cp.mirror_dir / "nope.gguf").unlink()
     wait_until(lambda: chat(cp).json()["error"]["code"] == "model_failing", timeout_s=60,
                what="m failing", why=cp.logs)
     hidden = ("127.0.0.1", str(cp.ports["mirror"]), str(cp.state))

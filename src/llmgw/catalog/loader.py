@@ -15,7 +15,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from llmgw.catalog.policy import PolicyError, check_profile
+from llmgw.catalog.policy import profile_problems
 from llmgw.catalog.rules import check_arithmetic, check_source
 from llmgw.catalog.upgrade import upgrade_document
 from llmgw.schemas.catalog import Catalog, Model, Profile, fold_name
@@ -233,10 +233,7 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
             where = f"models[{i}] ({m.name}).profiles[{j}] ({p.name})"
             problems += check_arithmetic(p, where)
             problems += check_source(p, where)
-            try:
-                check_profile(p, source=False)  # check_source above said it in the catalog's words
-            except PolicyError as exc:
-                problems.append(f"{where}: {exc}")
+            problems += [f"{where}: {problem}" for problem in profile_problems(p)]  # check_source said the source
     if problems:
         raise CatalogError(problems)
 

@@ -29,6 +29,7 @@ The lists are in docs/catalog.md ("Engine flags and environment").
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -258,8 +259,9 @@ def read_flag(arg: str, rules: EngineRules) -> str | None:
     name = arg
     if "=" in arg:
         if not rules.split_equals:
-            raise PolicyError(f"args: {arg.split('=', 1)[0]}=... : {rules.engine} does not read --flag=value; "
-                              "write the flag and its value as two items")
+            flag, value = arg.split("=", 1)
+            raise PolicyError(f"args: {arg}: {rules.engine} does not read --flag=value; write the flag and its value "
+                              f"as two items: {json.dumps(flag)}, {json.dumps(value)}")
         name = arg.split("=", 1)[0]
     if rules.underscores:
         head, dot, rest = name[2:].partition(".")
@@ -272,16 +274,31 @@ def read_flag(arg: str, rules: EngineRules) -> str | None:
 
 def check_args(args: list[str], engine: str) -> None:
     """Raise `PolicyError` for the first arg `engine` may not be given (argv list, never a shell string)."""
+    problems = args_problems(args, engine)
+    if problems:
+        raise PolicyError(problems[0])
+
+
+def args_problems(args: list[str], engine: str) -> list[str]:
+    """Every problem of `args` for `engine`, in order, each with what to write instead (issue 44: the catalog
+    had said only the first, and each fix was one more apply)."""
     rules = rules_for(engine)
+    problems: list[str] = []
+    listed = False  # the allowed flags are listed once
     waiting: str | None = None  # a flag that takes a number, before its value
     for arg in args:
-        if not isinstance(arg, str):
-            raise PolicyError(f"args must be strings, got {arg!r}")
-        if "\x00" in arg or "\n" in arg or "\r" in arg:
-            raise PolicyError(f"arg {arg!r} contains a control character")
-        flag = read_flag(arg, rules)
+        try:
+            if not isinstance(arg, str):
+                raise PolicyError(f"args must be strings, got {arg!r}")
+            if "\x00" in arg or "\n" in arg or "\r" in arg:
+                raise PolicyError(f"arg {arg!r} contains a control character")
+            flag = read_flag(arg, rules)
+        except PolicyError as exc:
+            problems.append(str(exc))
+            waiting = None
+            continue
         if waiting is not None:
-            _check_value(engine, waiting, None if flag is not None else arg)
+            problems += _value_problems(engine, waiting, None if flag is not None else arg)
             waiting = None
             if flag is None:
                 continue
@@ -290,57 +307,82 @@ def check_args(args: list[str], engine: str) -> None:
         if flag in rules.flags:
             if value_kind(engine, flag):
                 if "=" in arg and rules.split_equals:
-                    _check_value(engine, flag, arg.split("=", 1)[1])
+                    problems += _value_problems(engine, flag, arg.split("=", 1)[1])
                 else:
                     waiting = flag
             continue
-        as_read = f" ({engine} reads {arg.split('=', 1)[0]!r} as {flag})" if flag != arg.split("=", 1)[0] else ""
-        if flag in rules.worker_flags:
-            hint = " (use `source` for the weights)" if flag in ("--model", "--model-path") else ""
-            raise PolicyError(f"args: {flag} is set by the node worker{as_read}; remove it{hint}")
-        why = REFUSED_REASONS.get(flag)
-        reason = f": {why}" if why else ""
-        best = closest(flag, rules.flags, cutoff=0.8) if not why else None
-        hint = f" (did you mean {best}?)" if best else ""
-        raise PolicyError(f"args: {arg.split('=', 1)[0]} is not an allowed {engine} flag{as_read}{reason}{hint}. "
-                          f"Flags are matched whole (an engine would expand a prefix to a flag that is not allowed). "
-                          f"Allowed {engine} flags: {', '.join(sorted(rules.flags))}")
+        problems.append(_refused_flag(arg, flag, rules, engine, listed))
+        listed = listed or flag not in rules.worker_flags and flag not in REFUSED_REASONS
     if waiting is not None:
-        _check_value(engine, waiting, None)
+        problems += _value_problems(engine, waiting, None)
+    return problems
 
 
-def _check_value(engine: str, flag: str, value: str | None) -> None:
+def _refused_flag(arg: str, flag: str, rules: EngineRules, engine: str, listed: bool) -> str:
+    as_read = f" ({engine} reads {arg.split('=', 1)[0]!r} as {flag})" if flag != arg.split("=", 1)[0] else ""
+    if flag in rules.worker_flags:
+        hint = " (use `source` for the weights)" if flag in ("--model", "--model-path") else ""
+        return f"args: {flag} is set by the node worker{as_read}; remove it{hint}"
+    why = REFUSED_REASONS.get(flag)
+    reason = f": {why}" if why else ""
+    best = closest(flag, rules.flags, cutoff=0.8) if not why else None
+    hint = f" (did you mean {best}?)" if best else ""
+    allowed = "The allowed flags are listed above." if listed else \
+        f"Allowed {engine} flags: {', '.join(sorted(rules.flags))}"
+    return (f"args: {arg.split('=', 1)[0]} is not an allowed {engine} flag{as_read}{reason}{hint}. Flags are matched "
+            f"whole (an engine would expand a prefix to a flag that is not allowed). {allowed}")
+
+
+def _value_problems(engine: str, flag: str, value: str | None) -> list[str]:
     if value is None:
-        raise PolicyError(f"args: {flag} takes {value_kind(engine, flag)}; write it as the next item")
+        return [f"args: {flag} takes {value_kind(engine, flag)}; write it as the next item"]
     problem = value_problem(engine, flag, value)
-    if problem is not None:
-        raise PolicyError(f"args: {problem}")
+    return [f"args: {problem}"] if problem is not None else []
 
 
 def check_env(env: dict[str, str], engine: str) -> None:
     """Raise `PolicyError` for the first env name `engine` may not be given (see the module docstring)."""
+    problems = env_problems(env, engine)
+    if problems:
+        raise PolicyError(problems[0])
+
+
+def env_problems(env: dict[str, str], engine: str) -> list[str]:
+    """Every env name or value `engine` may not be given, each with what to write instead."""
     rules = rules_for(engine)
     allowed = COMMON_ENV | rules.env
+    problems = []
     for name, value in env.items():
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-            raise PolicyError(f"env: {name!r} is not an upper-case variable name")
-        if not isinstance(value, str) or "\x00" in value:
-            raise PolicyError(f"env: {name} must be a string without NUL characters")
-        if name in WORKER_ENV:
-            raise PolicyError(f"env: {name} is set by the node worker ({WORKER_ENV[name]}); remove it")
-        if name in allowed:
+            problems.append(f"env: {name!r} is not an upper-case variable name")
+        elif not isinstance(value, str) or "\x00" in value:
+            problems.append(f"env: {name} must be a string without NUL characters")
+        elif name in WORKER_ENV:
+            problems.append(f"env: {name} is set by the node worker ({WORKER_ENV[name]}); remove it")
+        elif name in allowed:
             flag = _ENV_FLAG.get(name) if engine == "llamacpp" else None
             problem = value_problem(engine, flag, value) if flag else None
             if problem is not None:
-                raise PolicyError(f"env: {name} (llama-server's {problem})")
-            continue
-        if name.startswith(LLAMA_ARG_PREFIX) and engine == "llamacpp":
+                problems.append(f"env: {name} (llama-server's {problem})")
+        elif name.startswith(LLAMA_ARG_PREFIX) and engine == "llamacpp":
             flag = LLAMA_ENV_FLAGS.get(name)
             why = f" ({flag}: {REFUSED_REASONS[flag]})" if flag else ""
-            raise PolicyError(f"env: llama-server reads {name} as one of its flags, and not an allowed one{why}; "
-                              "allowed LLAMA_ARG_* names: "
-                              + ", ".join(sorted(e for e in rules.env if e.startswith(LLAMA_ARG_PREFIX))))
-        raise PolicyError(f"env: {name} is not allowed for {engine}; allowed: {', '.join(sorted(allowed))}")
+            problems.append(f"env: llama-server reads {name} as one of its flags, and not an allowed one{why}; "
+                            "allowed LLAMA_ARG_* names: "
+                            + ", ".join(sorted(e for e in rules.env if e.startswith(LLAMA_ARG_PREFIX))))
+        else:
+            problems.append(f"env: {name} is not allowed for {engine}; allowed: {', '.join(sorted(allowed))}")
+    return problems
+
+
+def profile_problems(profile: Profile) -> list[str]:
+    """Every env and args problem of `profile` (the catalog says them all at once; its source it checks in
+    its own words)."""
+    try:
+        rules_for(profile.engine)
+    except PolicyError as exc:
+        return [str(exc)]
+    return env_problems(profile.env, profile.engine) + args_problems(profile.args, profile.engine)
 
 
 def check_profile(profile: Profile, source: bool = True) -> None:

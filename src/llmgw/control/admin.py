@@ -4,6 +4,7 @@ nodes, explain, API keys, tenants and usage, reclaim. Used by `llmgw ctl`."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Callable
 
 from fastapi import FastAPI, Query, Request
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError
-from llmgw.control.admin_guard import AdminGuard
+from llmgw.control.admin_guard import FLEET_PAGE, AdminGuard
 from llmgw.control.catalog_service import CatalogService
 from llmgw.control.codec_api import mount_codec
 from llmgw.control.fleet_admin import FleetAdmin
@@ -27,6 +28,13 @@ from llmgw.schemas.api import (
 from llmgw.schemas.payloads import LivenessFacts, ReclaimInput, ReclaimResult
 from llmgw.schemas.tenants import LimitsChange, TenantCreate, TenantDeleted, TenantView, UsageReport
 from llmgw.temporal import LazyClient, payload_codec
+
+
+STATIC = Path(__file__).parent / "static"
+# The page runs only its own inline script, talks only to this listener, and is framed by no other page.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                           "connect-src 'self'; img-src 'self'; frame-ancestors 'none'; base-uri 'none'",
+                "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 
 def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_after_s: float, lost_after_s: float,
@@ -53,6 +61,13 @@ def create_admin_api(engine: AsyncEngine, temporal: LazyClient, unreachable_afte
         return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error",
                                                                 "param": "catalog", "code": "catalog_refused",
                                                                 "problems": exc.problems}})
+
+    @app.get(FLEET_PAGE)
+    async def fleet_page():
+        """The fleet page: static, read-only, holding no data; it asks for the token and reads the admin API
+        with it like `ctl` (control/static/fleet.html)."""
+        return Response((STATIC / "fleet.html").read_bytes(), media_type="text/html; charset=utf-8",
+                        headers=PAGE_HEADERS)
 
     @app.get("/metrics")
     async def tenant_metrics():

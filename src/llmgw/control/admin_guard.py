@@ -21,6 +21,9 @@ from llmgw.http.errors import send_error
 from llmgw.security.admin_token import bearer_matches
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
+# The fleet page (control/static/fleet.html) is the one answer given without the token: a static page that
+# holds no data (a browser cannot send a bearer header when it opens a URL); it reads the API with the token.
+FLEET_PAGE = "/fleet"
 
 
 def host_allowed(host: str) -> bool:
@@ -114,7 +117,8 @@ class AdminGuard:
             if refusal is not None:
                 await send_error(send, refusal)
                 return
-            if not bearer_matches(headers.get("authorization"), self.token):
+            page = scope["path"] == FLEET_PAGE and scope["method"] in ("GET", "HEAD")
+            if not page and not bearer_matches(headers.get("authorization"), self.token):
                 await send_error(send, APIError(
                     401, "the admin API wants its bearer token: `Authorization: Bearer <token>` (`llmgw ctl` sends "
                     "LLMGW_ADMIN_TOKEN, or the token file in the server's state directory)", type="unauthorized",

@@ -8,9 +8,9 @@ from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.catalog.loader import read_catalog
+from llmgw.catalog.loader import CatalogError, read_catalog
 from llmgw.catalog.rules import apply_warnings
-from llmgw.control.mirror_check import mirror_warnings
+from llmgw.control.mirror_check import mirror_findings, mirror_names
 from llmgw.db import catalog_repo
 from llmgw.http.errors import APIError
 from llmgw.schemas.api import ApplyRequest, ApplyResponse
@@ -34,7 +34,12 @@ class CatalogService:
         """The diff against the stored catalog, applied unless `dry_run`. Raises `CatalogError` (400
         `catalog_refused` with every problem) for a catalog the rules refuse; nothing is written then."""
         loaded = read_catalog(req.catalog)
+        findings = await mirror_findings(loaded.catalog, self.temporal.settings.resolved_mirror_url)
         async with self.engine.begin() as conn:
+            named = mirror_names(await catalog_repo.get_catalog(conn))  # a missing one named before: a note
+            refused = [f for f in findings if f.name is not None and f.name not in named]
+            if refused:
+                raise CatalogError([f.refusal() for f in refused])
             if req.dry_run:
                 diff = await catalog_repo.diff_catalog(conn, loaded.catalog)
             else:
@@ -42,8 +47,7 @@ class CatalogService:
         diff.notes = loaded.notes
         if not req.dry_run:
             await self.temporal.wake("catalog applied")  # before the warnings: they are advice, the catalog is in
-        diff.warnings = apply_warnings(loaded.catalog, diff.removed) + await mirror_warnings(
-            loaded.catalog, self.temporal.settings.resolved_mirror_url)
+        diff.warnings = apply_warnings(loaded.catalog, diff.removed) + [f.warning() for f in findings]
         return diff
 
     async def reclaim(self, req: ReclaimInput) -> ReclaimResult:

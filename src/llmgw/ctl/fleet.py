@@ -25,6 +25,22 @@ def register(app: typer.Typer) -> None:
     app.command("explain")(explain)
     app.command("logs")(logs)
     app.command("retry")(retry)
+    app.command("page")(page)
+
+
+def page():
+    """Print the fleet page's address (read-only: models, nodes and their replicas, recent failures, tokens per
+    tenant and day, refreshed every 5 s), with the admin token in its fragment: a browser keeps a fragment to
+    itself, and the page moves the token to the tab's session storage and out of the address bar."""
+    from urllib.parse import quote
+
+    from llmgw.control.admin_guard import FLEET_PAGE
+
+    admin = Admin()
+    if not admin.token.value:
+        fail("no admin token to give the page: set LLMGW_ADMIN_TOKEN, or LLMGW_STATE_DIR to the server's state "
+             "directory (its admin.token file)")
+    typer.echo(f"{admin.url.rstrip('/')}{FLEET_PAGE}#token={quote(admin.token.value, safe='')}")
 
 
 # ---- models ------------------------------------------------------------------------------------

@@ -107,7 +107,8 @@ def _spec(m: Model) -> dict:
 
 
 def _flatten(value, prefix: str = "") -> dict[str, object]:
-    """{"scaling": {"max": 2}} → {"scaling.max": 2}; lists of profiles by their names."""
+    """{"scaling": {"max": 2}} → {"scaling.max": 2}; lists of profiles by their names (an unnamed one alone
+    is `default`, as the rules call it), never by position."""
     out: dict[str, object] = {}
     if isinstance(value, dict):
         for k, v in value.items():
@@ -115,16 +116,41 @@ def _flatten(value, prefix: str = "") -> dict[str, object]:
     elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         for i, v in enumerate(value):
             name = v.get("name")
-            out |= _flatten(v, f"{prefix}[{name if isinstance(name, str) else i}]")
+            key = name if isinstance(name, str) else "default" if len(value) == 1 else i
+            out |= _flatten({k: x for k, x in v.items() if k != "name"}, f"{prefix}[{key}]")
     else:
         out[prefix] = value
     return out
 
 
+OFF = "(none): off, it does not run; write `scaling: {max: 1}` to load it on demand"
+
+
+def _profile_names(spec: dict) -> dict[str, dict]:
+    profiles = spec.get("profiles") or []
+    return {p.get("name") if isinstance(p.get("name"), str) else "default": {k: v for k, v in p.items() if k != "name"}
+            for p in profiles if isinstance(p, dict)}
+
+
 def field_changes(old: Model, new: Model) -> list[str]:
-    """One line per field that differs: `scaling.max: 1 -> 2`, `profiles[default].tp: (unset) -> 4`."""
-    a, b = _flatten(_spec(old)), _flatten(_spec(new))
+    """One line per field that differs: `scaling.max: 1 -> 2`, `profiles[default].tp: (unset) -> 4`; a profile
+    renamed with nothing else changed is one line (`profiles: big renamed to large`), and a scaling stanza
+    removed is said to switch the model off."""
+    before, after = _spec(old), _spec(new)
     lines = []
+    was, now = _profile_names(before), _profile_names(after)
+    gone, came = [n for n in was if n not in now], [n for n in now if n not in was]
+    for name in gone:
+        same = next((n for n in came if now[n] == was[name]), None)
+        if same is not None:
+            came.remove(same)
+            lines.append(f"profiles: {name} renamed to {same}")
+            before = {**before, "profiles": [{**p, "name": same} if (p.get("name") or "default") == name else p
+                                             for p in before.get("profiles", [])]}
+    a, b = _flatten(before), _flatten(after)
+    if "scaling" in before and "scaling" not in after:
+        a = {k: v for k, v in a.items() if not k.startswith("scaling.")}
+        lines.append(f"scaling: {', '.join(f'{k} {v}' for k, v in before['scaling'].items())} -> {OFF}")
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
             lines.append(f"{key}: {a.get(key, '(unset)')!s} -> {b.get(key, '(unset)')!s}")
@@ -145,6 +171,8 @@ async def diff_catalog(conn: AsyncConnection, catalog: Catalog) -> ApplyResponse
                                    "-> as written"]
         elif old is None:
             out.added.append(m.name)
+            if m.scaling is None:
+                out.changes[m.name] = [f"scaling: {OFF}"]
         elif _spec(old) != _spec(m):
             out.changed.append(m.name)
             out.changes[m.name] = field_changes(old, m)

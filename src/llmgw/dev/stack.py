@@ -220,17 +220,21 @@ class DevStack:
 
     def apply_catalog(self, path: Path, always: bool) -> None:
         """Apply the catalog file, unless it is the file dev applied last time and the control plane has a
-        catalog: then what is there now, changes made with `llmgw ctl apply` included, is kept."""
+        catalog: then what is there now, changes made with `llmgw ctl apply` included, is kept. Either way it
+        says which models `ctl apply` changed since dev's last apply: kept, or replaced by the file."""
         text = path.read_text()
         digest = hashlib.sha256(text.encode()).hexdigest()
         marker = self.run_dir / "catalog.applied"
+        last = self.run_dir / "catalog.applied.yaml"  # the text dev applied last, to tell `ctl apply`'s changes
         admin = f"http://127.0.0.1:{self.s.admin_port}"
         auth = {"authorization": f"Bearer {ensure_token(self.s)}"}  # the file the server created, or the variable
+        touched = self.ctl_changes(admin, auth, last)
         if not always and marker.exists() and marker.read_text() == digest:
             current = httpx.get(admin + "/admin/v1/catalog", timeout=30, headers=auth).json().get("models", [])
             if current:
+                since = f": {touched}" if touched else ""
                 self.echo(f"catalog: {path} is unchanged since the last start; keeping the control plane's catalog "
-                          f"({len(current)} models, `llmgw ctl apply` changes included)")
+                          f"({len(current)} models, `llmgw ctl apply` changes included{since})")
                 return
         try:
             raw = read_yaml(path, text)
@@ -242,8 +246,26 @@ class DevStack:
             raise SystemExit(f"the catalog {path} was refused:\n{detail}")
         diff = r.json()
         marker.write_text(digest)
+        last.write_text(text)
+        if touched:
+            self.echo(f"catalog: {path} replaced what `llmgw ctl apply` had changed since llmgw dev applied it last "
+                      f"({touched}); to keep such changes across starts, write them into {path}")
         self.echo(f"catalog {path}: {len(diff['added'])} added, {len(diff['changed'])} changed, "
                   f"{len(diff['removed'])} removed, {len(diff['unchanged'])} unchanged")
+
+    @staticmethod
+    def ctl_changes(admin: str, auth: dict, last: Path) -> str:
+        """The models `llmgw ctl apply` changed since dev applied `last`, in words (`x added, y changed`), or ""
+        when none or unknown: the dry-run diff from the live catalog back to `last`, read in reverse."""
+        try:
+            raw = read_yaml(last, last.read_text())
+            r = httpx.post(admin + "/admin/v1/catalog", json={"catalog": raw, "dry_run": True}, timeout=30,
+                           headers=auth)
+            diff = r.json() if r.status_code == 200 else {}
+        except (OSError, CatalogError, httpx.HTTPError, ValueError):
+            return ""
+        return ", ".join(f"{name} {verb}" for verb, k in (("added", "removed"), ("changed", "changed"),
+                                                          ("removed", "added")) for name in diff.get(k) or [])
 
     def urls(self) -> dict[str, str]:
         out = {"gateway": f"http://127.0.0.1:{self.s.gateway_port}/v1",

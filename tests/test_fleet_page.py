@@ -54,7 +54,9 @@ def test_the_fleet_page_in_a_browser(control_plane, tmp_path, browser):
         return [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
                 for tr in b.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")]
 
-    wait_until(lambda: len(rows("models")) == 2, timeout_s=15, what="the models table", why=lambda: b.page_source[-2000:])
+    wait_until(lambda: len(rows("models")) == 2, timeout_s=15, what="the models table",
+               why=lambda: b.find_element(By.ID, "error").text + "\n" + "\n".join(
+                   str(e) for e in b.get_log("browser")))
     assert b.execute_script("return location.hash") == "" and token not in b.current_url  # out of the address bar
     assert b.execute_script("return sessionStorage.getItem('llmgw-admin-token')") == token
     by_name = {r[0].split(" ")[0]: r for r in rows("models")}

@@ -33,7 +33,7 @@ from llmgw.temporal import LazyClient, payload_codec
 STATIC = Path(__file__).parent / "static"
 # The page runs only its own inline script, talks only to this listener, and is framed by no other page.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                                           "connect-src 'self'; img-src 'self'; frame-ancestors 'none'; base-uri 'none'",
+                                           "connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'",
                 "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 
 import anthropic
 import httpx
@@ -16,6 +18,7 @@ import openai
 import pytest
 
 from llmgw.dev.procs import free_port, stop_process, wait_port
+from llmgw.engines.llamacpp import find_llama_server
 from tests.fake_engine import FakeEngines
 from tests.helpers import ControlPlane, wait_until
 from tests.test_tenants import Sim, create_key, create_tenant, usage_rows
@@ -35,12 +38,12 @@ async def doors(tmp_path_factory, module_database_url):
     sim = Sim("sim")
     paced = Sim("paced", tokens_per_second=50)  # a token every 20 ms: each in a chunk of its own
     cp = ControlPlane(tmp_path_factory.mktemp("doors"), module_database_url, f"127.0.0.1:{free_port()}",
-                      LLMGW_ROUTE_REFRESH_S="0.5", LLMGW_UPSTREAM_TIMEOUT_S="5")
+                      LLMGW_ROUTE_REFRESH_S="0.5", LLMGW_UPSTREAM_TIMEOUT_S="60")
     try:
         for s in (sim, paced):
             wait_port(s.port, 30, s.proc, "sim engine")
         await asyncio.to_thread(cp.start, worker=False)
-        r = cp.apply({"models": [
+        cp.models = [  # type: ignore[attr-defined]
             {"name": "sim", "endpoints": [sim.url]},
             {"name": "paced", "endpoints": [paced.url]},
             {"name": "tools", "endpoints": [fake.url("trigger")]},
@@ -50,7 +53,8 @@ async def doors(tmp_path_factory, module_database_url):
             {"name": "judge", "role": "guard", "endpoints": [fake.url("judge")]},
             {"name": "guarded", "endpoints": [fake.url("trigger")], "guard": {"model": "judge", "check": ["request", "response"]}},
             {"name": "dead-to-sim", "endpoints": [f"http://127.0.0.1:{free_port()}"], "fallbacks": ["sim"]},
-        ]})
+        ]
+        r = cp.apply({"models": cp.models})  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
         create_tenant(cp, "doors")
         create_tenant(cp, "tight", tokens_per_day=30)
@@ -275,3 +279,48 @@ async def test_itl_by_model_and_ttft_by_tenant(doors):
     admin = httpx.get(cp.admin + "/metrics", timeout=10, headers=cp.admin_headers).text
     assert value(admin, 'llmgw_tenant_ttft_seconds_count{tenant="doors"}') >= 1
     assert "llmgw_tenant_ttft_seconds" not in public
+
+
+@pytest.mark.skipif(find_llama_server() is None, reason="llama-server is not installed (scripts/setup builds it)")
+async def test_both_apis_through_a_real_llama_server(doors):
+    """llama-server on SmolLM2-135M as a static endpoint: the translation against a real engine's chat
+    template, stream and usage (it serves both APIs natively too: docs/gateway.md)."""
+    from llmgw.engines.selftest import default_cache, fetch_model
+
+    cp = doors
+    port = free_port()
+    proc = subprocess.Popen([find_llama_server(), "--model", str(fetch_model(default_cache())), "--host", "127.0.0.1",
+                             "--port", str(port), "--n-gpu-layers", "0", "--ctx-size", "512", "--parallel", "1",
+                             "--threads", str(min(2, os.cpu_count() or 1)), "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        await asyncio.to_thread(wait_until, lambda: _healthy(port), 60, 0.2, "llama-server healthy")
+        assert cp.apply({"models": [*cp.models, {"name": "smol", "endpoints": [f"http://127.0.0.1:{port}"]}]}).status_code == 200
+        await asyncio.to_thread(wait_until, lambda: "smol" in httpx.get(
+            cp.gateway + "/v1/models", headers={"x-api-key": cp.key}, timeout=10).text, 10, 0.1, "smol routed")
+        client = claude(cp)
+        msg = await client.messages.create(model="smol", max_tokens=8, system="You answer briefly.",
+                                           messages=[{"role": "user", "content": "Say hello."}])
+        assert msg.content[0].type == "text" and msg.content[0].text
+        assert 0 < msg.usage.output_tokens <= 8 and msg.usage.input_tokens > 5
+        assert msg.stop_reason in ("max_tokens", "end_turn")
+        async with client.messages.stream(model="smol", max_tokens=8,
+                                          messages=[{"role": "user", "content": "Count to five."}]) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text and final.content[0].text == text and 0 < final.usage.output_tokens <= 8
+        streamed = await gpt(cp).responses.create(model="smol", input="Say hello.", max_output_tokens=8, stream=True)
+        events = [e async for e in streamed]
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert events[-1].response.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert 0 < events[-1].response.usage.output_tokens <= 8
+    finally:
+        stop_process(proc)
+        cp.apply({"models": cp.models})
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

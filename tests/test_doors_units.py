@@ -314,3 +314,23 @@ def test_the_api_key_comes_from_x_api_key_or_bearer_and_never_from_two_different
     assert api_token([(b"x-api-key", b"k1"), (b"x-api-key", b"k1")]) is None
     assert api_token([(b"x-api-key", b"")]) is None
     assert api_token([]) is None
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------
+def test_the_itl_histogram_renders_cumulative_buckets_and_goes_with_its_model():
+    from llmgw.telemetry import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    for gap in (0.001, 0.001, 0.03, 9.0):  # a gap on a bound counts in that bucket (`le`)
+        metrics.itl_of("m").observe(gap)
+    metrics.observe("m", 200, 1.0, 0.1)  # the model has series of its own, which `forget` knows by
+    page = metrics.render().decode()
+    assert 'llmgw_itl_seconds_bucket{le="0.001",model="m"} 2.0' in page
+    assert 'llmgw_itl_seconds_bucket{le="0.04",model="m"} 3.0' in page
+    assert 'llmgw_itl_seconds_bucket{le="+Inf",model="m"} 4.0' in page
+    assert 'llmgw_itl_seconds_count{model="m"} 4.0' in page and 'llmgw_itl_seconds_sum{model="m"} 9.032' in page
+    metrics.forget({"other"})
+    assert 'model="m"' not in metrics.render().decode()
+    metrics.tenant_ttft("t1", 0.2)
+    assert 'llmgw_tenant_ttft_seconds_count{tenant="t1"} 1.0' in metrics.render_tenants().decode()
+    assert "tenant_ttft" not in metrics.render().decode()

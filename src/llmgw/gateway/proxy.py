@@ -220,9 +220,9 @@ class Proxy:
         counted = False
         try:
             path = scope["path"]
+            x.door = door
             req_body = await read_body(receive, self.max_body)
             if door is not None:
-                x.door = door
                 path, req_body = CHAT, json.dumps(door.request(req_body)).encode()
             req = parse_request(path, req_body)
             if door is not None and req.get("stream") is True:

@@ -24,7 +24,10 @@ For each request:
 - a request with an accounted key (gateway/quotas.py) is admitted against its tenant's and key's limits
   before anything else (403/429), carries their `x-ratelimit-*` headers, asks a streaming engine for usage
   when the client did not (and drops that chunk again), and has its answer's `usage` counted once when it
-  ends. Every other request skips all of it: one `is None` test per request and per relayed chunk.
+  ends. Every other request skips all of it: one `is None` test per request and per relayed chunk;
+- a request of another API (Anthropic's POST /v1/messages, OpenAI's POST /v1/responses: a `Door`) is
+  translated into a chat completion as it is read and takes every step above as one; its answer, its
+  events and its errors are translated back as they are sent (gateway/messages.py, gateway/responses.py).
 """
 
 from __future__ import annotations

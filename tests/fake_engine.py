@@ -274,6 +274,18 @@ class FakeEngines:
         return web.Response(status=501, text="Traceback (most recent call last):\n  File \"/srv/secret/engine.py\"\n"
                             "NotImplementedError")
 
+    async def _oddevents(self, request, body, kind):
+        """Events of kinds no chat stream has (a named event, a chunk with a delta of an unknown field, a JSON
+        array, text that is no JSON), between two real chunks."""
+        resp = await self._sse(request)
+        await resp.write(b'event: response.mystery\ndata: {"type": "mystery", "x": 1}\n\n')
+        await resp.write(chunk("one "))
+        await resp.write(b'data: {"choices": [{"index": 0, "delta": {"mystery": true}}]}\n\n')
+        await resp.write(b"data: [1, 2]\n\ndata: not json\n\n")
+        await resp.write(chunk("two"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
     async def _afterdone(self, request, body, kind):
         """A stream that says [DONE] and then keeps its connection open with keep-alive comments."""
         resp = await self._sse(request)

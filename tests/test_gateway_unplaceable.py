@@ -3,6 +3,9 @@ reconciler's reason), not "loading": a client told "loading" would retry forever
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -22,8 +25,17 @@ def test_unplaceable_on_demand_model_says_why(control_plane):
     # The first request, streaming, is held while the reconciler looks (200, `: loading` comments); when
     # the answer is that nothing can take it, its stream ends with the error event and `[DONE]`, as every
     # stream does.
-    streamed = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
-                          json={"model": "huge", "messages": [{"role": "user", "content": "x"}], "stream": True})
+    # A Messages stream (Anthropic's API, served as a chat) held beside it ends with Anthropic's `error` event.
+    with ThreadPoolExecutor(2) as pool:
+        anthropic = pool.submit(httpx.post, cp.gateway + "/v1/messages", timeout=30, json={
+            "model": "huge", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stream": True})
+        streamed = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
+                              json={"model": "huge", "messages": [{"role": "user", "content": "x"}], "stream": True})
+        held = anthropic.result()
+    assert held.status_code == 200 and ": loading huge" in held.text, held.text
+    last = held.text.strip().split("\n\n")[-1].split("\n")
+    assert last[0] == "event: error" and "[DONE]" not in held.text, held.text
+    assert json.loads(last[1][6:])["error"]["code"] == "model_unplaceable", held.text
     assert streamed.status_code == 200 and ": loading huge" in streamed.text, streamed.text
     events = [ln for ln in streamed.text.splitlines() if ln.startswith("data:")]
     assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1, streamed.text
@@ -34,3 +46,7 @@ def test_unplaceable_on_demand_model_says_why(control_plane):
     err = r.json()["error"]
     assert err["code"] == "model_unplaceable", err
     assert "no node can take it" in err["message"] and "llmgw ctl explain huge" in err["message"]
+    r = httpx.post(cp.gateway + "/v1/messages", timeout=30,
+                   json={"model": "huge", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503 and r.headers["Retry-After"] and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "overloaded_error" and r.json()["error"]["code"] == "model_unplaceable"

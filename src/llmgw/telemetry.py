@@ -14,15 +14,70 @@ from __future__ import annotations
 import json
 import os
 import threading
+from bisect import bisect_left
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from llmgw.schemas.status import ReplicaStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Inter-token latency: engines stream a token every 5-100 ms; a gap of seconds is a stall worth seeing.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
 _HOLDING = tuple(s for s in ReplicaStatus if s in ReplicaStatus.holding())  # llmgw_replicas' statuses, in order
+
+
+class GapCounts:
+    """One model's inter-token gaps: bucket counts and their sum, added to on the event loop only (no lock)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+
+class Gaps:
+    """A histogram by model observed once per relayed chunk, so kept cheaper than prometheus_client's
+    `Histogram` (a lock and a walk of the buckets per observation: 4 us a chunk, measured, against the relay's
+    50-60 us per event; this costs a bisect and two additions). Rendered as a Prometheus histogram at
+    scrape time."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]):
+        self.name = name
+        self.doc = doc
+        self.bounds = bounds
+        self.models: dict[str, GapCounts] = {}
+
+    def of(self, model: str) -> GapCounts:
+        c = self.models.get(model)
+        if c is None:
+            c = self.models[model] = GapCounts(self.bounds)
+        return c
+
+    def forget(self, models: set[str]) -> None:
+        for m in models:
+            self.models.pop(m, None)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model"])
+        for model, c in list(self.models.items()):
+            counts, total = list(c.counts), 0
+            buckets = []
+            for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), counts):
+                total += n
+                buckets.append((bound, total))
+            family.add_metric([model], buckets, c.sum)
+        yield family
 
 
 class GatewayMetrics:
@@ -30,7 +85,9 @@ class GatewayMetrics:
 
     - `llmgw_requests_total{model,status}`: inference requests by outcome;
     - `llmgw_request_seconds{model}`: until the last byte; `llmgw_ttft_seconds{model}`: until the first
-      byte of a streamed answer reached the client (time to first token);
+      byte of a streamed answer reached the client (time to first token); `llmgw_itl_seconds{model}`: the
+      gaps between the chunks of a streamed answer relayed after its first (inter-token latency; an engine
+      writes a token a chunk, so each gap is one token's, or a few tokens' when it writes several at once);
     - `llmgw_in_flight{model}`: requests this gateway holds (queued ones included); `llmgw_queued{model}`:
       those waiting for a concurrency slot;
     - `llmgw_ready_replicas{model}`, `llmgw_open_breakers{model}`: from the route table, at scrape time;
@@ -43,7 +100,9 @@ class GatewayMetrics:
       its usage; issue 15: `tenant` is a tenant this gateway knows, or `-` for a key of no tenant, at most
       `MAX_TENANTS`): `llmgw_tokens_total{tenant,model,type}` (`prompt`, `completion`: what the engines
       reported for accounted requests), `llmgw_rate_limited_total{tenant,limit}` (`rpm`, `tpm`,
-      `tokens_per_day`, `tokens_per_month`, `models`).
+      `tokens_per_day`, `tokens_per_month`, `models`), `llmgw_tenant_ttft_seconds{tenant}` (time to the first
+      streamed byte of an accounted request, by tenant: a tenant queued behind others under fair queuing
+      shows it here first).
     """
 
     def __init__(self) -> None:
@@ -53,6 +112,8 @@ class GatewayMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("llmgw_ttft_seconds", "Time to the first streamed byte relayed to the client (s)",
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Gaps("llmgw_itl_seconds", "Gaps between the chunks of a streamed answer relayed (s)", ITL_BUCKETS)
+        r.register(self.itl)
         self.in_flight = Gauge("llmgw_in_flight", "Requests this gateway holds, queued ones included", ["model"],
                                registry=r)
         self.queued = Gauge("llmgw_queued", "Requests waiting for a concurrency slot or for a load", ["model"], registry=r)
@@ -69,17 +130,20 @@ class GatewayMetrics:
                               ["tenant", "model", "type"], registry=t)
         self.rate_limited = Counter("llmgw_rate_limited", "Requests refused by a tenant's or key's limits",
                                     ["tenant", "limit"], registry=t)
+        self.tenant_ttft_seconds = Histogram("llmgw_tenant_ttft_seconds", "Time to the first streamed byte by tenant (s)",
+                                             ["tenant"], buckets=TTFT_BUCKETS, registry=t)
         self.usage_missing = Counter("llmgw_usage_missing", "Accounted requests that ended without usage",
                                      ["model"], registry=r)
         self.usage_sync_errors = Counter("llmgw_usage_sync_errors", "Usage syncs with Postgres that failed",
                                          registry=r)
         self._children: dict[tuple, tuple] = {}
         self._tokens: dict[tuple[str, str], tuple] = {}
+        self._tenant_ttft: dict[str, Any] = {}
         self._gauged: set[str] = set()  # models whose route-table gauges are set
         # Every metric with a `model` label, and its label names: a model's series go with it (`forget`).
         self._by_model = [(m, names) for m, names in (
             (self.requests, ("model", "status")), (self.latency, ("model",)), (self.ttft, ("model",)),
-            (self.in_flight, ("model",)), (self.queued, ("model",)), (self.ready, ("model",)),
+(self.in_flight, ("model",)), (self.queued, ("model",)), (self.ready, ("model",)),
             (self.open_breakers, ("model",)), (self.retries, ("model",)), (self.guard_refusals, ("model", "stage")),
             (self.tokens, ("tenant", "model", "type")), (self.usage_missing, ("model",)))]
 
@@ -103,6 +167,16 @@ class GatewayMetrics:
         lat.observe(seconds)
         if ttft_s is not None:
             ttft.observe(ttft_s)
+
+    def itl_of(self, model: str) -> "GapCounts":
+        """`llmgw_itl_seconds` of `model`, to observe each gap of one stream."""
+        return self.itl.of(model)
+
+    def tenant_ttft(self, tenant: str, seconds: float) -> None:
+        h = self._tenant_ttft.get(tenant)
+        if h is None:
+            h = self._tenant_ttft[tenant] = self.tenant_ttft_seconds.labels(tenant)
+        h.observe(seconds)
 
     def unauthorized(self) -> None:
         """A /v1/ request refused for its key (401), before any model was read: counted as model `unknown`
@@ -152,6 +226,7 @@ class GatewayMetrics:
                     metric.remove(*key)
         self._children = {k: v for k, v in self._children.items() if k[0] not in gone}
         self._tokens = {k: v for k, v in self._tokens.items() if k[1] not in gone}
+        self.itl.forget(gone)
         self._gauged -= gone
 
     def render(self) -> bytes:

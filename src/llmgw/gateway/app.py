@@ -1,8 +1,9 @@
 """The OpenAI-compatible gateway: `Gateway` (what the process holds) and `create_gateway_app()` (the ASGI
 app served on :8080).
 
-POST /v1/chat/completions, /v1/completions and /v1/embeddings go straight to the `Proxy` (the hot path);
-everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastAPI app. Every `/v1/` path
+POST /v1/chat/completions, /v1/completions and /v1/embeddings go straight to the `Proxy` (the hot path), and
+so do Anthropic's POST /v1/messages and OpenAI's POST /v1/responses, served as chat completions
+(gateway/messages.py, gateway/responses.py; their errors in their own envelopes); everything else (`/v1/models`, `/healthz`, `/metrics`, the chat page) is a FastAPI app. Every `/v1/` path
 checks the API key first (gateway/keys.py `KeyRing`); `/healthz`, `/metrics` and the chat page do not. A key
 that belongs to a tenant or has limits is accounted (gateway/quotas.py): its requests per minute and
 budgets are checked as the headers arrive, before the body is read (401 and 429 are answered without
@@ -40,12 +41,16 @@ from llmgw.gateway.upstream import Upstream
 from llmgw.placement.model_status import ModelCondition, client_reason
 from llmgw.schemas.catalog import Model
 from llmgw.gateway.keys import KeyRing
+from llmgw.gateway.messages import MessagesDoor
+from llmgw.gateway.responses import ResponsesDoor
 from llmgw.security.logtext import for_client
 from llmgw.telemetry import GatewayMetrics
 from llmgw.temporal import LazyClient
 from llmgw.version import VERSION
 
 log = logging.getLogger(__name__)
+DOORS = {d.path: d for d in (MessagesDoor, ResponsesDoor)}  # other APIs served as chat completions
+COUNT_TOKENS = "/v1/messages/count_tokens"
 STATIC = Path(__file__).parent / "static"
 ACCOUNT = "llmgw.account"  # the scope key that carries an accounted key's Account to the FastAPI routes
 
@@ -177,6 +182,11 @@ def create_gateway_app(gw: Gateway):
         conds, times = await listing([route.model.name])
         return model_object(route.model, conds.get(route.model.name), times.get(route.model.name, 0))
 
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        raise errors.APIError(404, "this gateway stores no responses (`store` is ignored), so none can be read "
+                              "back; keep the Response object the POST returned", code="response_not_stored")
+
     @api.get("/healthz")
     async def health():
         """Liveness: 200 while the process runs, draining included."""
@@ -206,19 +216,25 @@ def create_gateway_app(gw: Gateway):
         if scope["type"] == "http":
             path = scope["path"]
             if path.startswith("/v1/"):
+                door = DOORS.get(path)
+                anthropic = path.startswith("/v1/messages")
                 account = keys.lookup(scope["headers"])
                 if account is False:
                     gw_metrics.unauthorized()
-                    await send_error(send, errors.unauthorized())
+                    err = errors.unauthorized()
+                    await send_error(send, err, body=MessagesDoor.error_body(err) if anthropic else None)
                     return
-                if path in REQUIRED:
-                    if scope["method"] == "POST":
-                        if account is not None and (refused := quotas.refusal(account)) is not None:
-                            await send_error(send, refused)  # before the body: the listener closes after it
-                            return
-                        await proxy.handle(scope, receive, send, account)
+                if path in REQUIRED or door is not None or path == COUNT_TOKENS:
+                    if scope["method"] != "POST":
+                        err = errors.method_not_allowed(scope["method"], path, "POST")
+                        await send_error(send, err, body=MessagesDoor.error_body(err) if anthropic else None)
+                    elif account is not None and (refused := quotas.refusal(account)) is not None:
+                        # before the body: the listener closes after it
+                        await send_error(send, refused, body=MessagesDoor.error_body(refused) if anthropic else None)
+                    elif path == COUNT_TOKENS:
+                        await proxy.count_tokens(receive, send, account)
                     else:
-                        await send_error(send, errors.method_not_allowed(scope["method"], path, "POST"))
+                        await proxy.handle(scope, receive, send, account, door() if door is not None else None)
                     return
                 if account is not None:
                     scope[ACCOUNT] = account

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import keys_repo, tenants_repo
-from llmgw.security.api_keys import bearer_token, hash_key
+from llmgw.security.api_keys import api_token, hash_key
 
 if TYPE_CHECKING:
     from llmgw.gateway.quotas import Account, Quotas
@@ -56,9 +56,9 @@ class KeyRing:
         if not self.required:
             if not self.accounted:
                 return None
-            token = bearer_token(headers)  # keys not required, but an accounted key is still counted
+            token = api_token(headers)  # keys not required, but an accounted key is still counted
             return self.entries.get(hash_key(token)) if token is not None else None
-        token = bearer_token(headers)
+        token = api_token(headers)
         if token is None:
             return False
         return self.entries.get(hash_key(token), False)

@@ -24,7 +24,10 @@ For each request:
 - a request with an accounted key (gateway/quotas.py) is admitted against its tenant's and key's limits
   before anything else (403/429), carries their `x-ratelimit-*` headers, asks a streaming engine for usage
   when the client did not (and drops that chunk again), and has its answer's `usage` counted once when it
-  ends. Every other request skips all of it: one `is None` test per request and per relayed chunk.
+  ends. Every other request skips all of it: one `is None` test per request and per relayed chunk;
+- a request of another API (Anthropic's POST /v1/messages, OpenAI's POST /v1/responses: a `Door`) is
+  translated into a chat completion as it is read and takes every step above as one; its answer, its
+  events and its errors are translated back as they are sent (gateway/messages.py, gateway/responses.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from llmgw.gateway.demand import Demand, Hold
 from llmgw.gateway.fairness import request_cost, share_of
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
+from llmgw.gateway import messages
+from llmgw.gateway.messages import Door
 from llmgw.gateway.media import check_media, has_parts, media_urls
 from llmgw.gateway.isolation import Isolated, Isolation
 from llmgw.gateway.prefix import prefix_key
@@ -51,7 +56,7 @@ from llmgw.gateway.openai_api import (
     read_body,
     sse_error,
 )
-from llmgw.gateway.quotas import Account, Meter, Quotas
+from llmgw.gateway.quotas import CHARS_PER_TOKEN, Account, Meter, Quotas
 from llmgw.http.errors import send_error
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.sse import DONE, SSEFrames, StreamBroken
@@ -136,7 +141,8 @@ class _Exchange:
     nothing worth cancelling, and a client that leaves a longer one is noticed within that delay.
     """
 
-    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone", "held", "meter")
+    __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone", "held", "meter", "door", "tr",
+                 "label")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
@@ -148,6 +154,16 @@ class _Exchange:
         self.gone = False  # the client went away first
         self.held = False  # a streaming request held for a load: its 200 and SSE headers are already sent
         self.meter: Meter | None = None  # an accounted request's usage and rate-limit headers
+        self.door: Door | None = None  # another API's request, served as a chat (gateway/messages.py, responses.py)
+        self.tr: Any = None  # its stream translator, for a streaming one
+        self.label = "unknown"
+
+    def error_body(self, err: APIError) -> bytes | None:
+        return self.door.error_body(err) if self.door is not None else None
+
+    def stream_error(self, err: APIError) -> bytes:
+        """The event that ends a stream the gateway failed: in the door's API, or OpenAI's and `[DONE]`."""
+        return self.tr.error(err) if self.tr is not None else sse_error(err) + DONE
 
     def watch(self, receive: Receive) -> None:
         self.task = asyncio.current_task()
@@ -194,8 +210,11 @@ class Proxy:
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         await self.handle(scope, receive, send, None)
 
-    async def handle(self, scope: dict, receive: Receive, send: Send, account: Account | None) -> None:
-        """One request; `account` when its key is accounted (KeyRing.lookup), else None."""
+    async def handle(self, scope: dict, receive: Receive, send: Send, account: Account | None,
+                     door: Door | None = None) -> None:
+        """One request; `account` when its key is accounted (KeyRing.lookup), else None. `door`: a request of
+        another API (Anthropic's Messages, OpenAI's Responses), translated to a chat completion as it comes
+        in and back as it goes out; everything between is a chat's path."""
         started = time.perf_counter()
         label = "unknown"  # never a client-chosen string: label cardinality stays bounded
         status = 0
@@ -204,13 +223,18 @@ class Proxy:
         counted = False
         try:
             path = scope["path"]
+            x.door = door
             req_body = await read_body(receive, self.max_body)
+            if door is not None:
+                path, req_body = CHAT, json.dumps(door.request(req_body)).encode()
             req = parse_request(path, req_body)
+            if door is not None and req.get("stream") is True:
+                x.tr = door.stream()
             route = self.routes.resolve(req["model"]) or await self.routes.lookup(req["model"])  # (no await when known)
             if route is None:
                 usable = (lambda m: account.refusing(m) is None) if account is not None else None
                 raise errors.model_not_found(req["model"], self.routes.similar(req["model"], usable))
-            label = route.model.name
+            label = x.label = route.model.name
             chars = prompt_chars(path, req)
             if chars > route.bound.chars:  # before it is queued, counted or loads a model
                 raise errors.prompt_too_long(label, chars, route.bound, prompt_param(path, req))
@@ -229,10 +253,10 @@ class Proxy:
         except APIError as err:
             status = err.status
             if not x.started:  # an accounted request's answer carries its rate-limit headers, errors too
-                await send_error(send, err, x.meter.headers if x.meter is not None else None)
+                await send_error(send, err, x.meter.headers if x.meter is not None else None, x.error_body(err))
             elif x.held and not x.finished:  # held while loading: the stream ends with the error event
                 x.finished = True  # and `[DONE]`, as every stream does (gateway/sse.py)
-                await send({"type": "http.response.body", "body": sse_error(err) + DONE, "more_body": False})
+                await send({"type": "http.response.body", "body": x.stream_error(err), "more_body": False})
         except asyncio.CancelledError:
             if not x.gone:
                 raise
@@ -245,7 +269,7 @@ class Proxy:
             log.exception("unexpected error relaying %s", scope.get("path"))
             status = 500
             if not x.started:
-                await send_error(send, errors.internal())
+                await send_error(send, errors.internal(), body=x.error_body(errors.internal()))
         finally:
             x.stop()
             if x.meter is not None:
@@ -253,6 +277,34 @@ class Proxy:
             if counted:
                 self.metrics.end(label)
             self.metrics.observe(label, status, time.perf_counter() - started, ttft)
+            if ttft is not None and account is not None:
+                self.metrics.tenant_ttft(account.label, ttft)
+
+    async def count_tokens(self, receive: Receive, send: Send, account: Account | None) -> None:
+        """Anthropic's POST /v1/messages/count_tokens: `{"input_tokens": N}`, the gateway's own estimate (a
+        token for every 4 characters of the prompt's text as the model renders it, the count budgets reserve
+        by), after the checks a Messages request gets before any engine: the model is known, its key may use
+        it, the prompt is within its bound. No engine is asked, and nothing is counted against a budget."""
+        try:
+            chat = messages.to_chat(messages.decode_request(await read_body(receive, self.max_body)), count_only=True)
+            route = self.routes.resolve(chat["model"]) or await self.routes.lookup(chat["model"])
+            if route is None:
+                usable = (lambda m: account.refusing(m) is None) if account is not None else None
+                raise errors.model_not_found(chat["model"], self.routes.similar(chat["model"], usable))
+            refusing = account.refusing(route.model) if account is not None else None
+            if refusing is not None:
+                raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])
+            chars = prompt_chars(CHAT, chat)
+            if chars > route.bound.chars:
+                raise errors.prompt_too_long(route.model.name, chars, route.bound, prompt_param(CHAT, chat))
+            body = json.dumps({"input_tokens": max(1, -(-chars // CHARS_PER_TOKEN))}).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+            await send({"type": "http.response.body", "body": body})
+        except APIError as err:
+            await send_error(send, err, body=messages.error_body(err))
+        except ConnectionResetError:
+            pass
 
     # ---- one request -----------------------------------------------------------------------------
     async def _serve(self, route: ModelRoute, path: str, req: dict, body: bytes, send: Send, x: _Exchange,
@@ -477,6 +529,8 @@ class Proxy:
             data = await self._read_whole(resp, stream=False)
             if meter is not None:
                 meter.body(data)
+            if x.door is not None:
+                data = x.door.answer(data)
             x.started = x.finished = True
             await send(_start(resp.status, _whole_headers(resp, data), x))
             await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -492,7 +546,10 @@ class Proxy:
         if not x.held:  # a request held through a load has had its 200 and SSE headers (Proxy._holder)
             x.started = True
             await send(_start(resp.status, STREAM_HEADERS, x))
-        ttft = time.perf_counter() - started
+        now = time.perf_counter()
+        ttft = now - started
+        itl = self.metrics.itl_of(x.label)  # the gaps between the chunks relayed (inter-token latency)
+        tr = x.tr
         try:
             while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
                 out = frames.feed(chunk)
@@ -503,8 +560,12 @@ class Proxy:
                 if frames.done:  # its [DONE]: the answer ends here, whatever the engine sends after (or keeps
                     break        # open); the connection is dropped, not pooled (Response.release)
                 if out:
+                    if tr is not None:
+                        out = tr.feed(out)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()
+                last, now = now, time.perf_counter()
+                itl.observe(now - last)
             else:
                 out = frames.feed(chunk)
                 if meter is not None:
@@ -517,6 +578,8 @@ class Proxy:
             x.finished = True
             resp.abort()
             tail = frames.broken(sse_error(err))
+            if tr is not None:
+                tail = tr.feed(tail)
             await send({"type": "http.response.body", "body": tail, "more_body": False})
             if not tail:  # it had said [DONE]: what came after is not the client's concern
                 return resp.status, ttft
@@ -524,7 +587,8 @@ class Proxy:
             raise err from None
         x.finished = True
         tail = frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
-        await send({"type": "http.response.body", "body": out + tail, "more_body": False})
+        await send({"type": "http.response.body", "body": out + tail if tr is None else tr.feed(out + tail),
+                    "more_body": False})
         if tail.startswith(b"data: {"):
             log.warning("the engine's stream ended mid-event")
             raise errors.upstream_failed("its stream ended mid-event")
@@ -547,6 +611,10 @@ class Proxy:
             x.meter.body(data)
         messages = conversation(path, req) + [{"role": "assistant", "content": answer_text(data, stream)}]
         await self._judge(label, policy, "response", messages, None, iso)
+        if x.tr is not None:
+            data = x.tr.feed(data)
+        elif x.door is not None:
+            data = x.door.answer(data)
         x.started = x.finished = True
         await send(_start(resp.status, STREAM_HEADERS if stream else _whole_headers(resp, data), x))
         await send({"type": "http.response.body", "body": data, "more_body": False})

@@ -284,9 +284,12 @@ def validation_error(errors: list[dict]):
                                                             "code": "bad_request", "problems": problems[:100]}})
 
 
-async def send_error(send: Send, err: APIError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    """`err` as the answer; `extra`: headers to send with it (an accounted request's rate-limit headers)."""
-    body = err.body()
+async def send_error(send: Send, err: APIError, extra: list[tuple[bytes, bytes]] | None = None,
+                     body: bytes | None = None) -> None:
+    """`err` as the answer; `extra`: headers to send with it (an accounted request's rate-limit headers);
+    `body`: its body in another API's envelope (Anthropic's: gateway/messages.py), else OpenAI's."""
+    if body is None:
+        body = err.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
     if extra:

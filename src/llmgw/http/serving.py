@@ -317,6 +317,8 @@ class GuardedProtocol(HttpToolsProtocol):
                     pass
             elif name == b"authorization":
                 credential = value
+            elif name == b"x-api-key" and credential is None:  # Anthropic's clients: counted as the same key
+                credential = b"Bearer " + value
         if length is not None and length > self.limits.max_body_bytes:
             self._refuse(too_large_413(self.limits.max_body_bytes), linger=True)  # before the app runs or a byte is read
             return

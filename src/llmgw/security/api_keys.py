@@ -50,3 +50,21 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
         return None
     scheme, _, token = found.decode("latin-1").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def api_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The API key of a gateway request: its `Authorization: Bearer` token, or its `x-api-key` header (how
+    Anthropic's clients send it). Either twice, or both with different keys, is no token: which one is
+    meant cannot be told."""
+    found = None
+    for name, value in headers:
+        if name == b"x-api-key":
+            if found is not None:
+                return None
+            found = value.decode("latin-1").strip()
+    bearer = bearer_token(headers)
+    if found is None:
+        return bearer
+    if bearer is not None and bearer != found:
+        return None
+    return found or None

@@ -40,6 +40,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "m"
 PROFILE = {"engine": "sim", "args": ["--tokens-per-second", "200"]}
+PAUSE_S = 0.05  # between one client's requests: steady traffic that leaves CPU to the processes under test
 
 
 def catalog(replicas: int) -> dict:
@@ -87,6 +88,7 @@ class Traffic:
                     self.failures.append(f"{time.strftime('%H:%M:%S')} {'stream' if stream else 'plain'}: {failure}")
                 else:
                     self.ok["stream" if stream else "plain"] += 1
+                self._stop.wait(PAUSE_S)
 
     def _plain(self, client: httpx.Client, body: dict) -> str | None:
         r = client.post(self.gateway + "/v1/chat/completions", json=body)
@@ -114,6 +116,24 @@ class Traffic:
                    why=lambda: f"served {self.ok}, failures {self.failures[-3:]}")
 
 
+_T0 = [time.monotonic()]
+
+
+def step(what: str) -> None:
+    """A line in the test's output: how long each step of an upgrade took (run with -s)."""
+    now = time.monotonic()
+    print(f"  {now - _T0[0]:6.1f} s  {what}")
+    _T0[0] = now
+
+
+def polling(worker):
+    """`worker` (a control worker's Proc), once it polls the control task queue (both versions log it)."""
+    wait_until(lambda: "control worker polling" in worker.log(), timeout_s=60, what=f"{worker.name} polling",
+               why=lambda: worker.log()[-2000:])
+    step(f"{worker.name} polling")
+    return worker
+
+
 def active(cp: ControlPlane) -> list[dict]:
     return [r for r in cp.replicas() if r["model"] == MODEL and r["status"] in ("starting", "ready", "draining")]
 
@@ -126,11 +146,10 @@ def scale(cp: ControlPlane, replicas: int, traffic: Traffic, timeout_s: float = 
     def settled():
         reps = active(cp)
         return reps if len(reps) == replicas and all(r["status"] == "ready" for r in reps) else None
-    t0 = time.monotonic()
     reps = wait_until(settled, timeout_s=timeout_s, what=f"{replicas} ready replica(s) of {MODEL}",
                       why=lambda: json.dumps(cp.replicas(), default=str)[-2000:] + "\n" + cp.logs())
     traffic.wait_served()
-    print(f"scaled to {replicas} in {time.monotonic() - t0:.1f} s")
+    step(f"scaled to {replicas}")
     return reps
 
 
@@ -195,12 +214,15 @@ def test_previous_node_worker_under_this_control_plane_then_upgraded(old_python,
                                                                       temporal, namespace):
     cp = _plane(tmp_path, database_url, temporal, namespace)
     try:
+        step("start")
         cp.start()
         old = cp.agent("n1", stop_engines_on_exit=False, python=old_python)
         [n1] = cp.wait_nodes("n1")
         assert n1["version"] == ""  # 0.1.0 sends none
         assert cp.apply(catalog(1)).status_code == 200
+        step("control plane and node up")
         cp.wait_replicas(MODEL, timeout_s=60)
+        step("first replica ready")
         with Traffic(cp.gateway) as traffic:
             traffic.wait_served(timeout_s=30)
             scale(cp, 2, traffic)  # placed and started on the 0.1.0 node worker by 0.2.0
@@ -217,7 +239,9 @@ def test_previous_node_worker_under_this_control_plane_then_upgraded(old_python,
             scale(cp, 2, traffic)  # the node worker of this version starts one beside the adopted engine
         assert traffic.failures == [], traffic.failures
         assert_engines_kept(cp, "n1", before)
+        step("traffic stopped")
         failed, _ = workflow_task_outcomes(cp)
+        step("histories read")
         assert failed == []
         print(f"answers: {traffic.ok}")
     finally:
@@ -228,11 +252,14 @@ def test_this_node_worker_under_previous_control_plane_then_upgraded(old_python,
                                                                       temporal, namespace):
     cp = _plane(tmp_path, empty_database_url, temporal, namespace)
     try:
+        step("start")
         cp.start(python=old_python)  # 0.1.0's server migrates its database as its own
         cp.agent("n1", stop_engines_on_exit=False)
         cp.wait_nodes("n1")
         assert cp.apply(catalog(1)).status_code == 200
+        step("control plane and node up")
         cp.wait_replicas(MODEL, timeout_s=60)
+        step("first replica ready")
         with Traffic(cp.gateway) as traffic:
             traffic.wait_served(timeout_s=30)
             scale(cp, 2, traffic)  # placed and started on this version's node worker by 0.1.0
@@ -243,6 +270,7 @@ def test_this_node_worker_under_previous_control_plane_then_upgraded(old_python,
             m = subprocess.run([sys.executable, "-m", "llmgw", "db", "upgrade"], env=cp.env, capture_output=True,
                                text=True, timeout=120)
             assert m.returncode == 0, m.stdout + m.stderr
+            step("database upgraded")
             traffic.wait_served()
             # A 0.1.0 gateway (re)started now finds a schema newer than it knows: it refuses to start unless
             # told not to migrate (this version starts there: test_a_schema_newer_than_this_version_...).
@@ -256,6 +284,7 @@ def test_this_node_worker_under_previous_control_plane_then_upgraded(old_python,
             wait_until(lambda: httpx.post(f"http://127.0.0.1:{g2}/v1/chat/completions", timeout=10, json={
                 "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).status_code == 200,
                 timeout_s=20, what="the restarted 0.1.0 gateway serving")
+            step("0.1.0 gateway restarted")
             old_worker = next(p for p in cp.procs if p.name == "worker")
             cp.spawn("worker-new", "worker")
             old_worker.stop()
@@ -263,7 +292,9 @@ def test_this_node_worker_under_previous_control_plane_then_upgraded(old_python,
         assert traffic.failures == [], traffic.failures
         assert_engines_kept(cp, "n1", {k: v for k, v in before.items() if k in engine_pids(cp, "n1")})
         assert set(before) & set(engine_pids(cp, "n1")), "the replica that ran before the upgrade was stopped"
+        step("traffic stopped")
         failed, _ = workflow_task_outcomes(cp)
+        step("histories read")
         assert failed == []
         print(f"answers: {traffic.ok}")
     finally:
@@ -273,25 +304,29 @@ def test_this_node_worker_under_previous_control_plane_then_upgraded(old_python,
 def test_control_workers_of_both_versions_on_one_task_queue(old_python, tmp_path, database_url, temporal, namespace):
     cp = _plane(tmp_path, database_url, temporal, namespace)
     try:
+        step("start")
         cp.start(worker=False)
-        old_worker = cp.spawn("worker-old", "worker", python=old_python)
+        old_worker = polling(cp.spawn("worker-old", "worker", python=old_python))
         cp.agent("n1", stop_engines_on_exit=False)
         cp.wait_nodes("n1")
+        step("control plane and node up")
         assert cp.apply(catalog(1)).status_code == 200
         cp.wait_replicas(MODEL, timeout_s=60)  # the reconciler and this start: 0.1.0's histories
+        step("first replica ready")
         with Traffic(cp.gateway) as traffic:
             traffic.wait_served(timeout_s=30)
-            new_worker = cp.spawn("worker-new", "worker")
+            new_worker = polling(cp.spawn("worker-new", "worker"))
             scale(cp, 2, traffic)  # both poll: workflow tasks go to either
             scale(cp, 1, traffic)
             old_worker.stop()  # 0.2.0 alone replays what 0.1.0 wrote
             scale(cp, 2, traffic)
-            old_worker = cp.spawn("worker-old-again", "worker", python=old_python)
-            time.sleep(1)
+            old_worker = polling(cp.spawn("worker-old-again", "worker", python=old_python))
             new_worker.stop()  # 0.1.0 alone replays what 0.2.0 wrote
             scale(cp, 1, traffic)
         assert traffic.failures == [], traffic.failures
+        step("traffic stopped")
         failed, identities = workflow_task_outcomes(cp)
+        step("histories read")
         assert failed == [], failed
         assert versions(identities) == {"0.1.0", "0.2.0"}, identities
         print(f"answers: {traffic.ok}; workflow tasks completed by {sorted(identities)}")

@@ -71,8 +71,13 @@ def previous_release(commit: str = PREVIOUS_COMMIT) -> Path:
     return python
 
 
+def _env() -> dict[str, str]:
+    """The environment without PYTHONPATH: a test run's points at this checkout, which the release must not see."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def _run(args: list[str], what: str, **kw) -> None:
-    r = subprocess.run(args, capture_output=True, text=True, **kw)
+    r = subprocess.run(args, capture_output=True, text=True, env=_env(), **kw)
     if r.returncode != 0:
         pytest.fail(f"installing llmgw {PREVIOUS_VERSION}: {what} failed ({r.returncode}):\n{r.stdout[-3000:]}"
                     f"\n{r.stderr[-3000:]}", pytrace=False)
@@ -89,7 +94,7 @@ def _install(commit: str, root: Path) -> None:
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], "python -m venv")
     py = venv / "bin" / "python"
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+                             capture_output=True, text=True, check=True, env=_env()).stdout.strip()
     # A plain path line: this venv's distributions (and pip) are importable there; its .pth files (this
     # checkout's editable install among them) are not run.
     Path(purelib, "llmgw-shared-site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -105,6 +110,7 @@ def _install(commit: str, root: Path) -> None:
              "    try: v = m.version(r.name)\n"
              "    except m.PackageNotFoundError: bad.append(f'{r} (missing)'); continue\n"
              "    if v not in r.specifier: bad.append(f'{r} (have {v})')\n"
-             "assert m.version('llmgw') == sys.argv[1], m.version('llmgw')\n"
+             "import llmgw\n"
+             "assert m.version('llmgw') == sys.argv[1] and llmgw.__file__.startswith(sys.prefix), llmgw.__file__\n"
              "sys.exit('unmet: ' + ', '.join(bad) if bad else 0)\n")
     _run([str(py), "-c", check, PREVIOUS_VERSION], "its requirements")

@@ -23,15 +23,16 @@ TEMPORAL_DYNAMIC_CONFIG = {"matching.longPollExpirationInterval": f"{LONG_POLL_S
 
 
 class Proc:
-    """An `llmgw ...` subprocess in its own process group, logging to a file."""
+    """An `llmgw ...` subprocess in its own process group, logging to a file. `python`: another
+    installation's interpreter (a previous release's venv, tests/releases.py) instead of this one."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path):
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path, python: str | None = None):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", *args], env=env, stdout=logf,
+            self.proc = subprocess.Popen([python or sys.executable, "-m", "llmgw", *args], env=env, stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def log(self) -> str:
@@ -112,15 +113,20 @@ class ControlPlane:
     def mirror_dir(self) -> Path:
         return self.state / "mirror"
 
-    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-        p = Proc(name, list(args), {**self.env, **(env or {})}, self.log_dir)
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None, python: str | None = None) -> Proc:
+        """`python`: another installation's interpreter, which runs its own llmgw (not this checkout's, so
+        not with this process's PYTHONPATH)."""
+        env = {**self.env, **(env or {})}
+        if python is not None:
+            env.pop("PYTHONPATH", None)
+        p = Proc(name, list(args), env, self.log_dir, python=python)
         self.procs.append(p)
         return p
 
-    def start(self, mirror: bool = False, worker: bool = True) -> "ControlPlane":
-        server = self.spawn("server", "server")
+    def start(self, mirror: bool = False, worker: bool = True, python: str | None = None) -> "ControlPlane":
+        server = self.spawn("server", "server", python=python)
         if worker:
-            self.spawn("worker", "worker")
+            self.spawn("worker", "worker", python=python)
         if mirror:
             m = self.spawn("mirror", "mirror", "serve")
             wait_port(self.ports["mirror"], 30, m.proc, "mirror")
@@ -130,7 +136,7 @@ class ControlPlane:
         return self
 
     def agent(self, node_id: str, name: str | None = None, stop_engines_on_exit: bool = True,
-              simulate: str | None = None, **env: str) -> Proc:
+              simulate: str | None = None, python: str | None = None, **env: str) -> Proc:
         """An `llmgw agent` for `node_id`, with a weight cache of its own (as a separate machine has), and
         with `simulate`, a declared inventory (`--simulate SPEC`)."""
         args = ["agent", "--node-id", node_id]
@@ -139,7 +145,7 @@ class ControlPlane:
         if simulate is not None:
             args += ["--simulate", simulate]
         env.setdefault("LLMGW_CACHE_DIR", str(self.state / "cache" / node_id))  # one cache per node, like machines
-        return self.spawn(name or f"agent-{node_id}", *args, env={**self.node_env(node_id), **env})
+        return self.spawn(name or f"agent-{node_id}", *args, env={**self.node_env(node_id), **env}, python=python)
 
     def kill_node(self, node_id: str) -> None:
         """The machine dies: its agent and every engine it ran, at once (SIGKILL, no goodbye)."""

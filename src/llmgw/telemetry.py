@@ -313,7 +313,10 @@ class ControlMetrics:
     - `llmgw_model_failed_starts{model}`, `llmgw_model_backoff_seconds{model}`: consecutive failed starts
       and the backoff left (a model in CrashLoopBackOff);
     - `llmgw_replica_starts_total{model,outcome}`: starts that reached Ready or failed;
-    - `llmgw_replica_time_to_ready_seconds{model}`: from placement to Ready.
+    - `llmgw_replica_time_to_ready_seconds{model}`: from placement to Ready;
+    - `llmgw_reconcilers_replaced_total{cause}`: reconciler runs this worker replaced because their workflow
+      task kept failing, by the cause Temporal recorded (`non_deterministic_error` after a deploy that broke
+      replay; `unknown`, `timed_out`, or another `WorkflowTaskFailedCause` in lower case).
     """
 
     def __init__(self) -> None:
@@ -333,6 +336,8 @@ class ControlMetrics:
         self.starts = Counter("llmgw_replica_starts", "Replica starts by outcome", ["model", "outcome"], registry=r)
         self.time_to_ready = Histogram("llmgw_replica_time_to_ready_seconds", "Placement to Ready (s)", ["model"],
                                        buckets=READY_BUCKETS, registry=r)
+        self.reconcilers_replaced = Counter("llmgw_reconcilers_replaced", "Reconciler runs replaced as wedged, "
+                                            "by their failed workflow task's cause", ["cause"], registry=r)
 
     def snapshot(self, snapshot) -> None:
         """Set the gauges from a reconcile snapshot (`schemas.payloads.Snapshot`): every catalog model gets

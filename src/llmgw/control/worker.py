@@ -43,12 +43,40 @@ __all__ = ["WORKFLOWS", "ensure_reconciler", "run_control_worker", "watch_reconc
 
 # A reconciler whose workflow task has been tried this many times without completing is wedged.
 WEDGED_ATTEMPTS = 3
+MAX_REASON = 2000  # of a termination's reason: a failure message may be long (a whole stack)
+_CAUSE_PREFIX = "WORKFLOW_TASK_FAILED_CAUSE_"
 
 
-async def ensure_reconciler(client: Client, search_attributes: bool = False) -> str | None:
+async def last_task_failure(client: Client, run_id: str) -> tuple[str, str]:
+    """The reconciler run's latest failed workflow task, from its history: the cause
+    (`non_deterministic_error`, `workflow_worker_unhandled_failure`, ...) and the failure's message;
+    ("unknown", "") when the history holds none, or it cannot be read."""
+    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+
+    try:
+        history = await client.get_workflow_handle(RECONCILER_ID, run_id=run_id).fetch_history()
+    except Exception as exc:  # noqa: BLE001 - the replacement goes ahead; say why the cause is missing
+        return "unknown", f"(its history could not be read: {exc})"
+    for event in reversed(history.events):
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+            a = event.workflow_task_failed_event_attributes
+            cause = WorkflowTaskFailedCause.Name(a.cause).removeprefix(_CAUSE_PREFIX).lower()
+            return cause, a.failure.message.strip()[:500]
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
+            return "timed_out", "its workflow task timed out (no worker completed it)"
+    return "unknown", ""
+
+
+async def ensure_reconciler(client: Client, search_attributes: bool = False,
+                            metrics: ControlMetrics | None = None) -> str | None:
     """Start the reconciler unless it is running; replace it when its workflow task keeps failing.
     Returns what was done ("started", "restarted after it was <status>", "replaced: ..."), None if nothing.
-    `search_attributes`: the namespace has llmgw's (workflows/attributes.py), so the run carries them."""
+    `search_attributes`: the namespace has llmgw's (workflows/attributes.py), so the run carries them.
+
+    A replaced run is not hidden: what made its task fail (the cause Temporal recorded, such as
+    `non_deterministic_error`, and the failure's message) is in what this returns (the worker logs it as an
+    error), in `llmgw_reconcilers_replaced_total{cause}`, and in the terminated run's reason; the run itself
+    stays in Temporal, history and all, for diagnosis (until the namespace's retention)."""
     handle = client.get_workflow_handle(RECONCILER_ID)
     done = "started"
     try:
@@ -61,8 +89,12 @@ async def ensure_reconciler(client: Client, search_attributes: bool = False) -> 
             attempt = desc.raw_description.pending_workflow_task.attempt
             if attempt < WEDGED_ATTEMPTS:
                 return None
-            done = f"replaced: its workflow task failed {attempt - 1} times (non-determinism after a deploy?)"
-            await handle.terminate(reason=f"replaced by the control worker: {done}")
+            cause, message = await last_task_failure(client, desc.run_id)
+            done = (f"replaced: its workflow task failed {attempt - 1} times, {cause}: {message} (run {desc.run_id} "
+                    f"terminated and kept: temporal workflow show -w {RECONCILER_ID} -r {desc.run_id})")
+            if metrics is not None:
+                metrics.reconcilers_replaced.labels(cause=cause).inc()
+            await handle.terminate(reason=f"replaced by the control worker: {done}"[:MAX_REASON])
         else:
             done = f"restarted after it was {desc.status.name.lower() if desc.status else 'closed'}"
     await client.start_workflow(
@@ -74,13 +106,15 @@ async def ensure_reconciler(client: Client, search_attributes: bool = False) -> 
 
 
 async def watch_reconciler(client: Client, every_s: float, stop: asyncio.Event,
-                           check: SearchAttributeCheck | None = None) -> None:
+                           check: SearchAttributeCheck | None = None, metrics: ControlMetrics | None = None) -> None:
     """`ensure_reconciler` now and every `every_s` seconds until `stop`; errors are logged, never fatal."""
     while not stop.is_set():
         try:
-            done = await ensure_reconciler(client, await check.registered(client) if check else False)
+            done = await ensure_reconciler(client, await check.registered(client) if check else False, metrics)
             if done == "started":
                 log.info("reconciler started")
+            elif done and done.startswith("replaced"):
+                log.error("reconciler %s", done)
             elif done:
                 log.warning("reconciler %s", done)
         except Exception:  # noqa: BLE001 - Temporal briefly away: the next round tries again
@@ -133,6 +167,6 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
     try:
         async with worker:
             log.info("control worker polling %s", CONTROL_QUEUE)
-            await watch_reconciler(client, settings.reconciler_watch_s, stop, check)
+            await watch_reconciler(client, settings.reconciler_watch_s, stop, check, metrics)
     finally:
         await engine.dispose()

@@ -39,7 +39,7 @@ from llmgw.schemas.payloads import (
 from llmgw.telemetry import ControlMetrics
 
 log = logging.getLogger(__name__)
-ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout")
+ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout", "sleep", "wake")
 START_CONCURRENCY = 16  # start RPCs in flight at once when a pass placed many replicas
 
 Hook = Callable[[Snapshot, Plan], Plan]
@@ -99,7 +99,7 @@ class DecideActivities:
         async def start(a: PassAction) -> str | None:
             async with sem:
                 ok = await start_replica(self.client, a.replica_id, a.model, a.profile_spec, a.shards,
-                                         result.ready_timeout_s, result.search_attributes)
+                                         result.ready_timeout_s, result.search_attributes, a.sleep_mode)
                 return a.replica_id if ok else None
 
         places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
@@ -154,7 +154,8 @@ class DecideActivities:
             actions=actions, more=plan.more,
             lines=lines[:MAX_PASS_LINES] + ([f"... and {len(lines) - MAX_PASS_LINES} more"] if len(lines) > MAX_PASS_LINES else []),
             interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
-            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes)
+            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes,
+            sleep_drain_timeout_s=s.sleep_drain_timeout_s)
         places = [a for a in actions if a.kind == "place"]
         async with self.engine.begin() as conn:
             await catalog_repo.save_decisions(conn, explanations)
@@ -206,7 +207,7 @@ def _action(d: Decision, rep: ReplicaSnap | None) -> PassAction:
     attributes of its stop workflow)."""
     if d.kind == "place":
         return PassAction(kind="place", model=d.model, line=d.line(), replica_id=str(uuid.uuid4()), profile=d.profile,
-                          profile_spec=d.profile_spec, shards=d.shards)
+                          profile_spec=d.profile_spec, shards=d.shards, sleep_mode=d.sleep_mode)
     if d.kind == "rollout":
         return PassAction(kind="rollout", model=d.model, line=d.line())
     assert d.replica_id

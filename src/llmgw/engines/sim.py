@@ -18,6 +18,9 @@ from llmgw.engines.sim_group import query_status
 
 class SimAdapter(EngineAdapter):
     name = "sim"
+    sleeps = True  # vLLM's calls, with the sleep and wake times `--sleep-s`/`--wake-s` give it (sim_server.py)
+    sleep_path = "/sleep?level={level}"
+    wake_path = "/wake_up"
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         argv = [sys.executable, "-m", "llmgw.engines.sim_server", *spec.profile.args, "--model", spec.model,

@@ -44,7 +44,7 @@ def engine_state(cp, rid: str) -> dict:
 async def test_an_idle_replica_sleeps_and_a_request_wakes_the_same_engine_and_a_stop_while_asleep_stops_it(
         control_plane):
     cp = control_plane
-    cp.env.update({"LLMGW_LOAD_WAIT_S": "30", "LLMGW_SLEEP_DRAIN_TIMEOUT_S": "5"})
+    cp.env.update({"LLMGW_LOAD_WAIT_S": "30", "LLMGW_REPLICA_DRAIN_TIMEOUT_S": "5"})
     await asyncio.to_thread(cp.start)
     cp.agent("node-a")
     await asyncio.to_thread(cp.wait_nodes, "node-a")

@@ -169,8 +169,6 @@ class Settings(BaseSettings):
     # Host memory each node may give sleeping replicas (`scaling.sleep_after`; their weights offloaded from
     # the GPUs), in GB: unset = half the node's host memory, 0 = no replica sleeps (placement/sleep.py).
     sleep_host_memory_gb: float | None = Field(None, ge=0, le=1e6)
-    # How long a replica going to sleep waits for what it serves to finish (past it, it stays awake).
-    sleep_drain_timeout_s: float = Field(30.0, ge=0, le=3600)
 
     # Test hooks (tests/faults/): SIGKILL the control worker right after the named control activity's commit
     # (`mark_replica` or `mark_replica:ready`), once per marker file. Unset in any real deployment.

@@ -154,8 +154,7 @@ class DecideActivities:
             actions=actions, more=plan.more,
             lines=lines[:MAX_PASS_LINES] + ([f"... and {len(lines) - MAX_PASS_LINES} more"] if len(lines) > MAX_PASS_LINES else []),
             interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
-            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes,
-            sleep_drain_timeout_s=s.sleep_drain_timeout_s)
+            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes)
         places = [a for a in actions if a.kind == "place"]
         async with self.engine.begin() as conn:
             await catalog_repo.save_decisions(conn, explanations)

@@ -1,7 +1,8 @@
 """Workflow and activity inputs/outputs. Each activity takes one model and returns one.
 
 New fields always get defaults, so a workflow history recorded by an older version still decodes, and
-unknown fields are ignored, so a newer sender's input still runs here (`schemas/wire.py` has the rule,
+unknown fields are ignored, so a newer sender's input still runs here (0.1.0 refused them: a field added
+since is left out of the payload while it holds its default, `exclude_if`, as issue 39's are) (`schemas/wire.py` has the rule,
 `tests/test_wire_compat.py` holds every model reachable from a registered activity or workflow to it).
 """
 
@@ -129,7 +130,7 @@ class Snapshot(_Wire):
     unreadable_models: list[str] = Field(default_factory=list)
     # Host memory each node may give replicas asleep (their offloaded weights), in GB: None = half the
     # node's host memory, 0 = none sleeps (the control plane's `sleep_host_memory_gb`; placement/sleep.py).
-    sleep_host_memory_gb: float | None = None
+    sleep_host_memory_gb: float | None = Field(None, exclude_if=lambda v: v is None)
 
 
 # ---- reconciler ---------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ class PassAction(_Wire):
     drain: bool = True
     final_status: ReplicaStatus = ReplicaStatus.STOPPED
     nodes: list[str] = Field(default_factory=list)  # a stop: the nodes its replica's shards are on
-    sleep_mode: bool = False
+    sleep_mode: bool = Field(False, exclude_if=lambda v: not v)
 
 
 class DecideResult(_Wire):
@@ -202,7 +203,6 @@ class DecideResult(_Wire):
     drain_timeout_s: float = 60.0
     search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
     started: list[str] = Field(default_factory=list)  # placed replicas whose start workflow `decide` started
-    sleep_drain_timeout_s: float = 30.0  # a replica going to sleep waits this long for what it serves
 
 
 MAX_PASS_LINES = 50
@@ -241,7 +241,7 @@ class ReplicaStartInput(_Wire):
     profile: Profile
     shards: list[ShardPlacement]
     ready_timeout_s: float = 900.0
-    sleep_mode: bool = False
+    sleep_mode: bool = Field(False, exclude_if=lambda v: not v)
 
 
 class ReplicaStartResult(_Wire):
@@ -350,7 +350,7 @@ class AwaitStartClosedInput(_Wire):
     replica_id: str
     timeout_s: float = 60.0
     cancel: bool = True
-    workflow: Literal["start", "sleep"] = "start"
+    workflow: Literal["start", "sleep"] = Field("start", exclude_if=lambda v: v == "start")
 
 
 class AwaitStartClosedResult(_Wire):
@@ -407,7 +407,8 @@ class LaunchShardInput(_Wire):
     weights_path: str | None = None
     rendezvous: Rendezvous | None = None  # set for every shard of a multi-node replica
     generation: int = 0  # fencing: refused on a node told to stop this replica at a later generation
-    sleep_mode: bool = False  # launch the engine able to sleep (vLLM `--enable-sleep-mode`, ...; issue 39)
+    # Launch the engine able to sleep (vLLM `--enable-sleep-mode`, ...; issue 39).
+    sleep_mode: bool = Field(False, exclude_if=lambda v: not v)
 
 
 NOT_WANTED = "NotWanted"  # the failure type of a `start_shard` whose replica stopped being wanted while it fetched

@@ -121,7 +121,7 @@ class ReconcilerWorkflow:
             await self._rollout(a.model)
         elif a.kind == "sleep":
             await self._lifecycle(ReplicaSleepWorkflow.run, ReplicaSleepInput(
-                replica_id=a.replica_id, model=a.model, reason=a.reason, drain_timeout_s=res.sleep_drain_timeout_s),
+                replica_id=a.replica_id, model=a.model, reason=a.reason, drain_timeout_s=res.drain_timeout_s),
                 replica_sleep_id(a.replica_id), "sleep", a)
         elif a.kind == "wake":
             await self._lifecycle(ReplicaWakeWorkflow.run, ReplicaWakeInput(replica_id=a.replica_id, model=a.model,

@@ -203,3 +203,36 @@ def test_a_placement_of_a_model_that_sleeps_is_launched_able_to():
     assert [d.sleep_mode for d in plan.of_kind("place")] == [False]
     plan = plan_pass(snapshot([steady("b", gpus_per_node=1)], [node("n1", gpus=1)], []))
     assert [d.sleep_mode for d in plan.of_kind("place")] == [False]
+
+
+# ---- the ladder's rungs in the decision line (issue 39, item 2) ----------------------------------------
+
+def test_an_on_demand_start_prefers_a_node_holding_the_weights_and_says_which_rung():
+    from llmgw.weights.naming import cache_name_for
+
+    src = "mirror:qwen/"
+    m = sleepy("a", source=src, gpus_per_node=1, disk_gb=10)
+    busy = replica("other", "b", [("n2", [1])])  # the node holding the weights is the more loaded one
+    nodes = [node("n1", gpus=2), node("n2", gpus=2, cached=[cache_name_for(src)])]
+    [d] = plan_pass(snapshot([m, steady("b", gpus_per_node=1)], nodes, [busy], [used("a", 1, load=1)])).of_kind("place")
+    assert d.shards[0].node_id == "n2"
+    assert "n2 holds the weights; rung: start from the weights already in its cache (no fetch)" in d.reason, d.reason
+
+    full = node("n2", gpus=1, cached=[cache_name_for(src)])
+    taken = replica("other", "b", [("n2", [0])])
+    [d] = plan_pass(snapshot([m, steady("b", gpus_per_node=1)], [node("n1", gpus=1), full], [taken],
+                             [used("a", 1, load=1)])).of_kind("place")
+    assert d.shards[0].node_id == "n1" and "rung: fetch the weights (n2 holds them but cannot take it)" in d.reason
+
+    [d] = plan_pass(snapshot([m], [node("n1", gpus=1)], [], [used("a", 1, load=1)])).of_kind("place")
+    assert "rung: fetch the weights (no node holds them)" in d.reason
+    # No weights to fetch (the sim engine, a model id the engine resolves): no rung to name.
+    [d] = plan_pass(snapshot([sleepy("s")], [node("n1")], [], [used("s", 1, load=1)])).of_kind("place")
+    assert "rung" not in d.reason
+
+
+def test_a_wake_says_it_is_the_first_rung():
+    rep = replica("r1", "a", [("n1", [0])], status="sleeping")
+    [d] = plan_pass(snapshot([sleepy("a", gpus_per_node=1)], [node("n1", gpus=1)], [rep],
+                             [used("a", 1, load=1)])).of_kind("wake")
+    assert "rung: wake a sleeping replica" in d.reason

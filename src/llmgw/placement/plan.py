@@ -221,8 +221,8 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
             # The fastest rung: the engine is loaded and asleep (issue 39). Woken ones count as serving.
             for r in wakeable[: want - serving]:
                 plan.decisions.append(Decision(kind="wake", model=model.name, replica_id=r.id, reason=(
-                    f"{serving} of {want} wanted ({why}); waking is the fastest way back: its engine is loaded "
-                    f"and asleep on {_where(r)}")))
+                    f"{serving} of {want} wanted ({why}); rung: wake a sleeping replica, the fastest way back: its "
+                    f"engine is loaded and asleep on {_where(r)}")))
                 serving += 1
             if serving >= want:
                 continue

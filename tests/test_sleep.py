@@ -44,7 +44,7 @@ def engine_state(cp, rid: str) -> dict:
 async def test_an_idle_replica_sleeps_and_a_request_wakes_the_same_engine_and_a_stop_while_asleep_stops_it(
         control_plane):
     cp = control_plane
-    cp.env.update({"LLMGW_LOAD_WAIT_S": "30", "LLMGW_REPLICA_DRAIN_TIMEOUT_S": "5"})
+    cp.env.update({"LLMGW_LOAD_WAIT_S": "30", "LLMGW_REPLICA_DRAIN_TIMEOUT_S": "5", "LLMGW_RECONCILE_INTERVAL_S": "1"})
     await asyncio.to_thread(cp.start)
     cp.agent("node-a")
     await asyncio.to_thread(cp.wait_nodes, "node-a")
@@ -65,8 +65,9 @@ async def test_an_idle_replica_sleeps_and_a_request_wakes_the_same_engine_and_a_
         assert asleep["accelerator_memory_bytes"] == 0 and asleep["offloaded_memory_bytes"] == 512 * MB
         shown = await asyncio.to_thread(cp.ctl, "replicas")
         assert rid[:8] in shown.stdout and "sleeping" in shown.stdout, shown.stdout + shown.stderr
-        shown = await asyncio.to_thread(cp.ctl, "models")
-        assert "sleeping" in shown.stdout and "a request wakes one" in shown.stdout, shown.stdout + shown.stderr
+        shown = await asyncio.to_thread(cp.ctl, "models", "-o", "json")
+        [m] = [m for m in json.loads(shown.stdout) if m["name"] == MODEL]
+        assert m["status"] == "sleeping" and "a request wakes one" in m["reason"], m
         explained = cp.explain(MODEL)
         assert "put replica" in json.dumps(explained) or "asleep" in json.dumps(explained), explained
 

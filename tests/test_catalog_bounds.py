@@ -96,6 +96,32 @@ def test_a_number_or_a_count_past_its_bound_is_refused_naming_the_field(field, v
     assert any(p.startswith(where) for p in problems), problems
 
 
+@pytest.mark.parametrize("scaling, where", [
+    ({"min": 0, "max": 1, "sleep_after": -5}, "scaling.sleep_after: Input should be greater than 0"),
+    ({"min": 0, "max": 1, "sleep_after": 0}, "scaling.sleep_after: Input should be greater than 0"),
+    ({"min": 0, "max": 1, "sleep_after": "99999h"}, "scaling.sleep_after: Input should be less than or equal to 31622400"),
+    ({"min": 0, "max": 1, "sleep_after": "soon"}, "scaling.sleep_after: 'soon' is not a duration"),
+    ({"min": 0, "max": 1, "sleep_after": True}, "scaling: `sleep_after` takes a number, not true"),
+    ({"min": 0, "max": 1, "sleep_after": [1]}, "scaling.sleep_after: Input should be a valid number"),
+    ({"min": 0, "max": 1, "sleep_after": float("inf")}, "scaling.sleep_after: Input should be a finite number"),
+    ({"min": 0, "max": 1, "sleep_after": "10m", "idle_timeout": "5m"},
+     "scaling: sleep_after (600s) must be shorter than idle_timeout (300s)"),
+    ({"min": 0, "max": 1, "sleep_after": 600}, "scaling: sleep_after (600s) must be shorter than idle_timeout (600s)"),
+    ({"min": 1, "max": 2, "sleep_after": 60}, "scaling: sleep_after applies to on-demand models (min 0)"),
+    ({"min": 0, "max": 1, "sleep_afterr": 60}, "scaling.sleep_afterr: unknown field; did you mean 'sleep_after'?"),
+])
+def test_sleep_after_past_its_bounds_is_refused_naming_it(scaling, where):
+    problems = refused({"models": [model(scaling=scaling)]})
+    assert any(p.startswith(f"models[0] (m).{where}") for p in problems), problems
+
+
+def test_sleep_after_is_read_as_a_duration_and_left_out_when_unset():
+    m = read_catalog({"models": [model(scaling={"min": 0, "max": 1, "sleep_after": "90s", "idle_timeout": "10m"})]})
+    assert m.catalog.models[0].scaling.sleep_after == 90.0
+    plain = read_catalog({"models": [model()]}).catalog.models[0]
+    assert "sleep_after" not in plain.model_dump_json()  # a stored model without it reads the same to older versions
+
+
 @pytest.mark.integration
 async def test_a_stored_model_with_a_bad_alias_keeps_serving_under_its_name(database_url):
     """An older llmgw took any alias: the model is read without it (logged), not skipped whole."""

@@ -128,7 +128,7 @@ def test_a_value_of_the_wrong_shape_is_told_what_to_write():
         parse_catalog({"models": [{"name": "a", "scaling": True, "aliases": "b", "profiles": [{"engine": "sim"}]}]})
     assert e.value.problems == [
         "models[0] (a).aliases: must be a list (one `- item` a line, or `[a, b]`), not 'b'",
-        "models[0] (a).scaling: must be a mapping of fields (min, max, idle_timeout, target_in_flight, "
+        "models[0] (a).scaling: must be a mapping of fields (min, max, idle_timeout, sleep_after, target_in_flight, "
         "scale_down_delay, load_wait, load_queue), not true (YAML reads on/off, yes/no as true/false); "
         "for example `scaling: {min: 1, max: 1}`",
     ], e.value.problems

@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     lost_teardown_window_s: float = 60.0
     # A replica `starting` for longer is failed by the planner (a profile's `start_timeout` overrides it).
     start_budget_s: float = 3600.0
+    # Host memory each node may give sleeping replicas (`scaling.sleep_after`; their weights offloaded from
+    # the GPUs), in GB: unset = half the node's host memory, 0 = no replica sleeps (placement/sleep.py).
+    sleep_host_memory_gb: float | None = Field(None, ge=0, le=1e6)
 
     # Test hooks (tests/faults/): SIGKILL the control worker right after the named control activity's commit
     # (`mark_replica` or `mark_replica:ready`), once per marker file. Unset in any real deployment.

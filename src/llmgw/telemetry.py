@@ -307,7 +307,7 @@ class ControlMetrics:
 
     - `llmgw_reconcile_passes_total`, `llmgw_reconcile_pass_seconds`: passes, and from the pass's start
       (workflow time) until its decisions were recorded;
-    - `llmgw_reconcile_decisions_total{kind}`: place, stop, evict, lost, cleanup, refuse, wait, keep;
+    - `llmgw_reconcile_decisions_total{kind}`: place, stop, evict, lost, cleanup, refuse, wait, keep, rollout, sleep, wake;
     - `llmgw_placement_refusals_total{reason}`: candidates turned down, by reason;
     - `llmgw_replicas{model,status}`: active replicas by model and status, from the latest snapshot;
     - `llmgw_model_failed_starts{model}`, `llmgw_model_backoff_seconds{model}`: consecutive failed starts

@@ -83,6 +83,8 @@ WORKER_ENV = {
     "VLLM_API_KEY": "each replica's engine key is the node worker's",
     "LLAMA_API_KEY": "each replica's engine key is the node worker's",
     "LLMGW_SIM_API_KEY": "each replica's engine key is the node worker's",
+    "VLLM_SERVER_DEV_MODE": "the node worker opens vLLM's sleep endpoints, behind the engine key, for a model "
+                            "with scaling.sleep_after",
 }
 
 _COMMON_WORKER_FLAGS = {"--host", "--port", "--model", "--api-key"}
@@ -145,7 +147,7 @@ VLLM = EngineRules(
     }),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {
         "--served-model-name", "--tensor-parallel-size", "--pipeline-parallel-size", "--distributed-executor-backend",
-        "--data-parallel-size"}),
+        "--data-parallel-size", "--enable-sleep-mode"}),
 )
 
 # Checked by hand against SGLang 0.5.23's parser (`ServerArgs.add_cli_args`; PyPI `sglang --no-deps`, issue
@@ -164,7 +166,8 @@ SGLANG = EngineRules(
     env=frozenset(),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {
         "--model-path", "--served-model-name", "--tp", "--tp-size", "--tensor-parallel-size", "--pp-size",
-        "--enable-metrics", "--dist-init-addr", "--nnodes", "--node-rank", "--dp", "--dp-size", "--base-gpu-id"}),
+        "--enable-metrics", "--dist-init-addr", "--nnodes", "--node-rank", "--dp", "--dp-size", "--base-gpu-id",
+        "--enable-memory-saver"}),
 )
 
 # llama-server's tuning flags and the environment variable each is read from (None: it has none), as
@@ -207,7 +210,7 @@ LLAMACPP = EngineRules(
 SIM = EngineRules(
     engine="sim",
     flags=frozenset({"--tokens-per-second", "--startup-delay", "--join-timeout", "--prefix-cache-blocks",
-                     "--prefill-tokens-per-second"}),
+                     "--prefill-tokens-per-second", "--gpu-memory-mb", "--sleep-s", "--wake-s"}),
     env=frozenset(),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {"--rank", "--world-size", "--rendezvous", "--token"}),
 )

@@ -28,11 +28,11 @@ from llmgw.weights.naming import cache_name_for, parse_source
 from llmgw.schemas.status import ReplicaStatus, wanted_by_start
 from llmgw.schemas.payloads import (
     AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
-    MarkReplicaInput, MarkReplicaResult, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
+    MarkReplicaInput, MarkReplicaResult, MarkSleepInput, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
     RecordReplicaFailureInput, ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, ResetModelFailuresInput,
     RolloutStep, RolloutStepInput, SettleReplicaInput, SettleReplicaResult, ShardPlacement, Snapshot,
 )
-from llmgw.workflows.ids import replica_start_id
+from llmgw.workflows.ids import replica_sleep_id, replica_start_id
 
 if TYPE_CHECKING:
     from llmgw.temporal import SearchAttributeCheck
@@ -61,7 +61,7 @@ class ControlActivities:
     def all(self) -> list:
         return [self.read_snapshot, self.record_placement, self.record_decisions, self.mark_replica,
                 self.settle_replica, self.record_replica_failure, self.reset_model_failures, self.get_replica_shards,
-                self.reclaim_targets, self.check_replica, self.await_start_closed, self.rollout_step]
+                self.reclaim_targets, self.check_replica, self.await_start_closed, self.rollout_step, self.mark_sleep]
 
     @activity.defn(name="read_snapshot")
     async def read_snapshot(self) -> Snapshot:
@@ -94,6 +94,7 @@ class ControlActivities:
         snapshot = Snapshot(
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
             liveness=facts, start_budget_s=self.settings.start_budget_s,
+            sleep_host_memory_gb=self.settings.sleep_host_memory_gb,
             models=catalog.models, model_states=states,
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat,
                             polled_at=max(filter(None, (n.polled_at, polled.get(n.id))), default=None),
@@ -205,6 +206,15 @@ class ControlActivities:
             status, generation = await fleet_repo.replica_state(conn, inp.replica_id)
         return CheckReplicaResult(wanted=wanted_by_start(status), status=status or "unknown", generation=generation)
 
+    @activity.defn(name="mark_sleep")
+    async def mark_sleep(self, inp: MarkSleepInput) -> MarkReplicaResult:
+        """Ready -> sleeping, or sleeping -> Ready (issue 39). A retry finds it done and is told so."""
+        async with self.engine.begin() as conn:
+            t = await fleet_repo.mark_sleep(conn, inp.replica_id, inp.asleep)
+        target = ReplicaStatus.SLEEPING if inp.asleep else ReplicaStatus.READY
+        return MarkReplicaResult(applied=t.applied or t.status is target, status=t.status or "unknown",
+                                 generation=t.generation)
+
     @activity.defn(name="await_start_closed")
     async def await_start_closed(self, inp: AwaitStartClosedInput) -> AwaitStartClosedResult:
         """Cancel the replica's start workflow (when `cancel`) and wait until it has closed, heartbeating, up
@@ -213,7 +223,8 @@ class ControlActivities:
         only `timeout_s`: the nodes' fences still refuse its launches."""
         if self.client is None:
             return AwaitStartClosedResult(closed=False, status="no Temporal client in this worker")
-        handle = self.client.get_workflow_handle(replica_start_id(inp.replica_id))
+        wf = replica_sleep_id(inp.replica_id) if inp.workflow == "sleep" else replica_start_id(inp.replica_id)
+        handle = self.client.get_workflow_handle(wf)
         deadline = time.monotonic() + inp.timeout_s
         cancelled = not inp.cancel
         while True:
@@ -221,7 +232,7 @@ class ControlActivities:
                 desc = await handle.describe()
             except RPCError as exc:
                 if exc.status == RPCStatusCode.NOT_FOUND:
-                    return AwaitStartClosedResult(closed=True, status="no start workflow")
+                    return AwaitStartClosedResult(closed=True, status=f"no {inp.workflow} workflow")
                 raise
             if desc.status not in (None, WorkflowExecutionStatus.RUNNING):
                 return AwaitStartClosedResult(closed=True, status=desc.status.name.lower())

@@ -39,7 +39,7 @@ from llmgw.schemas.payloads import (
 from llmgw.telemetry import ControlMetrics
 
 log = logging.getLogger(__name__)
-ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout")
+ACTING = ("place", "stop", "evict", "lost", "cleanup", "rollout", "sleep", "wake")
 START_CONCURRENCY = 16  # start RPCs in flight at once when a pass placed many replicas
 
 Hook = Callable[[Snapshot, Plan], Plan]
@@ -99,7 +99,7 @@ class DecideActivities:
         async def start(a: PassAction) -> str | None:
             async with sem:
                 ok = await start_replica(self.client, a.replica_id, a.model, a.profile_spec, a.shards,
-                                         result.ready_timeout_s, result.search_attributes)
+                                         result.ready_timeout_s, result.search_attributes, a.sleep_mode)
                 return a.replica_id if ok else None
 
         places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
@@ -206,7 +206,7 @@ def _action(d: Decision, rep: ReplicaSnap | None) -> PassAction:
     attributes of its stop workflow)."""
     if d.kind == "place":
         return PassAction(kind="place", model=d.model, line=d.line(), replica_id=str(uuid.uuid4()), profile=d.profile,
-                          profile_spec=d.profile_spec, shards=d.shards)
+                          profile_spec=d.profile_spec, shards=d.shards, sleep_mode=d.sleep_mode)
     if d.kind == "rollout":
         return PassAction(kind="rollout", model=d.model, line=d.line())
     assert d.replica_id

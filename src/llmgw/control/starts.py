@@ -32,14 +32,15 @@ CHECKS_PER_PASS = 32  # describe RPCs one pass may spend on it
 
 
 async def start_replica(client: Client, replica_id: str, model: str, profile: Profile, shards: list[ShardPlacement],
-                        ready_timeout_s: float, search_attributes: bool) -> bool:
+                        ready_timeout_s: float, search_attributes: bool, sleep_mode: bool = False) -> bool:
     """Start `replica_id`'s start workflow; True when it runs or ran (started now or before), False when
-    Temporal could not be asked (the caller leaves it to a later attempt)."""
+    Temporal could not be asked (the caller leaves it to a later attempt). `sleep_mode`: its engine is
+    launched able to sleep (its model has `scaling.sleep_after`)."""
     try:
         await client.start_workflow(
             "ReplicaStartWorkflow",
             ReplicaStartInput(replica_id=replica_id, model=model, profile=profile, shards=shards,
-                              ready_timeout_s=ready_timeout_s),
+                              ready_timeout_s=ready_timeout_s, sleep_mode=sleep_mode),
             id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             memo=attributes.memo(model, profile.name or "default"),
@@ -67,6 +68,7 @@ class StrandedStarts:
         starting = {r.id: r for r in snapshot.replicas if r.status == ReplicaStatus.STARTING}
         self.seen &= set(starting)
         profiles = {(m.name, p.name): p for m in snapshot.models for p in m.profiles}
+        sleeping = {m.name for m in snapshot.models if m.effective_scaling.sleep_after is not None}
         repaired: list[str] = []
         checks = 0
         for r in starting.values():
@@ -91,7 +93,8 @@ class StrandedStarts:
                         "closed before it started one); starting it now", r.id, r.model,
                         (snapshot.now - r.created_at).total_seconds())
             if await start_replica(self.client, r.id, r.model, profile, r.shards, ready_timeout_s,
-                                   snapshot.search_attributes):
+                                   snapshot.search_attributes,
+                                   r.model in sleeping and profile.sleep_refusal() is None):
                 self.seen.add(r.id)
                 repaired.append(r.id)
         return repaired

@@ -34,10 +34,11 @@ from llmgw.workflows.reclaim import ReclaimWorkflow
 from llmgw.workflows.reconciler import ReconcilerWorkflow
 from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
 from llmgw.workflows.rollout import RolloutWorkflow
+from llmgw.workflows.sleep import ReplicaSleepWorkflow, ReplicaWakeWorkflow
 
 log = logging.getLogger(__name__)
 WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, ShardLogWorkflow,
-             RolloutWorkflow]
+             RolloutWorkflow, ReplicaSleepWorkflow, ReplicaWakeWorkflow]
 __all__ = ["WORKFLOWS", "ensure_reconciler", "run_control_worker", "watch_reconciler", "workflow_runner"]
 
 

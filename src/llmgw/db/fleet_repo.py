@@ -236,6 +236,7 @@ class Transition:
 async def transition_replica(
     conn: AsyncConnection, replica_id: str, status: ReplicaStatus | str, endpoint: str | None = None,
     failure: str | None = None, reason: str | None = None, replaced: bool = True,
+    sources: tuple[ReplicaStatus, ...] | None = None,
 ) -> Transition:
     """Move a replica to `status` if the transition is allowed (`ReplicaStatus.sources`); ValueError for
     a status no replica moves to (`starting`, or not a replica status).
@@ -245,13 +246,14 @@ async def transition_replica(
     operator stopping `llmgw dev` or a node), which is no failure of the engine.
 
     `reason` is kept as `ended_reason` when `status` ends the replica (why it stopped). A step towards
-    stopping (draining, stopped, failed, lost: `ReplicaStatus.fencing`) bumps the fencing generation."""
+    stopping (draining, stopped, failed, lost: `ReplicaStatus.fencing`) bumps the fencing generation.
+    `sources` narrows the statuses it may move from (Ready from `starting` only, for a start's readiness)."""
     try:
         target = ReplicaStatus(status)
     except ValueError:
         raise ValueError(f"unknown replica status {status!r}") from None
-    allowed = target.sources()
-    if not allowed:
+    allowed = tuple(x for x in target.sources() if sources is None or x in sources)
+    if not target.sources():
         raise ValueError(f"unknown replica status {status!r}")  # nothing moves to `starting`: it is created so
     values: dict = {"status": target, "updated_at": func.now()}
     if endpoint is not None:
@@ -297,10 +299,21 @@ async def record_ready(conn: AsyncConnection, replica_id: str, endpoint: str | N
     (`routable_replicas`) until a report of rank 0 records the verified one."""
     reported = (await conn.execute(select(shards.c.endpoint).where(and_(
         shards.c.replica_id == replica_id, shards.c.rank == 0)))).scalar_one_or_none()
-    t = await transition_replica(conn, replica_id, ReplicaStatus.READY, endpoint=reported or endpoint)
+    # From `starting` only: a sleeping replica's engine is awake only once its wake says so (`mark_sleep`).
+    t = await transition_replica(conn, replica_id, ReplicaStatus.READY, endpoint=reported or endpoint,
+                                 sources=(ReplicaStatus.STARTING,))
     if not t.applied and t.status is ReplicaStatus.READY:
         return Transition(True, t.status, t.generation)
     return t
+
+
+async def mark_sleep(conn: AsyncConnection, replica_id: str, asleep: bool) -> Transition:
+    """Ready -> sleeping (out of routing), or sleeping -> Ready (routed again, the same engine woken): the
+    only writer of either (issue 39). The fencing generation is unchanged: neither is a step towards
+    stopping."""
+    if asleep:
+        return await transition_replica(conn, replica_id, ReplicaStatus.SLEEPING)
+    return await transition_replica(conn, replica_id, ReplicaStatus.READY, sources=(ReplicaStatus.SLEEPING,))
 
 
 async def ready_if_every_shard_is(conn: AsyncConnection, replica_id: str) -> bool:

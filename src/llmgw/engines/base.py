@@ -47,6 +47,7 @@ class ShardSpec:
     port: int = 0
     rendezvous: Rendezvous | None = None  # multi-node replicas: where the shards meet (rank 0's node)
     api_key: str | None = field(default=None, repr=False)  # the engine's key (serving shards); see module doc
+    sleep_mode: bool = False  # launched able to sleep (its model has `scaling.sleep_after`; issue 39)
 
     @property
     def world_size(self) -> int:
@@ -67,6 +68,10 @@ class LaunchPlan:
 
 class EngineError(ValueError):
     """The profile cannot be launched on this node (missing binary, missing weights, ...)."""
+
+
+class SleepError(RuntimeError):
+    """The engine did not go to sleep or wake (no sleep mode, an error answer, no answer)."""
 
 
 def weights_argument(spec: ShardSpec, needs: str) -> str:
@@ -214,3 +219,44 @@ class EngineAdapter:
     async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
         """Requests the engine is processing now, or None when it cannot say."""
         return None
+
+    # ---- sleep (issue 39): keep the process, release the accelerator memory ----------------------------
+    # `sleeps` says whether the engine has a sleep mode (`schemas.catalog.SLEEPING_ENGINES` lists the same);
+    # the planner never puts an engine without one to sleep. `sleep_path`/`wake_path` are its HTTP calls,
+    # made with the engine key like every other call the node makes.
+    sleeps = False
+    sleep_path = ""
+    wake_path = ""
+    sleep_timeout_s = 120.0  # a sleep or a wake copies the weights between GPU and host memory
+
+    async def sleep(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None,
+                    level: int = 1) -> None:
+        """Put the engine to sleep at `level` (1: weights kept in host memory; 2: dropped); SleepError if it
+        did not."""
+        if not self.sleeps:
+            raise SleepError(f"{self.name} has no sleep mode")
+        await self._call(session, endpoint + self.sleep_path.format(level=level), api_key, "sleep")
+
+    async def wake(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> None:
+        """Wake the engine (its memory taken back, ready to serve); SleepError if it did not."""
+        if not self.sleeps:
+            raise SleepError(f"{self.name} has no sleep mode")
+        await self._call(session, endpoint + self.wake_path, api_key, "wake")
+
+    def _body(self, what: str) -> dict | None:
+        """The JSON body of a sleep or wake call (None: none)."""
+        return None
+
+    async def _call(self, session: aiohttp.ClientSession, url: str, api_key: str | None, what: str) -> None:
+        try:
+            async with session.post(url, headers=auth_headers(api_key), json=self._body(what),
+                                    timeout=aiohttp.ClientTimeout(total=self.sleep_timeout_s)) as r:
+                text = (await r.text())[:300]
+                if r.status != 200:
+                    hint = (f"; {self.name} serves no {what} call here (started without its sleep mode?)"
+                            if r.status in (404, 405) else "")
+                    raise SleepError(f"{what} answered {r.status}: {text}{hint}")
+                if what == "wake" and '"sleeping"' in text:  # vLLM: {"status": "sleeping"}, partly awake
+                    raise SleepError(f"wake answered {text}: still asleep")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise SleepError(f"{what} got no answer: {exc or type(exc).__name__}") from None

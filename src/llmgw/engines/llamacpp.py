@@ -6,6 +6,11 @@ llama-server's own: `--model`, `--host`, `--port`, `--alias`; GPUs via `--n-gpu-
 `--split-mode layer` across `gpus_per_node` cards (seeds 003, "Place llama.cpp across several GPUs").
 The engine key goes in `LLAMA_API_KEY` (llama-server reads it as `--api-key`); llama-server then refuses
 every request without it except `/health` and `/v1/models`, so the node's `/slots` reads send it.
+
+llama-server has no sleep (issue 39): nothing releases its memory while its process lives, so `sleeps` stays
+False and the planner never puts a llama.cpp replica to sleep; with `scaling.sleep_after` it stays awake until
+`idle_timeout`, as without it. Its fast way back from stopped is a start from the weights already in the
+node's cache (and the page cache), which placement prefers (placement/fit.py).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def gguf_entry(weights_path: str) -> str:
 
 class LlamaCppAdapter(EngineAdapter):
     name = "llamacpp"
+    sleeps = False  # no sleep mode: see the module's doc
     exit_hints = {signal.SIGILL: (
         "the llama-server binary uses CPU instructions this machine cannot run (built for another CPU, or AMX/"
         "AVX-512 the kernel does not allow); rebuild it for the portable baseline with scripts/setup and check it "

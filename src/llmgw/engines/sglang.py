@@ -13,6 +13,11 @@ rendezvous (`--dist-init-addr`) is the node's advertised address; NCCL's and Glo
 that address's interface (`launch_env`). torch's TCPStore behind `--dist-init-addr` listens on every
 interface whatever address it is given, which no flag changes: firewall the rendezvous port to the
 fabric (docs/security.md).
+
+Sleep (issue 39; not run here: SGLang needs a GPU): a shard launched able to sleep gets
+`--enable-memory-saver`; `POST /release_memory_occupation` releases its weights and KV cache and
+`POST /resume_memory_occupation` takes them back, both behind `--api-key` like every path but `/health` and
+`/metrics`. SGLang has one level: what it releases is what vLLM's level 1 and 2 do together.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ def has_module(python: str, module: str) -> bool:
 
 class SglangAdapter(EngineAdapter):
     name = "sglang"
+    sleeps = True
+    sleep_path = "/release_memory_occupation"
+    wake_path = "/resume_memory_occupation"
 
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
@@ -63,8 +71,13 @@ class SglangAdapter(EngineAdapter):
             argv += ["--host", spec.host, "--port", str(spec.port)]
             if spec.api_key:
                 argv += ["--api-key", spec.api_key]
+        if spec.sleep_mode:
+            argv += ["--enable-memory-saver"]
         endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
         return LaunchPlan(argv=argv, env=launch_env(spec), endpoint=endpoint)
 
     async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
         return await scrape_gauge(session, endpoint, "sglang:num_running_reqs", auth_headers(api_key))
+
+    def _body(self, what: str) -> dict | None:
+        return {}  # ReleaseMemoryOccupationReqInput / ResumeMemoryOccupationReqInput: every tag

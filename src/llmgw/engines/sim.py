@@ -9,8 +9,11 @@ request without it, `/health` included, so the node's own calls are held to it a
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import aiohttp
+
+import llmgw
 
 from llmgw.engines.base import EngineAdapter, LaunchPlan, ShardSpec, auth_headers, launch_env
 from llmgw.engines.sim_group import query_status
@@ -18,6 +21,9 @@ from llmgw.engines.sim_group import query_status
 
 class SimAdapter(EngineAdapter):
     name = "sim"
+    sleeps = True  # vLLM's calls, with the sleep and wake times `--sleep-s`/`--wake-s` give it (sim_server.py)
+    sleep_path = "/sleep?level={level}"
+    wake_path = "/wake_up"
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         argv = [sys.executable, "-m", "llmgw.engines.sim_server", *spec.profile.args, "--model", spec.model,
@@ -27,7 +33,9 @@ class SimAdapter(EngineAdapter):
                      "--rendezvous", spec.rendezvous.address, "--token", spec.rendezvous.token]
         if not spec.is_worker:
             argv += ["--port", str(spec.port)]
-        env = launch_env(spec, {"LLMGW_SIM_API_KEY": spec.api_key} if spec.api_key else None)
+        # The sim engine is llmgw's own code: it runs the agent's llmgw (the same flags), wherever that is imported from.
+        own = {"PYTHONPATH": str(Path(llmgw.__file__).resolve().parents[1])}
+        env = launch_env(spec, own | ({"LLMGW_SIM_API_KEY": spec.api_key} if spec.api_key else {}))
         endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
         return LaunchPlan(argv=argv, env=env, endpoint=endpoint)
 

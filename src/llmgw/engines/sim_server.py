@@ -27,6 +27,15 @@ and each request it serves is a collective with every worker. Workers serve noth
 (retrying while it is not up: workers start first) and exit when it goes away, as rank 0 exits when a
 worker does.
 
+Sleep (issue 39), as vLLM's sleep mode is called: `POST /sleep?level=1|2` takes `--sleep-s` seconds, then the
+engine holds no accelerator memory (level 1 keeps its weights in host memory, level 2 drops them);
+`POST /wake_up` takes `--wake-s` seconds and takes the memory back; `GET /is_sleeping` says which, with the
+memory it holds. Requests that arrive while it sleeps wait until it is awake (vLLM's scheduler is paused
+the same way); `/health` stays 200. The memory it says it holds awake is `--gpu-memory-mb`; `/metrics`
+reports `sim:accelerator_memory_bytes` (that, or 0 asleep), `sim:offloaded_memory_bytes` (host memory
+holding its weights asleep at level 1) and `sim:sleep_level` (0 awake), so a test sees the memory released
+while asleep and taken back after, by the same process.
+
 With a key (`LLMGW_SIM_API_KEY`, which the node worker sets, or `--api-key`), every request without
 `Authorization: Bearer <key>` is refused with 401, `/health` included: the sim engine holds the node's own
 calls to the key as strictly as the gateway's, so a caller that forgets it fails here first.
@@ -65,8 +74,16 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 
 class SimEngine:
     def __init__(self, model: str, tokens_per_second: float, startup_delay: float, rank: int = 0,
-                 group: Group | None = None, cache: PrefixCache | None = None):
+                 group: Group | None = None, cache: PrefixCache | None = None, gpu_memory_mb: int = 1024,
+                 sleep_s: float = 0.1, wake_s: float = 0.2):
         self.model = model
+        self.gpu_memory_bytes = gpu_memory_mb << 20
+        self.sleep_s = sleep_s
+        self.wake_s = wake_s
+        self.sleep_level = 0  # 0: awake; 1 or 2 while asleep
+        self.awake = asyncio.Event()
+        self.awake.set()
+        self._switch = asyncio.Lock()  # one sleep or wake at a time
         self.cache = cache or PrefixCache(0)
         self.delay = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.ready_at = time.monotonic() + startup_delay
@@ -92,9 +109,49 @@ class SimEngine:
             return web.json_response({"status": "waiting for ranks to join", **self._group_view()}, status=503)
         return web.json_response({"status": "ok", "in_flight": self.in_flight, "rank": self.rank, **self._group_view()})
 
+    # ---- sleep mode (vLLM's calls) -----------------------------------------------------------------
+    def memory(self) -> dict:
+        """What it holds now: accelerator memory (none asleep) and host memory holding offloaded weights."""
+        return {"accelerator_memory_bytes": 0 if self.sleep_level else self.gpu_memory_bytes,
+                "offloaded_memory_bytes": self.gpu_memory_bytes if self.sleep_level == 1 else 0}
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError:
+            level = -1
+        if level not in (1, 2):
+            return error(422, "`level` must be 1 or 2", param="level")
+        async with self._switch:
+            if not self.sleep_level:
+                self.awake.clear()  # requests arriving from now on wait
+                await asyncio.sleep(self.sleep_s)
+                self.sleep_level = level
+                print(f"sim: asleep at level {level}, holding {self.memory()}", flush=True)
+        return web.json_response({"status": "sleeping", "level": self.sleep_level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        async with self._switch:
+            if self.sleep_level:
+                await asyncio.sleep(self.wake_s)
+                self.sleep_level = 0
+                self.awake.set()
+                print(f"sim: awake, holding {self.memory()}", flush=True)
+        return web.json_response({"status": "awake", "tags": None})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": bool(self.sleep_level), "level": self.sleep_level, **self.memory()})
+
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text: the engine's own token and request counters (as vLLM's `vllm:*_tokens_total`)."""
+        """Prometheus text: the engine's own token and request counters (as vLLM's `vllm:*_tokens_total`), and
+        the memory it holds (sleep mode)."""
         lines = []
+        mem = self.memory()
+        for name, help_, value in (("sim:accelerator_memory_bytes", "Accelerator memory held", mem["accelerator_memory_bytes"]),
+                                   ("sim:offloaded_memory_bytes", "Host memory holding weights offloaded asleep",
+                                    mem["offloaded_memory_bytes"]),
+                                   ("sim:sleep_level", "Sleep level (0: awake)", self.sleep_level)):
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {value}"]
         for name, help_, value in (("sim:prompt_tokens_total", "Prompt tokens processed", self.prompt_tokens_total),
                                    ("sim:generation_tokens_total", "Tokens generated", self.generation_tokens_total),
                                    ("sim:requests_total", "Requests started", self.requests_total),
@@ -170,6 +227,8 @@ class SimEngine:
             return error(400, "`cache_prompt` must be true or false", param="cache_prompt")
         if self.group is not None and not self.group.complete:
             return error(503, "the replica's ranks have not all joined yet", code="not_ready")
+        if not self.awake.is_set():  # asleep: held until woken, as vLLM's paused scheduler holds it
+            await self.awake.wait()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -262,6 +321,9 @@ def make_app(engine: SimEngine, api_key: str | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", engine.chat)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_post("/v1/embeddings", engine.embeddings)
+    app.router.add_post("/sleep", engine.sleep)
+    app.router.add_post("/wake_up", engine.wake_up)
+    app.router.add_get("/is_sleeping", engine.is_sleeping)
     return app
 
 
@@ -276,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"blocks of 16 tokens its prefix cache holds (0 = no cache; at most {MAX_CACHED_BLOCKS})")
     p.add_argument("--prefill-tokens-per-second", type=float, default=0.0,
                    help="prompt tokens not found in the cache computed per second, one prefill at a time (0 = no delay)")
+    p.add_argument("--gpu-memory-mb", type=int, default=1024, help="accelerator memory it says it holds awake")
+    p.add_argument("--sleep-s", type=float, default=0.1, help="seconds a POST /sleep takes")
+    p.add_argument("--wake-s", type=float, default=0.2, help="seconds a POST /wake_up takes")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1, help="shards in the replica (multi-node)")
     p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
@@ -288,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--prefix-cache-blocks must be from 0 to {MAX_CACHED_BLOCKS}")
     if args.prefill_tokens_per_second < 0:
         p.error("--prefill-tokens-per-second must be 0 or more")
+    if args.gpu_memory_mb < 0 or args.sleep_s < 0 or args.wake_s < 0:
+        p.error("--gpu-memory-mb, --sleep-s and --wake-s must be 0 or more")
     if args.world_size > 1 and not args.rendezvous:
         p.error("--world-size > 1 needs --rendezvous HOST:PORT")
     if args.rank > 0:
@@ -304,7 +371,8 @@ async def _serve(args: argparse.Namespace) -> None:
         group = Group(args.rendezvous, args.world_size, args.token)
         await group.start()
     engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group,
-                       PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second))
+                       PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second), args.gpu_memory_mb,
+                       args.sleep_s, args.wake_s)
     runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

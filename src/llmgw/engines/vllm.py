@@ -21,6 +21,15 @@ ray-project/ray#55484 and #59852) binds its GCS, raylet, object manager and work
 0.0.0.0; the head runs without its dashboard (`--include-dashboard false`: the dashboard carries Ray's job
 submission API, which runs code). Older Ray binds 0.0.0.0 whatever it is told: firewall its ports to the
 fabric. NCCL's and Gloo's sockets are kept on the same interface (`launch_env`). See docs/security.md.
+
+Sleep (issue 39; checked against vLLM 0.32): `POST /sleep?level=1|2`, `POST /wake_up` and `GET /is_sleeping`
+exist only with `VLLM_SERVER_DEV_MODE=1`, and free GPU memory only with `--enable-sleep-mode` (a GPU
+platform's; the CPU build refuses the flag, "Sleep mode is not supported on current platform", and its dev
+endpoints only pause the scheduler: no memory is released, so the planner never puts a CPU vLLM to sleep).
+Dev mode also opens `/collective_rpc` and more, and vLLM's key guards only `/v1` and a few other prefixes:
+so a shard launched able to sleep (`ShardSpec.sleep_mode`) also loads `llmgw_vllm_guard.KeyEveryPath`
+(`--middleware`, from `engines/vllm_guard/` put on its `PYTHONPATH`), which refuses every path without the
+engine key. Level 1 (the default) keeps the weights in host memory, so a wake is a copy back, not a load.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from llmgw.engines.base import (
     EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
 )
 from llmgw.engines.metrics_text import scrape_gauge
+
+GUARD_DIR = Path(__file__).resolve().parent / "vllm_guard"  # holds only llmgw_vllm_guard.py
+GUARD = "llmgw_vllm_guard.KeyEveryPath"
 
 
 def vllm_home() -> Path:
@@ -58,6 +70,9 @@ def find_vllm(configured: str | None = None) -> str | None:
 
 class VllmAdapter(EngineAdapter):
     name = "vllm"
+    sleeps = True
+    sleep_path = "/sleep?level={level}"
+    wake_path = "/wake_up"
 
     def __init__(self, vllm: str | None = None, ray: str | None = None):
         self.vllm = find_vllm(vllm)
@@ -78,13 +93,25 @@ class VllmAdapter(EngineAdapter):
                 "--pipeline-parallel-size", str(p.pp)]
         if multi_node:
             argv += ["--distributed-executor-backend", "ray"]
+        if spec.sleep_mode:
+            argv += ["--middleware", GUARD]
+            if p.gpus_per_shard:  # the CPU build refuses it (see the module's doc)
+                argv += ["--enable-sleep-mode"]
         return argv
+
+    @staticmethod
+    def sleep_env(spec: ShardSpec) -> dict[str, str]:
+        """The environment a shard able to sleep needs: the dev endpoints, and the guard importable."""
+        if not spec.sleep_mode:
+            return {}
+        return {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(GUARD_DIR)}
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         if not self.vllm:
             raise EngineError("vLLM is not installed on this node; set LLMGW_VLLM to the `vllm` executable")
         rz = spec.rendezvous
         worker_env = {"VLLM_API_KEY": spec.api_key} if spec.api_key else {}
+        worker_env |= self.sleep_env(spec)
         if rz is not None:
             worker_env["VLLM_HOST_IP"] = spec.host
         env = launch_env(spec, worker_env)

@@ -2,8 +2,9 @@
 for it, and stop it when nobody does").
 
 - A request for a model with no Ready replica records demand (Postgres `model_state.demand_at`) and wakes
-  the reconciler, which places one replica: its plan counts replicas already starting, so any number of
-  concurrent requests, on any number of gateways, cause one load. This gateway writes demand at most once
+  the reconciler, which places one replica, or wakes a sleeping one (issue 39: the same holding, a faster
+  way back): its plan counts replicas already starting, so any number of concurrent requests, on any
+  number of gateways, cause one load. This gateway writes demand at most once
   per `DEMAND_EVERY_S` per model.
 - The request is then held (issue 13, "hold, don't bounce") up to the model's `scaling.load_wait`
   (default 120 s, capped by `LLMGW_LOAD_WAIT_S`) for a Ready replica; a streaming request receives SSE
@@ -201,9 +202,10 @@ class Demand:
         finally:
             self.waiting[name] -= 1
         cond = await self.condition(name, fresh=True)
-        if cond is None or cond.status == ModelStatus.LOADING:
+        if cond is None or cond.status in (ModelStatus.LOADING, ModelStatus.SLEEPING):
+            waking = " (waking a sleeping one)" if cond is not None and cond.status == ModelStatus.SLEEPING else ""
             raise errors.loading(name, retry_after_s=LOADING_RETRY_AFTER_S,
-                                 detail=f"no replica was ready after {loop.time() - started:.0f}s")
+                                 detail=f"no replica was ready after {loop.time() - started:.0f}s{waking}")
         if cond.status == ModelStatus.FAILING:
             raise self._failing(name, cond)
         if cond.status == ModelStatus.UNPLACEABLE:

@@ -25,11 +25,12 @@ from temporalio.exceptions import ApplicationError
 
 from llmgw.failures import expected_failure
 from llmgw.catalog.policy import PolicyError, check_profile
-from llmgw.engines.base import EngineError, Ports, ShardSpec, new_api_key
+from llmgw.engines.base import EngineError, Ports, ShardSpec, SleepError, new_api_key
 from llmgw.schemas.inventory import DownloadProgress
 from llmgw.schemas.status import ShardStatus
 from llmgw.schemas.payloads import (
-    NOT_WANTED, UNREACHABLE, DrainShardInput, DrainShardResult, FetchWeightsInput, FetchWeightsResult, LaunchShardInput,
+    NOT_WANTED, STILL_SERVING, UNREACHABLE, DrainShardInput, SleepShardInput, SleepShardResult, WakeShardInput,
+    WakeShardResult, DrainShardResult, FetchWeightsInput, FetchWeightsResult, LaunchShardInput,
     LaunchShardResult, NodeReclaimInput, NodeReclaimResult, OpenRendezvousInput, ReadShardLogInput, ReadShardLogResult,
     Rendezvous, StartShardInput, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
     WaitShardReadyInput, WaitShardReadyResult,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 FETCHED_IN_USE_S = 600.0  # weights a start fetched are not reclaimed for this long, launched or not
 RECHECK_AFTER_S = 0.25  # a fetch longer than this (or one that downloaded) is followed by "still wanted?" again
+SLEEP_GRACE_S = 1.0  # before a sleep looks at what is in flight: the gateways' route tables follow the NOTIFY
 
 
 class NodeActivities:
@@ -62,7 +64,8 @@ class NodeActivities:
 
     def all(self) -> list:
         return [self.fetch_weights, self.open_rendezvous, self.launch_shard, self.start_shard, self.wait_shard_joined,
-                self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache, self.read_shard_log]
+                self.wait_shard_ready, self.drain_shard, self.stop_shard, self.reclaim_cache, self.read_shard_log,
+                self.sleep_shard, self.wake_shard]
 
     def _check_fence(self, replica_id: str, generation: int, what: str) -> None:
         fence = self.agent.fences.refuses(replica_id, generation)
@@ -173,7 +176,7 @@ class NodeActivities:
                              rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host,
                              port=self._ports.take(host, {s.spec.port for s in sup.shards.values()}) if serving else 0,
                              rendezvous=inp.rendezvous,
-                             api_key=new_api_key() if serving else None)
+                             api_key=new_api_key() if serving else None, sleep_mode=inp.sleep_mode)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
@@ -323,6 +326,75 @@ class NodeActivities:
                 activity.heartbeat({"in_flight": n, "draining_s": round(time.monotonic() - started, 1)})
                 await asyncio.sleep(0.5)
         return n or 0
+
+    @activity.defn(name="sleep_shard")
+    async def sleep_shard(self, inp: SleepShardInput) -> SleepShardResult:
+        """Put rank 0's engine to sleep (issue 39), once what it serves has finished: its replica is already out
+        of routing (sleeping), and the gateways stop sending within their refresh. Past `timeout_s` with
+        requests still in flight it fails with `StillServing` and the engine stays awake (vLLM's sleep would
+        abort them). The shard stays Ready on this node: its process runs on, asleep."""
+        with self.agent.attempts.running():
+            return await self._sleep(inp)
+
+    async def _sleep(self, inp: SleepShardInput) -> SleepShardResult:
+        sup = self.agent.supervisor
+        shard = sup.get(inp.shard_id)
+        if shard is None or sup.poll(shard) is not None:
+            raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}",
+                                   type="NotRunning", non_retryable=True)
+        adapter = self.agent.engines.get(shard.spec.profile.engine)
+        started = time.monotonic() - _heartbeat_number("waited_s")
+        async with aiohttp.ClientSession() as session:
+            if not _heartbeat_number("waited_s"):
+                activity.heartbeat({"waited_s": 0})
+                await asyncio.sleep(min(SLEEP_GRACE_S, inp.timeout_s))
+            n: int | None = 0
+            while True:
+                if sup.poll(shard) is not None:
+                    raise ApplicationError(f"shard {inp.shard_id} exited before it went to sleep", type="NotRunning",
+                                           non_retryable=True)
+                n = await adapter.in_flight(session, shard.endpoint, shard.spec.api_key)
+                waited = time.monotonic() - started
+                if not n:
+                    break
+                if waited >= inp.timeout_s:
+                    raise ApplicationError(f"shard {inp.shard_id} still serves {n} request(s) after {waited:.0f}s: "
+                                           "kept awake", type=STILL_SERVING, non_retryable=True)
+                activity.heartbeat({"in_flight": n, "waited_s": round(waited, 1)})
+                await asyncio.sleep(0.25)
+            began = time.monotonic()
+            try:
+                await adapter.sleep(session, shard.endpoint, shard.spec.api_key, inp.level)
+            except SleepError as exc:
+                raise ApplicationError(f"shard {inp.shard_id} did not go to sleep: {exc}", type="SleepFailed",
+                                       non_retryable=True) from None
+        sup.set_asleep(shard, True)
+        took = time.monotonic() - began
+        log.info("shard %s asleep (level %d) in %.2fs", inp.shard_id, inp.level, took)
+        return SleepShardResult(shard_id=inp.shard_id, took_s=round(took, 3), waited_s=round(began - started, 3))
+
+    @activity.defn(name="wake_shard")
+    async def wake_shard(self, inp: WakeShardInput) -> WakeShardResult:
+        """Wake rank 0's sleeping engine (issue 39). Fenced like a launch: a node told to stop the replica at a
+        later generation refuses, so a stop while it sleeps is never undone by a wake that came late."""
+        replica_id = inp.replica_id or replica_of(inp.shard_id)
+        self._check_fence(replica_id, inp.generation, f"wake shard {inp.shard_id}")
+        sup = self.agent.supervisor
+        shard = sup.get(inp.shard_id)
+        if shard is None or sup.poll(shard) is not None:
+            raise ApplicationError(f"shard {inp.shard_id} is not running on node {self.agent.node_id}",
+                                   type="NotRunning", non_retryable=True)
+        adapter = self.agent.engines.get(shard.spec.profile.engine)
+        began = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            try:
+                await adapter.wake(session, shard.endpoint, shard.spec.api_key)
+            except SleepError as exc:
+                raise ApplicationError(f"shard {inp.shard_id} did not wake: {exc}", type="WakeFailed") from None
+        sup.set_asleep(shard, False)
+        took = time.monotonic() - began
+        log.info("shard %s awake in %.2fs", inp.shard_id, took)
+        return WakeShardResult(shard_id=inp.shard_id, took_s=round(took, 3))
 
     @activity.defn(name="stop_shard")
     async def stop_shard(self, inp: StopShardInput) -> StopShardResult:

@@ -88,7 +88,9 @@ class EngineHealth:
         if not declared:
             return
         used = tree_rss(shard.pid)
-        if used <= declared * MEMORY_MARGIN * (1 << 30):
+        # Asleep, it also holds its weights offloaded from the GPUs (issue 39): what placement counts for it.
+        offloaded = shard.spec.profile.sleep_host_mb() * (1 << 20) if shard.asleep else 0
+        if used <= declared * MEMORY_MARGIN * (1 << 30) + offloaded:
             return
         await self._fail(shard, f"used {used / (1 << 30):.2f} GiB of host memory, over {MEMORY_MARGIN:g} x its "
                                 f"profile's memory_gb ({declared:g}); stopped before it takes the node's memory. "

@@ -52,6 +52,7 @@ class Shard:
     adopted: bool = False
     started_at: float = field(default_factory=time.time)
     start_ticks: int | None = None  # the process's start in clock ticks since boot (`proc_start_ticks`)
+    asleep: bool = False  # its engine was put to sleep here (issue 39): it holds its weights in host memory
 
     @property
     def shard_id(self) -> str:
@@ -76,7 +77,7 @@ class Shard:
             "endpoint": self.endpoint, "argv": self.argv,
             "log_path": str(self.log_path), "state": self.state, "started_at": self.started_at,
             "rendezvous": self.spec.rendezvous.model_dump(mode="json") if self.spec.rendezvous else None,
-            "api_key": self.spec.api_key,
+            "api_key": self.spec.api_key, "sleep_mode": self.spec.sleep_mode, "asleep": self.asleep,
         }
 
     @classmethod
@@ -85,10 +86,11 @@ class Shard:
                          profile=_profile_as_written(d["profile"], d["shard_id"]), rank=d["rank"], gpus=d["gpus"],
                          weights_path=d["weights_path"], host=d["host"], port=d["port"],
                          rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None,
-                         api_key=d.get("api_key"))
+                         api_key=d.get("api_key"), sleep_mode=bool(d.get("sleep_mode", False)))
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", ShardStatus.STARTING), adopted=True,
-                   started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"))
+                   started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"),
+                   asleep=bool(d.get("asleep", False)))
 
 
 def _profile_as_written(raw: object, shard_id: str) -> Profile:
@@ -226,6 +228,12 @@ class Supervisor:
 
     def set_state(self, shard: Shard, state: str) -> None:
         shard.state = state
+        if shard.exit_code is None:
+            self.save(shard)
+
+    def set_asleep(self, shard: Shard, asleep: bool) -> None:
+        """Record that the engine was put to sleep or woken (kept in its spec file, for an adopting agent)."""
+        shard.asleep = asleep
         if shard.exit_code is None:
             self.save(shard)
 

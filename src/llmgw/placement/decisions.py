@@ -10,7 +10,8 @@ from llmgw.schemas.catalog import Profile
 from llmgw.schemas.payloads import ShardPlacement
 from llmgw.schemas.status import ReplicaStatus
 
-DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep", "rollout"]
+DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep", "rollout", "sleep",
+                       "wake"]
 
 
 REFUSED = "cannot place"
@@ -36,6 +37,9 @@ class Decision(BaseModel):
       placements or evictions one pass makes).
     - `keep`: nothing to do for `model`; `reason` says what it has and why that is what it wants.
     - `rollout`: some of `model`'s replicas run an older profile: make sure its `RolloutWorkflow` runs.
+    - `sleep`: put Ready `replica_id` to sleep (out of routing, engine kept, accelerator memory released);
+    - `wake`: wake sleeping `replica_id` (placement/sleep.py).
+    `sleep_mode` (a `place`): its engine is launched able to sleep (the model has `scaling.sleep_after`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -52,6 +56,7 @@ class Decision(BaseModel):
     to_zero: bool = False  # a `stop` of a model wanted at zero now (idle, not asked for): it waits for a request
     final_status: ReplicaStatus = ReplicaStatus.STOPPED  # what a stop/evict/lost/cleanup leaves the replica as
     for_model: str | None = None  # evict: the model the room is made for
+    sleep_mode: bool = False
 
     def line(self) -> str:
         """One human-readable line (used in logs, traces and `llmgw ctl explain`)."""
@@ -71,6 +76,8 @@ _HEADS = {
     "wait": lambda d, rid: f"hold {d.model}",
     "keep": lambda d, rid: f"keep {d.model}",
     "rollout": lambda d, rid: f"roll out {d.model}",
+    "sleep": lambda d, rid: f"put replica {rid} of {d.model} to sleep",
+    "wake": lambda d, rid: f"wake replica {rid} of {d.model}",
 }
 
 

@@ -27,7 +27,8 @@ from llmgw.weights.naming import cache_name_for
 class NodeUse:
     """What active replicas already hold on one node.
 
-    `gpus` maps a held GPU index to the model holding it; `memory_mb` is host memory promised to shards;
+    `gpus` maps a held GPU index to the model holding it; `memory_mb` is host memory promised to shards
+    (and what sleeping replicas hold asleep);
     `disk_mb` is weights that starting replicas are fetching and the node's free-disk figure may not show
     yet; `shards` counts shards (the load used to break ties).
     """
@@ -88,6 +89,8 @@ def node_use(replicas: list[ReplicaSnap], profiles: dict[tuple[str, str], Profil
                 continue
             if prof.memory_gb:
                 u.memory_mb += int(prof.memory_gb * 1024)
+            if r.status == ReplicaStatus.SLEEPING:  # its weights, offloaded from the GPUs (placement/sleep.py)
+                u.memory_mb += prof.sleep_host_mb()
             if r.status == ReplicaStatus.STARTING and prof.disk_gb and nodes:
                 node = nodes.get(s.node_id)
                 if node is not None and not holds_weights(prof, node):

@@ -8,6 +8,8 @@ The statuses, in the order they are decided:
 - `ready`: at least one replica serves;
 - `loading`: a replica is starting now (and none serves yet): the only status that says "loading";
 - `off`: `scaling.max` is 0;
+- `sleeping`: its replicas are asleep (`scaling.sleep_after`): engines loaded, accelerator memory released;
+  a request wakes one (held by the gateway meanwhile, as for a load);
 - `failing`: its last start(s) failed and nothing serves: like Kubernetes' CrashLoopBackOff, with the
   count of consecutive failed starts (`restarts`), the last failure's cause, and the backoff remaining
   before the reconciler tries again (`retry_in_s`; `llmgw ctl retry MODEL` clears it). An on-demand model
@@ -37,6 +39,7 @@ class ModelStatus(StrEnum):
     READY = "ready"
     LOADING = "loading"
     OFF = "off"
+    SLEEPING = "sleeping"
     FAILING = "failing"
     UNPLACEABLE = "unplaceable"
     STOPPING = "stopping"
@@ -74,6 +77,7 @@ class ModelCondition(BaseModel):
     reason: str = ""
     ready: int = 0
     starting: int = 0
+    sleeping: int = 0
     restarts: int = 0
     retry_in_s: int | None = None
     last_failure: str | None = None
@@ -84,7 +88,9 @@ def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCond
     """The status of `model` from `facts`, at `now` (the database clock)."""
     ready = facts.replicas.get(ReplicaStatus.READY, 0)
     starting = facts.replicas.get(ReplicaStatus.STARTING, 0)
-    base = dict(ready=ready, starting=starting, restarts=facts.failures, last_failure=facts.last_failure)
+    sleeping = facts.replicas.get(ReplicaStatus.SLEEPING, 0)
+    base = dict(ready=ready, starting=starting, sleeping=sleeping, restarts=facts.failures,
+                last_failure=facts.last_failure)
     sc = model.effective_scaling
     if not model.profiles:
         n = len(model.endpoints)
@@ -104,6 +110,9 @@ def model_condition(model: Model, facts: ModelFacts, now: datetime) -> ModelCond
         return ModelCondition(status=ModelStatus.LOADING, reason=f"a replica is starting{again}", **base)
     if sc.off:
         return ModelCondition(status=ModelStatus.OFF, reason="switched off in the catalog (scaling max 0)", **base)
+    if sleeping:
+        return ModelCondition(status=ModelStatus.SLEEPING, reason=(
+            f"{sleeping} replica(s) asleep (engine loaded, accelerator memory released); a request wakes one"), **base)
     if facts.failures:
         left = _backoff_left(facts, now)
         cause = facts.last_failure or "its last start failed"

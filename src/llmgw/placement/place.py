@@ -10,8 +10,9 @@ from llmgw.placement.decisions import Decision
 from llmgw.placement.fabric import active_fabrics, place_across_fabric
 from llmgw.placement.fit import NodeFit
 from llmgw.placement.view import FleetView, fit_key
-from llmgw.schemas.catalog import Model
+from llmgw.schemas.catalog import Model, Profile
 from llmgw.schemas.payloads import ShardPlacement
+from llmgw.weights.naming import SourceError, parse_source
 
 
 def place_one(model: Model, view: FleetView, explain: bool = True) -> Decision:
@@ -36,7 +37,7 @@ def place_one(model: Model, view: FleetView, explain: bool = True) -> Decision:
                 best = min(ok, key=NodeFit.preference)
                 return Decision(kind="place", model=model.name, profile=profile.name, profile_spec=profile,
                                 shards=[ShardPlacement(node_id=best.node.id, rank=0, gpus=best.gpus or [])],
-                                reason=f"{best.node.id} {best.remark()}", refusals=refusals)
+                                reason=f"{best.node.id} {best.remark()}{rung(profile, best, fits)}", refusals=refusals)
             continue
         fp = place_across_fabric(profile, sorted(ok, key=NodeFit.preference))
         refusals += fp.refusals
@@ -44,6 +45,29 @@ def place_one(model: Model, view: FleetView, explain: bool = True) -> Decision:
             return Decision(kind="place", model=model.name, profile=profile.name, profile_spec=profile,
                             shards=fp.shards, reason=fp.reason, refusals=refusals)
     return Decision(kind="refuse", model=model.name, reason="no node can take it", refusals=refusals)
+
+
+def fetched(profile: Profile) -> bool:
+    """Whether a start of `profile` fetches weights into the node's cache (a `mirror:` or http(s) source)."""
+    try:
+        return parse_source(profile.source).kind == "remote"
+    except SourceError:
+        return False
+
+
+def rung(profile: Profile, best: NodeFit, fits: list[NodeFit]) -> str:
+    """Which rung of the activation ladder (issue 39) a start on `best` takes, and why, for the decision line:
+    from the weights already in its cache (no fetch), else a fetch, naming the nodes that hold the weights
+    but cannot take the replica. Waking a sleeping replica, the first rung, is a decision of its own."""
+    if not fetched(profile):
+        return ""
+    if best.holds_weights:
+        return "; rung: start from the weights already in its cache (no fetch)"
+    holders = sorted(f.node.id for f in fits if f.holds_weights)
+    if holders:
+        verb = "holds" if len(holders) == 1 else "hold"
+        return f"; rung: fetch the weights ({', '.join(holders)} {verb} them but cannot take it)"
+    return "; rung: fetch the weights (no node holds them)"
 
 
 class Probe:

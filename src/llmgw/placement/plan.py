@@ -21,6 +21,10 @@ docs/architecture.md, "How a replica starts"):
   pass; the room that frees (or that replicas already draining free) is reserved for it in the view;
 - a model whose replicas run an older profile is replaced one replica at a time (`placement.rollout`): the
   planner places the surge replica, the `RolloutWorkflow` retires old ones;
+- an on-demand model with `sleep_after` idle that long has its Ready replicas put to sleep, within each
+  node's host memory for sleepers; wanted again, its sleepers are woken before anything is placed; a
+  sleeper's room is given at once to a model that finds none otherwise (the sleeper stopped), before any
+  live replica is evicted; past `idle_timeout` sleepers are stopped (`placement.sleep`);
 - every model gets a line, so `llmgw ctl explain` always describes the latest pass.
 """
 
@@ -35,6 +39,7 @@ from llmgw.placement.place import Probe, place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
 from llmgw.placement.rollout import is_outdated, next_step, plan_rules
 from llmgw.placement.scale import wanted
+from llmgw.placement.sleep import SleepRoom, evict_sleepers, sleep_due
 from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model
 from llmgw.schemas.payloads import ModelState, NodeSnap, ReplicaSnap, RolloutStep, Snapshot
@@ -91,6 +96,7 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
             # (a profile that left a model which still has profiles is rolled: placement/rollout.py)
             what = "model" if r.model not in catalog else "model's profiles"
             plan.decisions.append(Decision(kind="stop", model=r.model, replica_id=r.id,
+                                           drain=r.status != ReplicaStatus.SLEEPING,
                                            reason=f"its {what} left the catalog"))
         else:
             live.append(r)
@@ -166,6 +172,22 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
     evicting: set[str] = set()
     placed = 0
     evicted = False
+    # Sleeping replicas (placement/sleep.py): by model, and per node with the host memory each holds asleep.
+    sleepers = [r for r in live if r.status == ReplicaStatus.SLEEPING]
+    asleep_by_model: dict[str, list[ReplicaSnap]] = {}
+    for r in sleepers:
+        asleep_by_model.setdefault(r.model, []).append(r)
+    profiles = {(m.name, p.name): p for m in snapshot.models for p in m.profiles}
+    room = SleepRoom(sleepers, profiles, {n.id: n for n in nodes}, snapshot.sleep_host_memory_gb)
+    ready_nodes = {nid for nid, st in plan.node_status.items() if st == "ready"}
+
+    def stop_sleeper(r: ReplicaSnap, reason: str, kind: str = "stop", for_model: str | None = None,
+                     to_zero: bool = False) -> None:
+        """Stop sleeping replica `r` (nothing in flight: no drain); it leaves the pass's sleepers."""
+        evicting.add(r.id)
+        room.remove(r)
+        plan.decisions.append(Decision(kind=kind, model=r.model, replica_id=r.id, drain=False, for_model=for_model,
+                                       to_zero=to_zero, reason=reason))
 
     for model in sorted(snapshot.models, key=lambda m: (-m.priority, m.name)):
         if not model.profiles:
@@ -181,6 +203,29 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
         if any(is_outdated(r, model) for r in mine):  # a rollout: its surge is no scale-up to hold for
             want, why = desired_replicas(model, st, now, serving, None)
             want = min(want, model.effective_scaling.max)
+        asleep = [r for r in asleep_by_model.get(model.name, ()) if r.id not in evicting]
+        for r in [r for r in asleep if is_outdated(r, model)]:
+            stop_sleeper(r, "asleep, and its profile changed since it started: stopped rather than woken")
+            asleep.remove(r)
+        if want == 0:
+            for r in asleep:
+                stop_sleeper(r, f"asleep; 0 wanted ({why})", to_zero=True)
+            asleep = []
+        due = sleep_due(model, st, now) if want > 0 else None
+        if due is not None:
+            _sleep(model, mine, asleep, due, plan, room, catalog, states, ready_nodes, stop_sleeper, now)
+            continue
+        wakeable = sorted((r for r in asleep if all(s.node_id in ready_nodes for s in r.shards)),
+                          key=lambda r: (-(r.created_at or now).timestamp(), r.id))
+        if want > serving and wakeable:
+            # The fastest rung: the engine is loaded and asleep (issue 39). Woken ones count as serving.
+            for r in wakeable[: want - serving]:
+                plan.decisions.append(Decision(kind="wake", model=model.name, replica_id=r.id, reason=(
+                    f"{serving} of {want} wanted ({why}); rung: wake a sleeping replica, the fastest way back: its "
+                    f"engine is loaded and asleep on {_where(r)}")))
+                serving += 1
+            if serving >= want:
+                continue
         rolling, surge = plan_rules(model, mine, want, why)
         if rolling:
             plan.decisions.extend(rolling)
@@ -200,7 +245,7 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
                 plan.more = True
                 continue
             view = view or FleetView(nodes, snapshot.replicas, snapshot.models)
-            d = place_one(model, view)
+            d = _sleep_mode(model, place_one(model, view))
             d.reason = f"{rolling[0].reason}; surge: {d.reason}"
             plan.decisions.append(d)
             if d.kind == "place":
@@ -219,7 +264,7 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
                                                reason=f"{serving} running, {want} wanted ({why})"))
             continue
         if serving == want:
-            where = "; ".join(f"{r.id[:8]} {r.status} on {_where(r)}" for r in mine)
+            where = "; ".join(f"{r.id[:8]} {r.status} on {_where(r)}" for r in [*mine, *asleep])
             plan.decisions.append(Decision(kind="keep", model=model.name,
                                            reason=f"{serving} of {want} wanted ({why})" + (f": {where}" if where else "")))
             continue
@@ -243,7 +288,7 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
                 plan.decisions.append(Decision(kind="wait", model=model.name, reason=f"{head}; {rule}, next pass"))
                 break
             view = view or FleetView(nodes, snapshot.replicas, snapshot.models)
-            d = place_one(model, view)
+            d = _sleep_mode(model, place_one(model, view))
             if d.kind == "place":
                 d.reason = f"{head}; {d.reason}"
                 plan.decisions.append(d)
@@ -251,6 +296,21 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
                 view.add(_holding(d, f"placed-{placed}"))
                 continue
             probe = Probe(model, view)
+            # A sleeper's room is free for others (placement/sleep.py): taken at once, the sleeper stopped.
+            took = evict_sleepers(model, view, [r for r in sleepers if r.id not in evicting], catalog, states, probe)
+            if took is not None and took[1].kind == "place":
+                victims, d = took
+                for v in victims:
+                    stop_sleeper(v, f"asleep ({_used(states, v.model, now)}): its room goes to {model.name} at once",
+                                 kind="evict", for_model=model.name)
+                view.release(victims)
+                d = _sleep_mode(model, d)
+                d.reason = (f"{head}; {d.reason}, in the room of sleeping replica(s) "
+                            f"{', '.join(f'{v.id[:8]} of {v.model}' for v in victims)} (stopped)")
+                plan.decisions.append(d)
+                placed += 1
+                view.add(_holding(d, f"placed-{placed}"))
+                continue
             drains = fits_after_drains(model, view, draining, probe)
             if drains is not None:
                 ids, after = drains
@@ -288,6 +348,58 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
                 f"placed once they have drained ({ev.placement.reason})")))
             break
     return plan
+
+
+def _used(states: dict[str, ModelState], name: str, now: datetime) -> str:
+    st = states.get(name)
+    used = max([t for t in ((st.last_used_at, st.demand_at) if st else ()) if t is not None], default=None)
+    return f"last used {(now - used).total_seconds():.0f}s ago" if used else "never used"
+
+
+def _sleep_mode(model: Model, d: Decision) -> Decision:
+    """A placement of a model with `sleep_after`, whose engine can sleep, is launched able to."""
+    if d.kind == "place" and model.effective_scaling.sleep_after is not None and d.profile_spec is not None \
+            and d.profile_spec.sleep_refusal() is None:
+        d.sleep_mode = True
+    return d
+
+
+def _sleep(model: Model, mine: list[ReplicaSnap], asleep: list[ReplicaSnap], due: str, plan: Plan, room: SleepRoom,
+           catalog: dict[str, Model], states: dict[str, ModelState], ready_nodes: set[str], stop_sleeper,
+           now: datetime) -> None:
+    """`model` should be asleep (`due` says why): put its Ready replicas to sleep where their engines can
+    and their nodes have host memory for sleepers (evicting lower sleepers for it); keep the rest. Nothing
+    is placed for a model that should be asleep."""
+    kept: list[str] = []
+    for r in mine:
+        profile = model.profile(r.profile)
+        if is_outdated(r, model):
+            plan.decisions.append(Decision(kind="stop", model=model.name, replica_id=r.id, reason=(
+                f"{due}; its profile changed since it started: stopped rather than put to sleep")))
+            continue
+        if r.status != ReplicaStatus.READY:
+            kept.append(f"{r.id[:8]} {r.status} (sleeps once ready)")
+            continue
+        refusal = profile.sleep_refusal() if profile is not None else "its profile left the catalog"
+        if refusal is None and not all(s.node_id in ready_nodes for s in r.shards):
+            refusal = f"its node {_where(r)} is not ready"
+        victims: list[ReplicaSnap] = []
+        if refusal is None:
+            victims, refusal = room.make_room(r, catalog, states)
+        if refusal is not None:
+            kept.append(f"{r.id[:8]} stays awake on {_where(r)}: {refusal}")
+            continue
+        for v in victims:
+            stop_sleeper(v, f"asleep ({_used(states, v.model, now)}): its host memory for sleepers "
+                            f"goes to replica {r.id[:8]} of {model.name}", kind="evict", for_model=model.name)
+        room.add(r)
+        plan.decisions.append(Decision(kind="sleep", model=model.name, replica_id=r.id, reason=(
+            f"{due}; its engine keeps its process and frees its accelerator memory on {_where(r)}, holding "
+            f"{room.cost_mb(r) / 1024:.1f} GB of host memory asleep")))
+    kept += [f"{r.id[:8]} asleep on {_where(r)}" for r in asleep]
+    if kept or not any(d.model == model.name for d in plan.decisions):
+        plan.decisions.append(Decision(kind="keep", model=model.name, reason=(
+            f"{due}: " + ("; ".join(kept) if kept else "nothing runs; the next request starts it"))))
 
 
 def _holding(d: Decision, rid: str) -> ReplicaSnap:

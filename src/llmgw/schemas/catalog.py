@@ -115,6 +115,8 @@ def parse_duration_s(value: object) -> object:
 # vLLM and SGLang batch continuously and keep dozens in flight without losing much per-request speed;
 # llama-server serves `--parallel` slots (4 when unset); the sim engine streams each request alone.
 DEFAULT_TARGET_IN_FLIGHT = {"vllm": 32, "sglang": 32, "llamacpp": 4, "sim": 8}
+# Engines with a sleep mode (`scaling.sleep_after`): each adapter's `sleeps` says the same (engines/).
+SLEEPING_ENGINES: tuple[str, ...] = ("vllm", "sglang", "sim")
 
 
 class Scaling(_Strict):
@@ -123,6 +125,10 @@ class Scaling(_Strict):
 
     - `min`, `max`: bounds; between them the planner scales on load (placement/scale.py).
     - `idle_timeout`: an on-demand model (`min 0`) stops after this long without use.
+    - `sleep_after`: an on-demand model's replicas go to sleep after this long without use (shorter than
+      `idle_timeout`): the engine process lives on with its accelerator memory released, and a request
+      wakes it (seconds, not a cold start). Engines that cannot sleep (llama.cpp; vLLM and SGLang on the
+      CPU) stay awake until `idle_timeout`. Unset: no sleeping (placement/sleep.py).
     - `target_in_flight`: requests (in flight + queued, summed over every gateway) one replica should carry;
       above it another replica is started. Unset: the engine's default (`DEFAULT_TARGET_IN_FLIGHT`,
       llama.cpp's `--parallel`).
@@ -135,12 +141,14 @@ class Scaling(_Strict):
     min: int = Field(0, ge=0, le=MAX_REPLICAS)
     max: int = Field(0, ge=0, le=MAX_REPLICAS)
     idle_timeout: float = Field(600.0, gt=0, le=MAX_DURATION_S)
+    # Left out of the JSON when unset, so a stored model without it reads the same to a version before it.
+    sleep_after: float | None = Field(None, gt=0, le=MAX_DURATION_S, exclude_if=lambda v: v is None)
     target_in_flight: int | None = Field(None, ge=1, le=MAX_COUNT)
     scale_down_delay: float = Field(60.0, ge=0, le=MAX_DURATION_S)
     load_wait: float = Field(120.0, ge=0, le=MAX_DURATION_S)
     load_queue: int = Field(256, ge=0, le=MAX_COUNT)
 
-    @field_validator("idle_timeout", "scale_down_delay", "load_wait", mode="before")
+    @field_validator("idle_timeout", "sleep_after", "scale_down_delay", "load_wait", mode="before")
     @classmethod
     def _duration(cls, v: object) -> object:
         return parse_duration_s(v)
@@ -150,6 +158,14 @@ class Scaling(_Strict):
         if self.max < self.min:
             raise ValueError(f"max ({self.max}) is below min ({self.min}); write max >= min, or min: 0, max: 0 to "
                              "switch the model off")
+        if self.sleep_after is not None:
+            if self.min > 0:
+                raise ValueError(f"sleep_after applies to on-demand models (min 0); this one keeps min {self.min} "
+                                 "replica(s) awake: remove sleep_after, or write min: 0")
+            if self.sleep_after >= self.idle_timeout:
+                raise ValueError(f"sleep_after ({self.sleep_after:g}s) must be shorter than idle_timeout "
+                                 f"({self.idle_timeout:g}s): a replica sleeps after sleep_after without use and stops "
+                                 "after idle_timeout")
         return self
 
     @model_serializer(mode="wrap")
@@ -253,6 +269,26 @@ class Profile(_Strict):
     @property
     def simulated(self) -> bool:
         return self.engine == "sim"
+
+    def sleep_refusal(self) -> str | None:
+        """Why a replica of this profile cannot sleep (None: it can). Sleeping keeps the engine's process and
+        releases its accelerator memory: llama.cpp has no such mode, and vLLM's and SGLang's are for GPUs
+        (vLLM's CPU build refuses `--enable-sleep-mode`; its dev endpoints only pause it)."""
+        if self.engine not in SLEEPING_ENGINES:
+            return f"{self.engine} has no sleep mode (it keeps running until idle_timeout)"
+        if self.engine != "sim" and self.gpus_per_shard == 0:
+            return f"{self.engine} on the CPU has no sleep mode (it releases no memory asleep)"
+        return None
+
+    def sleep_host_mb(self) -> int:
+        """Host memory one shard of this profile holds asleep beyond what it holds awake: its weights,
+        offloaded from the GPUs (vLLM's level 1). `disk_gb` (what the weights take) when declared, else
+        `gpu_memory_gb` for each of its GPUs (an upper bound), else 0."""
+        if self.disk_gb:
+            return int(self.disk_gb * 1024)
+        if self.gpu_memory_gb and self.gpus_per_shard:
+            return int(self.gpu_memory_gb * 1024 * self.gpus_per_shard)
+        return 0
 
     def spec_hash(self) -> str:
         """sha256 of the profile as launched: lets the control plane recognise an engine it did not start

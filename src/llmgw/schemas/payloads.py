@@ -1,7 +1,8 @@
 """Workflow and activity inputs/outputs. Each activity takes one model and returns one.
 
 New fields always get defaults, so a workflow history recorded by an older version still decodes, and
-unknown fields are ignored, so a newer sender's input still runs here (`schemas/wire.py` has the rule,
+unknown fields are ignored, so a newer sender's input still runs here (0.1.0 refused them: a field added
+since is left out of the payload while it holds its default, `exclude_if`, as issue 39's are) (`schemas/wire.py` has the rule,
 `tests/test_wire_compat.py` holds every model reachable from a registered activity or workflow to it).
 """
 
@@ -127,6 +128,9 @@ class Snapshot(_Wire):
     # Stored models this version cannot read (catalog_repo.read_catalog), by name: their replicas are kept,
     # neither stopped as "left the catalog" nor placed. Empty in snapshots recorded before it existed.
     unreadable_models: list[str] = Field(default_factory=list)
+    # Host memory each node may give replicas asleep (their offloaded weights), in GB: None = half the
+    # node's host memory, 0 = none sleeps (the control plane's `sleep_host_memory_gb`; placement/sleep.py).
+    sleep_host_memory_gb: float | None = Field(None, exclude_if=lambda v: v is None)
 
 
 # ---- reconciler ---------------------------------------------------------------------------------
@@ -162,11 +166,14 @@ class PassAction(_Wire):
     - `place`: record replica `replica_id` (an id `decide` chose) on `shards` and start it;
     - `stop`, `evict`, `lost`, `cleanup`: start the replica's stop workflow (`drain` False: no drain),
       leaving it as `final_status`;
-    - `rollout`: make sure the model's `RolloutWorkflow` runs (no `replica_id`).
+    - `rollout`: make sure the model's `RolloutWorkflow` runs (no `replica_id`);
+    - `sleep`, `wake`: start the replica's sleep or wake workflow (`ReplicaSleepWorkflow`,
+      `ReplicaWakeWorkflow`: issue 39).
     `line` is the decision's line, for logs and as a placement's reason should its full reason be missing.
+    `sleep_mode`: a placement whose engine is launched able to sleep (its model has `scaling.sleep_after`).
     """
 
-    kind: Literal["place", "stop", "evict", "lost", "cleanup", "rollout"]
+    kind: Literal["place", "stop", "evict", "lost", "cleanup", "rollout", "sleep", "wake"]
     model: str
     line: str
     replica_id: str = ""
@@ -177,6 +184,7 @@ class PassAction(_Wire):
     drain: bool = True
     final_status: ReplicaStatus = ReplicaStatus.STOPPED
     nodes: list[str] = Field(default_factory=list)  # a stop: the nodes its replica's shards are on
+    sleep_mode: bool = Field(False, exclude_if=lambda v: not v)
 
 
 class DecideResult(_Wire):
@@ -226,11 +234,14 @@ class RecordDecisionsInput(_Wire):
 # ---- replica lifecycle --------------------------------------------------------------------------
 
 class ReplicaStartInput(_Wire):
+    """`sleep_mode`: launch the engine able to sleep (its model has `scaling.sleep_after`; issue 39)."""
+
     replica_id: str
     model: str
     profile: Profile
     shards: list[ShardPlacement]
     ready_timeout_s: float = 900.0
+    sleep_mode: bool = Field(False, exclude_if=lambda v: not v)
 
 
 class ReplicaStartResult(_Wire):
@@ -333,11 +344,13 @@ class CheckReplicaResult(_Wire):
 
 
 class AwaitStartClosedInput(_Wire):
-    """Wait until the replica's start workflow has closed (or `timeout_s`); cancel it first when `cancel`."""
+    """Wait until the replica's start workflow has closed (or `timeout_s`); cancel it first when `cancel`.
+    `workflow`: which of the replica's workflows (`sleep`: a wake waits for the sleep before it, uncancelled)."""
 
     replica_id: str
     timeout_s: float = 60.0
     cancel: bool = True
+    workflow: Literal["start", "sleep"] = Field("start", exclude_if=lambda v: v == "start")
 
 
 class AwaitStartClosedResult(_Wire):
@@ -394,6 +407,8 @@ class LaunchShardInput(_Wire):
     weights_path: str | None = None
     rendezvous: Rendezvous | None = None  # set for every shard of a multi-node replica
     generation: int = 0  # fencing: refused on a node told to stop this replica at a later generation
+    # Launch the engine able to sleep (vLLM `--enable-sleep-mode`, ...; issue 39).
+    sleep_mode: bool = Field(False, exclude_if=lambda v: not v)
 
 
 NOT_WANTED = "NotWanted"  # the failure type of a `start_shard` whose replica stopped being wanted while it fetched
@@ -471,6 +486,69 @@ class StopShardResult(_Wire):
     shard_id: str
     was_running: bool
     exit_code: int | None = None
+
+
+# ---- sleeping replicas (issue 39) ---------------------------------------------------------------
+
+class ReplicaSleepInput(_Wire):
+    """`ReplicaSleepWorkflow` (id `replica/<id>/sleep`): take a Ready replica out of routing, let what it
+    serves finish (up to `drain_timeout_s`), then put its engine to sleep at `level` (1: weights offloaded
+    to host memory, KV cache dropped)."""
+
+    replica_id: str
+    model: str = ""
+    reason: str = ""
+    level: int = 1
+    drain_timeout_s: float = 60.0
+
+
+class ReplicaWakeInput(_Wire):
+    """`ReplicaWakeWorkflow` (id `replica/<id>/wake`): wake a sleeping replica's engine and route it again."""
+
+    replica_id: str
+    model: str = ""
+    reason: str = ""
+
+
+class MarkSleepInput(_Wire):
+    """`mark_sleep`: `asleep` moves a Ready replica to sleeping (out of routing); else a sleeping one back to
+    Ready (routed). Neither is a step towards stopping: the fencing generation is unchanged."""
+
+    replica_id: str
+    asleep: bool
+
+
+class SleepShardInput(_Wire):
+    """Put rank 0's engine to sleep once nothing is in flight (waited for up to `timeout_s`)."""
+
+    shard_id: str
+    replica_id: str = ""
+    level: int = 1
+    timeout_s: float = 60.0
+
+
+class SleepShardResult(_Wire):
+    """`took_s`: the engine's own sleep call; `waited_s`: for what it served to finish."""
+
+    shard_id: str
+    took_s: float = 0.0
+    waited_s: float = 0.0
+
+
+class WakeShardInput(_Wire):
+    """Wake rank 0's engine. Refused on a node told to stop the replica at a later `generation` (fencing)."""
+
+    shard_id: str
+    replica_id: str = ""
+    generation: int = 0
+
+
+class WakeShardResult(_Wire):
+    shard_id: str
+    took_s: float = 0.0
+
+
+STILL_SERVING = "StillServing"  # the failure type of a sleep whose engine kept requests in flight past its wait
 
 
 # ---- reclaiming the weight cache ----------------------------------------------------------------

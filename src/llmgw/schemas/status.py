@@ -4,12 +4,19 @@ A `StrEnum` serialises to the plain strings stored in Postgres and recorded in w
 ("starting", "ready", ...), so typing a field with it changes no row and no payload.
 
     starting ──> ready ──> draining ──> stopped
-        │          │           │
-        └──────────┴───────────┴──────> failed | lost
+        │        │  ▲          │
+        │        ▼  │ (wake)   │
+        │      sleeping ───────┤
+        └────────────┴─────────┴──────> failed | lost
 
-A replica holds its node's GPUs, memory and disk while starting, ready or draining (`holding`), and an
-ended one until every shard was asked to stop (settled). A step towards stopping (draining or an end)
-bumps the replica's fencing generation (`fences`), so a launch read before it is refused.
+A replica holds its node's GPUs, memory and disk while starting, ready, sleeping or draining (`holding`),
+and an ended one until every shard was asked to stop (settled). A step towards stopping (draining or an
+end) bumps the replica's fencing generation (`fences`), so a launch read before it is refused; going to
+sleep and waking are no such step (the engine lives on, and a stop while it sleeps fences it as any stop).
+
+`sleeping` (issue 39): its engine process lives on with its accelerator memory released (vLLM's sleep
+mode, SGLang's memory release, the sim engine's); it is not routed, and the planner may hand its GPUs to
+another replica (evicting it: placement/sleep.py). Waking it makes it `ready` again, same process.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ class ReplicaStatus(StrEnum):
     STARTING = "starting"  # placed; its start workflow fetches, launches and waits for Ready
     READY = "ready"  # routed
     DRAINING = "draining"  # not routed; the requests it serves finish, then it stops
+    SLEEPING = "sleeping"  # not routed; its engine lives on with its accelerator memory released (woken: ready)
     STOPPED = "stopped"  # ended on purpose
     FAILED = "failed"  # ended: its engine failed (a start that failed, an engine that exited)
     LOST = "lost"  # ended: its node was lost, or stopped its engines on its own
@@ -63,16 +71,18 @@ class ReplicaStatus(StrEnum):
 
 
 _ENDED = frozenset({ReplicaStatus.STOPPED, ReplicaStatus.FAILED, ReplicaStatus.LOST})
-_HOLDING = frozenset({ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.DRAINING})
+_HOLDING = frozenset({ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.SLEEPING, ReplicaStatus.DRAINING})
 _LIVE = frozenset({ReplicaStatus.STARTING, ReplicaStatus.READY})
 _FENCING = frozenset({ReplicaStatus.DRAINING, *_ENDED})
 _SOURCES: dict[ReplicaStatus, tuple[ReplicaStatus, ...]] = {
     ReplicaStatus.STARTING: (),
-    ReplicaStatus.READY: (ReplicaStatus.STARTING,),
-    ReplicaStatus.DRAINING: (ReplicaStatus.STARTING, ReplicaStatus.READY),
-    ReplicaStatus.STOPPED: (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.DRAINING),
-    ReplicaStatus.FAILED: (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.DRAINING),
-    ReplicaStatus.LOST: (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.DRAINING),
+    # From sleeping only by waking (`fleet_repo.wake_replica`); a node's "ready" push applies to a start only.
+    ReplicaStatus.READY: (ReplicaStatus.STARTING, ReplicaStatus.SLEEPING),
+    ReplicaStatus.SLEEPING: (ReplicaStatus.READY,),
+    ReplicaStatus.DRAINING: (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.SLEEPING),
+    ReplicaStatus.STOPPED: (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.SLEEPING, ReplicaStatus.DRAINING),
+    ReplicaStatus.FAILED: (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.SLEEPING, ReplicaStatus.DRAINING),
+    ReplicaStatus.LOST: (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.SLEEPING, ReplicaStatus.DRAINING),
 }
 
 

@@ -20,6 +20,7 @@ from llmgw.schemas.mirror import (
 )
 from llmgw.schemas.payloads import (
     AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult, DecideInput, DecideResult,
+    MarkSleepInput, SleepShardInput, SleepShardResult, WakeShardInput, WakeShardResult,
     DrainShardInput, DrainShardResult, FetchWeightsInput, FetchWeightsResult, LaunchShardInput, LaunchShardResult,
     MarkReplicaInput, MarkReplicaResult, NodeReclaimInput, NodeReclaimResult, OpenRendezvousInput, ReadShardLogInput,
     ReadShardLogResult, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput, RecordPlacementsInput,
@@ -98,6 +99,12 @@ async def await_start_closed(inp: AwaitStartClosedInput) -> AwaitStartClosedResu
     raise _stub()
 
 
+@activity.defn(name="mark_sleep")
+async def mark_sleep(inp: MarkSleepInput) -> MarkReplicaResult:
+    """Ready -> sleeping, or sleeping -> Ready (issue 39)."""
+    raise _stub()
+
+
 @activity.defn(name="reclaim_targets")
 async def reclaim_targets() -> ReclaimTargets:
     raise _stub()
@@ -150,6 +157,16 @@ async def stop_shard(inp: StopShardInput) -> StopShardResult:
     raise _stub()
 
 
+@activity.defn(name="sleep_shard")
+async def sleep_shard(inp: SleepShardInput) -> SleepShardResult:
+    raise _stub()
+
+
+@activity.defn(name="wake_shard")
+async def wake_shard(inp: WakeShardInput) -> WakeShardResult:
+    raise _stub()
+
+
 @activity.defn(name="reclaim_cache")
 async def reclaim_cache(inp: NodeReclaimInput) -> NodeReclaimResult:
     raise _stub()
@@ -186,7 +203,7 @@ async def discard_mirror_version(inp: DiscardInput) -> DiscardResult:
 # the mirror worker (mirror/worker.py).
 CONTROL = [decide, record_placements, read_snapshot, record_decisions, record_placement, mark_replica,
            settle_replica, record_replica_failure, reset_model_failures, get_replica_shards, check_replica,
-           await_start_closed, reclaim_targets, rollout_step]
+           await_start_closed, reclaim_targets, rollout_step, mark_sleep]
 NODE = [fetch_weights, open_rendezvous, launch_shard, start_shard, wait_shard_joined, wait_shard_ready, drain_shard,
-        stop_shard, reclaim_cache, read_shard_log]
+        stop_shard, reclaim_cache, read_shard_log, sleep_shard, wake_shard]
 MIRROR = [explore_mirror_sources, fetch_mirror_file, publish_mirror_version, discard_mirror_version]

@@ -35,14 +35,25 @@ def replica_stop_id(replica_id: str) -> str:
     return f"replica/{replica_id}/stop"
 
 
+def replica_sleep_id(replica_id: str) -> str:
+    """`replica/<id>/sleep`: one per time a replica goes to sleep (issue 39); a later one reuses the id."""
+    return f"replica/{replica_id}/sleep"
+
+
+def replica_wake_id(replica_id: str) -> str:
+    """`replica/<id>/wake`: one per time a sleeping replica is woken."""
+    return f"replica/{replica_id}/wake"
+
+
 def replica_logs_id(replica_id: str, nonce: str) -> str:
     """`replica/<id>/logs/<nonce>`: one short workflow per `ctl logs` read."""
     return f"replica/{replica_id}/logs/{nonce}"
 
 
 def replica_history_query(replica_id: str) -> str:
-    """The visibility query listing a replica's start and stop workflows."""
-    return f'WorkflowId="{replica_start_id(replica_id)}" OR WorkflowId="{replica_stop_id(replica_id)}"'
+    """The visibility query listing a replica's start, stop, sleep and wake workflows."""
+    return " OR ".join(f'WorkflowId="{w}"' for w in (replica_start_id(replica_id), replica_stop_id(replica_id),
+                                                      replica_sleep_id(replica_id), replica_wake_id(replica_id)))
 
 
 def rollout_id(model: str) -> str:

@@ -44,6 +44,13 @@ LAUNCH = dict(
     schedule_to_start_timeout=NODE_PICKUP,
     retry_policy=RetryPolicy(maximum_attempts=3),
 )
+# Waking an engine (vLLM: 0.1-6 s; weights copied back to the GPUs): a node that does not answer in minutes
+# has failed it, and the replica is stopped (workflows/sleep.py).
+WAKE = dict(
+    start_to_close_timeout=timedelta(seconds=300),
+    schedule_to_start_timeout=timedelta(seconds=30),
+    retry_policy=RetryPolicy(maximum_attempts=3, initial_interval=timedelta(seconds=1)),
+)
 STOP = dict(
     start_to_close_timeout=timedelta(seconds=120),
     schedule_to_start_timeout=timedelta(seconds=30),

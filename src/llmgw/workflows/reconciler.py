@@ -6,7 +6,8 @@ abandoned on close so they outlive a continue-as-new): each `place` action's rep
 `decide` in the transaction that decided it (issue 13: one step less between a request and its load),
 is started (by `decide` itself once it committed, with no workflow task of this one in between; the pass
 starts only those `decide` could not); `stop` and `evict` drain then stop one; `lost` and `cleanup` stop every shard
-of one that cannot serve. A pass that
+of one that cannot serve; `sleep` and `wake` start its sleep or wake workflow (issue 39: only passes that decide
+them, which no recorded history holds, start these children, so replay is unchanged). A pass that
 stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
 (catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
 settings each pass). After every pass, back-to-back ones included, the run continues as new when Temporal
@@ -32,12 +33,14 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.payloads import (
-        DecideInput, DecideResult, PassAction, ReconcilerInput, ReplicaStartInput, ReplicaStopInput, RolloutInput,
+        DecideInput, DecideResult, PassAction, ReconcilerInput, ReplicaSleepInput, ReplicaStartInput, ReplicaStopInput,
+        ReplicaWakeInput, RolloutInput,
     )
     from llmgw.workflows import activities, attributes, options
     from llmgw.workflows.queues import CONTROL_QUEUE
-    from llmgw.workflows.ids import replica_start_id, replica_stop_id, rollout_id
+    from llmgw.workflows.ids import replica_sleep_id, replica_start_id, replica_stop_id, replica_wake_id, rollout_id
     from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
+    from llmgw.workflows.sleep import ReplicaSleepWorkflow, ReplicaWakeWorkflow
     from llmgw.workflows.rollout import RolloutWorkflow
     # workflow.patched ids, each registered with the version that added it and when it may go (patches.py)
     from llmgw.workflows.patches import DECIDE_IN_ACTIVITY as DECIDE_PATCH
@@ -116,28 +119,38 @@ class ReconcilerWorkflow:
     async def _carry_out(self, a: PassAction, res: DecideResult) -> None:
         if a.kind == "rollout":
             await self._rollout(a.model)
+        elif a.kind == "sleep":
+            await self._lifecycle(ReplicaSleepWorkflow.run, ReplicaSleepInput(
+                replica_id=a.replica_id, model=a.model, reason=a.reason, drain_timeout_s=res.drain_timeout_s),
+                replica_sleep_id(a.replica_id), "sleep", a)
+        elif a.kind == "wake":
+            await self._lifecycle(ReplicaWakeWorkflow.run, ReplicaWakeInput(replica_id=a.replica_id, model=a.model,
+                                                                            reason=a.reason),
+                                  replica_wake_id(a.replica_id), "wake", a)
         elif a.kind == "place":
             assert a.profile_spec is not None
             if a.replica_id in res.started:
                 return  # `decide` started it
             await self._start_replica(a.replica_id, a.model, a.profile or "default", a.profile_spec, a.shards,
-                                      res.ready_timeout_s)
+                                      res.ready_timeout_s, a.sleep_mode)
         else:
             await self._start_stop(a.replica_id, ReplicaStopInput(
                 replica_id=a.replica_id, reason=a.reason, drain_timeout_s=res.drain_timeout_s if a.drain else 0,
                 final_status=a.final_status), a.model, a.profile, a.nodes)
 
-    async def _start_replica(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float) -> None:
+    async def _start_replica(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float,
+                             sleep_mode: bool = False) -> None:
         try:
-            await self._start_child(replica_id, model, profile, spec, shards, ready_timeout_s)
+            await self._start_child(replica_id, model, profile, spec, shards, ready_timeout_s, sleep_mode)
         except WorkflowAlreadyStartedError:
             pass  # `decide` started it, though it could not tell (its RPC failed after the server took it)
 
-    async def _start_child(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float) -> None:
+    async def _start_child(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float,
+                           sleep_mode: bool = False) -> None:
         _abandoned(await workflow.start_child_workflow(
             ReplicaStartWorkflow.run,
             ReplicaStartInput(replica_id=replica_id, model=model, profile=spec, shards=shards,
-                              ready_timeout_s=ready_timeout_s),
+                              ready_timeout_s=ready_timeout_s, sleep_mode=sleep_mode),
             id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             memo=attributes.memo(model, profile),
@@ -157,6 +170,20 @@ class ReconcilerWorkflow:
             ))
         except WorkflowAlreadyStartedError:
             pass  # already stopping
+
+    async def _lifecycle(self, run, inp, workflow_id: str, kind: str, a: PassAction) -> None:
+        """Start a replica's sleep or wake workflow, abandoned. One already running (a pass before this one
+        decided the same) is left to finish; a closed one's id is reused (a replica sleeps many times)."""
+        try:
+            _abandoned(await workflow.start_child_workflow(
+                run, inp, id=workflow_id, task_queue=CONTROL_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                memo=attributes.memo(a.model, a.profile),
+                search_attributes=attributes.lifecycle(kind, a.model, a.replica_id, a.nodes or None)
+                if self._search_attributes else None,
+            ))
+        except WorkflowAlreadyStartedError:
+            pass
 
     async def _rollout(self, model: str) -> None:
         """Make sure the model's `RolloutWorkflow` runs (one per model: a second start is refused)."""

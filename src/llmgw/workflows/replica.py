@@ -161,9 +161,10 @@ class ReplicaStartWorkflow:
     @staticmethod
     def _launch_input(inp: ReplicaStartInput, s: ShardPlacement, path: str | None, rdv: Rendezvous | None,
                       generation: int) -> LaunchShardInput:
+        # `sleep_mode` (issue 39) changes what the node launches, not which commands this workflow issues.
         return LaunchShardInput(shard_id=shard_id(inp.replica_id, s.rank), replica_id=inp.replica_id, model=inp.model,
                                 profile=inp.profile, rank=s.rank, gpus=s.gpus, weights_path=path, rendezvous=rdv,
-                                generation=generation)
+                                generation=generation, sleep_mode=inp.sleep_mode)
 
     async def _launch(self, inp: ReplicaStartInput, s: ShardPlacement, path: str | None,
                       rdv: Rendezvous | None, generation: int = 0) -> LaunchShardResult:

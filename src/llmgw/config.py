@@ -171,6 +171,9 @@ class Settings(BaseSettings):
     # (`mark_replica` or `mark_replica:ready`), once per marker file. Unset in any real deployment.
     test_crash_after_commit: str | None = None
     test_crash_marker: Path | None = None
+    # Test hook (tests/faults/): SIGKILL the node worker right after it spawns an engine, before it records
+    # the engine's pid, once per this marker file. Unset in any real deployment.
+    test_crash_after_spawn: Path | None = None
     # Test hook (tests/test_tenants_*.py): budget "days" this many seconds long, so a test sees a spent daily
     # budget renew without waiting a day (gateway/buckets.py period_bounds). Unset in any real deployment.
     test_budget_day_s: float | None = Field(None, gt=0)

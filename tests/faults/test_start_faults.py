@@ -420,3 +420,42 @@ def test_an_agent_killed_between_spawning_an_engine_and_recording_it_adopts_that
     assert fleet.steady(["steady", "xi"])["steady"] == before
     assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
     fleet.steady(["steady"])
+
+
+def test_an_agent_restarted_more_than_five_times_during_one_download_does_not_fail_the_start(fleet, source):
+    """Issue 38: each boot of a node's worker ends the attempt its predecessor left, and Temporal counts it;
+    `start_shard` had 5 attempts, so five agent restarts during one long download failed the start. Now a
+    start's fetch is bounded by time (no progress for `fetch_retry_s`; the planner's start budget), not by
+    attempts: six restarts during one held download, and the replica still starts, once, resuming its
+    download each time; the replica already serving is not touched."""
+    source.hold()
+    before = fleet.serving()["steady"]
+    rho = sim_model("rho", source=source.url("rho.bin"))
+    assert fleet.cp.apply({"models": [STEADY, rho]}).status_code == 200
+    rep = only_replica(fleet, "rho", "starting")
+    assert source.served_head.wait(60), "the download never started"
+    node = rep["shards"][0]["node_id"]
+    ended = f"ended the start_shard of replica/{rep['id']}/start attempt a previous boot left running"
+
+    def on_disk() -> bool:  # the first MiB in the node's cache: each attempt after it resumes from there
+        parts = [f for f in (fleet.cp.state / "cache" / node).rglob("*") if f.is_file() and "part" in f.name]
+        return max([f.stat().st_size for f in parts] or [0]) >= source.head
+    wait_until(on_disk, timeout_s=30, what="the first MiB on the node's disk")
+    try:
+        for i in range(6):
+            asked = sum(1 for path, _ in source.requests if path == "/rho.bin")
+            again = _restart_agent(fleet, node)
+            wait_until(lambda: ended in again.log(), timeout_s=30, what=f"restart {i + 1} ending the attempt",
+                       why=again.log)
+            wait_until(lambda: sum(1 for path, _ in source.requests if path == "/rho.bin") > asked, timeout_s=45,
+                       what=f"the download resumed after restart {i + 1}", why=fleet.cp.logs)
+    finally:
+        source.release()
+    ready = only_replica(fleet, "rho", "ready", timeout_s=60)
+    assert ready["id"] == rep["id"] and fleet.launches(rep["id"]) == 1
+    assert [r["status"] for r in fleet.replicas("rho")] == ["ready"]
+    asked = [rng for path, rng in source.requests if path == "/rho.bin"]
+    assert len(asked) >= 7 and all(rng == f"bytes={source.head}-" for rng in asked[1:]), asked  # resumed each time
+    assert fleet.steady(["steady", "rho"])["steady"] == before
+    assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
+    fleet.steady(["steady"])

@@ -86,6 +86,8 @@ class NodeActivities:
         before = _details(activity.info().heartbeat_details) if activity.in_activity() else {}
         moved_at = before.get("moved_at")
         seen: dict = {"moved_at": moved_at if isinstance(moved_at, (int, float)) else time.time()}
+        if isinstance(before.get("bytes"), int):
+            seen["bytes"] = before["bytes"]  # a resumed download's first report is no progress
 
         def progress(n: int, total: int | None) -> None:
             # Called from the (possibly shared) download task: only record; this activity heartbeats, and

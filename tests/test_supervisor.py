@@ -249,3 +249,35 @@ async def test_an_engine_that_floods_its_log_is_held_to_the_cap_and_keeps_writin
         assert oct(kept.stat().st_mode & 0o777) == "0o600"
     finally:
         await sup.stop("rep1-r0", grace_s=1)
+
+
+async def test_an_engine_spawned_before_its_worker_recorded_it_is_adopted_by_the_next(tmp_path):
+    """Issue 38: the spec file is written before the spawn (pid 0), and the engine carries its shard id in its
+    environment; a worker that died between the spawn and recording the pid leaves that first spec, and the
+    next boot finds the engine by its marker and adopts it. A launching spec whose engine never ran is gone."""
+    sup = Supervisor(tmp_path / "shards", tmp_path / "logs")
+    spec = sim_spec()
+    plan = LaunchPlan(argv=[sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ),
+                      endpoint="http://127.0.0.1:1")
+    shard = sup.launch(spec, plan)
+    for _ in range(100):  # (read at once, /proc/PID/environ may still be empty: the exec is under way)
+        if psutil.Process(shard.pid).environ():
+            break
+        await asyncio.sleep(0.02)
+    assert psutil.Process(shard.pid).environ().get("LLMGW_SHARD_ID") == "rep1-r0"
+    # What the worker had written when it died: the spec from before the spawn.
+    path = tmp_path / "shards" / "rep1-r0.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pid": 0, "create_time": 0.0, "start_ticks": None}))
+    never = json.loads(path.read_text()) | {"shard_id": "rep2-r0", "replica_id": "rep2"}
+    (tmp_path / "shards" / "rep2-r0.json").write_text(json.dumps(never))
+    try:
+        again = Supervisor(tmp_path / "shards", tmp_path / "logs")
+        adopted, dead = again.adopt_all()
+        assert [(s.shard_id, s.pid) for s in adopted] == [("rep1-r0", shard.pid)] and dead == ["rep2-r0"]
+        assert json.loads(path.read_text())["pid"] == shard.pid  # recorded now
+        assert not (tmp_path / "shards" / "rep2-r0.json").exists()
+        stopped, _ = await again.stop("rep1-r0", grace_s=2)
+        assert stopped and not psutil.pid_exists(shard.pid) or psutil.Process(shard.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if shard.proc is not None and shard.proc.poll() is None:
+            shard.proc.kill()

@@ -174,6 +174,9 @@ class Settings(BaseSettings):
     # (`mark_replica` or `mark_replica:ready`), once per marker file. Unset in any real deployment.
     test_crash_after_commit: str | None = None
     test_crash_marker: Path | None = None
+    # Test hook (tests/faults/): SIGKILL the node worker right after it spawns an engine, before it records
+    # the engine's pid, once per this marker file. Unset in any real deployment.
+    test_crash_after_spawn: Path | None = None
     # Test hook (tests/test_tenants_*.py): budget "days" this many seconds long, so a test sees a spent daily
     # budget renew without waiting a day (gateway/buckets.py period_bounds). Unset in any real deployment.
     test_budget_day_s: float | None = Field(None, gt=0)
@@ -237,6 +240,10 @@ class Settings(BaseSettings):
     fetch_stall_bytes: int = 1 << 20
     fetch_deadline_s: float = 12 * 3600.0
     fetch_max_bytes: int = 1 << 40
+    # A start's fetch that fails for a reason that may pass (a dropped connection, a stall, a 5xx) is retried
+    # while it has made progress (a byte) within this long; then it fails for good (issue 38: attempts are
+    # not counted, since each restart of the node's worker ends one).
+    fetch_retry_s: float = Field(600.0, gt=0)
 
     # The mirror (`llmgw mirror serve`, which also runs the mirror worker on `llmgw-mirror`).
     # `mirror_private_sources`: non-public networks `llmgw mirror add` may fetch from, comma-separated CIDRs

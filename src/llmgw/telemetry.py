@@ -91,7 +91,9 @@ class GatewayMetrics:
     - `llmgw_in_flight{model}`: requests this gateway holds (queued ones included); `llmgw_queued{model}`:
       those waiting for a concurrency slot;
     - `llmgw_ready_replicas{model}`, `llmgw_open_breakers{model}`: from the route table, at scrape time;
-    - `llmgw_upstream_retries_total{model}`: requests sent to another replica before the first byte;
+    - `llmgw_upstream_retries_total{model}`: requests sent to another replica before the first byte (and
+      streams' continuations); `llmgw_stream_resumes_total{model,outcome}`: streams whose engine died or
+      stalled mid-answer, `resumed` on another replica or `failed` (gateway/resume.py);
     - `llmgw_guard_refusals_total{model,stage}`;
     - `llmgw_usage_missing_total{model}` (accounted requests that ended without usage),
       `llmgw_usage_sync_errors_total`;
@@ -123,6 +125,9 @@ class GatewayMetrics:
                                    registry=r)
         self.retries = Counter("llmgw_upstream_retries", "Requests retried on another replica before the first byte",
                                ["model"], registry=r)
+        self.stream_resumes = Counter("llmgw_stream_resumes", "Streams whose engine died or stalled mid-answer, by "
+                                      "outcome: resumed on another replica, or failed (one error event)",
+                                      ["model", "outcome"], registry=r)
         self.guard_refusals = Counter("llmgw_guard_refusals", "Requests or responses refused by a guard model",
                                       ["model", "stage"], registry=r)
         t = self.tenant_registry = CollectorRegistry()  # never on the public port
@@ -145,6 +150,7 @@ class GatewayMetrics:
             (self.requests, ("model", "status")), (self.latency, ("model",)), (self.ttft, ("model",)),
 (self.in_flight, ("model",)), (self.queued, ("model",)), (self.ready, ("model",)),
             (self.open_breakers, ("model",)), (self.retries, ("model",)), (self.guard_refusals, ("model", "stage")),
+            (self.stream_resumes, ("model", "outcome")),
             (self.tokens, ("tenant", "model", "type")), (self.usage_missing, ("model",)))]
 
     def begin(self, model: str) -> None:

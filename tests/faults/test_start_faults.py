@@ -378,3 +378,84 @@ def test_an_agent_killed_mid_download_resumes_on_its_next_boot_and_nothing_is_re
     assert fleet.steady(["steady", "nu"])["steady"] == before
     assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
     fleet.steady(["steady"])
+
+
+def _restart_agent(fleet: FaultFleet, node: str, **env: str):
+    """SIGKILL `node`'s agent (its engines run on) and start it again, through its relays, with `env`."""
+    for p in fleet.cp.procs:
+        if p.name == f"agent-{node}" and p.alive():
+            p.kill()
+    relays = fleet.relays[node]
+    return fleet.cp.agent(node, simulate=sim_spec(gpus=2), LLMGW_NODE_API_URL=f"https://127.0.0.1:{relays['api'].port}",
+                          LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{relays['temporal'].port}", **env)
+
+
+def test_an_agent_killed_between_spawning_an_engine_and_recording_it_adopts_that_engine(fleet, tmp_path):
+    """Issue 38: a node's agent is SIGKILLed right after it spawned an engine, before it recorded the engine's
+    pid (a test hook, once). Before, the next boot could not see that engine: it ran on unseen, holding its
+    port and GPU, while the retried start launched a second one. Now the spec file is written before the
+    spawn and the engine carries its shard id, so the next boot adopts it: the replica becomes Ready on that
+    very engine, no second engine is launched, and the replica already serving is not touched."""
+    before = fleet.steady(["steady"])["steady"]
+    marker = tmp_path / "spawned"
+    for node in ("node-a", "node-b"):  # wherever the new replica lands, its agent has the hook
+        _restart_agent(fleet, node, LLMGW_TEST_CRASH_AFTER_SPAWN=str(marker))
+    fleet.cp.wait_nodes("node-a", "node-b", timeout_s=60)
+    assert fleet.cp.apply({"models": [STEADY, sim_model("xi")]}).status_code == 200
+    wait_until(marker.exists, timeout_s=90, what="the agent killed after a spawn", why=fleet.cp.logs)
+    shard_id, pid = marker.read_text().split()
+    node = next(n for n in ("node-a", "node-b") if (fleet.cp.state / "shards" / n / f"{shard_id}.json").exists())
+    wait_until(lambda: not any(p.alive() for p in fleet.cp.procs if p.name == f"agent-{node}"), timeout_s=10,
+               what="the hooked agent gone")
+    assert psutil.pid_exists(int(pid))  # the engine runs on, unrecorded
+    again = _restart_agent(fleet, node)
+    wait_until(lambda: "launched by a worker that died before recording it" in again.log(), timeout_s=30,
+               what="the new boot adopting the engine", why=again.log)
+    ready = only_replica(fleet, "xi", "ready", timeout_s=60)
+    assert f"{ready['id']}-r0" == shard_id
+    assert fleet.serving()["xi"] == (ready["id"], node, int(pid))  # served by the engine spawned before the crash
+    assert fleet.launches(ready["id"]) == 0  # (the hook killed it before its log line) the retry adopted, never launched
+    engines = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("LLMGW_SHARD_ID") == shard_id]
+    assert [p.pid for p in engines] == [int(pid)]
+    assert fleet.steady(["steady", "xi"])["steady"] == before
+    assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
+    fleet.steady(["steady"])
+
+
+def test_an_agent_restarted_more_than_five_times_during_one_download_does_not_fail_the_start(fleet, source):
+    """Issue 38: each boot of a node's worker ends the attempt its predecessor left, and Temporal counts it;
+    `start_shard` had 5 attempts, so five agent restarts during one long download failed the start. Now a
+    start's fetch is bounded by time (no progress for `fetch_retry_s`; the planner's start budget), not by
+    attempts: six restarts during one held download, and the replica still starts, once, resuming its
+    download each time; the replica already serving is not touched."""
+    source.hold()
+    before = fleet.serving()["steady"]
+    rho = sim_model("rho", source=source.url("rho.bin"))
+    assert fleet.cp.apply({"models": [STEADY, rho]}).status_code == 200
+    rep = only_replica(fleet, "rho", "starting")
+    assert source.served_head.wait(60), "the download never started"
+    node = rep["shards"][0]["node_id"]
+    ended = f"ended the start_shard of replica/{rep['id']}/start attempt a previous boot left running"
+
+    def on_disk() -> bool:  # the first MiB in the node's cache: each attempt after it resumes from there
+        parts = [f for f in (fleet.cp.state / "cache" / node).rglob("*") if f.is_file() and "part" in f.name]
+        return max([f.stat().st_size for f in parts] or [0]) >= source.head
+    wait_until(on_disk, timeout_s=30, what="the first MiB on the node's disk")
+    try:
+        for i in range(6):
+            asked = sum(1 for path, _ in source.requests if path == "/rho.bin")
+            again = _restart_agent(fleet, node)
+            wait_until(lambda: ended in again.log(), timeout_s=30, what=f"restart {i + 1} ending the attempt",
+                       why=again.log)
+            wait_until(lambda: sum(1 for path, _ in source.requests if path == "/rho.bin") > asked, timeout_s=45,
+                       what=f"the download resumed after restart {i + 1}", why=fleet.cp.logs)
+    finally:
+        source.release()
+    ready = only_replica(fleet, "rho", "ready", timeout_s=60)
+    assert ready["id"] == rep["id"] and fleet.launches(rep["id"]) == 1
+    assert [r["status"] for r in fleet.replicas("rho")] == ["ready"]
+    asked = [rng for path, rng in source.requests if path == "/rho.bin"]
+    assert len(asked) >= 7 and all(rng == f"bytes={source.head}-" for rng in asked[1:]), asked  # resumed each time
+    assert fleet.steady(["steady", "rho"])["steady"] == before
+    assert fleet.cp.apply({"models": [STEADY]}).status_code == 200
+    fleet.steady(["steady"])

@@ -7,6 +7,11 @@ each of `n` choices (default 1; their tokens interleaved in a stream, as vLLM se
 models are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503
 until `--startup-delay` seconds have passed, then 200 with the number of requests in flight.
 
+Its answers are deterministic, and a continuation reads as one answer: a chat sent
+`continue_final_message: true` with `add_generation_prompt: false` (vLLM's fields; refused as vLLM refuses
+them) goes on from the Greek letters its final assistant message ends with, as a completion goes on from
+those its prompt ends with (gateway/resume.py splices a stream so).
+
 `usage` is reported as OpenAI and vLLM report it: in every non-streamed answer, and for a stream that asks
 with `stream_options: {"include_usage": true}` in one last chunk before `[DONE]` with `"choices": []`. Its
 prompt tokens are the prompt's words (at least 1), its completion tokens the tokens it emitted. `/metrics`
@@ -229,6 +234,14 @@ class SimEngine:
             return error(503, "the replica's ranks have not all joined yet", code="not_ready")
         if not self.awake.is_set():  # asleep: held until woken, as vLLM's paused scheduler holds it
             await self.awake.wait()
+        start = 0  # where in the alphabet its text begins: a continuation goes on from its prefix
+        if chat:
+            cont = continuation(body)
+            if isinstance(cont, web.Response):
+                return cont
+            start = cont
+        elif isinstance(body.get("prompt"), str):
+            start = trailing_letters(body["prompt"])
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -253,7 +266,7 @@ class SimEngine:
                     if self.delay:
                         await asyncio.sleep(self.delay)
                     self.generation_tokens_total += 1
-                text = "".join(self.token(i) for i in range(n))
+                text = "".join(self.token(start + i) for i in range(n))
                 choices = [{"index": c, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                            if chat else {"index": c, "text": text, "finish_reason": "length"} for c in range(k)]
                 return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
@@ -268,10 +281,11 @@ class SimEngine:
                 self.generation_tokens_total += 1
                 last = i == n - 1
                 if chat:
-                    delta = {"content": self.token(i)} if i else {"role": "assistant", "content": self.token(i)}
+                    delta = ({"content": self.token(start + i)} if i
+                             else {"role": "assistant", "content": self.token(start + i)})
                     choice = {"index": c, "delta": delta, "finish_reason": "length" if last else None}
                 else:
-                    choice = {"index": c, "text": self.token(i), "finish_reason": "length" if last else None}
+                    choice = {"index": c, "text": self.token(start + i), "finish_reason": "length" if last else None}
                 event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
             if (opts or {}).get("include_usage") is True:
@@ -286,6 +300,32 @@ class SimEngine:
             return resp if resp is not None else web.Response(status=499)
         finally:
             self.in_flight -= 1
+
+
+def continuation(body: dict) -> int | web.Response:
+    """Where a chat's answer begins in the alphabet: 0, or with `continue_final_message: true` (and
+    `add_generation_prompt: false`, as vLLM requires) after the Greek letters its final assistant message
+    ends with, so that a continued answer reads as one. Refused as vLLM refuses it (400)."""
+    if body.get("continue_final_message") is not True:
+        return 0
+    if body.get("add_generation_prompt", True) is not False:
+        return error(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                     param="continue_final_message")
+    last = body["messages"][-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return error(400, "`continue_final_message` needs a final message with role assistant",
+                     param="continue_final_message")
+    return trailing_letters(last.get("content") if isinstance(last.get("content"), str) else "")
+
+
+def trailing_letters(text: str) -> int:
+    """How many of `text`'s last words are the sim's own tokens: where its alphabet goes on from."""
+    n = 0
+    for word in reversed(text.split()):
+        if word not in GREEK:
+            break
+        n += 1
+    return n
 
 
 def prompt_tokens(prompt) -> int:

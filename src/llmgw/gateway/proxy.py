@@ -33,6 +33,7 @@ For each request:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ from llmgw.gateway.openai_api import (
     sse_error,
 )
 from llmgw.gateway.quotas import CHARS_PER_TOKEN, Account, Meter, Quotas
+from llmgw.gateway.resume import Splice, refusal
 from llmgw.http.errors import send_error
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.sse import DONE, SSEFrames, StreamBroken
@@ -165,6 +167,10 @@ class _Exchange:
         """The event that ends a stream the gateway failed: in the door's API, or OpenAI's and `[DONE]`."""
         return self.tr.error(err) if self.tr is not None else sse_error(err) + DONE
 
+    def out(self, data: bytes) -> bytes:
+        """Events as the client's API has them: translated for a door's stream, else as they are."""
+        return self.tr.feed(data) if self.tr is not None else data
+
     def watch(self, receive: Receive) -> None:
         self.task = asyncio.current_task()
         self.receive = receive
@@ -188,6 +194,19 @@ class _Exchange:
             self.timer.cancel()
         if self.watcher is not None:
             self.watcher.cancel()
+
+
+class _Leg:
+    """The engine answer a request reads now: its response, its endpoint (counted outstanding until booked),
+    the model serving it, and every replica it was sent to. A continued stream moves it to another engine."""
+
+    __slots__ = ("resp", "ep", "name", "tried")
+
+    def __init__(self, resp: Response, ep: Endpoint | None, name: str, tried: set[str]):
+        self.resp = resp
+        self.ep = ep
+        self.name = name
+        self.tried = tried
 
 
 class Proxy:
@@ -320,10 +339,12 @@ class Proxy:
 
         judged = policy is not None and "response" in policy.check
 
-        async def consume(resp: Response) -> tuple[int, float | None]:
+        async def consume(leg: _Leg) -> tuple[int, float | None]:
             if judged:
-                return await self._send_judged(resp, route.model.name, policy, path, req, send, x, iso), None
-            return await self._relay(resp, req.get("stream") is True, send, x, started)
+                return await self._send_judged(leg.resp, route.model.name, policy, path, req, send, x, iso), None
+            if req.get("stream") is not True:
+                return await self._relay_whole(leg.resp, send, x)
+            return await self._relay_stream(leg, path, req, send, x, started, iso)
 
         hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
         return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso)
@@ -359,7 +380,7 @@ class Proxy:
         return [r for r in (route, *fallbacks) if r.endpoints]
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
-                        consume: Callable[[Response], Awaitable[Any]], hold: Hold | None = None,
+                        consume: Callable[["_Leg"], Awaitable[Any]], hold: Hold | None = None,
                         meter: Meter | None = None, chars: int = 0, iso: Isolated | None = None) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
@@ -380,18 +401,21 @@ class Proxy:
         # whose `active` a release would take below 0 (issue 36).
         fallback: list[tuple[str, Gate | None]] = []
         try:
-            resp, ep = await self._open(plan, path, req, body, meter, fallback, iso)
+            tried: set[str] = set()
+            resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried)
+            leg = _Leg(resp, ep, served.model.name, tried)
             healthy: bool | None = None
             try:
-                result = await consume(resp)
+                result = await consume(leg)
                 healthy = True
                 return result
             except APIError as err:
                 healthy = None if err.code == "answer_too_large" else err.status not in (502, 504)
                 raise
             finally:
-                self._done(ep, healthy)
-                resp.release()
+                if leg.ep is not None:  # (None: a stream that moved off it and found no other, gateway/resume.py)
+                    self._done(leg.ep, healthy)
+                    leg.resp.release()
         finally:
             usage.end(name)
             if gate is not None:
@@ -439,14 +463,16 @@ class Proxy:
 
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
                     meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None,
-                    iso: Isolated | None = None) -> tuple[Response, Endpoint]:
+                    iso: Isolated | None = None, tried: set[str] | None = None) -> tuple[Response, Endpoint, ModelRoute]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
-        client. Returns an answer with a status below 400, its endpoint counted as outstanding. An
+        client. Returns an answer with a status below 400, its endpoint counted as outstanding, and the
+        model route it came from; `tried` collects the replicas it was sent to (those in it are passed
+        over: a stream's continuation, gateway/resume.py). An
         accounted request's `meter.sent` says whether an engine has it (so a client that leaves before the
         answer is still charged its prompt): set as it is sent, cleared when no engine took it. `iso`: what
         its endpoints are told for cache isolation (gateway/isolation.py), by model and engine."""
         loop = asyncio.get_running_loop()
-        tried: set[str] = set()
+        tried = set() if tried is None else tried
         last: APIError | None = None
         for i, mr in enumerate(plan):
             name = mr.model.name
@@ -489,7 +515,7 @@ class Proxy:
                     raise
                 status = resp.status
                 if status < 400:
-                    return resp, ep
+                    return resp, ep, mr
                 if meter is not None:
                     meter.sent = False  # the engine refused it: nothing to charge
                 try:
@@ -519,80 +545,189 @@ class Proxy:
         waits = [w for w in (self.balancer.reopens_in(mr.endpoints, loop.time()) for mr in plan) if w is not None]
         raise errors.circuit_open(plan[0].model.name, max(1, math.ceil(min(waits, default=1.0))))
 
-    async def _relay(self, resp: Response, stream: bool, send: Send, x: _Exchange,
-                     started: float) -> tuple[int, float | None]:
-        """Relay the answer as the client-facing contract says (gateway/sse.py): a streaming request gets
-        well-formed events as they complete, a non-streaming one a single JSON body. Returns (status,
-        seconds to the first streamed byte or None)."""
+    async def _relay_whole(self, resp: Response, send: Send, x: _Exchange) -> tuple[int, None]:
+        """A non-streaming answer: one JSON body, read whole before its status is sent (gateway/sse.py has
+        the streaming contract)."""
+        data = await self._read_whole(resp, stream=False)
+        if x.meter is not None:
+            x.meter.body(data)
+        if x.door is not None:
+            data = x.door.answer(data)
+        x.started = x.finished = True
+        await send(_start(resp.status, _whole_headers(resp, data), x))
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+        return resp.status, None
+
+    async def _relay_stream(self, leg: "_Leg", path: str, req: dict, send: Send, x: _Exchange, started: float,
+                            iso: Isolated | None = None) -> tuple[int, float | None]:
+        """Relay a stream as the client-facing contract says (gateway/sse.py): well-formed events as they
+        complete, one `[DONE]`. An engine that dies or stalls before `[DONE]` has its stream continued on
+        another replica of the model where the model's `routing.stream_resume` allows and the request can be
+        continued (gateway/resume.py); else the stream ends with one error event. Returns (status, seconds to
+        the first streamed byte)."""
         meter = x.meter
-        if not stream:
-            data = await self._read_whole(resp, stream=False)
-            if meter is not None:
-                meter.body(data)
-            if x.door is not None:
-                data = x.door.answer(data)
-            x.started = x.finished = True
-            await send(_start(resp.status, _whole_headers(resp, data), x))
-            await send({"type": "http.response.body", "body": data, "more_body": False})
-            return resp.status, None
-        _require_stream(resp)
-        frames = SSEFrames()
-        try:
-            chunk = await resp.next_chunk()
-        except UpstreamTimeout:
-            raise errors.upstream_timeout(self.upstream.read_timeout_s) from None
-        except UpstreamBroken as exc:
-            raise errors.upstream_failed(str(exc)) from None
-        if not x.held:  # a request held through a load has had its 200 and SSE headers (Proxy._holder)
-            x.started = True
-            await send(_start(resp.status, STREAM_HEADERS, x))
-        now = time.perf_counter()
-        ttft = now - started
+        splice = self._splice(leg.name, path, req)
+        status = leg.resp.status
+        ttft: float | None = None
         itl = self.metrics.itl_of(x.label)  # the gaps between the chunks relayed (inter-token latency)
-        tr = x.tr
-        try:
-            while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
-                out = frames.feed(chunk)
-                if meter is not None:
-                    if USAGE in out:
-                        out = meter.events(out)
-                    meter.relayed += out.count(b"data: {")  # what a stream left early is charged (Quotas.settle)
-                if frames.done:  # its [DONE]: the answer ends here, whatever the engine sends after (or keeps
-                    break        # open); the connection is dropped, not pooled (Response.release)
-                if out:
-                    if tr is not None:
-                        out = tr.feed(out)
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        while True:  # once per engine serving the stream
+            resp = leg.resp
+            frames = SSEFrames()
+            out = b""
+            try:
+                _require_stream(resp)
                 chunk = await resp.next_chunk()
-                last, now = now, time.perf_counter()
-                itl.observe(now - last)
-            else:
-                out = frames.feed(chunk)
-                if meter is not None:
-                    if USAGE in out:
-                        out = meter.events(out)
-                    meter.relayed += out.count(b"data: {")  # the last events too (not [DONE])
-        except (UpstreamError, StreamBroken) as exc:
-            err = (errors.upstream_timeout(self.upstream.read_timeout_s) if isinstance(exc, UpstreamTimeout)
-                   else errors.upstream_failed(str(exc)))
+                if not x.started:  # (a request held through a load has had its 200: Proxy._holder)
+                    x.started = True
+                    await send(_start(resp.status, STREAM_HEADERS, x))
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - started
+                if splice is not None:  # stalls count from the first byte: a long prefill is no stall
+                    resp.limit(splice.stall_s)
+                while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
+                    out = frames.feed(chunk)
+                    if splice is not None and splice.legs > 1 and out:
+                        out = splice.rewrite(out)
+                    if meter is not None:
+                        if USAGE in out:
+                            out = meter.events(out)
+                        meter.relayed += out.count(b"data: {")  # what a stream left early is charged (Quotas.settle)
+                    if frames.done:  # its [DONE]: the answer ends here, whatever the engine sends after (or keeps
+                        break        # open); the connection is dropped, not pooled (Response.release)
+                    if out:
+                        await send({"type": "http.response.body", "body": x.out(out), "more_body": True})
+                        if splice is not None:
+                            splice.keep(out)
+                    chunk = await self._next_chunk(leg, splice)
+                    last, now = now, time.perf_counter()
+                    itl.observe(now - last)
+                else:
+                    out = frames.feed(chunk)
+                    if splice is not None and splice.legs > 1 and out:
+                        out = splice.rewrite(out)
+                    if meter is not None:
+                        if USAGE in out:
+                            out = meter.events(out)
+                        meter.relayed += out.count(b"data: {")  # the last events too (not [DONE])
+            except (APIError, UpstreamError, StreamBroken) as exc:
+                if isinstance(exc, APIError):
+                    err = exc
+                elif isinstance(exc, UpstreamTimeout):
+                    err = errors.upstream_timeout(resp.timeout_s or self.upstream.read_timeout_s)
+                else:
+                    err = errors.upstream_failed(str(exc))
+                resp.abort()
+                if splice is not None and not frames.done and not isinstance(exc, APIError):
+                    how = await self._resume(leg, splice, path, iso, meter, exc)
+                    if how == "resumed":
+                        continue
+                    if how == "whole":  # it had said all but its end
+                        x.finished = True
+                        await send({"type": "http.response.body", "body": x.out(frames.broken(b"")), "more_body": False})
+                        return status, ttft
+                if not x.started:  # nothing reached the client: an error status
+                    raise err from None
+                x.finished = True
+                tail = frames.broken(sse_error(err))
+                await send({"type": "http.response.body", "body": x.out(tail), "more_body": False})
+                if not tail:  # it had said [DONE]: what came after is not the client's concern
+                    return status, ttft
+                log.warning("the engine broke off an answer mid-way: %s", exc)
+                raise err from None
             x.finished = True
-            resp.abort()
-            tail = frames.broken(sse_error(err))
-            if tr is not None:
-                tail = tr.feed(tail)
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
-            if not tail:  # it had said [DONE]: what came after is not the client's concern
-                return resp.status, ttft
-            log.warning("the engine broke off an answer mid-way: %s", exc)
-            raise err from None
-        x.finished = True
-        tail = frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
-        await send({"type": "http.response.body", "body": out + tail if tr is None else tr.feed(out + tail),
-                    "more_body": False})
-        if tail.startswith(b"data: {"):
-            log.warning("the engine's stream ended mid-event")
-            raise errors.upstream_failed("its stream ended mid-event")
-        return resp.status, ttft
+            tail = frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+            await send({"type": "http.response.body", "body": x.out(out + tail), "more_body": False})
+            if tail.startswith(b"data: {"):
+                log.warning("the engine's stream ended mid-event")
+                raise errors.upstream_failed("its stream ended mid-event")
+            return status, ttft
+
+    def _splice(self, name: str, path: str, req: dict) -> Splice | None:
+        """A stream's `Splice` when its model's `routing.stream_resume` and the request allow continuing it."""
+        route = self.routes.resolve(name)
+        if route is None or path == EMBEDDINGS:
+            return None
+        setting = route.model.stream_resume
+        if setting.attempts <= 0 or refusal(path, req) is not None:
+            return None
+        return Splice(path, req, setting.attempts, setting.stall_s)
+
+    async def _next_chunk(self, leg: "_Leg", splice: Splice | None) -> bytes:
+        """The stream's next chunk. A stall (`UpstreamTimeout` after `stall_s`) is raised only when the stream
+        can move to another replica; else it waits on, up to the upstream's read timeout."""
+        resp = leg.resp
+        try:
+            return await resp.next_chunk()
+        except UpstreamTimeout:
+            if splice is None or resp.timeout_s is None:
+                raise
+            splice.fold()
+            if splice.why_not() is None and self._continuers(leg, splice):
+                raise
+            waited = resp.timeout_s
+            log.info("%s stalled %gs mid-stream and the stream cannot move (%s): waiting on", leg.ep.replica_id
+                     if leg.ep else "?", waited, splice.why_not() or "no other replica")
+            resp.limit(max(0.001, self.upstream.read_timeout_s - waited))
+            try:
+                return await resp.next_chunk()
+            finally:
+                resp.limit(None)  # this engine's stream is no longer watched for stalls
+
+    def _continuers(self, leg: "_Leg", splice: Splice) -> ModelRoute | None:
+        """The model's route narrowed to the replicas that may continue `splice`: not tried yet, usable, and
+        for a chat able to continue a final message. None when there is none."""
+        route = self.routes.resolve(leg.name)
+        if route is None:
+            return None
+        now = asyncio.get_running_loop().time()
+        eps = [ep for ep in route.endpoints if ep.replica_id not in leg.tried and self.balancer.usable(ep, now)
+               and (ep.continues_chat or not splice.chat)]
+        return dataclasses.replace(route, endpoints=eps) if eps else None
+
+    async def _resume(self, leg: "_Leg", splice: Splice, path: str, iso: Isolated | None, meter: Meter | None,
+                      exc: Exception) -> str:
+        """Move a broken stream to another replica: `resumed` (leg is the new engine's answer), `whole` (the
+        answer had been given but for its end) or `failed` (the caller ends the stream with an error event).
+        The engine that broke off is booked as any failed upstream: its breaker counts it, and it is logged."""
+        dead = leg.ep
+        assert dead is not None
+        label = leg.name
+        what = "stalled" if isinstance(exc, UpstreamTimeout) else "broke off"
+        leg.ep = None  # booked here, not again by _exchange
+        self._done(dead, False)
+        splice.fold()
+        why = splice.why_not()
+        if splice.finished:
+            log.warning("%s at %s %s a stream after its last token (%s); ending it", dead.replica_id, dead.url,
+                        what, exc)
+            return "whole"
+        body = splice.request() if why is None else None
+        if why is None and body is None:
+            log.warning("%s at %s %s a stream at its length cap (%s); ending it", dead.replica_id, dead.url, what, exc)
+            return "whole"
+        route = self._continuers(leg, splice) if why is None else None
+        if why is None and route is None:
+            why = "no other replica can continue it"
+        if why is not None:
+            log.warning("%s at %s %s a stream mid-answer (%s); not continued: %s", dead.replica_id, dead.url, what,
+                        exc, why)
+            self.metrics.stream_resumes.labels(label, "failed").inc()
+            return "failed"
+        assert route is not None and body is not None
+        splice.attempts -= 1
+        log.warning("%s at %s %s a stream mid-answer (%s); continuing it on another replica after %d event(s)",
+                    dead.replica_id, dead.url, what, exc, splice.events)
+        try:
+            resp, ep, _ = await self._open([route], path, body, json.dumps(body).encode(), meter, None, iso, leg.tried)
+        except APIError as err:
+            log.warning("the continuation of a stream of %s found no replica: %s", label, err.message)
+            self.metrics.stream_resumes.labels(label, "failed").inc()
+            return "failed"
+        leg.resp, leg.ep = resp, ep
+        splice.legs += 1
+        self.metrics.stream_resumes.labels(label, "resumed").inc()
+        return "resumed"
 
     async def _send_judged(self, resp: Response, label: str, policy: GuardPolicy, path: str, req: dict,
                            send: Send, x: _Exchange, iso: Isolated | None = None) -> int:
@@ -664,7 +799,8 @@ class Proxy:
         if route.text_only and path == CHAT and (part := media_part(payload)) is not None:
             raise errors.text_only(route.model.name, part)
 
-        async def consume(resp: Response) -> tuple[int, Any]:
+        async def consume(leg: _Leg) -> tuple[int, Any]:
+            resp = leg.resp
             data = await self._read_whole(resp, stream=False, limit=MAX_HELD)
             try:
                 return resp.status, json.loads(data)

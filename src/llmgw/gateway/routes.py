@@ -27,6 +27,7 @@ from llmgw.catalog.context import MAX_PROMPT_CHARS, OutputBound, PromptBound, ou
 from llmgw.db import catalog_repo, fleet_repo
 from llmgw.gateway.isolation import SALTED, engine_class
 from llmgw.gateway.misses import MissCheck
+from llmgw.gateway.resume import continues_chat
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
 from llmgw.schemas.catalog import Catalog, Model, fold_name
@@ -50,6 +51,7 @@ class Endpoint:
     node_id: str
     target: Target
     kind: str = SALTED
+    continues_chat: bool = False  # its engine continues a final assistant message (gateway/resume.py)
     seed: int = field(init=False, default=0)  # its replica id hashed: its score in prefix balancing
 
     def __post_init__(self) -> None:
@@ -148,16 +150,18 @@ class RouteTable:
         return out
 
     def _endpoint(self, key: str, url: str, node_id: str, api_key: str | None = None,
-                  kind: str = SALTED) -> Endpoint | None:
+                  kind: str = SALTED, continues_chat: bool = False) -> Endpoint | None:
         url = url.rstrip("/")
         auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         ep = self._endpoints.get(key)
         if ep is not None and ep.url == url and ep.target.auth == auth and ep.kind == kind:
+            ep.continues_chat = continues_chat
             return ep
         try:
             if "\r" in (api_key or "") or "\n" in (api_key or ""):
                 raise ValueError("its engine key is not a header value")
-            return Endpoint(key, url, node_id, dataclasses.replace(parse_target(url), auth=auth), kind=kind)
+            return Endpoint(key, url, node_id, dataclasses.replace(parse_target(url), auth=auth), kind=kind,
+                            continues_chat=continues_chat)
         except ValueError as exc:
             log.warning("not routing to %s: %s", key, exc)
             return None
@@ -199,7 +203,8 @@ class RouteTable:
                 continue
             profile = models[r.model].model.profile(r.profile)
             ep = self._endpoint(r.replica_id, r.endpoint, r.node_id, r.api_key,
-                                engine_class(profile.engine if profile is not None else "unknown"))
+                                engine_class(profile.engine if profile is not None else "unknown"),
+                                profile is not None and continues_chat(profile))
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)

@@ -109,6 +109,7 @@ class Response(asyncio.Protocol):
         self.poller = None  # a select.poll() on the socket, once connected
         self.timer: asyncio.TimerHandle | None = None  # the read deadline (see `_wait`)
         self.wait_from = 0.0  # when the current (or last) wait began
+        self.timeout_s: float | None = None  # this answer's silence limit, when not the upstream's (`limit`)
         self._reset()
 
     def _reset(self) -> None:
@@ -235,7 +236,8 @@ class Response(asyncio.Protocol):
         self.waiter = fut
         self.wait_from = self.loop.time()
         if self.timer is None:
-            self.timer = self.loop.call_at(self.wait_from + self.upstream.read_timeout_s, self._deadline)
+            self.timer = self.loop.call_at(self.wait_from + (self.timeout_s or self.upstream.read_timeout_s),
+                                           self._deadline)
         try:
             await fut
         finally:
@@ -246,13 +248,20 @@ class Response(asyncio.Protocol):
         w = self.waiter
         if w is None or w.done() or self.closed:
             return  # not waiting: the next wait arms it again
-        seconds = self.upstream.read_timeout_s
+        seconds = self.timeout_s or self.upstream.read_timeout_s
         at = self.wait_from + seconds
         if at > self.loop.time():  # this wait began after the one the timer was armed for
             self.timer = self.loop.call_at(at, self._deadline)
             return
         self.waiter = None
         w.set_exception(UpstreamTimeout(f"the engine sent nothing for {seconds:g}s"))
+
+    def limit(self, seconds: float | None) -> None:
+        """Wait at most `seconds` of silence from now on (`UpstreamTimeout` after it); None: the upstream's
+        `read_timeout_s` again. Between waits only (the relay's stall detection, gateway/resume.py)."""
+        if seconds != self.timeout_s:
+            self.timeout_s = seconds
+            self._disarm()  # the next wait arms the timer for the new limit
 
     def _disarm(self) -> None:
         if self.timer is not None:
@@ -332,6 +341,7 @@ class Response(asyncio.Protocol):
     def release(self) -> None:
         """Done with the answer: keep the connection for the next request if it was read to the end."""
         if self.done and self.keep_alive and not self.closed and self.error is None:
+            self.limit(None)
             self._reset()
             self.pooled = True
             self.upstream._put(self)

@@ -84,11 +84,19 @@ class NodeActivities:
 
     async def _fetch(self, inp: FetchWeightsInput) -> FetchWeightsResult:
         self._check_fence(inp.replica_id, inp.generation, "fetch weights")
-        seen: dict = {}
+        # `moved_at`: when the download last made progress, carried across attempts in the heartbeat's details
+        # (an attempt that is retried resumes from there): the bound on retrying it (`fetch_retry_s`).
+        before = _details(activity.info().heartbeat_details) if activity.in_activity() else {}
+        moved_at = before.get("moved_at")
+        seen: dict = {"moved_at": moved_at if isinstance(moved_at, (int, float)) else time.time()}
+        if isinstance(before.get("bytes"), int):
+            seen["bytes"] = before["bytes"]  # a resumed download's first report is no progress
 
         def progress(n: int, total: int | None) -> None:
             # Called from the (possibly shared) download task: only record; this activity heartbeats, and
             # the agent's heartbeat carries it to the control plane (`ctl replicas` shows it).
+            if n > seen.get("bytes", -1):
+                seen["moved_at"] = time.time()
             seen.update(bytes=n, total=total)
             self.agent.download_progress(inp.replica_id, DownloadProgress(
                 replica_id=inp.replica_id, source=inp.source or "", bytes=n, total=total))
@@ -97,6 +105,14 @@ class NodeActivities:
         try:
             got = await self.agent.fetcher.fetch(inp.source, progress)
         except FetchError as exc:
+            still = time.time() - seen["moved_at"]
+            if exc.retryable and still > self.agent.settings.fetch_retry_s:
+                if activity.in_activity():
+                    activity.heartbeat(dict(seen))
+                raise expected_failure(f"{exc} (no progress for {still:.0f}s, more than fetch_retry_s)",
+                                       "FetchError", False) from None
+            if activity.in_activity():
+                activity.heartbeat(dict(seen))  # what the retry resumes with (its `moved_at`)
             raise expected_failure(str(exc), "FetchError", exc.retryable) from None
         finally:
             beat.cancel()
@@ -467,6 +483,15 @@ def _heartbeat_number(key: str) -> float:
         return max(0.0, float(details[0][key])) if details else 0.0
     except (KeyError, TypeError, ValueError, IndexError):
         return 0.0
+
+
+def _details(details) -> dict:
+    """The last heartbeat's details of an earlier attempt (a dict), or {}."""
+    try:
+        first = details[0] if details else None
+    except (IndexError, TypeError):
+        return {}
+    return first if isinstance(first, dict) else {}
 
 
 async def _keepalive(progress: dict) -> None:

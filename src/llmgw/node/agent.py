@@ -75,7 +75,8 @@ class Agent:
         self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url, Limits.from_settings(settings))
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit,
-                                     log_max_bytes=int(settings.engine_log_max_mb * (1 << 20)))
+                                     log_max_bytes=int(settings.engine_log_max_mb * (1 << 20)),
+                                     crash_after_spawn=settings.test_crash_after_spawn)
         self.fences = Fences(node_dir / "fences")
         self.attempts = Attempts(node_dir / "attempts")  # long activities running, for the next boot to end
         self._post_lock = asyncio.Lock()

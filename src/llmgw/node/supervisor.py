@@ -7,6 +7,12 @@ running from those files (seeds 001, "Survive a control plane restart"). An adop
 process's child, so it is watched by polling and stopped by signalling its group. The process start
 time is recorded beside the pid so that a recycled pid is never mistaken for the engine.
 
+The spec file is written before the engine is spawned (pid 0: launching), and again with its pid once it
+runs; every engine carries its shard id in its environment (`SHARD_MARKER`). A worker that died between
+the spawn and the second write (issue 38) leaves a launching spec: the next boot finds the engine by its
+marker and adopts it (`adopt_all`), so no engine runs unseen, holding its port and GPUs, while the retried
+start launches a second one beside it.
+
 A spec file holds the engine's key (a restarted worker reports it again, so the control plane can route
 to an adopted engine): it is written mode 0600 in a 0700 directory, and logged argv is redacted.
 """
@@ -35,6 +41,7 @@ from llmgw.schemas.status import ShardStatus
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4000
+SHARD_MARKER = "LLMGW_SHARD_ID"  # in every engine's environment: the shard it was launched as
 
 
 @dataclass
@@ -125,7 +132,10 @@ def proc_start_ticks(pid: int) -> int | None:
 
 def alive(pid: int, create_time: float, start_ticks: int | None = None) -> bool:
     """Is the process that was launched as `pid` still running (not another that reuses the pid)? By its
-    start ticks when they were recorded, else (a spec file from before them) by its create time."""
+    start ticks when they were recorded, else (a spec file from before them) by its create time. Pid 0:
+    a spec written before its spawn (`launched_as`)."""
+    if pid <= 0:
+        return False
     try:
         p = psutil.Process(pid)
         if start_ticks is not None and (now := proc_start_ticks(pid)) is not None:
@@ -137,6 +147,21 @@ def alive(pid: int, create_time: float, start_ticks: int | None = None) -> bool:
         return False
 
 
+def launched_as(shard_id: str, since: float) -> psutil.Process | None:
+    """The process of this user launched as `shard_id` (its `SHARD_MARKER`) no earlier than `since` (epoch
+    seconds, with a second's slack), or None: an engine whose worker died before recording its pid."""
+    uid = os.getuid()
+    for p in psutil.process_iter(["uids", "create_time"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != uid or (p.info["create_time"] or 0) < since - 1:
+                continue
+            if p.environ().get(SHARD_MARKER) == shard_id and p.status() != psutil.STATUS_ZOMBIE:
+                return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return None
+
+
 class Supervisor:
     """Starts, watches, adopts and stops engine processes on one node.
 
@@ -144,8 +169,9 @@ class Supervisor:
     """
 
     def __init__(self, shard_dir: Path, log_dir: Path, on_exit: Callable[[Shard, str], Awaitable[None]] | None = None,
-                 log_max_bytes: int = 256 << 20):
+                 log_max_bytes: int = 256 << 20, crash_after_spawn: Path | None = None):
         self.shard_dir = shard_dir
+        self.crash_after_spawn = crash_after_spawn  # test hook (tests/faults/): SIGKILL self after a spawn, once
         self.log_dir = log_dir
         self.on_exit = on_exit
         self.log_max_bytes = log_max_bytes
@@ -187,6 +213,14 @@ class Supervisor:
                 dead.append(path.stem)
                 path.replace(path.with_name(path.name + ".bad"))
                 continue
+            if shard.pid <= 0:  # written before its spawn: its worker died before recording the pid
+                found = launched_as(shard.shard_id, shard.started_at)
+                if found is not None:
+                    shard.pid, shard.create_time = found.pid, found.create_time()
+                    shard.start_ticks = proc_start_ticks(found.pid)
+                    self.save(shard)
+                    log.warning("adopting shard %s (pid %d), launched by a worker that died before recording it",
+                                shard.shard_id, shard.pid)
             if alive(shard.pid, shard.create_time, shard.start_ticks):
                 log.info("adopting shard %s (pid %d); its earlier output is in %s", shard.shard_id, shard.pid, shard.log_path)
                 self.shards[shard.shard_id] = shard
@@ -208,23 +242,39 @@ class Supervisor:
         """Start `plan.argv` in a new process group with `plan.env`; output goes to the shard's log.
         `shown_argv` is what the log line says (the argv with any engine key redacted)."""
         log_path = self.log_dir / f"{spec.shard_id}.log"
+        shard = Shard(spec=spec, pid=0, create_time=0.0, endpoint=plan.endpoint, argv=plan.argv, log_path=log_path)
+        self.save(shard)  # before the spawn: a death between it and the save below leaves a record (module doc)
         # 0600 in a 0700 directory, as the spec files: an engine may print its key (SGLang logs its
         # `server_args`, api_key included) and, with request logging on, prompts.
         with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             proc = subprocess.Popen(
-                plan.argv, env=plan.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
+                plan.argv, env={**plan.env, SHARD_MARKER: spec.shard_id}, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
             )
+        self._crash_hook(spec.shard_id, proc.pid)
         try:
             ctime = psutil.Process(proc.pid).create_time()
         except psutil.NoSuchProcess:
             ctime = 0.0
-        shard = Shard(spec=spec, pid=proc.pid, create_time=ctime, endpoint=plan.endpoint, argv=plan.argv,
-                      log_path=log_path, proc=proc, start_ticks=proc_start_ticks(proc.pid))
+        shard.pid, shard.create_time, shard.proc, shard.start_ticks = proc.pid, ctime, proc, proc_start_ticks(proc.pid)
         self.shards[spec.shard_id] = shard
         self.save(shard)
         log.info("launched shard %s (pid %d): %s", spec.shard_id, proc.pid, " ".join(shown_argv or plan.argv))
         return shard
+
+    def _crash_hook(self, shard_id: str, pid: int) -> None:
+        """Test hook: SIGKILL this worker right after spawning an engine, before its pid is recorded, once per
+        marker file (which gets `shard_id pid`). Unset in any real deployment."""
+        if self.crash_after_spawn is None:
+            return
+        try:
+            fd = os.open(self.crash_after_spawn, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"{shard_id} {pid}\n".encode())
+        os.close(fd)
+        log.warning("test hook: killing the node worker after spawning shard %s (pid %d)", shard_id, pid)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def set_state(self, shard: Shard, state: str) -> None:
         shard.state = state
@@ -411,6 +461,8 @@ def kill_leftover_engines(shard_root: Path, node_id: str = "*") -> int:
     for spec in shard_root.glob(f"{node_id}/*.json"):
         try:
             d = json.loads(spec.read_text())
+            if d["pid"] <= 0 and (found := launched_as(d["shard_id"], d.get("started_at", 0))) is not None:
+                d |= {"pid": found.pid, "create_time": found.create_time(), "start_ticks": proc_start_ticks(found.pid)}
             if alive(d["pid"], d["create_time"], d.get("start_ticks")):
                 os.killpg(d["pid"], signal.SIGKILL)
                 killed += 1

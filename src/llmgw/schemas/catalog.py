@@ -381,6 +381,33 @@ class Limits(_Strict):
         return v
 
 
+class StreamResume(_Strict):
+    """How the gateway continues a stream whose engine died or stalled before `[DONE]` (gateway/resume.py):
+
+    - `attempts`: continuations one stream may take, each on another Ready replica of the model (0: none;
+      the client then gets one error event, as before). At most 3: each costs another prefill of the prompt
+      and the text so far.
+    - `stall_s`: an engine that has streamed and then sends nothing for this long is taken for stalled and its
+      stream is continued elsewhere (while another replica is there; else the stream waits on, up to the
+      gateway's `LLMGW_UPSTREAM_TIMEOUT_S`). A duration (`30`, `30s`, `2m`).
+    """
+
+    attempts: int = Field(1, ge=0, le=3)
+    stall_s: float = Field(30.0, gt=0, le=MAX_DURATION_S)
+
+    @field_validator("stall_s", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> object:
+        return parse_duration_s(v)
+
+
+class Routing(_Strict):
+    """How the gateway serves the model's requests beyond balancing: `stream_resume` (on by default, one
+    attempt; docs/gateway.md, "Streams that survive their replica")."""
+
+    stream_resume: StreamResume = Field(default_factory=StreamResume)
+
+
 class GuardPolicy(_Strict):
     """A judge for this model's traffic: `model` names a catalog model with `role: guard`; `check` says
     whether it judges the request, the response, or both (seeds 003, "A judge model on the cluster")."""
@@ -396,7 +423,8 @@ class Model(_Strict):
     `cache_isolation`: whether tenants share its engines' prefix caches (`shared`) or each tenant has a
     cache of its own (`tenant`, the default; gateway/isolation.py). `balancing`: how a replica is chosen
     for a request: the fewest in flight (`least_outstanding`, the default), or by the prompt's leading
-    characters within a load bound (`prefix`; gateway/balancer.py).
+    characters within a load bound (`prefix`; gateway/balancer.py). `routing`: stream resumption
+    (`Routing`; unset: on, one attempt, a 30 s stall).
     """
 
     name: str
@@ -411,6 +439,9 @@ class Model(_Strict):
     guard: GuardPolicy | None = None
     cache_isolation: Literal["tenant", "shared"] = "tenant"
     balancing: Literal["least_outstanding", "prefix"] = "least_outstanding"
+    # Left out of the model's JSON when unset: a 0.1.0 gateway or worker reading the catalog refuses fields it
+    # does not know, so a catalog that never sets it reads there as before.
+    routing: Routing | None = Field(None, exclude_if=lambda v: v is None)
 
     @field_validator("name")
     @classmethod
@@ -458,8 +489,16 @@ class Model(_Strict):
         """Simulated only when every profile is (seeds 003, "Say which model is simulated")."""
         return bool(self.profiles) and all(p.simulated for p in self.profiles)
 
+    @property
+    def stream_resume(self) -> StreamResume:
+        """The model's stream resumption (its `routing.stream_resume`, else the default: on, one attempt)."""
+        return self.routing.stream_resume if self.routing is not None else _DEFAULT_RESUME
+
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
+
+
+_DEFAULT_RESUME = StreamResume()
 
 
 class Catalog(_Strict):

@@ -33,6 +33,18 @@ FETCH = dict(
 # it fails the attempt at once ("NotFoundError": not registered) and the start takes the two-step path.
 START_SHARD = dict(FETCH, retry_policy=RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=2),
                                                    non_retryable_error_types=["NotFoundError"]))
+# Fetching bounded by time, not attempts (issue 38; replica starts that ask `FETCH_BY_TIME`). Each boot of a node's
+# worker ends the attempt its predecessor left (node/attempts.py), and Temporal counts that as an attempt:
+# five agent restarts during one long download had failed the start. So attempts are not counted: the node
+# fails a fetch for good once it has made no progress for `fetch_retry_s` (a transient error, node/activities.py;
+# a permanent one at once), and the planner fails a start past its budget (`start_budget_s`, a profile's
+# `start_timeout`), which cancels it.
+# Retries at most 10 s apart: a restarted agent's attempt is retried soon however many came before.
+FETCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=10))
+FETCH_TIMED = dict(FETCH, retry_policy=FETCH_RETRY)
+START_SHARD_TIMED = dict(FETCH, retry_policy=RetryPolicy(initial_interval=timedelta(seconds=2),
+                                                         maximum_interval=timedelta(seconds=10),
+                                                         non_retryable_error_types=["NotFoundError"]))
 # A short node activity (open a rendezvous, ask about a shard): the node answers at once or is down.
 NODE_QUICK = dict(
     start_to_close_timeout=timedelta(seconds=30),

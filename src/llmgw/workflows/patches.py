@@ -58,6 +58,7 @@ QUICK_CHECKS = "issue13-quick-checks"
 ONE_NODE_STEP = "issue13-one-node-step"
 SETTLE_COUNTS = "settle-counts-failure"
 DRAIN_OWNS = "drain-owns-the-engine"
+FETCH_BY_TIME = "issue38-fetch-bounded-by-time"
 
 PATCHES: dict[str, Patch] = {p.id: p for p in [
     # Deprecated in 0.2.0 (`_legacy_pass`, `one_per_pass` and the histories of runs that planned in workflow
@@ -78,6 +79,9 @@ PATCHES: dict[str, Patch] = {p.id: p for p in [
           why="a single-shard start fetches and launches in one node activity (`start_shard`)"),
     Patch(DRAIN_OWNS, "ReplicaStartWorkflow", "0.1.0", BOUNDED_RUNS,
           why="a start that finds its replica draining leaves the engine to the stop"),
+    Patch(FETCH_BY_TIME, "ReplicaStartWorkflow", "0.2.0", BOUNDED_RUNS,
+          why="a start's fetch (`fetch_weights`, `start_shard`) is retried while it makes progress, not 5 "
+              "attempts (an agent restart ends an attempt)"),
     Patch(SETTLE_COUNTS, "ReplicaStartWorkflow, ReplicaStopWorkflow", "0.1.0", BOUNDED_RUNS,
           why="settling a failed replica counts its failure in the same transaction"),
     Patch(STOP_FENCES_START, "ReplicaStopWorkflow", "0.1.0", BOUNDED_RUNS,

@@ -53,7 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.workflows.ids import RECONCILER_ID, shard_id
     # workflow.patched ids, each registered with the version that added it and when it may go (patches.py)
     from llmgw.workflows.patches import (
-        DRAIN_OWNS, FENCED_START, ONE_NODE_STEP, QUICK_CHECKS, SETTLE_COUNTS, STOP_FENCES_START,
+        DRAIN_OWNS, FENCED_START, FETCH_BY_TIME, ONE_NODE_STEP, QUICK_CHECKS, SETTLE_COUNTS, STOP_FENCES_START,
     )
 
 START_CLOSE_WAIT_S = 120.0  # a stop waits this long for the start it cancelled; node fences cover the rest
@@ -184,7 +184,8 @@ class ReplicaStartWorkflow:
             await workflow.execute_activity(
                 activities.start_shard, StartShardInput(launch=self._launch_input(inp, s, None, None, 0),
                                                         source=inp.profile.source),
-                task_queue=node_queue(s.node_id), **options.START_SHARD,
+                task_queue=node_queue(s.node_id),
+                **(options.START_SHARD_TIMED if workflow.patched(FETCH_BY_TIME) else options.START_SHARD),
             )
         except ActivityError as exc:
             cause = exc.cause
@@ -206,10 +207,11 @@ class ReplicaStartWorkflow:
         asking "still wanted?" before each launch: a workflow step per node command."""
         rid = inp.replica_id
         self._phase = "fetching weights"
+        fetch = options.FETCH_TIMED if workflow.patched(FETCH_BY_TIME) else options.FETCH
         fetched: list[FetchWeightsResult] = await asyncio.gather(*[
             workflow.execute_activity(
                 activities.fetch_weights, FetchWeightsInput(replica_id=rid, source=inp.profile.source, generation=gen),
-                task_queue=node_queue(s.node_id), **options.FETCH,
+                task_queue=node_queue(s.node_id), **fetch,
             )
             for s in inp.shards
         ])

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.loader import CatalogError
-from llmgw.control.admin_guard import FLEET_PAGE, AdminGuard
+from llmgw.control.admin_guard import AdminGuard
 from llmgw.control.catalog_service import CatalogService
 from llmgw.control.codec_api import mount_codec
 from llmgw.control.fleet_admin import FleetAdmin
@@ -22,8 +22,8 @@ from llmgw.control.tenant_service import TenantService
 from llmgw.http.errors import APIError, install_error_handlers
 from llmgw.http.jsonbody import BoundedJSON
 from llmgw.schemas.api import (
-    ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LogsView, ModelView, NodeRemoveRequest,
-    NodeRemoveResponse, NodeView, ReplicaView, RetryResult, RevocationView, RevokeRequest,
+    FLEET_PAGE, ApplyRequest, ApplyResponse, KeyCreated, KeyCreateRequest, KeyView, LogsView, ModelView,
+    NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView, RetryResult, RevocationView, RevokeRequest,
 )
 from llmgw.schemas.payloads import LivenessFacts, ReclaimInput, ReclaimResult
 from llmgw.schemas.tenants import LimitsChange, TenantCreate, TenantDeleted, TenantView, UsageReport

@@ -16,14 +16,15 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.http import errors
+from llmgw.schemas.api import FLEET_PAGE
 from llmgw.http.errors import APIError
 from llmgw.http.errors import send_error
 from llmgw.security.admin_token import bearer_matches
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
-# The fleet page (control/static/fleet.html) is the one answer given without the token: a static page that
-# holds no data (a browser cannot send a bearer header when it opens a URL); it reads the API with the token.
-FLEET_PAGE = "/fleet"
+# The fleet page (control/static/fleet.html, at schemas/api.FLEET_PAGE) is the one answer given without the
+# token: a static page that holds no data (a browser cannot send a bearer header when it opens a URL); it reads
+# the API with the token.
 
 
 def host_allowed(host: str) -> bool:

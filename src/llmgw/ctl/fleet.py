@@ -34,7 +34,7 @@ def page():
     itself, and the page moves the token to the tab's session storage and out of the address bar."""
     from urllib.parse import quote
 
-    from llmgw.control.admin_guard import FLEET_PAGE
+    from llmgw.schemas.api import FLEET_PAGE
 
     admin = Admin()
     if not admin.token.value:

@@ -13,6 +13,9 @@ from llmgw.schemas.tenants import KeyName, Limits, TenantName
 from llmgw.schemas.wire import WireModel
 
 
+FLEET_PAGE = "/fleet"  # the admin listener's read-only fleet page (control/static/fleet.html), served without the token
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

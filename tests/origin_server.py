@@ -200,7 +200,8 @@ class Origin:
         self.server = _Server(root, port, config or {}, host)
         self.port = port
         self.url = f"http://{host}:{port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # A short poll: shutdown() waits for the loop's next look, 0.5 s by default, and dozens of tests stop one.
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self.thread.start()
 
     @property

@@ -74,7 +74,7 @@ def test_ctl_sent_to_a_program_that_is_not_llmgw_says_what_answered(tmp_path):
             pass
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         env.update(LLMGW_ADMIN_URL=f"http://127.0.0.1:{httpd.server_port}", LLMGW_ADMIN_TOKEN="llmgw-admin-x")

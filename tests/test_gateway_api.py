@@ -229,10 +229,14 @@ async def test_an_engine_failing_mid_stream_ends_the_stream_with_an_error_event(
     """Broken off, silent, or ended in the middle of an event: the client gets the complete events, one
     error event (what the openai client raises as an APIError) and exactly one [DONE], nothing partial."""
     for model, code in (("breaks", "engine_error"), ("stalls", "engine_timeout"), ("midevent", "engine_error")):
+        began = time.monotonic()
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.gateway + "/v1/chat/completions", json=chat(model, stream=True)) as r:
                 assert r.status == 200  # already sent with the first chunk
                 raw = await r.content.read()
+        # The read timeout ends a stall even where the model's stream_resume.stall_s (30 s) is longer: a
+        # stream that could move nowhere had waited stall_s.
+        assert time.monotonic() - began < UPSTREAM_TIMEOUT_S + 10, (model, time.monotonic() - began)
         assert raw.endswith(b"\n\n") and raw.count(b"[DONE]") == 1 and raw.endswith(b"data: [DONE]\n\n"), raw
         events = raw.decode().split("\n\n")[:-1]
         assert all(e.startswith("data: ") and "\n" not in e for e in events), raw  # whole events only

@@ -584,7 +584,7 @@ class Proxy:
                 if ttft is None:
                     ttft = now - started
                 if splice is not None:  # stalls count from the first byte: a long prefill is no stall
-                    resp.limit(splice.stall_s)
+                    resp.limit(min(splice.stall_s, self.upstream.read_timeout_s))  # never past the read timeout
                 while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
                     out = frames.feed(chunk)
                     if splice is not None and splice.legs > 1 and out:

@@ -250,14 +250,16 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert second.returncode == 0 and second.stdout.strip() != first.stdout.strip()
     assert "1 other active key(s) are also named 'ci'" in second.stderr, second.stderr
     assert "revoke it by id: `llmgw ctl keys revoke ID`" in second.stderr
-    asked = create_ci(input="y\n")  # answered yes on the input
+    asked = create_ci(input="y\n")  # answered yes on the input; the question on stderr, stdout the key alone
     assert asked.returncode == 0 and "2 active key(s) are already named 'ci'" in asked.stderr, asked.stderr
+    assert re.fullmatch(r"llmgw-[\w-]{43}\n", asked.stdout), asked.stdout
     assert len(named_ci()) == 3
     # A key is named by the start of its id when no other id starts so (as git names commits).
     assert cp.ctl("keys", "revoke", old[:5], "--yes").returncode == 0
     assert old not in [k["id"] for k in named_ci()] and len(named_ci()) == 2
     by_name = cp.ctl("keys", "revoke", "ci", "--yes")
-    assert by_name.returncode == 1 and "2 active key(s) named so: give the id" in by_name.stderr, by_name.stderr
+    assert by_name.returncode == 1 and "2 active key(s) named so: revoke by id (`llmgw ctl keys revoke " \
+        in by_name.stderr, by_name.stderr
 
     # An argument is one path segment of the admin URL, whatever it holds: a node "named" with a path to
     # another endpoint names no node (this revoked the key, in the dry run that asks nothing), and a model
@@ -335,11 +337,11 @@ def test_namesakes_are_named_up_to_five_and_an_id_prefix_names_one_key_or_is_ref
     text = listed(others[1:], admin.now)
     assert text.startswith("k01 (llmgw-0001..., created 1h ago), k02 (") and "k05 (" in text and "k06 (" not in text
     assert text.endswith("and 6 more (`llmgw ctl keys list`)"), text
-    assert resolve(admin, "abc")["id"] == "abc123" and resolve(admin, "k03")["id"] == "k03"
+    assert resolve(admin, "abc", "set")["id"] == "abc123" and resolve(admin, "k03", "set")["id"] == "k03"
     for ref, says in (("k0", "'k0' is the start of 10 key ids (k00, k01"), ("zz", "no API key with id 'zz'"),
-                      ("ci", "12 active key(s) named so: give the id (k00; ids: k00 or k01")):
+                      ("ci", "12 active key(s) named so: set by id (`llmgw ctl keys set k00`; ids: k00 or k01")):
         with pytest.raises(typer.Exit):
-            resolve(admin, ref)
+            resolve(admin, ref, "set")
         assert says in capsys.readouterr().err
 
 

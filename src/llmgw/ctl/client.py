@@ -41,20 +41,21 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def confirm(question: str) -> bool:
-    """Ask `question` (y/N). With no answer to read (a script with nothing on its input), say how to go on
-    instead of a bare "Aborted.": nothing is changed, exit 1."""
+    """Ask `question` (y/N) on stderr, stdout being the command's answer (`ctl keys create` prints the key,
+    which a script captures; click's prompt leaves a space on stdout even with err=True). With no answer to
+    read (a script with nothing on its input), say how to go on instead of a bare "Aborted.": nothing is
+    changed, exit 1."""
     import sys
 
-    import click
-
-    try:
-        return typer.confirm(question)
-    except (click.exceptions.Abort, typer.Abort):
-        if sys.stdin.isatty():
-            raise  # Ctrl-C or Ctrl-D at a terminal: the person said no
+    typer.echo(f"{question} [y/N]: ", err=True, nl=False)
+    line = sys.stdin.readline() if sys.stdin is not None else ""
+    if not line:
         typer.echo("", err=True)
+        if sys.stdin is not None and sys.stdin.isatty():
+            raise typer.Exit(1)  # Ctrl-D at a terminal: the person said no
         fail(f"{question} needs an answer, and none came on the input; nothing was changed. "
              "Add --yes to go ahead without asking")
+    return line.strip().lower() in ("y", "yes")
 
 
 LLMGW_LISTENERS = {"llmgw-gateway": "llmgw's gateway (the OpenAI API)", "llmgw-node-api": "llmgw's node API",

@@ -66,7 +66,7 @@ def listed(keys: list[dict], now: datetime) -> str:
     return text
 
 
-def resolve(admin: Admin, ref: str) -> dict:
+def resolve(admin: Admin, ref: str, command: str) -> dict:
     """The key `ref` names: its id, or a prefix of exactly one key's id (as git takes commits). A name is
     not taken (names need not be unique): it is answered with the ids to use."""
     keys = admin.get("/admin/v1/keys")
@@ -82,8 +82,8 @@ def resolve(admin: Admin, ref: str) -> dict:
     named = [k["id"] for k in keys if k["name"] == ref and not k["revoked_at"]]
     if named:  # a name: say its id (names need not be unique, so the id is what revoke takes)
         ids = " or ".join(named)
-        fail(f"no API key with id {ref!r}, but {len(named)} active key(s) named so: give the id "
-             f"({named[0]}{'; ids: ' + ids if len(named) > 1 else ''})")
+        fail(f"no API key with id {ref!r}, but {len(named)} active key(s) named so: {command} by id "
+             f"(`llmgw ctl keys {command} {named[0]}`{'; ids: ' + ids if len(named) > 1 else ''})")
     fail(f"no API key with id {ref!r}; `llmgw ctl keys list` shows them")
 
 
@@ -96,7 +96,7 @@ def set_(key_id: str = typer.Argument(..., help="The key's id, or its first char
     `--weight` and `--band` can only lower its tenant's share (the smaller weight, `batch` if either says it)."""
     body = changed_limits(rpm, tpm, tokens_per_day, tokens_per_month, models, weight, band)
     admin = Admin()
-    key_id = resolve(admin, key_id)["id"]
+    key_id = resolve(admin, key_id, "set")["id"]
     k = admin.post(f"/admin/v1/keys/{seg(key_id)}", {"limits": body})
     typer.echo(f"key {k['id']}: {limits_text(k['limits'])}")
 
@@ -136,7 +136,7 @@ def revoke(key_id: str = typer.Argument(..., help="The key's id, or its first ch
            yes: bool = typer.Option(False, "--yes", "-y", help="Revoke without asking")):
     """Revoke a key by id. Every gateway refuses it within a moment (they are notified)."""
     admin = Admin()
-    k = resolve(admin, key_id)
+    k = resolve(admin, key_id, "revoke")
     typer.echo(f"  {k['id']}  {k['prefix']}...  {k['name'] or '-'}")
     if not yes and not confirm("revoke?"):
         raise typer.Exit(1)

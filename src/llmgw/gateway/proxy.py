@@ -98,6 +98,19 @@ def _whole_headers(resp: Response, data: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", resp.content_type or b"application/json"), (b"content-length", b"%d" % len(data))]
 
 
+def _prepared(out: bytes, splice: Splice | None, meter: Meter | None) -> bytes:
+    """A stream's whole events as relayed: a continuation's rewritten as the first answer's (gateway/resume.py),
+    an accounted request's usage taken (and dropped where the gateway asked for it); what a stream relays is
+    counted, so that one left early is charged (Quotas.settle)."""
+    if splice is not None and splice.legs > 1 and out:
+        out = splice.rewrite(out)
+    if meter is not None:
+        if USAGE in out:
+            out = meter.events(out)
+        meter.relayed += out.count(b"data: {")
+    return out
+
+
 def _start(status: int, headers: list[tuple[bytes, bytes]], x: "_Exchange") -> dict:
     """The response's start message; an accounted answer's rate-limit headers go as the safe lines of
     llmgw/http/response_head.py where the server takes them (every llmgw listener), else in the list."""
@@ -586,13 +599,7 @@ class Proxy:
                 if splice is not None:  # stalls count from the first byte: a long prefill is no stall
                     resp.limit(min(splice.stall_s, self.upstream.read_timeout_s))  # never past the read timeout
                 while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
-                    out = frames.feed(chunk)
-                    if splice is not None and splice.legs > 1 and out:
-                        out = splice.rewrite(out)
-                    if meter is not None:
-                        if USAGE in out:
-                            out = meter.events(out)
-                        meter.relayed += out.count(b"data: {")  # what a stream left early is charged (Quotas.settle)
+                    out = _prepared(frames.feed(chunk), splice, meter)
                     if frames.done:  # its [DONE]: the answer ends here, whatever the engine sends after (or keeps
                         break        # open); the connection is dropped, not pooled (Response.release)
                     if out:
@@ -603,13 +610,7 @@ class Proxy:
                     last, now = now, time.perf_counter()
                     itl.observe(now - last)
                 else:
-                    out = frames.feed(chunk)
-                    if splice is not None and splice.legs > 1 and out:
-                        out = splice.rewrite(out)
-                    if meter is not None:
-                        if USAGE in out:
-                            out = meter.events(out)
-                        meter.relayed += out.count(b"data: {")  # the last events too (not [DONE])
+                    out = _prepared(frames.feed(chunk), splice, meter)  # the last events too (not [DONE])
             except (APIError, UpstreamError, StreamBroken) as exc:
                 if isinstance(exc, APIError):
                     err = exc

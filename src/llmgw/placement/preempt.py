@@ -52,7 +52,16 @@ def plan_eviction(model: Model, view: FleetView, live: list[ReplicaSnap], catalo
     Each trial takes one victim out of `view` (or puts one back) and re-judges only its nodes (`Probe`);
     the placement itself is chosen once, with the final victims out. `view` is left as it was given.
     """
-    order = eviction_order(model, live, catalog, states)
+    found = fewest_victims(model, view, eviction_order(model, live, catalog, states), probe, explain=False)
+    return Eviction(*found) if found is not None else None
+
+
+def fewest_victims(model: Model, view: FleetView, order: list[ReplicaSnap], probe: Probe | None = None,
+                   explain: bool = True) -> tuple[list[ReplicaSnap], Decision] | None:
+    """The fewest replicas of `order`, taken in that order, whose going lets `model` be placed, and that
+    placement; None when all of them would not be enough. Each trial takes one victim out of `view` (or puts
+    one back, sparing those the placement turns out not to need) and re-judges only its nodes (`Probe`); the
+    placement is chosen once, with the final victims out. `view` is left as it was given."""
     if not order:
         return None
     probe = probe or Probe(model, view)
@@ -71,7 +80,7 @@ def plan_eviction(model: Model, view: FleetView, live: list[ReplicaSnap], catalo
                 victims.remove(r)
             else:
                 probe.update(view.release([r]))
-        return Eviction(victims, place_one(model, view, explain=False))
+        return victims, place_one(model, view, explain=explain)
     finally:
         probe.update(view.restore(victims))
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from llmgw.placement.place import Probe, place_one
+from llmgw.placement.place import Probe
+from llmgw.placement.preempt import fewest_victims
 from llmgw.placement.decisions import Decision
 from llmgw.placement.view import FleetView
 from llmgw.schemas.catalog import Model, Profile
@@ -137,24 +138,4 @@ def evict_sleepers(model: Model, view: FleetView, sleepers: list[ReplicaSnap], c
     caller takes the victims out for good)."""
     order = sleeper_order([r for r in sleepers if r.model != model.name and r.status == ReplicaStatus.SLEEPING],
                           catalog, states)
-    if not order:
-        return None
-    probe = probe or Probe(model, view)
-    victims: list[ReplicaSnap] = []
-    try:
-        for r in order:
-            victims.append(r)
-            probe.update(view.release([r]))
-            if probe.fits():
-                break
-        else:
-            return None
-        for r in reversed(list(victims)):  # spare any the placement turns out not to need
-            probe.update(view.restore([r]))
-            if probe.fits():
-                victims.remove(r)
-            else:
-                probe.update(view.release([r]))
-        return victims, place_one(model, view)
-    finally:
-        probe.update(view.restore(victims))
+    return fewest_victims(model, view, order, probe)

@@ -50,9 +50,12 @@ def test_the_fleet_page_in_a_browser(control_plane, tmp_path, browser):
     token = headers["authorization"].removeprefix("Bearer ")
     b.get(cp.admin + "/fleet#token=" + token)
 
+    # Each view is read in one script: the page re-renders every few seconds, and elements found by one WebDriver
+    # call can be gone by the next (a stale element reference).
     def rows(table: str) -> list[list[str]]:
-        return [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
-                for tr in b.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")]
+        return b.execute_script(
+            "return [...document.querySelectorAll(arguments[0])].map("
+            "tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))", f"#{table} tbody tr")
 
     wait_until(lambda: len(rows("models")) == 2, timeout_s=15, what="the models table",
                why=lambda: b.find_element(By.ID, "error").text + "\n" + "\n".join(
@@ -65,14 +68,15 @@ def test_the_fleet_page_in_a_browser(control_plane, tmp_path, browser):
 
     [node] = rows("nodes")
     assert node[0] == "n1" and node[1] == "ready" and "fast " in node[5], node
-    links = {a.text.split(" ")[0]: a.get_attribute("href") for a in b.find_elements(By.CSS_SELECTOR, "#nodes a")}
+    links = {text.split(" ")[0]: href for text, href in b.execute_script(
+        "return [...document.querySelectorAll('#nodes a')].map(a => [a.innerText.trim(), a.href])")}
     assert links["fast"].startswith("http://") and "workflows" in links["fast"], links  # its Temporal UI history
-    failures = [li.text for li in b.find_elements(By.CSS_SELECTOR, "#failures li")]
+    failures = b.execute_script("return [...document.querySelectorAll('#failures li')].map(li => li.innerText.trim())")
     assert failures and all(f.startswith("broken ") and SIGILL in f for f in failures), failures
 
     def acme_tokens() -> int:
-        return sum(int(r.get_attribute("data-tokens")) for r in b.find_elements(By.CSS_SELECTOR, "#usage rect[data-tenant]")
-                   if r.get_attribute("data-tenant") == "acme")
+        return b.execute_script("return [...document.querySelectorAll('#usage rect[data-tenant=\"acme\"]')]"
+                                ".reduce((sum, r) => sum + Number(r.dataset.tokens), 0)")
     wait_until(lambda: acme_tokens() > 0, timeout_s=20, what="acme's tokens in the chart")
 
     # Live: a model applied now appears without a reload.

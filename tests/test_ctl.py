@@ -127,6 +127,14 @@ def test_help_shows_no_type_beside_flags():
 
 
 @pytest.mark.integration
+def ctl_here(cp, *args: str) -> subprocess.CompletedProcess:
+    """`llmgw ctl ...` run in this process (the same app, over real HTTP to the admin API): for the many reads
+    of a listing in each format, which as subprocesses cost a second of start-up each. What depends on the
+    process itself (input, signals, exit codes of a script) is run as a subprocess, by `cp.ctl`."""
+    result = CliRunner().invoke(app, ["ctl", *args], env=cp.env, catch_exceptions=False)
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round_trips(control_plane, tmp_path):
     cp = control_plane.start()
     cp.agent("n1", simulate=sim_spec(gpus=2))
@@ -148,7 +156,7 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert f"{cp.gateway} is llmgw's gateway (the OpenAI API), not llmgw's admin API (HTTP 404 for GET " \
         "/admin/v1/models); set LLMGW_ADMIN_URL (or LLMGW_ADMIN_PORT) to the admin listener" in wrong.stderr, wrong
 
-    out = cp.ctl("keys", "list")  # no keys: a header, and a line saying what that means
+    out = ctl_here(cp, "keys", "list")  # no keys: a header, and a line saying what that means
     assert out.returncode == 0 and out.stdout.split() == ["ID", "PREFIX", "NAME", "TENANT", "STATUS", "AGE"], out.stdout
     assert "no API keys" in out.stderr
 
@@ -157,19 +165,19 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     for listing, (first, name) in listings.items():
         args = listing.split()
         for fmt in ("table", "wide"):
-            out = cp.ctl(*args, "-o", fmt)
+            out = ctl_here(cp, *args, "-o", fmt)
             assert out.returncode == 0, (listing, fmt, out.stderr)
             header = out.stdout.splitlines()[0].split()
             assert header[0] == first and "AGE" in header, (listing, fmt, out.stdout)
             if name:
                 assert any(line.split()[:2] and name in line.split()[:2] for line in out.stdout.splitlines()[1:])
-        as_json = json.loads(cp.ctl(*args, "-o", "json").stdout)
-        as_yaml = yaml.safe_load(cp.ctl(*args, "-o", "yaml").stdout)
+        as_json = json.loads(ctl_here(cp, *args, "-o", "json").stdout)
+        as_yaml = yaml.safe_load(ctl_here(cp, *args, "-o", "yaml").stdout)
         assert type(as_json) is type(as_yaml), listing
-    models = {m["name"]: m for m in json.loads(cp.ctl("models", "-o", "json").stdout)}
+    models = {m["name"]: m for m in json.loads(ctl_here(cp, "models", "-o", "json").stdout)}
     assert models["s"]["status"] == "ready" and models["od"]["status"] == "on demand"
-    assert "on demand" in [line for line in cp.ctl("models").stdout.splitlines() if line.startswith("od ")][0]
-    wide = cp.ctl("nodes", "-o", "wide").stdout
+    assert "on demand" in [line for line in ctl_here(cp, "models").stdout.splitlines() if line.startswith("od ")][0]
+    wide = ctl_here(cp, "nodes", "-o", "wide").stdout
     assert "FABRICS" in wide.splitlines()[0] and "(simulated)" in wide
     # each node's version, as its worker registered it (issue 38: which nodes an upgrade has reached)
     table = wide.splitlines()
@@ -177,29 +185,29 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert [line.split()[at] for line in table[1:] if line.startswith("n1 ")] == [VERSION], table
 
     # The live catalog round-trips: printed, applied back unchanged, edited, applied with the change shown.
-    live = cp.ctl("catalog")
+    live = ctl_here(cp, "catalog")
     assert live.returncode == 0 and live.stdout.startswith("# The live catalog at "), live.stdout
     back = tmp_path / "live.yaml"
     back.write_text(live.stdout)
-    out = cp.ctl("apply", "-f", str(back), "--yes")
+    out = ctl_here(cp, "apply", "-f", str(back), "--yes")
     assert out.returncode == 0 and "no changes" in out.stdout, (out.stdout, out.stderr)
     edited = yaml.safe_load(live.stdout)
     edited["models"][1]["scaling"]["max"] = 2
     back.write_text(yaml.safe_dump(edited))
-    out = cp.ctl("apply", "-f", str(back), "--yes")
+    out = ctl_here(cp, "apply", "-f", str(back), "--yes")
     assert "  ~ od\n      scaling.max: 1 -> 2" in out.stdout and out.stdout.rstrip().endswith("applied"), out.stdout
-    assert json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"][1]["scaling"]["max"] == 2
+    assert json.loads(ctl_here(cp, "catalog", "-o", "json").stdout)["models"][1]["scaling"]["max"] == 2
 
     # Errors from a live admin API are one line too.
-    out = cp.ctl("retry", "nope")
+    out = ctl_here(cp, "retry", "nope")
     assert out.returncode == 1 and out.stderr == "error (404): no model or alias named 'nope' in the catalog\n"
-    out = cp.ctl("explain", "nope")
+    out = ctl_here(cp, "explain", "nope")
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "404" in out.stderr
     for command in ("explain", "retry"):  # a typo: the name meant
-        out = cp.ctl(command, "s-alis")
+        out = ctl_here(cp, command, "s-alis")
         assert out.returncode == 1 and "no model or alias named 's-alis' in the catalog; did you mean 's-alias'?" \
             in out.stderr, (command, out.stderr)
-    out = cp.ctl("retry", "s-alias")
+    out = ctl_here(cp, "retry", "s-alias")
     assert out.returncode == 0 and out.stdout.startswith("s: no failed starts to clear"), out.stdout
 
     # Not YAML: the file, line and column, not PyYAML's `<unicode string>`.
@@ -221,18 +229,18 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
                          capture_output=True, text=True, timeout=30)
     assert "removes all 2 model(s) of the live catalog (od, s)" in out.stdout and "  - s\n" in out.stdout, out.stdout
     assert out.returncode != 0 and "not applied" in out.stdout + out.stderr, (out.stdout, out.stderr)
-    assert len(json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"]) == 2
+    assert len(json.loads(ctl_here(cp, "catalog", "-o", "json").stdout)["models"]) == 2
     out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "apply", "-f", str(empty)], env=cp.env,
                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)  # a script: no answer
     assert out.returncode == 1 and "needs an answer, and none came on the input; nothing was changed. Add --yes" \
         in out.stderr and "Aborted" not in out.stderr, out.stderr
-    assert len(json.loads(cp.ctl("catalog", "-o", "json").stdout)["models"]) == 2
+    assert len(json.loads(ctl_here(cp, "catalog", "-o", "json").stdout)["models"]) == 2
 
     # Key names need not be unique (a key is rotated under its name), but a second key of a name is asked about
     # first, its namesakes named by id (issue 44); a script with no answer changes nothing.
     first = cp.ctl("keys", "create", "--name", "ci")
     assert first.returncode == 0 and "also named" not in first.stderr, first.stderr
-    keys = {k["name"] or "-": k for k in json.loads(cp.ctl("keys", "list", "-o", "json").stdout)}
+    keys = {k["name"] or "-": k for k in json.loads(ctl_here(cp, "keys", "list", "-o", "json").stdout)}
     old = keys["ci"]["id"]
 
     def create_ci(*extra: str, **kw) -> subprocess.CompletedProcess:
@@ -243,7 +251,7 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     assert refused.returncode == 1 and not re.search(r"llmgw-[\w-]{43}", refused.stdout), refused  # no key made
     assert f"1 active key(s) are already named 'ci': {old} (" in refused.stderr and "Add --yes" in refused.stderr, \
         refused.stderr
-    named_ci = lambda: [k for k in json.loads(cp.ctl("keys", "list", "-o", "json").stdout)  # noqa: E731
+    named_ci = lambda: [k for k in json.loads(ctl_here(cp, "keys", "list", "-o", "json").stdout)  # noqa: E731
                         if k["name"] == "ci" and not k["revoked_at"]]
     assert len(named_ci()) == 1
     second = create_ci("--yes")
@@ -268,9 +276,9 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     victim_id = re.search(r"created key (\S+)", victim.stderr).group(1)
     for args in (["nodes", "remove", f"../keys/{victim_id}/revoke?"], ["nodes", "remove", ".."],
                  ["explain", "../keys?"], ["retry", "../../v1/keys"], ["logs", "../../etc/passwd"]):
-        out = cp.ctl(*args)
+        out = ctl_here(cp, *args)
         assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1, (args, out)
-    key_view = json.loads(cp.ctl("keys", "list", "-o", "json").stdout)
+    key_view = json.loads(ctl_here(cp, "keys", "list", "-o", "json").stdout)
     assert not next(k for k in key_view if k["id"] == victim_id)["revoked_at"], key_view
 
     # --watch stops on SIGINT even when its parent handed SIGINT down ignored (a script's background job).

@@ -104,6 +104,9 @@ def test_a_model_that_dies_at_start_shows_its_cause_everywhere(control_plane, tm
     out = cp.ctl("replicas")
     [failed] = [line for line in out.stdout.splitlines()[1:] if line.split()[1] == "m"]
     assert " failed " in failed and SIGILL in failed and "next start in" in failed, out.stdout
+    # RESTARTS is the model's count alone (`ctl models`, the fleet page); the replica says the count in a row as
+    # `ctl models` does, never a second number under the same name.
+    assert "RESTARTS" not in out.stdout.splitlines()[0] and "failed 1 time(s) in a row, next start in" in failed, failed
     assert any(line.split()[1] == "s" and " ready " in line for line in out.stdout.splitlines()[1:])
     rid = failed.split()[0]
     reps = json.loads(cp.ctl("replicas", "-o", "json").stdout)

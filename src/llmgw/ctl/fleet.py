@@ -109,8 +109,8 @@ def progress_line(p: dict) -> str:
 def _replica_message(r: dict) -> str:
     if r["status"] == ReplicaStatus.FAILED:
         msg = r.get("cause") or "failed"
-        if r.get("retry_in_s") is not None:
-            msg += f"; {next_start(r)}"
+        if r.get("retry_in_s") is not None:  # the latest failed replica of a failing model: as `ctl models` says it
+            msg += f"; failed {r.get('restarts', 0)} time(s) in a row, {next_start(r)}"
         return msg
     if r["status"] in ReplicaStatus.ended():
         why = r.get("cause") or r.get("ended_reason") or r.get("failure") or ""
@@ -122,19 +122,21 @@ def _replica_message(r: dict) -> str:
 
 
 def _replicas_table(reps: list[dict], now: datetime, wide: bool):
-    cols = ["REPLICA", "MODEL", "PROFILE", "STATUS", "RESTARTS", "SHARDS", "AGE", "MESSAGE"]
+    # No RESTARTS column: a replica is replaced, never restarted; RESTARTS is the model's count (`ctl models`,
+    # the fleet page), and a failing model's latest failed replica says how many failed in a row in MESSAGE.
+    cols = ["REPLICA", "MODEL", "PROFILE", "STATUS", "SHARDS", "AGE", "MESSAGE"]
     if wide:
-        cols[6:6] = ["ENDPOINT"]
+        cols[5:5] = ["ENDPOINT"]
         cols.append("TEMPORAL")
     rows = []
     for r in reps:
         # profile@hash: what its node reports it runs; a rolling replacement retires the ones the catalog changed.
         # Before its node has reported (fetching, or failed before launch): the profile's name alone.
         profile = f"{r['profile']}@{r['profile_hash'][:8]}" if r.get("profile_hash") else r["profile"]
-        row = [r["id"][:8], r["model"], profile, r["status"], r.get("restarts", 0), _shards(r),
-               age(r["created_at"], now), _replica_message(r)]
+        row = [r["id"][:8], r["model"], profile, r["status"], _shards(r), age(r["created_at"], now),
+               _replica_message(r)]
         if wide:
-            row[6:6] = [r["endpoint"] or "-"]
+            row[5:5] = [r["endpoint"] or "-"]
             row.append(r.get("temporal_url") or "-")
         rows.append(row)
     return table(cols, rows)
@@ -146,7 +148,7 @@ def replicas(
 ):
     """Replicas: status, shards (node, rank, GPUs), age, and why one failed.
 
-    A failing model's latest failed replica is listed too, with RESTARTS, its decoded cause ("killed by
+    A failing model's latest failed replica is listed too, with how many failed in a row, its decoded cause ("killed by
     SIGILL (illegal instruction): ...") and the backoff left. PROFILE is `name@hash` of the profile its node
     reports it runs (the name alone until its node has launched it). `-o wide` adds the endpoint and the Temporal UI link listing the replica's workflows.
     """

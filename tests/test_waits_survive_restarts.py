@@ -4,11 +4,13 @@ engine loads or drains end the wait's attempt, and the retry resumes the wait. T
 
 Before: `wait_shard_ready` had 2 attempts, so a second agent restart during a load failed the healthy
 loading replica, stopped its engine and placed another; `drain_shard` had 1 attempt and no resume, so an
-agent restart cut a drain short 30 s later (the heartbeat timeout) and the stop killed the engine with a
+agent restart cut a drain short 30 s later (the heartbeat timeout,
+`LLMGW_NODE_WAIT_HEARTBEAT_TIMEOUT_S`) and the stop killed the engine with a
 client's stream still in flight."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -17,6 +19,11 @@ import httpx
 import psutil
 import pytest
 
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from llmgw.workflows.ids import replica_stop_id
 from tests.helpers import ControlPlane, wait_until
 
 pytestmark = pytest.mark.integration
@@ -58,9 +65,11 @@ def test_three_agent_restarts_while_an_engine_loads_rebuild_nothing(control_plan
 
 
 def test_an_agent_restart_during_a_drain_lets_the_stream_in_flight_finish(tmp_path, database_url, temporal, namespace):
-    tokens = 70  # at 1 token/s: in flight for about 70 s, well past the 30 s heartbeat timeout that had cut it
+    # At 1 token/s: in flight for about 30 s, well past the drain's heartbeat timeout (6 s here, 30 s by default)
+    # after which the dead agent's attempt is given to the restarted agent: that cut it before.
+    tokens = 30
     cp = ControlPlane(tmp_path, database_url, temporal.address, LLMGW_TEMPORAL_NAMESPACE=namespace,
-                      LLMGW_REPLICA_DRAIN_TIMEOUT_S="150")
+                      LLMGW_REPLICA_DRAIN_TIMEOUT_S="150", LLMGW_NODE_WAIT_HEARTBEAT_TIMEOUT_S="6")
     try:
         cp.start()
         agent = cp.agent("n1", stop_engines_on_exit=False)
@@ -95,5 +104,26 @@ def test_an_agent_restart_during_a_drain_lets_the_stream_in_flight_finish(tmp_pa
         assert '"finish_reason":"length"' in text.replace(" ", "") and out["lines"][-1] == "data: [DONE]", out["lines"][-3:]
         assert '"error"' not in text
         wait_until(lambda: not running(pid), timeout_s=60, what="the engine stopped once drained")
+        # The drain waited under the setting, and its retry (the restarted agent's) is what finished it.
+        drains = asyncio.run(drain_events(cp, namespace, replica_stop_id(rep["id"])))
+        assert [a.heartbeat_timeout.ToSeconds() for a in drains["scheduled"]] == [6], drains
+        assert drains["attempts"] and drains["attempts"][-1] >= 2, drains
     finally:
         cp.stop()
+
+
+async def drain_events(cp: ControlPlane, namespace: str, workflow_id: str) -> dict:
+    """The `drain_shard` activities of a stop workflow: as scheduled, and the attempt each started with."""
+    client = await Client.connect(cp.env["LLMGW_TEMPORAL_ADDRESS"], namespace=namespace,
+                                  data_converter=pydantic_data_converter)
+    out: dict = {"scheduled": [], "attempts": []}
+    drain_ids = set()
+    async for e in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED and \
+                e.activity_task_scheduled_event_attributes.activity_type.name == "drain_shard":
+            out["scheduled"].append(e.activity_task_scheduled_event_attributes)
+            drain_ids.add(e.event_id)
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED and \
+                e.activity_task_started_event_attributes.scheduled_event_id in drain_ids:
+            out["attempts"].append(e.activity_task_started_event_attributes.attempt)
+    return out

@@ -153,6 +153,9 @@ class Settings(BaseSettings):
     node_forget_after_s: float = 86400.0  # a node Lost this long is forgotten (with no live replica left)
     replica_ready_timeout_s: float = 900.0  # a starting replica not ready by then has failed
     replica_drain_timeout_s: float = 60.0  # a draining replica is stopped by then, requests in flight or not
+    # A replica's wait for Ready and its drain run on its node and heartbeat; one whose agent died goes to the
+    # node's next worker (the agent restarted) after this long unheard, and resumes from its heartbeat.
+    node_wait_heartbeat_timeout_s: float = Field(30.0, ge=2, le=600)
     reconcile_max_placements: int = 64  # per pass; a pass with more to place is followed by another at once
     reconciler_watch_s: float = 5.0  # how often the control worker checks that the reconciler is running
     planner_hook: str | None = None  # tests only: "module:function(snapshot, plan) -> plan", applied each pass

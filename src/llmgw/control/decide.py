@@ -84,7 +84,8 @@ class DecideActivities:
                 result = result.model_copy(update={"started": started})
                 if snapshot is not None:  # (None: a retry that returned what its first attempt stored)
                     placed = {a.replica_id for a in result.actions if a.kind == "place"}
-                    await self.stranded.repair(snapshot, placed, result.ready_timeout_s)
+                    await self.stranded.repair(snapshot, placed, result.ready_timeout_s,
+                                               result.wait_heartbeat_timeout_s)
             return result
         finally:
             beat.cancel()
@@ -99,7 +100,8 @@ class DecideActivities:
         async def start(a: PassAction) -> str | None:
             async with sem:
                 ok = await start_replica(self.client, a.replica_id, a.model, a.profile_spec, a.shards,
-                                         result.ready_timeout_s, result.search_attributes, a.sleep_mode)
+                                         result.ready_timeout_s, result.search_attributes, a.sleep_mode,
+                                         result.wait_heartbeat_timeout_s)
                 return a.replica_id if ok else None
 
         places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
@@ -154,7 +156,8 @@ class DecideActivities:
             actions=actions, more=plan.more,
             lines=lines[:MAX_PASS_LINES] + ([f"... and {len(lines) - MAX_PASS_LINES} more"] if len(lines) > MAX_PASS_LINES else []),
             interval_s=s.reconcile_interval_s, ready_timeout_s=s.replica_ready_timeout_s,
-            drain_timeout_s=s.replica_drain_timeout_s, search_attributes=snapshot.search_attributes)
+            drain_timeout_s=s.replica_drain_timeout_s, wait_heartbeat_timeout_s=s.node_wait_heartbeat_timeout_s,
+            search_attributes=snapshot.search_attributes)
         places = [a for a in actions if a.kind == "place"]
         async with self.engine.begin() as conn:
             await catalog_repo.save_decisions(conn, explanations)

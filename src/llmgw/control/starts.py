@@ -32,7 +32,8 @@ CHECKS_PER_PASS = 32  # describe RPCs one pass may spend on it
 
 
 async def start_replica(client: Client, replica_id: str, model: str, profile: Profile, shards: list[ShardPlacement],
-                        ready_timeout_s: float, search_attributes: bool, sleep_mode: bool = False) -> bool:
+                        ready_timeout_s: float, search_attributes: bool, sleep_mode: bool = False,
+                        wait_heartbeat_timeout_s: float = 30.0) -> bool:
     """Start `replica_id`'s start workflow; True when it runs or ran (started now or before), False when
     Temporal could not be asked (the caller leaves it to a later attempt). `sleep_mode`: its engine is
     launched able to sleep (its model has `scaling.sleep_after`)."""
@@ -40,7 +41,8 @@ async def start_replica(client: Client, replica_id: str, model: str, profile: Pr
         await client.start_workflow(
             "ReplicaStartWorkflow",
             ReplicaStartInput(replica_id=replica_id, model=model, profile=profile, shards=shards,
-                              ready_timeout_s=ready_timeout_s, sleep_mode=sleep_mode),
+                              ready_timeout_s=ready_timeout_s, sleep_mode=sleep_mode,
+                              wait_heartbeat_timeout_s=wait_heartbeat_timeout_s),
             id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             memo=attributes.memo(model, profile.name or "default"),
@@ -63,7 +65,8 @@ class StrandedStarts:
         self.client = client
         self.seen: set[str] = set()
 
-    async def repair(self, snapshot: Snapshot, just_placed: set[str], ready_timeout_s: float) -> list[str]:
+    async def repair(self, snapshot: Snapshot, just_placed: set[str], ready_timeout_s: float,
+                     wait_heartbeat_timeout_s: float = 30.0) -> list[str]:
         """Start the start workflow of every placement in `snapshot` left without one; returns their ids."""
         starting = {r.id: r for r in snapshot.replicas if r.status == ReplicaStatus.STARTING}
         self.seen &= set(starting)
@@ -94,7 +97,7 @@ class StrandedStarts:
                         (snapshot.now - r.created_at).total_seconds())
             if await start_replica(self.client, r.id, r.model, profile, r.shards, ready_timeout_s,
                                    snapshot.search_attributes,
-                                   r.model in sleeping and profile.sleep_refusal() is None):
+                                   r.model in sleeping and profile.sleep_refusal() is None, wait_heartbeat_timeout_s):
                 self.seen.add(r.id)
                 repaired.append(r.id)
         return repaired

@@ -201,6 +201,7 @@ class DecideResult(_Wire):
     interval_s: float = 10.0
     ready_timeout_s: float = 900.0
     drain_timeout_s: float = 60.0
+    wait_heartbeat_timeout_s: float = 30.0  # LLMGW_NODE_WAIT_HEARTBEAT_TIMEOUT_S, for the starts and stops it asks
     search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
     started: list[str] = Field(default_factory=list)  # placed replicas whose start workflow `decide` started
 
@@ -242,6 +243,9 @@ class ReplicaStartInput(_Wire):
     shards: list[ShardPlacement]
     ready_timeout_s: float = 900.0
     sleep_mode: bool = Field(False, exclude_if=lambda v: not v)
+    # How long the wait for Ready on a node goes unheard before Temporal gives it to the node's next worker (an
+    # agent that restarted); the default is what every start had before the setting (30 s).
+    wait_heartbeat_timeout_s: float = Field(30.0, exclude_if=lambda v: v == 30.0)
 
 
 class ReplicaStartResult(_Wire):
@@ -260,6 +264,8 @@ class ReplicaStopInput(_Wire):
     reason: str = ""
     drain_timeout_s: float = 60.0
     final_status: ReplicaStatus = ReplicaStatus.STOPPED
+    # As for the start's wait for Ready: the drain's wait on the node (30 s unless set).
+    wait_heartbeat_timeout_s: float = Field(30.0, exclude_if=lambda v: v == 30.0)
 
 
 class MarkReplicaInput(_Wire):

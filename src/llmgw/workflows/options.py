@@ -82,21 +82,24 @@ WAIT_MARGIN = timedelta(seconds=120)
 WAIT_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5))
 
 
-def ready(timeout_s: float) -> dict:
+def ready(timeout_s: float, heartbeat_s: float = 30.0) -> dict:
+    """A wait on a node: its heartbeat timeout (`heartbeat_s`, LLMGW_NODE_WAIT_HEARTBEAT_TIMEOUT_S) is how long
+    an agent that died mid-wait holds it before the node's next worker takes it over."""
     return dict(
         start_to_close_timeout=timedelta(seconds=timeout_s),
         schedule_to_close_timeout=timedelta(seconds=timeout_s) + WAIT_MARGIN,
-        heartbeat_timeout=timedelta(seconds=30),
+        heartbeat_timeout=timedelta(seconds=heartbeat_s),
         schedule_to_start_timeout=NODE_PICKUP,
         retry_policy=WAIT_RETRY,
     )
 
 
-def drain(timeout_s: float) -> dict:
+def drain(timeout_s: float, heartbeat_s: float = 30.0) -> dict:
+    """As `ready`: a drain on a node that its next worker resumes after `heartbeat_s` unheard."""
     return dict(
         start_to_close_timeout=timedelta(seconds=timeout_s + 30),
         schedule_to_close_timeout=timedelta(seconds=timeout_s + 30) + WAIT_MARGIN,
-        heartbeat_timeout=timedelta(seconds=30),
+        heartbeat_timeout=timedelta(seconds=heartbeat_s),
         schedule_to_start_timeout=timedelta(seconds=30),
         retry_policy=WAIT_RETRY,
     )

@@ -132,25 +132,28 @@ class ReconcilerWorkflow:
             if a.replica_id in res.started:
                 return  # `decide` started it
             await self._start_replica(a.replica_id, a.model, a.profile or "default", a.profile_spec, a.shards,
-                                      res.ready_timeout_s, a.sleep_mode)
+                                      res.ready_timeout_s, a.sleep_mode, res.wait_heartbeat_timeout_s)
         else:
             await self._start_stop(a.replica_id, ReplicaStopInput(
                 replica_id=a.replica_id, reason=a.reason, drain_timeout_s=res.drain_timeout_s if a.drain else 0,
-                final_status=a.final_status), a.model, a.profile, a.nodes)
+                final_status=a.final_status, wait_heartbeat_timeout_s=res.wait_heartbeat_timeout_s),
+                a.model, a.profile, a.nodes)
 
     async def _start_replica(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float,
-                             sleep_mode: bool = False) -> None:
+                             sleep_mode: bool = False, wait_heartbeat_timeout_s: float = 30.0) -> None:
         try:
-            await self._start_child(replica_id, model, profile, spec, shards, ready_timeout_s, sleep_mode)
+            await self._start_child(replica_id, model, profile, spec, shards, ready_timeout_s, sleep_mode,
+                                    wait_heartbeat_timeout_s)
         except WorkflowAlreadyStartedError:
             pass  # `decide` started it, though it could not tell (its RPC failed after the server took it)
 
     async def _start_child(self, replica_id: str, model: str, profile: str, spec, shards, ready_timeout_s: float,
-                           sleep_mode: bool = False) -> None:
+                           sleep_mode: bool = False, wait_heartbeat_timeout_s: float = 30.0) -> None:
         _abandoned(await workflow.start_child_workflow(
             ReplicaStartWorkflow.run,
             ReplicaStartInput(replica_id=replica_id, model=model, profile=spec, shards=shards,
-                              ready_timeout_s=ready_timeout_s, sleep_mode=sleep_mode),
+                              ready_timeout_s=ready_timeout_s, sleep_mode=sleep_mode,
+                              wait_heartbeat_timeout_s=wait_heartbeat_timeout_s),
             id=replica_start_id(replica_id), task_queue=CONTROL_QUEUE,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             memo=attributes.memo(model, profile),

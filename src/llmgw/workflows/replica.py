@@ -255,14 +255,14 @@ class ReplicaStartWorkflow:
                 workflow.execute_activity(
                     activities.wait_shard_joined,
                     WaitShardJoinedInput(shard_id=shard_id(rid, s.rank), timeout_s=inp.ready_timeout_s),
-                    task_queue=node_queue(s.node_id), **options.ready(inp.ready_timeout_s),
+                    task_queue=node_queue(s.node_id), **options.ready(inp.ready_timeout_s, inp.wait_heartbeat_timeout_s),
                 )
                 for s in workers
             ]
             ready_task = workflow.execute_activity(
                 activities.wait_shard_ready,
                 WaitShardReadyInput(shard_id=shard_id(rid, 0), timeout_s=inp.ready_timeout_s),
-                task_queue=node_queue(rank0.node_id), **options.ready(inp.ready_timeout_s),
+                task_queue=node_queue(rank0.node_id), **options.ready(inp.ready_timeout_s, inp.wait_heartbeat_timeout_s),
             )
             results = await asyncio.gather(*waits, ready_task)
             ready: WaitShardReadyResult = results[-1]
@@ -339,7 +339,7 @@ class ReplicaStopWorkflow:
             res = await mark(rid, ReplicaStatus.DRAINING)
             rank0 = next((s for s in info.shards if s.rank == 0), None)
             if res.applied and rank0 is not None:
-                await self._drain(rid, rank0, inp.drain_timeout_s)
+                await self._drain(rid, rank0, inp.drain_timeout_s, inp.wait_heartbeat_timeout_s)
         marked = await mark(rid, final, failure=failure, reason=inp.reason or None)
         if fences:
             # Marked first, so the start's next check sees it is not wanted; then the start is cancelled and
@@ -357,11 +357,11 @@ class ReplicaStopWorkflow:
         await wake_reconciler(f"replica {rid} {res.status}")
         return res.status
 
-    async def _drain(self, rid: str, rank0: ShardPlacement, timeout_s: float) -> None:
+    async def _drain(self, rid: str, rank0: ShardPlacement, timeout_s: float, heartbeat_s: float = 30.0) -> None:
         try:
             await workflow.execute_activity(
                 activities.drain_shard, DrainShardInput(shard_id=shard_id(rid, 0), timeout_s=timeout_s),
-                task_queue=node_queue(rank0.node_id), **options.drain(timeout_s),
+                task_queue=node_queue(rank0.node_id), **options.drain(timeout_s, heartbeat_s),
             )
         except ActivityError as exc:
             workflow.logger.warning("drain of %s did not finish: %s", rid, failure_text(exc))

@@ -126,7 +126,6 @@ def test_help_shows_no_type_beside_flags():
     assert "--all" in r.stdout and "<bool>" not in r.stdout
 
 
-@pytest.mark.integration
 def ctl_here(cp, *args: str) -> subprocess.CompletedProcess:
     """`llmgw ctl ...` run in this process (the same app, over real HTTP to the admin API): for the many reads
     of a listing in each format, which as subprocesses cost a second of start-up each. What depends on the
@@ -135,6 +134,7 @@ def ctl_here(cp, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
+@pytest.mark.integration
 def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round_trips(control_plane, tmp_path):
     cp = control_plane.start()
     cp.agent("n1", simulate=sim_spec(gpus=2))

@@ -158,16 +158,18 @@ class FaultFleet:
                 conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
                 conn.execute(f'CREATE DATABASE "{database}"')
             upgrade(self.db_url)
-        self.cp = ControlPlane(tmp, self.db_url, infra.temporal.address, **SETTINGS, **extra_env)
+        self.cp = ControlPlane(tmp, self.db_url, infra.temporal.address, **{**SETTINGS, **extra_env})
         self.relays: dict[str, dict[str, PartitionableRelay]] = {}
 
-    def start(self, nodes=NODES, gpus: int = 2) -> "FaultFleet":
+    def start(self, nodes=NODES, gpus: int = 2, **spec) -> "FaultFleet":
+        """`spec`: more of each node's simulated inventory (`tests/fleet.py` `sim_spec`)."""
+        self.simulate = sim_spec(gpus=gpus, **spec)
         self.cp.start()
         for n in nodes:
             api = PartitionableRelay(self.cp.ports["node_api"], f"{n}-node-api")
             tq = PartitionableRelay(self.infra.temporal.port, f"{n}-temporal")
             self.relays[n] = {"api": api, "temporal": tq}
-            self.cp.agent(n, simulate=sim_spec(gpus=gpus), LLMGW_NODE_API_URL=f"https://127.0.0.1:{api.port}",
+            self.cp.agent(n, simulate=self.simulate, LLMGW_NODE_API_URL=f"https://127.0.0.1:{api.port}",
                           LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{tq.port}")
         self.cp.wait_nodes(*nodes, timeout_s=60)
         return self
@@ -204,6 +206,15 @@ class FaultFleet:
     def thaw(p: Proc) -> None:
         for c in [psutil.Process(p.proc.pid), *psutil.Process(p.proc.pid).children(recursive=True)]:
             c.send_signal(signal.SIGCONT)
+
+    def restart_agent(self, node: str, **env: str) -> Proc:
+        """SIGKILL `node`'s agent (its engines run on) and start it again, through its relays, with `env`."""
+        for p in self.cp.procs:
+            if p.name == f"agent-{node}" and p.alive():
+                p.kill()
+        relays = self.relays[node]
+        return self.cp.agent(node, simulate=self.simulate, LLMGW_NODE_API_URL=f"https://127.0.0.1:{relays['api'].port}",
+                             LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{relays['temporal'].port}", **env)
 
     def restart_worker(self, **env: str) -> Proc:
         for p in self.cp.procs:

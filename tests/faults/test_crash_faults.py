@@ -8,6 +8,7 @@ not see (a key makes their gateways want keys)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,6 +16,7 @@ import httpx
 import psutil
 import psycopg
 import pytest
+from temporalio.client import Client, WorkflowExecutionStatus
 
 from tests.faults.conftest import FaultFleet, sim_model
 from tests.helpers import wait_until
@@ -28,8 +30,11 @@ MODELS = ["alpha", "beta"]
 @pytest.fixture(scope="module")
 def fleet(infra, tmp_path_factory):
     # Keys are not required (the other modules' steady() sends none), but an accounted key is counted.
+    # Nodes are Unreachable after 20 s here, not 4: an agent restarted on a loaded machine may take 15 s to
+    # register, and these cases assert that the replicas beside the fault serve every request meanwhile.
     f = FaultFleet(tmp_path_factory.mktemp("crash"), infra, database="crash_faults", LLMGW_REQUIRE_API_KEY="false",
-                   LLMGW_USAGE_SYNC_S="0.5").start()
+                   LLMGW_USAGE_SYNC_S="0.5", LLMGW_NODE_UNREACHABLE_AFTER_S="20",
+                   LLMGW_NODE_LOST_AFTER_S="40").start()
     try:
         assert f.cp.apply({"models": [ALPHA, BETA]}).status_code == 200
         f.steady(MODELS)
@@ -40,6 +45,20 @@ def fleet(infra, tmp_path_factory):
 
 def admin(fleet: FaultFleet, method: str, path: str, body: dict | None = None) -> httpx.Response:
     return httpx.request(method, fleet.cp.admin + path, json=body, timeout=30, headers=fleet.cp.admin_headers)
+
+
+def workflow_status(fleet: FaultFleet, workflow_id: str) -> WorkflowExecutionStatus | None:
+    async def ask():
+        client = await Client.connect(fleet.infra.temporal.address)
+        return (await client.get_workflow_handle(workflow_id).describe()).status
+    try:
+        return asyncio.run(ask())
+    except Exception:  # noqa: BLE001 - not started yet, or Temporal not answering: no status
+        return None
+
+
+def agent_log(fleet: FaultFleet, node: str) -> str:
+    return "\n".join(p.log() for p in fleet.cp.procs if p.name == f"agent-{node}")
 
 
 def waiting_on_locks(fleet: FaultFleet) -> list[str]:
@@ -125,3 +144,45 @@ def test_postgres_killed_mid_write_recovers_with_nothing_half_written_or_counted
     assert fleet.cp.apply(new_catalog).status_code == 200
     assert fleet.steady(["gamma", *MODELS])["alpha"] == before["alpha"]
     assert fleet.cp.apply({"models": [ALPHA, BETA]}).status_code == 200
+
+
+def test_an_agent_killed_between_sigterm_and_sigkill_its_next_boot_finishes_the_stop(fleet):
+    """A replica whose engine ignores SIGTERM (a wedged engine: `--ignore-sigterm`) is stopped (its model
+    leaves the catalog), and its node's agent is SIGKILLed once the engine got the stop's SIGTERM, before
+    the SIGKILL that would follow `grace_s` later. The engine runs on, unsupervised. The next boot ends the
+    `stop_shard` attempt its predecessor left (node/attempts.py), so the stop is retried at once rather
+    than after the activity's 120 s timeout: the engine is SIGKILLed (no orphan), the stop workflow
+    completes, the replica ends `stopped` and nothing launches it again; the other replicas keep their
+    engines and serve every request."""
+    before = fleet.steady(MODELS)
+    sigma = sim_model("sigma", args=["--tokens-per-second", "0", "--ignore-sigterm"])
+    assert fleet.cp.apply({"models": [ALPHA, BETA, sigma]}).status_code == 200
+    rep = fleet.steady([*MODELS, "sigma"])["sigma"]
+    rid, node, pid = rep
+    engine_log = fleet.cp.state / "logs" / node / f"{rid}-r0.log"
+    with fleet.traffic(MODELS) as t:
+        assert fleet.cp.apply({"models": [ALPHA, BETA]}).status_code == 200
+        attempts = fleet.cp.state / "shards" / node / "attempts"
+
+        def stopping() -> bool:  # the stop's stop_shard attempt runs, and the engine has had a SIGTERM
+            noted = [f.read_text() for f in attempts.glob("*.json")] if attempts.is_dir() else []
+            return (any('"stop_shard"' in n and f"replica/{rid}/stop" in n for n in noted)
+                    and "sim: ignoring SIGTERM" in engine_log.read_text(errors="replace"))
+        wait_until(stopping, timeout_s=30, what="the stop's SIGTERM at the engine", why=fleet.cp.logs)
+        again = fleet.restart_agent(node)
+        killed = time.monotonic()
+        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # runs on
+        wait_until(lambda: f"ended the stop_shard of replica/{rid}/stop attempt" in again.log(), timeout_s=30,
+                   what="the new boot ending the stop's attempt", why=again.log)
+        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                   timeout_s=40, what="the engine that ignores SIGTERM killed", why=fleet.cp.logs)
+        wait_until(lambda: workflow_status(fleet, f"replica/{rid}/stop") == WorkflowExecutionStatus.COMPLETED,
+                   timeout_s=40, what="the stop workflow completed", why=fleet.cp.logs)
+        assert time.monotonic() - killed < 60, "the stop waited for its attempt's timeout"
+        after = fleet.steady(MODELS)
+    assert [(r["id"], r["status"]) for r in fleet.replicas("sigma")] == [(rid, "stopped")]
+    assert fleet.launches(rid) == 1
+    assert not (fleet.cp.state / "shards" / node / f"{rid}-r0.json").exists()
+    assert (fleet.cp.state / "shards" / node / "fences" / rid).exists()
+    assert after == before, f"replicas or engines changed: {before} -> {after}"
+    assert t.failures("alpha") == [] and t.failures("beta") == [], (t.failures("alpha"), t.failures("beta"))

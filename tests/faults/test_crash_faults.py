@@ -9,8 +9,11 @@ not see (a key makes their gateways want keys)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -18,7 +21,8 @@ import psycopg
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from tests.faults.conftest import FaultFleet, sim_model
+from tests.faults.conftest import NODES, FaultFleet, sim_model
+from tests.faults.slow_source import SlowSource
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -34,7 +38,7 @@ def fleet(infra, tmp_path_factory):
     # register, and these cases assert that the replicas beside the fault serve every request meanwhile.
     f = FaultFleet(tmp_path_factory.mktemp("crash"), infra, database="crash_faults", LLMGW_REQUIRE_API_KEY="false",
                    LLMGW_USAGE_SYNC_S="0.5", LLMGW_NODE_UNREACHABLE_AFTER_S="20",
-                   LLMGW_NODE_LOST_AFTER_S="40").start()
+                   LLMGW_NODE_LOST_AFTER_S="40", LLMGW_START_BACKOFF_BASE_S="1").start()
     try:
         assert f.cp.apply({"models": [ALPHA, BETA]}).status_code == 200
         f.steady(MODELS)
@@ -186,3 +190,65 @@ def test_an_agent_killed_between_sigterm_and_sigkill_its_next_boot_finishes_the_
     assert (fleet.cp.state / "shards" / node / "fences" / rid).exists()
     assert after == before, f"replicas or engines changed: {before} -> {after}"
     assert t.failures("alpha") == [] and t.failures("beta") == [], (t.failures("alpha"), t.failures("beta"))
+
+
+@pytest.fixture
+def small_disks():
+    """A 6 MiB tmpfs per node, for its weight cache (mounting one needs root; CI runs as root)."""
+    root = Path(tempfile.mkdtemp(prefix="llmgw-small-disk-"))
+    mounts = {n: root / n for n in NODES}
+    mounted = []
+    try:
+        for n, m in mounts.items():
+            m.mkdir()
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(m)], capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot mount a small tmpfs for a full disk (needs root): {r.stderr.strip()}")
+            mounted.append(m)
+        yield mounts
+    finally:
+        for m in mounted:
+            subprocess.run(["umount", "-l", str(m)], capture_output=True)
+        subprocess.run(["rm", "-rf", str(root)], capture_output=True)
+
+
+def test_a_disk_that_fills_during_a_download_fails_the_start_cleanly_and_the_planner_goes_elsewhere(fleet, small_disks):
+    """Each node's weight cache is a 6 MiB disk. A replica's 4 MiB download (its profile says it takes
+    5 MiB of disk) is held after its first MiB, and meanwhile something else fills that node's disk. The
+    fetch fails with the cause named (the disk is full), not retried into the same wall; the partial file is
+    removed (kept, it would hold the disk full for every other fetch); the replica fails, and the planner,
+    which reads each node's free disk from its inventory, places the next one on the other node, where it
+    serves. The models already serving keep their engines."""
+    before = fleet.steady(MODELS)
+    for n, m in small_disks.items():
+        fleet.restart_agent(n, LLMGW_CACHE_DIR=str(m))
+    fleet.cp.wait_nodes(*NODES, timeout_s=60)
+    source = SlowSource()
+    try:
+        omega = sim_model("omega", source=source.url("omega.bin"), disk_gb=0.005)
+        assert fleet.cp.apply({"models": [ALPHA, BETA, omega]}).status_code == 200
+        assert source.served_head.wait(60), "the download never started"
+        [first] = fleet.replicas("omega")
+        full = first["shards"][0]["node_id"]
+        disk = small_disks[full]
+        wait_until(lambda: any(f.stat().st_size >= source.head for f in disk.rglob("*") if f.is_file()),
+                   timeout_s=30, what="the first MiB on the node's disk")
+        with open(disk / "filler", "wb") as f:  # what else fills the disk: 1 MiB is left, 3 MiB still to come
+            f.write(b"\0" * (4 << 20))
+        source.release()
+        failed = wait_until(lambda: next((r for r in fleet.replicas("omega") if r["id"] == first["id"]
+                                          and r["status"] == "failed"), None),
+                            timeout_s=60, what="the start failed for the full disk", why=fleet.cp.logs)
+        assert "is full" in (failed["failure"] or ""), failed
+        left = {f.name: f.stat().st_size for f in disk.rglob("*") if f.is_file() and f.name != "filler"}
+        assert not any("part" in name or size for name, size in left.items()), left  # the partial is gone
+        [placed] = fleet.cp.wait_replicas("omega", exclude={first["id"]}, timeout_s=60)
+        assert placed["shards"][0]["node_id"] != full, placed
+        fleet.steady([*MODELS, "omega"])
+        tried = [(r["shards"][0]["node_id"], r["status"], (r.get("failure") or "")[:300]) for r in fleet.replicas("omega")]
+        assert len(tried) == 2, tried  # placed once more, not again and again
+    finally:
+        source.close()
+    after = fleet.steady([*MODELS, "omega"])
+    assert {m: after[m] for m in MODELS} == before
+    assert fleet.cp.apply({"models": [ALPHA, BETA]}).status_code == 200

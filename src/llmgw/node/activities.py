@@ -105,6 +105,10 @@ class NodeActivities:
         try:
             got = await self.agent.fetcher.fetch(inp.source, progress)
         except FetchError as exc:
+            # What the disk holds changed (a partial removed, a disk found full): the next heartbeat carries
+            # the inventory, so the planner judges this node's free disk anew before it places the retry
+            # (issue 38: it had placed it on the full disk again, from a figure up to ten beats old).
+            self.agent.cache_changed()
             still = time.time() - seen["moved_at"]
             if exc.retryable and still > self.agent.settings.fetch_retry_s:
                 if activity.in_activity():

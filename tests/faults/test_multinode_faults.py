@@ -23,7 +23,9 @@ BIG = {"name": "big", "scaling": {"min": 1, "max": 1}, "profiles": [
 
 @pytest.fixture(scope="module")
 def fleet(infra, tmp_path_factory):
-    f = FaultFleet(tmp_path_factory.mktemp("multinode"), infra).start(nodes=NODES, gpus=2, fabric="ib-a")
+    # A database of its own: its third node, left Lost, must not be in the other modules' fleets.
+    f = FaultFleet(tmp_path_factory.mktemp("multinode"), infra, database="multinode_faults").start(
+        nodes=NODES, gpus=2, fabric="ib-a")
     try:
         assert f.cp.apply({"models": [STEADY, BIG]}).status_code == 200
         f.steady(["steady", "big"], timeout_s=120)

@@ -11,6 +11,7 @@ afterwards against what it recorded.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import tempfile
@@ -60,6 +61,16 @@ class Infra:
     def stop_postgres(self) -> None:
         self.pg.stop()
 
+    def kill_postgres(self) -> None:
+        """SIGKILL PostgreSQL and every backend (its process group): a crash, not a shutdown. Transactions in
+        flight are neither committed nor rolled back; the next start recovers from the WAL."""
+        proc = self.pg.proc
+        assert proc is not None and proc.poll() is None, "PostgreSQL is not running"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_until(lambda: not any(_in_group(p, proc.pid) for p in psutil.process_iter()), timeout_s=10,
+                   what="every PostgreSQL backend gone")
+
     def start_postgres(self) -> None:
         self.pg.start()
 
@@ -68,6 +79,13 @@ class Infra:
 
     def start_temporal(self) -> None:
         self.temporal.start()
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE
+    except (OSError, psutil.Error):
+        return False
 
 
 @pytest.fixture(scope="package")
@@ -94,6 +112,7 @@ class Traffic:
 
     gateway: str
     models: list[str]
+    headers: dict[str, str] = field(default_factory=dict)
     results: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     paused: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -106,7 +125,7 @@ class Traffic:
                     time.sleep(0.05)
                     continue
                 try:
-                    code = c.post(self.gateway + "/v1/chat/completions", json={
+                    code = c.post(self.gateway + "/v1/chat/completions", headers=self.headers, json={
                         "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code
                 except httpx.HTTPError:
                     code = 0
@@ -119,22 +138,38 @@ class Traffic:
     def count(self, model: str, since: float = 0.0) -> int:
         return sum(1 for t, _ in self.results.get(model, []) if t >= since)
 
+    def answered(self) -> int:
+        """Requests answered 200, every model together."""
+        return sum(1 for out in self.results.values() for _, c in out if c == 200)
+
 
 class FaultFleet:
     """The control plane, two agents behind partitionable relays, and helpers to look at what runs."""
 
-    def __init__(self, tmp: Path, infra: Infra, **extra_env: str):
+    def __init__(self, tmp: Path, infra: Infra, database: str | None = None, **extra_env: str):
+        """`database`: a database of this fleet's own on the module's PostgreSQL (created and migrated),
+        for a fleet whose rows (API keys, tenants, usage) the suite's other fleets must not see; by
+        default the one they share."""
         self.infra = infra
-        self.cp = ControlPlane(tmp, infra.pg.url, infra.temporal.address, **SETTINGS, **extra_env)
+        self.db_url = infra.pg.url
+        if database is not None:
+            self.db_url = infra.pg.url_for(database)
+            with psycopg.connect(infra.pg.url_for("postgres"), autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+                conn.execute(f'CREATE DATABASE "{database}"')
+            upgrade(self.db_url)
+        self.cp = ControlPlane(tmp, self.db_url, infra.temporal.address, **{**SETTINGS, **extra_env})
         self.relays: dict[str, dict[str, PartitionableRelay]] = {}
 
-    def start(self, nodes=NODES, gpus: int = 2) -> "FaultFleet":
+    def start(self, nodes=NODES, gpus: int = 2, **spec) -> "FaultFleet":
+        """`spec`: more of each node's simulated inventory (`tests/fleet.py` `sim_spec`)."""
+        self.simulate = sim_spec(gpus=gpus, **spec)
         self.cp.start()
         for n in nodes:
             api = PartitionableRelay(self.cp.ports["node_api"], f"{n}-node-api")
             tq = PartitionableRelay(self.infra.temporal.port, f"{n}-temporal")
             self.relays[n] = {"api": api, "temporal": tq}
-            self.cp.agent(n, simulate=sim_spec(gpus=gpus), LLMGW_NODE_API_URL=f"https://127.0.0.1:{api.port}",
+            self.cp.agent(n, simulate=self.simulate, LLMGW_NODE_API_URL=f"https://127.0.0.1:{api.port}",
                           LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{tq.port}")
         self.cp.wait_nodes(*nodes, timeout_s=60)
         return self
@@ -172,6 +207,15 @@ class FaultFleet:
         for c in [psutil.Process(p.proc.pid), *psutil.Process(p.proc.pid).children(recursive=True)]:
             c.send_signal(signal.SIGCONT)
 
+    def restart_agent(self, node: str, **env: str) -> Proc:
+        """SIGKILL `node`'s agent (its engines run on) and start it again, through its relays, with `env`."""
+        for p in self.cp.procs:
+            if p.name == f"agent-{node}" and p.alive():
+                p.kill()
+        relays = self.relays[node]
+        return self.cp.agent(node, simulate=self.simulate, LLMGW_NODE_API_URL=f"https://127.0.0.1:{relays['api'].port}",
+                             LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{relays['temporal'].port}", **env)
+
     def restart_worker(self, **env: str) -> Proc:
         for p in self.cp.procs:
             if p.name == "worker" and p.alive():
@@ -200,7 +244,7 @@ class FaultFleet:
 
     def db_now_and_last_pass(self):
         """Postgres's clock now, and when the reconciler last completed a pass (None: never)."""
-        with psycopg.connect(self.infra.pg.url) as conn:
+        with psycopg.connect(self.db_url) as conn:
             now = conn.execute("SELECT now()").fetchone()[0]
             row = conn.execute("SELECT pass_at FROM reconciler_state WHERE id = 1").fetchone()
         return now, row[0] if row else None
@@ -237,8 +281,9 @@ class FaultFleet:
                                       f"(db now, last pass) {self.db_now_and_last_pass()}\n{self.cp.logs()}")
 
     @contextmanager
-    def traffic(self, models: list[str]):
-        t = Traffic(self.cp.gateway, models)
+    def traffic(self, models: list[str], headers: dict[str, str] | None = None):
+        """Traffic to `models`, each request with `headers` (an API key)."""
+        t = Traffic(self.cp.gateway, models, headers or {})
         threads = [threading.Thread(target=t._run, args=(m,), daemon=True) for m in models]
         for th in threads:
             th.start()

@@ -380,16 +380,6 @@ def test_an_agent_killed_mid_download_resumes_on_its_next_boot_and_nothing_is_re
     fleet.steady(["steady"])
 
 
-def _restart_agent(fleet: FaultFleet, node: str, **env: str):
-    """SIGKILL `node`'s agent (its engines run on) and start it again, through its relays, with `env`."""
-    for p in fleet.cp.procs:
-        if p.name == f"agent-{node}" and p.alive():
-            p.kill()
-    relays = fleet.relays[node]
-    return fleet.cp.agent(node, simulate=sim_spec(gpus=2), LLMGW_NODE_API_URL=f"https://127.0.0.1:{relays['api'].port}",
-                          LLMGW_TEMPORAL_ADDRESS=f"127.0.0.1:{relays['temporal'].port}", **env)
-
-
 def test_an_agent_killed_between_spawning_an_engine_and_recording_it_adopts_that_engine(fleet, tmp_path):
     """Issue 38: a node's agent is SIGKILLed right after it spawned an engine, before it recorded the engine's
     pid (a test hook, once). Before, the next boot could not see that engine: it ran on unseen, holding its
@@ -399,7 +389,7 @@ def test_an_agent_killed_between_spawning_an_engine_and_recording_it_adopts_that
     before = fleet.steady(["steady"])["steady"]
     marker = tmp_path / "spawned"
     for node in ("node-a", "node-b"):  # wherever the new replica lands, its agent has the hook
-        _restart_agent(fleet, node, LLMGW_TEST_CRASH_AFTER_SPAWN=str(marker))
+        fleet.restart_agent(node, LLMGW_TEST_CRASH_AFTER_SPAWN=str(marker))
     fleet.cp.wait_nodes("node-a", "node-b", timeout_s=60)
     assert fleet.cp.apply({"models": [STEADY, sim_model("xi")]}).status_code == 200
     wait_until(marker.exists, timeout_s=90, what="the agent killed after a spawn", why=fleet.cp.logs)
@@ -408,7 +398,7 @@ def test_an_agent_killed_between_spawning_an_engine_and_recording_it_adopts_that
     wait_until(lambda: not any(p.alive() for p in fleet.cp.procs if p.name == f"agent-{node}"), timeout_s=10,
                what="the hooked agent gone")
     assert psutil.pid_exists(int(pid))  # the engine runs on, unrecorded
-    again = _restart_agent(fleet, node)
+    again = fleet.restart_agent(node)
     wait_until(lambda: "launched by a worker that died before recording it" in again.log(), timeout_s=30,
                what="the new boot adopting the engine", why=again.log)
     ready = only_replica(fleet, "xi", "ready", timeout_s=60)
@@ -444,7 +434,7 @@ def test_an_agent_restarted_more_than_five_times_during_one_download_does_not_fa
     try:
         for i in range(6):
             asked = sum(1 for path, _ in source.requests if path == "/rho.bin")
-            again = _restart_agent(fleet, node)
+            again = fleet.restart_agent(node)
             wait_until(lambda: ended in again.log(), timeout_s=30, what=f"restart {i + 1} ending the attempt",
                        why=again.log)
             wait_until(lambda: sum(1 for path, _ in source.requests if path == "/rho.bin") > asked, timeout_s=45,

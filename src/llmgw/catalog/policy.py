@@ -210,7 +210,8 @@ LLAMACPP = EngineRules(
 SIM = EngineRules(
     engine="sim",
     flags=frozenset({"--tokens-per-second", "--startup-delay", "--join-timeout", "--prefix-cache-blocks",
-                     "--prefill-tokens-per-second", "--gpu-memory-mb", "--sleep-s", "--wake-s"}),
+                     "--prefill-tokens-per-second", "--gpu-memory-mb", "--sleep-s", "--wake-s",
+                     "--ignore-sigterm"}),
     env=frozenset(),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {"--rank", "--world-size", "--rendezvous", "--token"}),
 )

@@ -381,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpu-memory-mb", type=int, default=1024, help="accelerator memory it says it holds awake")
     p.add_argument("--sleep-s", type=float, default=0.1, help="seconds a POST /sleep takes")
     p.add_argument("--wake-s", type=float, default=0.2, help="seconds a POST /wake_up takes")
+    p.add_argument("--ignore-sigterm", action="store_true",
+                   help="go on serving after SIGTERM, as a wedged engine does: only SIGKILL ends it")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1, help="shards in the replica (multi-node)")
     p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
@@ -423,8 +425,11 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.startup_delay > 0:
         loop.call_later(max(0.0, engine.ready_at - time.monotonic()), lambda: print(f"sim: {args.model} loaded, ready", flush=True))
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if args.ignore_sigterm:  # said, so a test sees the stop's SIGTERM arrive
+        loop.add_signal_handler(signal.SIGTERM, lambda: print("sim: ignoring SIGTERM", flush=True))
+    else:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
         await stop.wait()
         # Said on the way out, so a stop that came before a drain finished is visible in the shard's log.

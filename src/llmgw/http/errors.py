@@ -253,6 +253,21 @@ def internal(where: str = "the gateway") -> APIError:
     return APIError(500, f"internal error in {where}; it has been logged", type="server_error", code="internal_error")
 
 
+def database_away(exc: BaseException) -> APIError | None:
+    """503 for a database error that is the database's absence, not the request's fault: a connection
+    refused, or lost in the middle of a transaction (PostgreSQL killed or restarted, issue 38); None for any
+    other error. The transaction was not committed, or its COMMIT's answer never came: the client is told
+    what it changed may not have been saved, and to retry (a catalog apply is idempotent)."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    if not isinstance(exc, DBAPIError) or not (exc.connection_invalidated
+                                               or isinstance(exc, (OperationalError, InterfaceError))):
+        return None
+    return APIError(503, "the database is unavailable (its connection failed or was lost); what this request "
+                    "changed may not have been saved: retry in a moment", type="service_unavailable",
+                    code="database_unavailable", headers={"Retry-After": "5"})
+
+
 def http_exception_error(method: str, path: str, status: int, detail: object) -> APIError:
     """A framework HTTP error (unknown route, wrong method, an HTTPException) as an `APIError`, so the
     FastAPI apps (the gateway's, the admin API, the node API) answer in the same envelope as every other error."""
@@ -303,7 +318,9 @@ def install_error_handlers(app, where: str) -> None:
     """The one set of error handlers every FastAPI app of llmgw uses (gateway, admin API, node API): an
     `APIError` in its envelope; an unknown route or method, or an HTTPException, in the same envelope;
     a body off its schema as 400 `bad_request` naming each field (`validation_error`), never FastAPI's
-    422; anything unexpected logged with its traceback and answered 500 `internal_error` without one.
+    422; the database away (a connection refused or lost mid-transaction) 503 `database_unavailable`
+    (`database_away`), logged in one line; anything unexpected logged with its traceback and answered 500
+    `internal_error` without one.
     `where` names the listener in that 500's message ("the admin API"). An app adds handlers for its own
     domain errors after this (the admin API's `CatalogError`)."""
     import logging
@@ -327,5 +344,10 @@ def install_error_handlers(app, where: str) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
+        away = database_away(exc)
+        if away is not None:
+            log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return json_error(away)
         log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         return json_error(internal(where))

@@ -105,6 +105,10 @@ class NodeActivities:
         try:
             got = await self.agent.fetcher.fetch(inp.source, progress)
         except FetchError as exc:
+            # What the disk holds changed (a partial removed, a disk found full): the next heartbeat carries
+            # the inventory, so the planner judges this node's free disk anew before it places the retry
+            # (issue 38: it had placed it on the full disk again, from a figure up to ten beats old).
+            self.agent.cache_changed()
             still = time.time() - seen["moved_at"]
             if exc.retryable and still > self.agent.settings.fetch_retry_s:
                 if activity.in_activity():
@@ -415,16 +419,19 @@ class NodeActivities:
     @activity.defn(name="stop_shard")
     async def stop_shard(self, inp: StopShardInput) -> StopShardResult:
         """Fence the replica (on disk), then stop the shard's process group (SIGTERM, SIGKILL after `grace_s`).
+        Its attempt is noted (node/attempts.py): an agent killed during the escalation, its engine ignoring
+        SIGTERM, has the retry on its next boot at once, not after the 120 s timeout (issue 38).
         A fence that cannot be written (a full disk) does not keep the engine running: the stop goes on, and
         the activity then fails so that its retry records the fence (the stop workflow settles the replica
         either way, and the GPUs count as free)."""
         replica_id = inp.replica_id or replica_of(inp.shard_id)
-        unfenced = self.agent.fences.record_before_stopping(replica_id, inp.generation, inp.shard_id)
-        watch = self._watches.pop(inp.shard_id, None)
-        if watch is not None:
-            watch.cancel()
-        was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
-        await self.agent.report_stopped(inp.shard_id)
+        with self.agent.attempts.running():  # killed between SIGTERM and SIGKILL: the next boot retries it at once
+            unfenced = self.agent.fences.record_before_stopping(replica_id, inp.generation, inp.shard_id)
+            watch = self._watches.pop(inp.shard_id, None)
+            if watch is not None:
+                watch.cancel()
+            was, code = await self.agent.supervisor.stop(inp.shard_id, inp.grace_s)
+            await self.agent.report_stopped(inp.shard_id)
         if unfenced is not None:
             raise ApplicationError(f"stopped shard {inp.shard_id}, but could not record replica {replica_id}'s fence "
                                    f"on node {self.agent.node_id}: {unfenced}", type="FenceNotRecorded")

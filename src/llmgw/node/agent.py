@@ -87,6 +87,7 @@ class Agent:
         self.reregister = False  # a transition report did not get through: the next beat registers again
         self.inventory_dirty = False
         self.downloads: dict[str, DownloadProgress] = {}  # replica id -> weights being fetched for it
+        self._stopping: dict[str, asyncio.Task] = {}  # shard id -> its stop the control plane asked for
         self._gpus = None
         self._fabrics = None
         self.metrics = AgentMetrics()
@@ -212,13 +213,27 @@ class Agent:
     async def stop_unwanted(self, shard_ids: list[str], why: str) -> None:
         """Fence and stop each shard the control plane asks this node to stop (on registration, or a heartbeat
         naming a shard whose replica has ended). A fence that cannot be written (a full disk) does not keep
-        the engine running: it is stopped all the same, and the launch-check still refuses its replica."""
+        the engine running: it is stopped all the same, and the launch-check still refuses its replica.
+
+        The fences are written here; the stops run beside the heartbeat loop, one task per shard (a shard
+        already stopping is not stopped twice). Awaited, an engine that ignores SIGTERM held every heartbeat
+        for its `grace_s` (issue 38): one such engine per registration, and the node went Unreachable with
+        the healthy replicas it serves."""
         for shard_id in shard_ids:
+            if shard_id in self._stopping:
+                continue
             shard = self.supervisor.get(shard_id)
             replica_id = shard.spec.replica_id if shard else replica_of(shard_id)
             log.warning("control plane asks to stop shard %s, %s", shard_id, why)
             self.fences.record_before_stopping(replica_id, 0, shard_id)
-            await self.supervisor.stop(shard_id)
+            task = asyncio.create_task(self.supervisor.stop(shard_id), name=f"stop {shard_id}")
+            self._stopping[shard_id] = task
+            task.add_done_callback(lambda t, sid=shard_id: self._stopped_unwanted(sid, t))
+
+    def _stopped_unwanted(self, shard_id: str, task: asyncio.Task) -> None:
+        self._stopping.pop(shard_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("stopping shard %s failed: %s", shard_id, task.exception())
 
     async def report(self, report: ShardReport, attempts: int = 5) -> None:
         """Send one shard transition; retried briefly, then left to the next registration, which the next

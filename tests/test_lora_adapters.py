@@ -1,0 +1,93 @@
+"""LoRA adapters through the real path (issue 40): a catalog applied with adapters on a sim base, the
+control plane placing a real sim engine through a real node worker, the real gateway loading each adapter
+into it with vLLM's runtime call behind the engine key, routing each request to its adapter (the sim's
+marker), evicting the least recently used past `max_loras`, refusing a tenant the adapter does not allow,
+and counting usage per adapter (`ctl usage --by model`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import psycopg
+import pytest
+
+from tests.helpers import wait_until
+from tests.test_tenants import auth, chat, create_key, create_tenant
+
+pytestmark = pytest.mark.integration
+
+CATALOG = {"models": [{
+    "name": "base", "scaling": {"min": 1, "max": 1},
+    "profiles": [{"engine": "sim", "max_loras": 2, "args": ["--tokens-per-second", "0", "--lora-load-s", "0.3"]}],
+    "adapters": [{"name": "sql", "source": "/adapters/sql", "tenants": ["acme"]},
+                 {"name": "law", "source": "/adapters/law", "version": "2"},
+                 {"name": "med", "source": "/adapters/med"}]}]}
+
+
+def held(db: str) -> set[str]:
+    with psycopg.connect(db) as conn:
+        return {r[0] for r in conn.execute("SELECT adapter FROM replica_adapters").fetchall()}
+
+
+def test_two_adapters_answer_by_name_a_third_evicts_the_lru_a_tenant_is_refused_and_usage_is_per_adapter(
+        control_plane, database_url):
+    cp = control_plane
+    cp.env["LLMGW_ROUTE_REFRESH_S"] = "0.5"
+    cp.start()
+    create_tenant(cp, "acme")
+    create_tenant(cp, "other")
+    acme, other = create_key(cp, "acme-1", "acme"), create_key(cp, "other-1", "other")
+    r = cp.apply(CATALOG)
+    assert r.status_code == 200, r.text
+    cp.agent("node-a")
+    started = time.monotonic()
+    cp.wait_replicas("base", "ready", 1, timeout_s=60)
+    print(f"replica ready in {time.monotonic() - started:.1f}s")
+
+    last: list[httpx.Response] = []
+
+    def ask(model: str, key: str = acme) -> tuple[int, dict]:
+        def once():
+            last[:] = [httpx.post(cp.gateway + "/v1/chat/completions", json=chat(model, max_tokens=3),
+                                  headers=auth(key), timeout=30)]
+            return last[0] if last[0].status_code != 503 else None  # (the route table may not have it yet)
+        resp = wait_until(once, timeout_s=20, what=f"an answer for {model}", why=lambda: last[0].text)
+        return resp.status_code, resp.json()
+
+    status, out = ask("sql")
+    assert status == 200, out
+    assert out["model"] == "sql" and out["system_fingerprint"] == "lora:sql"  # the sim's marker
+    status, out = ask("law")
+    assert status == 200 and out["model"] == "law" and out["system_fingerprint"] == "lora:law", out
+    status, out = ask("base")
+    assert status == 200 and out["model"] == "base" and "system_fingerprint" not in out, out
+    assert held(database_url) == {"sql", "law"}
+    assert ask("sql")[0] == 200  # sql used last: law is the least recently used
+    status, out = ask("med")  # a third past max_loras 2: law is unloaded, med loaded
+    assert status == 200 and out["system_fingerprint"] == "lora:med", out
+    assert held(database_url) == {"sql", "med"}
+    status, out = ask("law")  # back again: sql is now the least recently used
+    assert status == 200 and out["system_fingerprint"] == "lora:law", out
+    assert held(database_url) == {"med", "law"}
+
+    # A tenant the adapter does not allow gets 403 naming it; an adapter without a list serves it.
+    resp = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sql"), headers=auth(other), timeout=30)
+    assert resp.status_code == 403, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "adapter_not_allowed" and "`sql`" in err["message"] and err["param"] == "model"
+    assert ask("law", other)[0] == 200
+
+    # /v1/models lists adapters with their base, each tenant the ones it may use.
+    listed = {m["id"]: m.get("parent") for m in httpx.get(cp.gateway + "/v1/models", headers=auth(other)).json()["data"]}
+    assert listed == {"base": None, "law": "base", "med": "base"}
+    one = httpx.get(cp.gateway + "/v1/models/sql", headers=auth(acme)).json()
+    assert one["id"] == "sql" and one["parent"] == "base"
+
+    def by_model() -> dict[str, int]:
+        out = cp.ctl("usage", "--tenant", "acme", "--by", "model", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return {r["model"]: r["requests"] for r in json.loads(out.stdout)["rows"]}
+    wait_until(lambda: by_model() == {"sql": 2, "law": 2, "base": 1, "med": 1}, timeout_s=10,
+               what="usage per adapter", why=by_model)

@@ -42,7 +42,7 @@ def test_two_adapters_answer_by_name_a_third_evicts_the_lru_a_tenant_is_refused_
     r = cp.apply(CATALOG)
     assert r.status_code == 200, r.text
     cp.agent("node-a")
-    cp.wait_replicas("base", "ready", 1, timeout_s=60)
+    (replica,) = cp.wait_replicas("base", "ready", 1, timeout_s=60)
 
     last: list[httpx.Response] = []
 
@@ -69,6 +69,16 @@ def test_two_adapters_answer_by_name_a_third_evicts_the_lru_a_tenant_is_refused_
     status, out = ask("law")  # back again: sql is now the least recently used
     assert status == 200 and out["system_fingerprint"] == "lora:law", out
     assert held(database_url) == {"med", "law"}
+
+    # Which replica holds which adapter: `ctl models` and `ctl explain` (an adapter's name explains its base).
+    out = cp.ctl("models", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    view = next(m for m in json.loads(out.stdout) if m["name"] == "base")
+    assert view["adapters"] == {"sql": [], "law": [replica["id"]], "med": [replica["id"]]}
+    out = cp.ctl("explain", "sql")
+    assert out.returncode == 0, out.stderr
+    assert f"law@2: loaded in {replica['id'][:8]}" in out.stdout, out.stdout
+    assert "sql [tenants acme]: loaded in no replica" in out.stdout, out.stdout
 
     # A tenant the adapter does not allow gets 403 naming it; an adapter without a list serves it.
     resp = httpx.post(cp.gateway + "/v1/chat/completions", json=chat("sql"), headers=auth(other), timeout=30)

@@ -94,7 +94,8 @@ class Gateway:
         self.gates = Gates()
         self.routes.on_refresh.append(self.gates.sync)
         self.routes.on_refresh.append(self.quotas.catalog_changed)
-        self.routes.on_refresh.append(lambda catalog: self.metrics.forget({m.name for m in catalog.models}))
+        self.routes.on_refresh.append(lambda catalog: self.metrics.forget(
+            {n for m in catalog.models for n in (m.name, *(a.name for a in m.adapters))}))  # (adapters: labels too)
         self.feed = ChangeFeed(settings.require_database_url(), settings.route_refresh_s)
         self.feed.subscribe("routes", TABLES, self.routes.refresh, partial=True)
         self.routes.ask_refresh = lambda: self.feed.changed("catalog_models")

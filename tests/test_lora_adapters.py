@@ -66,8 +66,12 @@ def test_two_adapters_answer_by_name_a_third_evicts_the_lru_a_tenant_is_refused_
     status, out = ask("med")  # a third past max_loras 2: law is unloaded, med loaded
     assert status == 200 and out["system_fingerprint"] == "lora:med", out
     assert held(database_url) == {"sql", "med"}
-    status, out = ask("law")  # back again: sql is now the least recently used
-    assert status == 200 and out["system_fingerprint"] == "lora:law", out
+    # Back again, streamed: sql is now the least recently used; the stream comes from law.
+    with httpx.stream("POST", cp.gateway + "/v1/chat/completions", json=chat("law", max_tokens=3, stream=True),
+                      headers=auth(acme), timeout=30) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert events and all(e["model"] == "law" and e["system_fingerprint"] == "lora:law" for e in events), events
     assert held(database_url) == {"med", "law"}
 
     # Which replica holds which adapter: `ctl models` and `ctl explain` (an adapter's name explains its base).

@@ -119,3 +119,19 @@ def test_holdings_another_gateway_recorded_count_as_least_recently_used_here():
     assert list(ep.adapters) == ["c", "b"]
     _sync_adapters(ep, [])
     assert list(ep.adapters) == []
+
+
+async def test_a_streaming_request_is_held_with_comments_while_its_adapter_loads():
+    engine, server = await engine_server(max_loras=1, lora_load_s=2.3)  # past one HOLD_TICK_S (2 s)
+    upstream = Upstream(5)
+    loads = AdapterLoads(None, upstream)
+    ticks: list[float] = []
+
+    async def hold(waited_s: float) -> None:
+        ticks.append(waited_s)
+    try:
+        await loads.ensure(endpoint(server, 1), "base", adapter("a"), hold)
+        assert len(ticks) == 1 and ticks[0] >= 2.0 and list(engine.loras) == ["a"]
+    finally:
+        await upstream.close()
+        await server.close()

@@ -5,8 +5,9 @@ loading the adapter there when no replica holds it.
   balancer's choice among those). When none does, the balancer picks one of the base's replicas (the fewest
   in flight) and the adapter is loaded into it with the engine's runtime call, vLLM's
   `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` (the sim engine implements it), sent with the
-  replica's engine key as every request is. The request waits meanwhile, up to `adapter_load_timeout_s`; a
-  request for the same adapter arriving during the load is sent to the replica loading it and waits on the
+  replica's engine key as every request is. The request waits meanwhile, up to `adapter_load_timeout_s`
+  (a streaming one is held as for a cold start: 200 and an SSE comment every `HOLD_TICK_S`); a request for
+  the same adapter arriving during the load is sent to the replica loading it and waits on the
   same load (one load per replica at a time).
 - A replica holds at most its profile's `max_loras` adapters: loading one more first unloads the one this
   gateway used least recently there (`POST /v1/unload_lora_adapter`). The order is this gateway's; what
@@ -25,6 +26,7 @@ import logging
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.db import adapters_repo
+from llmgw.gateway.demand import HOLD_TICK_S, Hold
 from llmgw.gateway.routes import Endpoint
 from llmgw.gateway.upstream import Upstream, UpstreamError
 from llmgw.http.errors import APIError
@@ -62,11 +64,26 @@ class AdapterLoads:
         if name in ep.adapters:
             ep.adapters.move_to_end(name)
 
-    async def ensure(self, ep: Endpoint, model: str, adapter: Adapter) -> None:
+    async def ensure(self, ep: Endpoint, model: str, adapter: Adapter, hold: Hold | None = None) -> None:
         """Make `adapter` (of base `model`) loaded in `ep`, unloading its least recently used adapters first
-        while it holds `max_loras`. Raises `APIError` (503 `adapter_load_failed`, 504 past the timeout)."""
+        while it holds `max_loras`. Raises `APIError` (503 `adapter_load_failed`, 504 past the timeout).
+        `hold(waited_s)` is awaited every `HOLD_TICK_S` while it loads (a stream's SSE comments)."""
         if adapter.name in ep.adapters:
             return
+        if hold is None:
+            return await self._ensure(ep, model, adapter)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        task = asyncio.ensure_future(self._ensure(ep, model, adapter))
+        try:
+            while not (await asyncio.wait({task}, timeout=HOLD_TICK_S))[0]:
+                await hold(loop.time() - started)
+            return task.result()
+        finally:
+            if not task.done():  # the client left: the load goes on for the next request of it
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _ensure(self, ep: Endpoint, model: str, adapter: Adapter) -> None:
         lock = self._locks.setdefault(ep.replica_id, asyncio.Lock())
         self.loading.setdefault(adapter.name, ep.replica_id)
         try:

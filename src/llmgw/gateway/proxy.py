@@ -326,13 +326,16 @@ class Proxy:
         it, the prompt is within its bound. No engine is asked, and nothing is counted against a budget."""
         try:
             chat = messages.to_chat(messages.decode_request(await read_body(receive, self.max_body)), count_only=True)
-            route = self.routes.resolve(chat["model"]) or await self.routes.lookup(chat["model"])
+            route, adapter = self._resolve(chat["model"])
+            route = route or await self.routes.lookup(chat["model"])
             if route is None:
                 usable = (lambda m: account.refusing(m) is None) if account is not None else None
                 raise errors.model_not_found(chat["model"], self.routes.similar(chat["model"], usable))
             refusing = account.refusing(route.model) if account is not None else None
             if refusing is not None:
                 raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])
+            if adapter is not None and not adapter.allows(account.tenant if account is not None else None):
+                raise errors.adapter_not_allowed(adapter.name, account.tenant if account is not None else None)
             chars = prompt_chars(CHAT, chat)
             if chars > route.bound.chars:
                 raise errors.prompt_too_long(route.model.name, chars, route.bound, prompt_param(CHAT, chat))
@@ -375,7 +378,8 @@ class Proxy:
                 return await self._relay_whole(leg.resp, send, x)
             return await self._relay_stream(leg, path, req, send, x, started, iso)
 
-        hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
+        held_as = adapter.name if adapter is not None else route.model.name
+        hold = self._holder(held_as, send, x) if req.get("stream") is True and not judged else None
         return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso, adapter)
 
     @staticmethod
@@ -438,7 +442,7 @@ class Proxy:
         fallback: list[tuple[str, Gate | None]] = []
         try:
             tried: set[str] = set()
-            resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried, adapter)
+            resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried, adapter, hold)
             leg = _Leg(resp, ep, served.model.name, tried)
             healthy: bool | None = None
             try:
@@ -500,7 +504,7 @@ class Proxy:
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
                     meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None,
                     iso: Isolated | None = None, tried: set[str] | None = None,
-                    adapter: Adapter | None = None) -> tuple[Response, Endpoint, ModelRoute]:
+                    adapter: Adapter | None = None, hold: Hold | None = None) -> tuple[Response, Endpoint, ModelRoute]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
         client. Returns an answer with a status below 400, its endpoint counted as outstanding, and the
         model route it came from; `tried` collects the replicas it was sent to (those in it are passed
@@ -509,7 +513,7 @@ class Proxy:
         answer is still charged its prompt): set as it is sent, cleared when no engine took it. `iso`: what
         its endpoints are told for cache isolation (gateway/isolation.py), by model and engine. `adapter`: the
         LoRA adapter the request names, sent to a replica holding it, loaded into one first when none does
-        (gateway/adapters.py)."""
+        (gateway/adapters.py; `hold` is called while it loads, as while a model loads)."""
         loop = asyncio.get_running_loop()
         tried = set() if tried is None else tried
         last: APIError | None = None
@@ -531,7 +535,7 @@ class Proxy:
                     break
                 if adapter is not None:
                     try:
-                        await self.adapters.ensure(ep, name, adapter)
+                        await self.adapters.ensure(ep, name, adapter, hold)
                     except APIError as err:
                         log.warning("%s: %s; trying another", ep.replica_id, err.message)
                         tried.add(ep.replica_id)

@@ -212,15 +212,18 @@ class _Exchange:
 
 class _Leg:
     """The engine answer a request reads now: its response, its endpoint (counted outstanding until booked),
-    the model serving it, and every replica it was sent to. A continued stream moves it to another engine."""
+    the model serving it, every replica it was sent to, and the LoRA adapter it asks for (a continuation
+    asks for it too). A continued stream moves it to another engine."""
 
-    __slots__ = ("resp", "ep", "name", "tried")
+    __slots__ = ("resp", "ep", "name", "tried", "adapter")
 
-    def __init__(self, resp: Response, ep: Endpoint | None, name: str, tried: set[str]):
+    def __init__(self, resp: Response, ep: Endpoint | None, name: str, tried: set[str],
+                 adapter: Adapter | None = None):
         self.resp = resp
         self.ep = ep
         self.name = name
         self.tried = tried
+        self.adapter = adapter
 
 
 class Proxy:
@@ -443,7 +446,7 @@ class Proxy:
         try:
             tried: set[str] = set()
             resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried, adapter, hold)
-            leg = _Leg(resp, ep, served.model.name, tried)
+            leg = _Leg(resp, ep, served.model.name, tried, adapter)
             healthy: bool | None = None
             try:
                 result = await consume(leg)
@@ -743,7 +746,7 @@ class Proxy:
         The engine that broke off is booked as any failed upstream: its breaker counts it, and it is logged."""
         dead = leg.ep
         assert dead is not None
-        label = leg.name
+        label = leg.adapter.name if leg.adapter is not None else leg.name  # (as the request's metrics)
         what = "stalled" if isinstance(exc, UpstreamTimeout) else "broke off"
         leg.ep = None  # booked here, not again by _exchange
         self._done(dead, False)
@@ -770,7 +773,8 @@ class Proxy:
         log.warning("%s at %s %s a stream mid-answer (%s); continuing it on another replica after %d event(s)",
                     dead.replica_id, dead.url, what, exc, splice.events)
         try:
-            resp, ep, _ = await self._open([route], path, body, json.dumps(body).encode(), meter, None, iso, leg.tried)
+            resp, ep, _ = await self._open([route], path, body, json.dumps(body).encode(), meter, None, iso, leg.tried,
+                                           leg.adapter)
         except APIError as err:
             log.warning("the continuation of a stream of %s found no replica: %s", label, err.message)
             self.metrics.stream_resumes.labels(label, "failed").inc()

@@ -145,13 +145,15 @@ def test_a_stream_of_a_lora_adapter_is_continued_by_the_same_adapter_on_another_
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
-    status, events = _stream(cp, "/v1/chat/completions", _chat("lora-sql"), kill)
+    # Twice the tokens of the others: the engine is found by polling every engine's /health, which a loaded
+    # machine (this test follows adapter loads) had not finished within the others' 1.6 s left.
+    status, events = _stream(cp, "/v1/chat/completions", {**_chat("lora-sql"), "max_tokens": 2 * TOKENS}, kill)
     assert status == 200 and killed
     assert events[-1] == "[DONE]", events[-3:]
     chunks = [json.loads(e) for e in events[:-1]]
     assert not [c for c in chunks if "error" in c], chunks
     deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
-    assert "".join(d.get("content") or "" for d in deltas) == _alphabet(TOKENS)
+    assert "".join(d.get("content") or "" for d in deltas) == _alphabet(2 * TOKENS)
     assert {c.get("system_fingerprint") for c in chunks} == {"lora:lora-sql"}, chunks  # both legs: the adapter
     assert _resumed(cp, "lora-sql") == 1
 

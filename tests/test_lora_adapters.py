@@ -50,7 +50,9 @@ def test_two_adapters_answer_by_name_a_third_evicts_the_lru_a_tenant_is_refused_
         def once():
             last[:] = [httpx.post(cp.gateway + "/v1/chat/completions", json=chat(model, max_tokens=3),
                                   headers=auth(key), timeout=30)]
-            return last[0] if last[0].status_code != 503 else None  # (the route table may not have it yet)
+            # (a 503 while the route table has no replica yet; an adapter's load failing is the answer)
+            loading = last[0].status_code == 503 and last[0].json()["error"]["code"] != "adapter_load_failed"
+            return None if loading else last[0]
         resp = wait_until(once, timeout_s=20, what=f"an answer for {model}", why=lambda: last[0].text)
         return resp.status_code, resp.json()
 
@@ -72,6 +74,17 @@ def test_two_adapters_answer_by_name_a_third_evicts_the_lru_a_tenant_is_refused_
         assert resp.status_code == 200
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     assert events and all(e["model"] == "law" and e["system_fingerprint"] == "lora:law" for e in events), events
+
+    # The engine loses an adapter behind the gateway's back (as a restarted engine would): its 404 makes the
+    # gateway load it again and send the request once more.
+    (spec,) = [json.loads(p.read_text()) for p in (cp.state / "shards" / "node-a").glob("*.json")]
+    r = httpx.post(spec["endpoint"] + "/v1/unload_lora_adapter", json={"lora_name": "law"},
+                   headers={"Authorization": f"Bearer {spec['api_key']}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    status, out = ask("law")
+    assert status == 200 and out["system_fingerprint"] == "lora:law", out
+    server = next(p for p in cp.procs if p.name == "server").log()
+    assert "answered 404 for adapter law; loading it again" in server, server[-3000:]
     assert held(database_url) == {"med", "law"}
 
     # Which replica holds which adapter: `ctl models` and `ctl explain` (an adapter's name explains its base).
@@ -101,5 +114,5 @@ def test_two_adapters_answer_by_name_a_third_evicts_the_lru_a_tenant_is_refused_
         out = cp.ctl("usage", "--tenant", "acme", "--by", "model", "-o", "json")
         assert out.returncode == 0, out.stderr
         return {r["model"]: r["requests"] for r in json.loads(out.stdout)["rows"]}
-    wait_until(lambda: by_model() == {"sql": 2, "law": 2, "base": 1, "med": 1}, timeout_s=10,
+    wait_until(lambda: by_model() == {"sql": 2, "law": 3, "base": 1, "med": 1}, timeout_s=10,
                what="usage per adapter", why=by_model)

@@ -106,6 +106,7 @@ class AdapterLoads:
                 raise _failed(adapter.name, f"unloading `{victim}` to make room answered HTTP {status}: {text}")
             await self._record(adapters_repo.record_unloaded, ep.replica_id, victim)
             ep.adapters.pop(victim, None)
+            ep.adapters_changed += 1
             self.evictions += 1
             log.info("unloaded adapter %s from %s (least recently used; max_loras %d)", victim, ep.replica_id,
                      ep.max_loras)
@@ -115,6 +116,7 @@ class AdapterLoads:
         await self._record(adapters_repo.record_loaded, ep.replica_id, model, adapter.name)
         ep.adapters[adapter.name] = None
         ep.adapters.move_to_end(adapter.name)  # (a refresh may have put the row in first, as another's)
+        ep.adapters_changed += 1
         self.loads += 1
         log.info("loaded adapter %s into %s", adapter.name, ep.replica_id)
 
@@ -122,6 +124,7 @@ class AdapterLoads:
         """`ep`'s engine does not hold `name` after all (it answered 404): route as if it never had; the row
         is deleted in the background (the next load writes it again)."""
         ep.adapters.pop(name, None)
+        ep.adapters_changed += 1
         if self.engine is not None:
             asyncio.get_running_loop().create_task(self._record(adapters_repo.record_unloaded, ep.replica_id, name))
 

@@ -64,6 +64,7 @@ class Endpoint:
     open_until: float = 0.0
     trial: bool = False
     max_loras: int = 0  # adapters its replica may hold at once (its profile's; 0: none)
+    adapters_changed: int = 0  # bumped by each load or unload this gateway makes (gateway/adapters.py)
     # The LoRA adapters its replica holds, least recently used first (gateway/adapters.py).
     adapters: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
 
@@ -186,6 +187,9 @@ class RouteTable:
         reuse = changed is not None and "catalog_models" not in changed and self._loaded
         self._begun += 1
         number = self._begun
+        # A load or unload this gateway makes while the rows are read is newer than them: that endpoint's
+        # adapters are kept as they are (the next refresh reads the rows it wrote).
+        changes = {rid: ep.adapters_changed for rid, ep in self._endpoints.items()}
         async with self.engine.connect() as conn:
             catalog = self.catalog if reuse else await catalog_repo.get_catalog(conn, self._catalog_memo)
             rows = await fleet_repo.routable_replicas(conn, self.unreachable_after_s)
@@ -230,7 +234,8 @@ class RouteTable:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)
                 ep.max_loras = (profile.max_loras or 0) if profile is not None else 0
-                _sync_adapters(ep, holding.get(r.replica_id, []))
+                if changes.get(r.replica_id, ep.adapters_changed) == ep.adapters_changed:
+                    _sync_adapters(ep, holding.get(r.replica_id, []))
         if catalog is not self.catalog:
             self._unreadable.clear()
         self.catalog, self.models, self.names, self._endpoints = catalog, models, names, seen

@@ -105,7 +105,7 @@ def test_what_got_through_is_refused_at_apply_naming_the_flag_and_what_is_allowe
     ("vllm", {"NCCL_SOCKET_IFNAME": "eth0"}, "set by the node worker"),
     ("vllm", {"NCCL_NET_PLUGIN": "x"}, "NCCL_NET_PLUGIN is not allowed for vllm"),
     ("vllm", {"NCCL_TOPO_FILE": "/etc/x"}, "NCCL_TOPO_FILE is not allowed"),
-    ("vllm", {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, "not allowed"),
+    ("vllm", {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, "set by the node worker"),  # (for `max_loras`)
     ("sim", {"VLLM_ATTENTION_BACKEND": "FLASHINFER"}, "not allowed for sim"),
     ("sim", {"LD_PRELOAD": "/tmp/x.so"}, "LD_PRELOAD is not allowed"),
 ])

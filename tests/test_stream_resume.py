@@ -47,9 +47,13 @@ def fleet(tmp_path_factory, module_database_url, temporal):
         cp.agent("node-a", simulate=sim_spec(gpus=0, memory_gb=64))
         cp.wait_nodes("node-a")
         # `duo`: the default setting (on, one attempt); `pair`: a 1 s stall; `solo`: nowhere to continue.
-        r = cp.apply({"models": [_model("duo", 2), _model("pair", 2, stall_s="1s"), _model("solo", 1)]})
+        # `lora`: two replicas that load LoRA adapters (issue 40): a continuation asks for the same adapter.
+        lora = _model("lora", 2)
+        lora["profiles"][0]["max_loras"] = 1
+        lora["adapters"] = [{"name": "lora-sql", "source": "/adapters/sql"}]
+        r = cp.apply({"models": [_model("duo", 2), _model("pair", 2, stall_s="1s"), _model("solo", 1), lora]})
         assert r.status_code == 200, r.text
-        for name, count in (("duo", 2), ("pair", 2), ("solo", 1)):
+        for name, count in (("duo", 2), ("pair", 2), ("solo", 1), ("lora", 2)):
             cp.wait_replicas(name, count=count, timeout_s=90)
         yield cp
     finally:
@@ -129,6 +133,29 @@ def test_a_stream_whose_engine_is_killed_mid_answer_is_continued_on_another_repl
     server = next(p for p in cp.procs if p.name == "server").log()
     assert "broke off a stream mid-answer" in server and "continuing it on another replica" in server, server[-3000:]
     assert _resumed(cp, "duo") == 1
+
+
+def test_a_stream_of_a_lora_adapter_is_continued_by_the_same_adapter_on_another_replica(fleet):
+    """The continuation asks the other replica for the adapter (loading it there first), never the base."""
+    cp = fleet
+    killed: list[int] = []
+
+    def kill():
+        pid = _serving(cp, "lora")
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    # Twice the tokens of the others: the engine is found by polling every engine's /health, which a loaded
+    # machine (this test follows adapter loads) had not finished within the others' 1.6 s left.
+    status, events = _stream(cp, "/v1/chat/completions", {**_chat("lora-sql"), "max_tokens": 2 * TOKENS}, kill)
+    assert status == 200 and killed
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks
+    deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == _alphabet(2 * TOKENS)
+    assert {c.get("system_fingerprint") for c in chunks} == {"lora:lora-sql"}, chunks  # both legs: the adapter
+    assert _resumed(cp, "lora-sql") == 1
 
 
 def test_a_stalled_engine_is_left_after_stall_s_and_a_completion_continued(fleet):

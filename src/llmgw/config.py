@@ -190,6 +190,9 @@ class Settings(BaseSettings):
     # once any key has been created; true = always; false = never.
     load_wait_s: float = 600.0
     upstream_timeout_s: float = 300.0
+    # The longest a LoRA adapter's load into a replica (with the unload making room for it) may take while
+    # its request waits; past it the request gets 504 `adapter_load_timeout` (gateway/adapters.py).
+    adapter_load_timeout_s: float = Field(120.0, gt=0, le=3600)
     # On SIGTERM the gateway drains (gateway/drain.py): it refuses new requests (503, `/readyz` says
     # draining), answers the ones held for a load, and lets open answers and streams finish for this long
     # before it ends them (a stream with an error event). 0: end them at once.

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from llmgw.catalog.policy import profile_problems
 from llmgw.catalog.rules import check_arithmetic, check_source
 from llmgw.catalog.upgrade import upgrade_document
-from llmgw.schemas.catalog import Catalog, Model, Profile, fold_name
+from llmgw.schemas.catalog import LORA_ENGINES, Catalog, Model, Profile, fold_name
 from llmgw.spelling import did_you_mean
 
 
@@ -197,21 +197,29 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
     # "did you mean" folds them so): `Llama-3` beside `llama_3` would route a typo to the other model.
     folded: dict[str, tuple[str, str]] = {fold_name(n): (n, n) for n in unread}
     at = indices or range(len(catalog.models))
+    adapters: set[str] = set()  # names that are adapters, for the messages
     for i, m in zip(at, catalog.models):
-        for n in [m.name, *m.aliases]:
+        for n in [m.name, *m.aliases, *(a.name for a in m.adapters)]:
+            is_adapter = m.adapter(n) is not None and n not in (m.name, *m.aliases)
             if n in seen:
-                problems.append(f"models[{i}] ({m.name}): name {n!r} is already used by model {seen[n]!r}")
-            elif fold_name(n) in folded and folded[fold_name(n)][1] != m.name:  # its own alias may fold to it
+                owner = f"adapter of model {seen[n]!r}" if n in adapters else f"model {seen[n]!r}"
+                problems.append(f"models[{i}] ({m.name}): name {n!r} is already used by {owner}")
+            elif fold_name(n) in folded and (folded[fold_name(n)][1] != m.name or is_adapter):  # (its own alias may)
                 other, owner = folded[fold_name(n)]
                 problems.append(f"models[{i}] ({m.name}): name {n!r} differs from {other!r} (model {owner!r}) only "
                                 "in case or '_'/'-'; names must differ in more than that: rename one")
             else:
                 seen[n] = m.name
                 folded.setdefault(fold_name(n), (n, m.name))
+                if is_adapter:
+                    adapters.add(n)
     for i, m in zip(at, catalog.models):
+        problems += adapter_problems(m, f"models[{i}] ({m.name})")
         resolved: list[str] = []
         for f in m.fallbacks:
-            if f not in seen:
+            if f in adapters:
+                problems.append(f"models[{i}] ({m.name}).fallbacks: {f!r} is an adapter; name its base model")
+            elif f not in seen:
                 problems.append(f"models[{i}] ({m.name}).fallbacks: no model or alias named {f!r}"
                                 + did_you_mean(f, [n for n in seen if seen[n] != m.name]))
             elif seen[f] == m.name:
@@ -219,7 +227,9 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
             elif seen[f] not in resolved:
                 resolved.append(seen[f])
         m.fallbacks = resolved
-        if m.guard is not None and m.guard.model not in unread:
+        if m.guard is not None and m.guard.model in adapters:
+            problems.append(f"models[{i}] ({m.name}).guard.model: {m.guard.model!r} is an adapter, not a guard model")
+        elif m.guard is not None and m.guard.model not in unread:
             judge = next((g for g in catalog.models if g.name == seen.get(m.guard.model)), None)
             if judge is None:
                 problems.append(f"models[{i}] ({m.name}).guard.model: no model or alias named {m.guard.model!r}"
@@ -236,6 +246,30 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
             problems += [f"{where}: {problem}" for problem in profile_problems(p)]  # check_source said the source
     if problems:
         raise CatalogError(problems)
+
+
+def adapter_problems(m: Model, where: str) -> list[str]:
+    """A model's adapters against its profiles (issue 40): each profile must load adapters at run time
+    (`Profile.lora_refusal`), and each adapter's `rank` must fit every profile's `max_lora_rank`; a model
+    served by static `endpoints` takes none (llmgw does not run its engines)."""
+    if not m.adapters:
+        return [f"{where}.profiles[{j}] ({p.name}).max_loras: engine {p.engine} does not load adapters at run time; "
+                "remove it" for j, p in enumerate(m.profiles) if p.max_loras is not None and p.engine not in LORA_ENGINES]
+    if not m.profiles:
+        return [f"{where}.adapters: a model served by `endpoints` takes no adapters (llmgw does not run its "
+                "engines); add a vllm or sim profile with `max_loras`"]
+    problems = []
+    for j, p in enumerate(m.profiles):
+        refusal = p.lora_refusal()
+        if refusal is not None:
+            problems.append(f"{where}.profiles[{j}] ({p.name}): the model has adapters, but {refusal}")
+            continue
+        for k, a in enumerate(m.adapters):
+            if a.rank is not None and a.rank > p.lora_rank:
+                problems.append(f"{where}.adapters[{k}] ({a.name}).rank: {a.rank} exceeds profile {p.name!r}'s "
+                                f"max_lora_rank ({p.lora_rank}{'' if p.max_lora_rank else ', the default'}); "
+                                f"write `max_lora_rank: {a.rank}` on the profile")
+    return problems
 
 
 class _UniqueKeys(yaml.SafeLoader):

@@ -85,6 +85,8 @@ WORKER_ENV = {
     "LLMGW_SIM_API_KEY": "each replica's engine key is the node worker's",
     "VLLM_SERVER_DEV_MODE": "the node worker opens vLLM's sleep endpoints, behind the engine key, for a model "
                             "with scaling.sleep_after",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "the node worker opens vLLM's adapter load calls, behind the engine key, "
+                                        "for a profile with `max_loras`",
 }
 
 _COMMON_WORKER_FLAGS = {"--host", "--port", "--model", "--api-key"}
@@ -147,7 +149,7 @@ VLLM = EngineRules(
     }),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {
         "--served-model-name", "--tensor-parallel-size", "--pipeline-parallel-size", "--distributed-executor-backend",
-        "--data-parallel-size", "--enable-sleep-mode"}),
+        "--data-parallel-size", "--enable-sleep-mode", "--enable-lora", "--max-loras", "--max-lora-rank"}),
 )
 
 # Checked by hand against SGLang 0.5.23's parser (`ServerArgs.add_cli_args`; PyPI `sglang --no-deps`, issue
@@ -211,9 +213,10 @@ SIM = EngineRules(
     engine="sim",
     flags=frozenset({"--tokens-per-second", "--startup-delay", "--join-timeout", "--prefix-cache-blocks",
                      "--prefill-tokens-per-second", "--gpu-memory-mb", "--sleep-s", "--wake-s",
-                     "--ignore-sigterm"}),
+                     "--ignore-sigterm", "--lora-load-s"}),
     env=frozenset(),
-    worker_flags=frozenset(_COMMON_WORKER_FLAGS | {"--rank", "--world-size", "--rendezvous", "--token"}),
+    worker_flags=frozenset(_COMMON_WORKER_FLAGS | {"--rank", "--world-size", "--rendezvous", "--token",
+                                                   "--max-loras"}),
 )
 
 # llama-server's variables for flags with a reason in REFUSED_REASONS, to say which flag a variable is.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.control.status_service import StatusService
-from llmgw.db import catalog_repo, fleet_repo, reconciler_repo, revocations_repo
+from llmgw.db import adapters_repo, catalog_repo, fleet_repo, reconciler_repo, revocations_repo
 from llmgw.http.errors import APIError
 from llmgw.placement.liveness import FleetLiveness, fleet_liveness
 from llmgw.security.pki import NODE_ID_RE, serial_text
@@ -118,13 +118,16 @@ class FleetAdmin:
             return [RevocationView(**r.__dict__) for r in await revocations_repo.all_revocations(conn)]
 
     async def explain(self, model: str) -> dict:
-        """The latest reconcile pass's lines about `model` (an alias: its model), when that pass ran, the
-        planner's own failure if it is failing, and its last 10 replicas. 404 for a name no model has."""
+        """The latest reconcile pass's lines about `model` (an alias or a LoRA adapter: its model), when that
+        pass ran, the planner's own failure if it is failing, its last 10 replicas, and its adapters with the
+        Ready replicas holding each (issue 40). 404 for a name no model has."""
         async with self.engine.connect() as conn:
             catalog = await catalog_repo.get_catalog(conn)
-            model = next((m.name for m in catalog.models if model in m.aliases), model)
+            model = next((m.name for m in catalog.models if model in m.aliases or m.adapter(model)), model)
             lines, at = await catalog_repo.get_decisions_at(conn, model)
             rec = await reconciler_repo.get(conn)
+            entry = catalog.get(model)
+            held = await adapters_repo.held(conn) if entry is not None and entry.adapters else []
         rows = await self.status.replicas(include_ended=True, model=model, limit=10)
         if lines is None and not rows:
             names = [n for m in catalog.models for n in (m.name, *m.aliases)]
@@ -134,8 +137,12 @@ class FleetAdmin:
         if rec is not None and rec.failure:  # the planner itself failed: no pass has decided since
             failing = {"failure": rec.failure, "failed_at": rec.failed_at, "attempt": rec.attempt,
                        "last_pass_at": rec.pass_at}
+        adapters = [{"name": a.name, "version": a.version, "tenants": a.tenants,
+                     "replicas": [{"id": h.replica_id, "loaded_at": h.loaded_at.isoformat(),
+                                   "used_at": h.used_at.isoformat()} for h in held if h.adapter == a.name]}
+                    for a in (entry.adapters if entry is not None else [])]
         return {"model": model, "decisions": lines or [], "decided_at": at, "reconciler_failure": failing,
-                "replicas": [r.model_dump(mode="json") for r in rows]}
+                "replicas": [r.model_dump(mode="json") for r in rows], "adapters": adapters}
 
 
 def _with_silent(v: ReplicaView, live: FleetLiveness) -> ReplicaView:

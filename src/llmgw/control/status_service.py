@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import WorkflowFailureError
 from temporalio.service import RPCError
 
-from llmgw.db import catalog_repo, fleet_repo, status_repo
+from llmgw.db import adapters_repo, catalog_repo, fleet_repo, status_repo
 from llmgw.http.errors import APIError
 from llmgw.placement.model_status import ModelCondition, ModelFacts, ModelStatus, failure_cause, model_condition
 from llmgw.schemas.api import LogsView, ModelView, ReplicaView, RetryResult, ShardView
@@ -53,6 +53,7 @@ class StatusService:
             catalog, unreadable = await catalog_repo.read_catalog(conn)
             now, facts = await status_repo.model_facts(conn)
             created = await status_repo.catalog_created(conn)
+            held = await adapters_repo.held(conn) if any(m.adapters for m in catalog.models) else []
         out = []
         for m in catalog.models:
             f = facts.get(m.name, ModelFacts())
@@ -64,7 +65,9 @@ class StatusService:
                 min=sc.min, max=sc.max, mode=mode, priority=m.priority, role=m.role, simulated=m.simulated,
                 replicas=dict(sorted(f.replicas.items())), status=c.status.value, reason=c.reason, ready=c.ready,
                 restarts=c.restarts, replaced=f.replaced, retry_in_s=c.retry_in_s, on_request=c.on_request,
-                last_failure=c.last_failure, created_at=created.get(m.name)))
+                last_failure=c.last_failure, created_at=created.get(m.name),
+                adapters={a.name: [h.replica_id for h in held if h.adapter == a.name and h.model == m.name]
+                          for a in m.adapters} if m.adapters else None))
         for name, why in unreadable.items():  # stored, but this version cannot read it: its replicas are kept
             f = facts.get(name, ModelFacts())
             out.append(ModelView(

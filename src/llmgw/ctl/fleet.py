@@ -63,7 +63,7 @@ def _model_message(m: dict) -> str:
 def _models_table(models: list[dict], now: datetime, wide: bool):
     cols = ["MODEL", "STATUS", "READY", "RESTARTS", "ENGINE", "MODE", "AGE", "MESSAGE"]
     if wide:
-        cols[6:6] = ["PRIO", "REPLICAS", "ALIASES"]
+        cols[6:6] = ["PRIO", "REPLICAS", "ALIASES", "ADAPTERS"]
     rows = []
     for m in models:
         ready = f"{m['ready']}/{m['min']}" if m["min"] else str(m["ready"])
@@ -73,7 +73,9 @@ def _models_table(models: list[dict], now: datetime, wide: bool):
                _model_message(m)]
         if wide:
             reps = ", ".join(f"{n} {s}" for s, n in m["replicas"].items()) or "none"
-            row[6:6] = [m.get("priority", 0), reps, ",".join(m.get("aliases") or []) or "-"]
+            # ADAPTERS: each LoRA adapter and how many Ready replicas hold it loaded (`sql 1, law 0`)
+            adapters = ", ".join(f"{n} {len(h)}" for n, h in (m.get("adapters") or {}).items()) or "-"
+            row[6:6] = [m.get("priority", 0), reps, ",".join(m.get("aliases") or []) or "-", adapters]
         rows.append(row)
     return table(cols, rows)
 
@@ -277,6 +279,12 @@ def explain(model: str = typer.Argument(..., metavar="MODEL", help="A model or a
             typer.echo(f"      placed: {line}" if i == 0 else f"      {line}")
         if r["status"] in ReplicaStatus.ended() and (r.get("cause") or r.get("ended_reason") or r.get("failure")):
             typer.echo(f"      ended: {(r.get('cause') or r.get('ended_reason') or r.get('failure')).splitlines()[0][:300]}")
+    if out.get("adapters"):  # (a server before issue 40 sends none)
+        typer.echo("adapters (loaded by demand; each replica unloads its least recently used past max_loras):")
+    for a in out.get("adapters", []):
+        where = ", ".join(h["id"][:8] for h in a["replicas"]) or "no replica (loaded by its next request)"
+        only = f" [tenants {', '.join(a['tenants'])}]" if a.get("tenants") is not None else ""
+        typer.echo(f"  {a['name']}{'@' + a['version'] if a.get('version') else ''}{only}: loaded in {where}")
 
 
 # ---- logs --------------------------------------------------------------------------------------

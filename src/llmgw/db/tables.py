@@ -100,6 +100,17 @@ shards = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+# LoRA adapters each replica holds loaded (0015_h40_lora_adapters): written by the gateway that loaded or
+# unloaded one (gateway/adapters.py), read by every gateway's route refresh.
+replica_adapters = Table(
+    "replica_adapters", metadata,
+    Column("replica_id", Text, ForeignKey("replicas.id", ondelete="CASCADE"), primary_key=True),
+    Column("adapter", Text, primary_key=True),
+    Column("model", Text, nullable=False),
+    Column("loaded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("used_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
 gateway_load = Table(
     "gateway_load", metadata,  # per gateway and model, refreshed every second (0005_gateway_load)
     Column("gateway_id", Text, primary_key=True),

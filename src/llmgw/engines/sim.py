@@ -33,6 +33,8 @@ class SimAdapter(EngineAdapter):
                      "--rendezvous", spec.rendezvous.address, "--token", spec.rendezvous.token]
         if not spec.is_worker:
             argv += ["--port", str(spec.port)]
+        if spec.profile.max_loras:  # adapters loaded at run time, as vLLM's (sim_server.py)
+            argv += ["--max-loras", str(spec.profile.max_loras)]
         # The sim engine is llmgw's own code: it runs the agent's llmgw (the same flags), wherever that is imported from.
         own = {"PYTHONPATH": str(Path(llmgw.__file__).resolve().parents[1])}
         env = launch_env(spec, own | ({"LLMGW_SIM_API_KEY": spec.api_key} if spec.api_key else {}))

@@ -41,6 +41,18 @@ reports `sim:accelerator_memory_bytes` (that, or 0 asleep), `sim:offloaded_memor
 holding its weights asleep at level 1) and `sim:sleep_level` (0 awake), so a test sees the memory released
 while asleep and taken back after, by the same process.
 
+LoRA adapters (issue 40), as vLLM loads them at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; its
+`serving_models.py`): `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` takes `--lora-load-s` seconds and
+answers 200 with vLLM's text (`Success: LoRA adapter 'x' added successfully.`); `POST /v1/unload_lora_adapter
+{"lora_name"}` removes one. Refusals are vLLM's: 400 `InvalidUserInput` without both fields or for a name
+already loaded, 404 `NotFoundError` unloading one it does not hold, in vLLM's envelope
+(`{"error": {"message", "type", "param", "code"}}`). Stricter than vLLM, which keeps any number loaded and
+swaps them through its GPU slots: the sim holds at most `--max-loras` (0, the default: LoRA off, every load
+refused) and refuses one more with 400, so the caller's own eviction is what a test sees. With LoRA on, a
+request's `model` must be the base or a loaded adapter (vLLM's 404 `The model `x` does not exist.`); an
+adapter's answer names it in `model` (as vLLM's do) and in `system_fingerprint` (`lora:NAME`): that is the
+marker tests read; its text is the base's, so token counts stay comparable. `/v1/models` lists adapters with `parent` and `root`.
+
 With a key (`LLMGW_SIM_API_KEY`, which the node worker sets, or `--api-key`), every request without
 `Authorization: Bearer <key>` is refused with 401, `/health` included: the sim engine holds the node's own
 calls to the key as strictly as the gateway's, so a caller that forgets it fails here first.
@@ -77,11 +89,21 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
     return web.json_response(body, status=status)
 
 
+def vllm_error(status: int, message: str, err_type: str) -> web.Response:
+    """vLLM's `ErrorResponse` (`{"error": {message, type, param, code}}`, the code the HTTP status)."""
+    return web.json_response({"error": {"message": message, "type": err_type, "param": None, "code": status}},
+                             status=status)
+
+
 class SimEngine:
     def __init__(self, model: str, tokens_per_second: float, startup_delay: float, rank: int = 0,
                  group: Group | None = None, cache: PrefixCache | None = None, gpu_memory_mb: int = 1024,
-                 sleep_s: float = 0.1, wake_s: float = 0.2):
+                 sleep_s: float = 0.1, wake_s: float = 0.2, max_loras: int = 0, lora_load_s: float = 0.0):
         self.model = model
+        self.max_loras = max_loras
+        self.lora_load_s = lora_load_s
+        self.loras: dict[str, str] = {}  # adapter name -> the path it was loaded from, in load order
+        self._lora_lock = asyncio.Lock()  # one load or unload at a time (so `max_loras` holds)
         self.gpu_memory_bytes = gpu_memory_mb << 20
         self.sleep_s = sleep_s
         self.wake_s = wake_s
@@ -147,6 +169,49 @@ class SimEngine:
     async def is_sleeping(self, request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": bool(self.sleep_level), "level": self.sleep_level, **self.memory()})
 
+    # ---- LoRA adapters (vLLM's runtime calls) ------------------------------------------------------
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return vllm_error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        async with self._lora_lock:
+            if name in self.loras:
+                return vllm_error(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
+            if self.max_loras <= 0:
+                return vllm_error(400, "LoRA is not enabled (start the engine with --max-loras N)", "BadRequestError")
+            if len(self.loras) >= self.max_loras:
+                return vllm_error(400, f"{len(self.loras)} adapters are loaded, max_loras is {self.max_loras}: "
+                                  "unload one first", "BadRequestError")
+            await asyncio.sleep(self.lora_load_s)
+            self.loras[name] = path
+        print(f"sim: loaded LoRA adapter {name!r} from {path!r}", flush=True)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return vllm_error(400, "either 'lora_name' and 'lora_int_id' needs to be provided.", "InvalidUserInput")
+        async with self._lora_lock:
+            if self.loras.pop(name, None) is None:
+                return vllm_error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        print(f"sim: unloaded LoRA adapter {name!r}", flush=True)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _serving(self, body: dict) -> str | web.Response:
+        """The model a request is answered as: the base, or the loaded adapter it names (LoRA on only)."""
+        asked = body.get("model")
+        if self.max_loras <= 0 or asked in (None, self.model):
+            return self.model
+        if isinstance(asked, str) and asked in self.loras:
+            return asked
+        return vllm_error(404, f"The model `{asked}` does not exist.", "NotFoundError")
+
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text: the engine's own token and request counters (as vLLM's `vllm:*_tokens_total`), and
         the memory it holds (sleep mode)."""
@@ -171,7 +236,9 @@ class SimEngine:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": OWNED_BY}]})
+            {"id": self.model, "object": "model", "created": 0, "owned_by": OWNED_BY}] + [
+            {"id": name, "object": "model", "created": 0, "owned_by": OWNED_BY, "root": path, "parent": self.model}
+            for name, path in self.loras.items()]})
 
     async def _body(self, request: web.Request) -> dict | web.Response:
         try:
@@ -234,6 +301,10 @@ class SimEngine:
             return error(503, "the replica's ranks have not all joined yet", code="not_ready")
         if not self.awake.is_set():  # asleep: held until woken, as vLLM's paused scheduler holds it
             await self.awake.wait()
+        serving = self._serving(body)
+        if isinstance(serving, web.Response):
+            return serving
+        marker = {"system_fingerprint": f"lora:{serving}"} if serving != self.model else {}
         start = 0  # where in the alphabet its text begins: a continuation goes on from its prefix
         if chat:
             cont = continuation(body)
@@ -269,8 +340,8 @@ class SimEngine:
                 text = "".join(self.token(start + i) for i in range(n))
                 choices = [{"index": c, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                            if chat else {"index": c, "text": text, "finish_reason": "length"} for c in range(k)]
-                return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
-                                          "choices": choices, "usage": usage})
+                return web.json_response({"id": rid, "object": obj, "created": created, "model": serving,
+                                          **marker, "choices": choices, "usage": usage})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -286,11 +357,12 @@ class SimEngine:
                     choice = {"index": c, "delta": delta, "finish_reason": "length" if last else None}
                 else:
                     choice = {"index": c, "text": self.token(start + i), "finish_reason": "length" if last else None}
-                event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]}
+                event = {"id": rid, "object": chunk_obj, "created": created, "model": serving, **marker,
+                         "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
             if (opts or {}).get("include_usage") is True:
-                event = {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [],
-                         "usage": usage}
+                event = {"id": rid, "object": chunk_obj, "created": created, "model": serving, **marker,
+                         "choices": [], "usage": usage}
                 await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -364,6 +436,8 @@ def make_app(engine: SimEngine, api_key: str | None = None) -> web.Application:
     app.router.add_post("/sleep", engine.sleep)
     app.router.add_post("/wake_up", engine.wake_up)
     app.router.add_get("/is_sleeping", engine.is_sleeping)
+    app.router.add_post("/v1/load_lora_adapter", engine.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", engine.unload_lora_adapter)
     return app
 
 
@@ -383,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wake-s", type=float, default=0.2, help="seconds a POST /wake_up takes")
     p.add_argument("--ignore-sigterm", action="store_true",
                    help="go on serving after SIGTERM, as a wedged engine does: only SIGKILL ends it")
+    p.add_argument("--max-loras", type=int, default=0, help="LoRA adapters held at once (0: LoRA off)")
+    p.add_argument("--lora-load-s", type=float, default=0.0, help="seconds a POST /v1/load_lora_adapter takes")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1, help="shards in the replica (multi-node)")
     p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
@@ -397,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--prefill-tokens-per-second must be 0 or more")
     if args.gpu_memory_mb < 0 or args.sleep_s < 0 or args.wake_s < 0:
         p.error("--gpu-memory-mb, --sleep-s and --wake-s must be 0 or more")
+    if not 0 <= args.max_loras <= 1024 or not 0 <= args.lora_load_s <= 3600:
+        p.error("--max-loras must be from 0 to 1024 and --lora-load-s from 0 to 3600")
     if args.world_size > 1 and not args.rendezvous:
         p.error("--world-size > 1 needs --rendezvous HOST:PORT")
     if args.rank > 0:
@@ -414,7 +492,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await group.start()
     engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group,
                        PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second), args.gpu_memory_mb,
-                       args.sleep_s, args.wake_s)
+                       args.sleep_s, args.wake_s, args.max_loras, args.lora_load_s)
     runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

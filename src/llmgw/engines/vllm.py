@@ -30,6 +30,11 @@ Dev mode also opens `/collective_rpc` and more, and vLLM's key guards only `/v1`
 so a shard launched able to sleep (`ShardSpec.sleep_mode`) also loads `llmgw_vllm_guard.KeyEveryPath`
 (`--middleware`, from `engines/vllm_guard/` put on its `PYTHONPATH`), which refuses every path without the
 engine key. Level 1 (the default) keeps the weights in host memory, so a wake is a copy back, not a load.
+
+LoRA (issue 40): a profile with `max_loras` is launched with `--enable-lora --max-loras N --max-lora-rank R`
+(R: `max_lora_rank`, else vLLM's default 16) and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, which opens
+`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (under `/v1`, so behind the engine key); the
+gateway loads adapters there by demand (gateway/adapters.py).
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ class VllmAdapter(EngineAdapter):
                 "--pipeline-parallel-size", str(p.pp)]
         if multi_node:
             argv += ["--distributed-executor-backend", "ray"]
+        if p.max_loras:
+            argv += ["--enable-lora", "--max-loras", str(p.max_loras), "--max-lora-rank", str(p.lora_rank)]
         if spec.sleep_mode:
             argv += ["--middleware", GUARD]
             if p.gpus_per_shard:  # the CPU build refuses it (see the module's doc)
@@ -112,6 +119,8 @@ class VllmAdapter(EngineAdapter):
         rz = spec.rendezvous
         worker_env = {"VLLM_API_KEY": spec.api_key} if spec.api_key else {}
         worker_env |= self.sleep_env(spec)
+        if spec.profile.max_loras:
+            worker_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if rz is not None:
             worker_env["VLLM_HOST_IP"] = spec.host
         env = launch_env(spec, worker_env)

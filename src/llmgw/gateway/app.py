@@ -27,6 +27,7 @@ from llmgw.config import Settings
 from llmgw.db import status_repo
 from llmgw.http import errors
 from llmgw.gateway.admission import Gates
+from llmgw.gateway.adapters import AdapterLoads
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
 from llmgw.gateway.isolation import Isolation, Salts, salt_secret
@@ -39,7 +40,7 @@ from llmgw.gateway.quotas import Quotas
 from llmgw.gateway.routes import TABLES, RouteTable
 from llmgw.gateway.upstream import Upstream
 from llmgw.placement.model_status import ModelCondition, client_reason
-from llmgw.schemas.catalog import Model
+from llmgw.schemas.catalog import Adapter, Model
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.messages import MessagesDoor
 from llmgw.gateway.responses import ResponsesDoor
@@ -72,6 +73,13 @@ def model_object(m: Model, cond: ModelCondition | None = None, created: int = 0)
     return out
 
 
+def adapter_object(base: Model, adapter: Adapter, created: int = 0) -> dict:
+    """A LoRA adapter as /v1/models lists it: vLLM's card (`parent`: its base model; `root`, the source, is
+    left out: a path on the fleet's nodes)."""
+    return {"id": adapter.name, "object": "model", "created": created,
+            "owned_by": "llmgw-sim" if base.simulated else "llmgw", "parent": base.name}
+
+
 class Gateway:
     """Everything the gateway process holds: route table, keys, limits, proxy, Temporal client, demand."""
 
@@ -86,7 +94,8 @@ class Gateway:
         self.gates = Gates()
         self.routes.on_refresh.append(self.gates.sync)
         self.routes.on_refresh.append(self.quotas.catalog_changed)
-        self.routes.on_refresh.append(lambda catalog: self.metrics.forget({m.name for m in catalog.models}))
+        self.routes.on_refresh.append(lambda catalog: self.metrics.forget(
+            {n for m in catalog.models for n in (m.name, *(a.name for a in m.adapters))}))  # (adapters: labels too)
         self.feed = ChangeFeed(settings.require_database_url(), settings.route_refresh_s)
         self.feed.subscribe("routes", TABLES, self.routes.refresh, partial=True)
         self.routes.ask_refresh = lambda: self.feed.changed("catalog_models")
@@ -103,7 +112,8 @@ class Gateway:
         self.drain.on_drain.append(self.demand.draining.set)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
                            Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,
-                           max_body=settings.max_request_bytes, quotas=self.quotas, isolation=isolation)
+                           max_body=settings.max_request_bytes, quotas=self.quotas, isolation=isolation,
+                           adapters=AdapterLoads(engine, self.upstream, settings.adapter_load_timeout_s))
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -167,12 +177,25 @@ def create_gateway_app(gw: Gateway):
         account = request.scope.get(ACCOUNT)
         models = [m for m in gw.routes.catalog.models if account is None or account.refusing(m) is None]
         conds, times = await listing()
-        return {"object": "list", "data": [model_object(m, conds.get(m.name), times.get(m.name, 0)) for m in models]}
+        tenant = account.tenant if account is not None else None
+        return {"object": "list", "data": [obj for m in models for obj in (
+            model_object(m, conds.get(m.name), times.get(m.name, 0)),
+            *(adapter_object(m, a, times.get(m.name, 0)) for a in m.adapters if a.allows(tenant)))]}
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         route = await gw.routes.lookup(model_id)
         account = request.scope.get(ACCOUNT)
+        found = gw.routes.adapter(model_id) if route is None else None
+        if found is not None:  # a LoRA adapter: its base's access, then its own tenants
+            base, adapter = found
+            refusing = account.refusing(base.model) if account is not None else None
+            if refusing is not None:
+                raise errors.model_not_allowed(base.model.name, refusing.who, refusing.limits.models or [])
+            if not adapter.allows(account.tenant if account is not None else None):
+                raise errors.adapter_not_allowed(adapter.name, account.tenant if account is not None else None)
+            _, times = await listing([base.model.name])
+            return adapter_object(base.model, adapter, times.get(base.model.name, 0))
         if route is None:
             usable = (lambda m: account.refusing(m) is None) if account is not None else None
             raise errors.model_not_found(model_id, gw.routes.similar(model_id, usable))

@@ -67,7 +67,8 @@ from llmgw.gateway.upstream import (
     AnswerTooLarge, ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout,
 )
 from llmgw.http.response_head import EXTENSION as HEAD
-from llmgw.schemas.catalog import GuardPolicy
+from llmgw.gateway.adapters import AdapterLoads
+from llmgw.schemas.catalog import Adapter, GuardPolicy
 from llmgw.security.logtext import printable
 from llmgw.telemetry import GatewayMetrics, trace_route, tracing_enabled
 
@@ -211,15 +212,18 @@ class _Exchange:
 
 class _Leg:
     """The engine answer a request reads now: its response, its endpoint (counted outstanding until booked),
-    the model serving it, and every replica it was sent to. A continued stream moves it to another engine."""
+    the model serving it, every replica it was sent to, and the LoRA adapter it asks for (a continuation
+    asks for it too). A continued stream moves it to another engine."""
 
-    __slots__ = ("resp", "ep", "name", "tried")
+    __slots__ = ("resp", "ep", "name", "tried", "adapter")
 
-    def __init__(self, resp: Response, ep: Endpoint | None, name: str, tried: set[str]):
+    def __init__(self, resp: Response, ep: Endpoint | None, name: str, tried: set[str],
+                 adapter: Adapter | None = None):
         self.resp = resp
         self.ep = ep
         self.name = name
         self.tried = tried
+        self.adapter = adapter
 
 
 class Proxy:
@@ -227,8 +231,9 @@ class Proxy:
 
     def __init__(self, routes: RouteTable, demand: Demand, gates: Gates, balancer: Balancer, upstream: Upstream,
                  metrics: GatewayMetrics, max_body: int = MAX_BODY, quotas: Quotas | None = None,
-                 isolation: Isolation | None = None):
+                 isolation: Isolation | None = None, adapters: AdapterLoads | None = None):
         self.routes = routes
+        self.adapters = adapters or AdapterLoads(None, upstream)
         self.isolation = isolation
         self.quotas = quotas
         self.demand = demand
@@ -262,11 +267,15 @@ class Proxy:
             req = parse_request(path, req_body)
             if door is not None and req.get("stream") is True:
                 x.tr = door.stream()
-            route = self.routes.resolve(req["model"]) or await self.routes.lookup(req["model"])  # (no await when known)
+            route, adapter = self._resolve(req["model"])
+            if route is None:
+                route = await self.routes.lookup(req["model"])  # (no await when known)
             if route is None:
                 usable = (lambda m: account.refusing(m) is None) if account is not None else None
                 raise errors.model_not_found(req["model"], self.routes.similar(req["model"], usable))
-            label = x.label = route.model.name
+            if adapter is not None and not adapter.allows(account.tenant if account is not None else None):
+                raise errors.adapter_not_allowed(adapter.name, account.tenant if account is not None else None)
+            label = x.label = adapter.name if adapter is not None else route.model.name
             chars = prompt_chars(path, req)
             if chars > route.bound.chars:  # before it is queued, counted or loads a model
                 raise errors.prompt_too_long(label, chars, route.bound, prompt_param(path, req))
@@ -276,12 +285,13 @@ class Proxy:
                 await check_media(label, route.model.limits, urls)
             iso = self.isolation.of(account, req) if self.isolation is not None and path != EMBEDDINGS else None
             if account is not None and self.quotas is not None:
-                x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output)
+                x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output,
+                                                           adapter.name if adapter is not None else None)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
             self.metrics.begin(label)
             counted = True
             x.watch(receive)
-            status, ttft = await self._serve(route, path, req, req_body, send, x, started, chars, iso)
+            status, ttft = await self._serve(route, path, req, req_body, send, x, started, chars, iso, adapter)
         except APIError as err:
             status = err.status
             if not x.started:  # an accounted request's answer carries its rate-limit headers, errors too
@@ -319,13 +329,16 @@ class Proxy:
         it, the prompt is within its bound. No engine is asked, and nothing is counted against a budget."""
         try:
             chat = messages.to_chat(messages.decode_request(await read_body(receive, self.max_body)), count_only=True)
-            route = self.routes.resolve(chat["model"]) or await self.routes.lookup(chat["model"])
+            route, adapter = self._resolve(chat["model"])
+            route = route or await self.routes.lookup(chat["model"])
             if route is None:
                 usable = (lambda m: account.refusing(m) is None) if account is not None else None
                 raise errors.model_not_found(chat["model"], self.routes.similar(chat["model"], usable))
             refusing = account.refusing(route.model) if account is not None else None
             if refusing is not None:
                 raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])
+            if adapter is not None and not adapter.allows(account.tenant if account is not None else None):
+                raise errors.adapter_not_allowed(adapter.name, account.tenant if account is not None else None)
             chars = prompt_chars(CHAT, chat)
             if chars > route.bound.chars:
                 raise errors.prompt_too_long(route.model.name, chars, route.bound, prompt_param(CHAT, chat))
@@ -338,9 +351,18 @@ class Proxy:
         except ConnectionResetError:
             pass
 
+    def _resolve(self, name: object) -> tuple[ModelRoute | None, Adapter | None]:
+        """The route a request's `model` names, and the LoRA adapter when it names one (its base's route)."""
+        route = self.routes.resolve(name)  # type: ignore[arg-type]
+        if route is not None or not self.routes.adapters:
+            return route, None
+        found = self.routes.adapter(name)  # type: ignore[arg-type]
+        return found if found is not None else (None, None)
+
     # ---- one request -----------------------------------------------------------------------------
     async def _serve(self, route: ModelRoute, path: str, req: dict, body: bytes, send: Send, x: _Exchange,
-                     started: float, chars: int = 0, iso: Isolated | None = None) -> tuple[int, float | None]:
+                     started: float, chars: int = 0, iso: Isolated | None = None,
+                     adapter: Adapter | None = None) -> tuple[int, float | None]:
         policy = route.model.guard if path in GUARDED else None
         if policy is not None:
             convo = conversation(path, req)  # 400 for a prompt its guard cannot read (token ids)
@@ -359,8 +381,9 @@ class Proxy:
                 return await self._relay_whole(leg.resp, send, x)
             return await self._relay_stream(leg, path, req, send, x, started, iso)
 
-        hold = self._holder(route.model.name, send, x) if req.get("stream") is True and not judged else None
-        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso)
+        held_as = adapter.name if adapter is not None else route.model.name
+        hold = self._holder(held_as, send, x) if req.get("stream") is True and not judged else None
+        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso, adapter)
 
     @staticmethod
     def _holder(name: str, send: Send, x: _Exchange) -> Hold:
@@ -374,12 +397,17 @@ class Proxy:
                         "more_body": True})
         return hold
 
-    def _plan(self, route: ModelRoute, path: str, req: dict, chars: int, meter: Meter | None = None) -> list[ModelRoute]:
+    def _plan(self, route: ModelRoute, path: str, req: dict, chars: int, meter: Meter | None = None,
+              adapter: Adapter | None = None) -> list[ModelRoute]:
         """The models to try in order: the asked one if it has endpoints, then its fallbacks that do, that
         the request's key may use (`models` of its tenant or key) and that take the request as the asked
-        one did (its prompt bound, text only): a fallback had served what it refuses when asked directly."""
-        if route.endpoints and not route.model.fallbacks:
+        one did (its prompt bound, text only): a fallback had served what it refuses when asked directly.
+        An adapter's request has no fallbacks (another model holds no such adapter)."""
+        if route.endpoints and (adapter is not None or not route.model.fallbacks):
             return [route]
+        if adapter is not None:
+            self.demand.ask(route)
+            return []
         if not route.endpoints:
             self.demand.ask(route)  # load it for next time even while a fallback serves
         fallbacks = [r for r in self.routes.fallbacks(route) if r.endpoints and chars <= r.bound.chars
@@ -394,12 +422,14 @@ class Proxy:
 
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
                         consume: Callable[["_Leg"], Awaitable[Any]], hold: Hold | None = None,
-                        meter: Meter | None = None, chars: int = 0, iso: Isolated | None = None) -> Any:
+                        meter: Meter | None = None, chars: int = 0, iso: Isolated | None = None,
+                        adapter: Adapter | None = None) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
         replica the request is held for a load (`hold` is called while it waits). A fallback that serves
-        takes a slot under its own limits (or is passed over when it has none free) and its own use."""
-        plan = self._plan(route, path, req, chars, meter)
+        takes a slot under its own limits (or is passed over when it has none free) and its own use. An
+        adapter's request is held for its base as the base's would be, and counts as the base's use."""
+        plan = self._plan(route, path, req, chars, meter, adapter)
         if not plan:
             plan = [await self.demand.wait(route, hold)]
         name = plan[0].model.name
@@ -415,8 +445,8 @@ class Proxy:
         fallback: list[tuple[str, Gate | None]] = []
         try:
             tried: set[str] = set()
-            resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried)
-            leg = _Leg(resp, ep, served.model.name, tried)
+            resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried, adapter, hold)
+            leg = _Leg(resp, ep, served.model.name, tried, adapter)
             healthy: bool | None = None
             try:
                 result = await consume(leg)
@@ -476,32 +506,49 @@ class Proxy:
 
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
                     meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None,
-                    iso: Isolated | None = None, tried: set[str] | None = None) -> tuple[Response, Endpoint, ModelRoute]:
+                    iso: Isolated | None = None, tried: set[str] | None = None,
+                    adapter: Adapter | None = None, hold: Hold | None = None) -> tuple[Response, Endpoint, ModelRoute]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
         client. Returns an answer with a status below 400, its endpoint counted as outstanding, and the
         model route it came from; `tried` collects the replicas it was sent to (those in it are passed
         over: a stream's continuation, gateway/resume.py). An
         accounted request's `meter.sent` says whether an engine has it (so a client that leaves before the
         answer is still charged its prompt): set as it is sent, cleared when no engine took it. `iso`: what
-        its endpoints are told for cache isolation (gateway/isolation.py), by model and engine."""
+        its endpoints are told for cache isolation (gateway/isolation.py), by model and engine. `adapter`: the
+        LoRA adapter the request names, sent to a replica holding it, loaded into one first when none does
+        (gateway/adapters.py; `hold` is called while it loads, as while a model loads)."""
         loop = asyncio.get_running_loop()
         tried = set() if tried is None else tried
         last: APIError | None = None
+        reloaded = False  # an adapter's replica answered 404 once (it had lost it) and was asked again
         for i, mr in enumerate(plan):
             name = mr.model.name
             if i and fallback is not None and name != plan[0].model.name and not self._take_fallback(name, fallback):
                 last = errors.overloaded(name)
                 continue
-            data = body if req["model"] == name else json.dumps({**req, "model": name}).encode()
+            sent_name = adapter.name if adapter is not None else name
+            data = body if req["model"] == sent_name else json.dumps({**req, "model": sent_name}).encode()
             key = self._prefix_key(mr, path, req, iso) if mr.model.balancing == "prefix" else None
             while True:
-                ep = self.balancer.pick(mr.endpoints, tried, loop.time(), key)
+                candidates = mr.endpoints
+                if adapter is not None:
+                    candidates = self.adapters.holders(mr.endpoints, adapter.name, tried) or mr.endpoints
+                ep = self.balancer.pick(candidates, tried, loop.time(), key)
                 if ep is None:
                     break
+                if adapter is not None:
+                    try:
+                        await self.adapters.ensure(ep, name, adapter, hold)
+                    except APIError as err:
+                        log.warning("%s: %s; trying another", ep.replica_id, err.message)
+                        tried.add(ep.replica_id)
+                        last = err
+                        continue
+                    self.adapters.used(ep, adapter.name)
                 if tracing_enabled() and self.balancer.last is not None:
                     c = self.balancer.last
                     trace_route(name, ep.replica_id, c.policy, c.reason(), len(tried))
-                sent = data if iso is None else iso.body(mr.model, ep.kind, req if data is body else {**req, "model": name}, data)
+                sent = data if iso is None else iso.body(mr.model, ep.kind, req if data is body else {**req, "model": sent_name}, data)
                 if tried:
                     self.metrics.retries.labels(plan[0].model.name).inc()
                 tried.add(ep.replica_id)
@@ -548,6 +595,12 @@ class Proxy:
                 # breaker of a model for everyone. A busy engine (429) is neither: another replica may not be.
                 self._done(ep, False if status in GATEWAY_FAULTS else True if status < 500 and status != 429
                            else None)
+                if adapter is not None and status == 404 and not reloaded:  # it lost the adapter: load it again
+                    log.warning("%s answered 404 for adapter %s; loading it again", ep.replica_id, adapter.name)
+                    self.adapters.forget(ep, adapter.name)
+                    tried.discard(ep.replica_id)
+                    reloaded = True
+                    continue
                 if status not in RETRYABLE:
                     raise err
                 log.warning("%s at %s answered HTTP %d before anything was relayed; trying another",
@@ -693,7 +746,7 @@ class Proxy:
         The engine that broke off is booked as any failed upstream: its breaker counts it, and it is logged."""
         dead = leg.ep
         assert dead is not None
-        label = leg.name
+        label = leg.adapter.name if leg.adapter is not None else leg.name  # (as the request's metrics)
         what = "stalled" if isinstance(exc, UpstreamTimeout) else "broke off"
         leg.ep = None  # booked here, not again by _exchange
         self._done(dead, False)
@@ -720,7 +773,8 @@ class Proxy:
         log.warning("%s at %s %s a stream mid-answer (%s); continuing it on another replica after %d event(s)",
                     dead.replica_id, dead.url, what, exc, splice.events)
         try:
-            resp, ep, _ = await self._open([route], path, body, json.dumps(body).encode(), meter, None, iso, leg.tried)
+            resp, ep, _ = await self._open([route], path, body, json.dumps(body).encode(), meter, None, iso, leg.tried,
+                                           leg.adapter)
         except APIError as err:
             log.warning("the continuation of a stream of %s found no replica: %s", label, err.message)
             self.metrics.stream_resumes.labels(label, "failed").inc()

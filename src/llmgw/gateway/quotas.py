@@ -413,7 +413,8 @@ class Quotas:
 
     # ---- one request -------------------------------------------------------------------------------
     def admit(self, account: Account, model: Model, req: dict, body: bytes,
-              prompt_chars: int = 0, output: OutputBound | None = None) -> tuple[Meter, dict, bytes]:
+              prompt_chars: int = 0, output: OutputBound | None = None,
+              usage_as: str | None = None) -> tuple[Meter, dict, bytes]:
         """Admit one request of `account` for `model` (the catalog model the client named), or raise the
         403/429 `APIError`. Returns its meter and the request to send (asking for usage when it streams).
         Every answer of a key with limits goes through here: a few compares and additions per quota.
@@ -426,7 +427,8 @@ class Quotas:
         `max_completion_tokens`, llama.cpp's `n_predict`, SGLang's `max_new_tokens`) is clamped to the cap,
         and the cap is sent as `max_tokens` when it was not the request's own and the engine would not stop
         there by itself (issue 37): the engine cannot generate past what was reserved. A request whose own
-        caps are within what is left is sent as it came."""
+        caps are within what is left is sent as it came. `usage_as`: the name its usage is recorded under
+        when not the model's (a LoRA adapter's, served by its base `model`: issue 40)."""
         refusing = account._allowed.get(model.name, _UNSEEN)
         if refusing is not None:
             if refusing is _UNSEEN:
@@ -447,7 +449,7 @@ class Quotas:
                 for q in quotas[:i]:
                     q.untake()
                 raise self._refusal(account, quotas[i], now)
-        key = account.row(model.name)
+        key = account.row(usage_as or model.name)
         row = self.pending.get(key)
         if row is None:
             row = self.pending[key] = [0, 0, 0]

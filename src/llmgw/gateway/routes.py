@@ -8,12 +8,15 @@ control worker last recorded them, and only while it has been recording them). A
 are all on Unreachable nodes is named in `unreachable`, so a client is told that rather than "loading".
 Static `endpoints` of a model are routed as they are. Aliases resolve to their model. Never read from
 Temporal. Each replica's engine key (reported by its node) rides in its `Target`, and the upstream client
-sends it with every request.
+sends it with every request. A LoRA adapter's name resolves (`adapter`) to its base's route and the adapter;
+each endpoint carries the adapters its replica holds (`replica_adapters`, read only while the catalog has
+adapters) and its profile's `max_loras` (gateway/adapters.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import difflib
 import hashlib
@@ -24,13 +27,13 @@ from typing import Callable
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.catalog.context import MAX_PROMPT_CHARS, OutputBound, PromptBound, output_bound, prompt_bound, text_only
-from llmgw.db import catalog_repo, fleet_repo
+from llmgw.db import adapters_repo, catalog_repo, fleet_repo
 from llmgw.gateway.isolation import SALTED, engine_class
 from llmgw.gateway.misses import MissCheck
 from llmgw.gateway.resume import continues_chat
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
-from llmgw.schemas.catalog import Catalog, Model, fold_name
+from llmgw.schemas.catalog import Adapter, Catalog, Model, fold_name
 
 log = logging.getLogger(__name__)
 TABLES = {"replicas", "catalog_models", "nodes"}  # what the route table is read from
@@ -60,6 +63,10 @@ class Endpoint:
     failures: int = 0
     open_until: float = 0.0
     trial: bool = False
+    max_loras: int = 0  # adapters its replica may hold at once (its profile's; 0: none)
+    adapters_changed: int = 0  # bumped by each load or unload this gateway makes (gateway/adapters.py)
+    # The LoRA adapters its replica holds, least recently used first (gateway/adapters.py).
+    adapters: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
 
 
 @dataclass
@@ -88,6 +95,7 @@ class RouteTable:
         self.catalog = Catalog()
         self.models: dict[str, ModelRoute] = {}
         self.names: dict[str, str] = {}  # name or alias -> canonical name
+        self.adapters: dict[str, tuple[str, Adapter]] = {}  # adapter name -> (its base model, the adapter)
         self._endpoints: dict[str, Endpoint] = {}
         self.changed = asyncio.Condition()
         self._catalog_memo = catalog_repo.CatalogMemo()  # an unchanged catalog is not parsed again per refresh
@@ -104,6 +112,12 @@ class RouteTable:
     def resolve(self, name: str) -> ModelRoute | None:
         canonical = self.names.get(name)
         return self.models.get(canonical) if canonical else None
+
+    def adapter(self, name: str) -> tuple[ModelRoute, Adapter] | None:
+        """The base model's route and the adapter, for an adapter's name (None: not an adapter)."""
+        found = self.adapters.get(name)
+        route = self.models.get(found[0]) if found is not None else None
+        return (route, found[1]) if route is not None and found is not None else None
 
     async def lookup(self, name: str, wait_s: float = 2.0) -> ModelRoute | None:
         """`resolve`, and on a miss make sure the name is not in the stored catalog by now: a model applied a
@@ -173,17 +187,28 @@ class RouteTable:
         reuse = changed is not None and "catalog_models" not in changed and self._loaded
         self._begun += 1
         number = self._begun
+        # A load or unload this gateway makes while the rows are read is newer than them: that endpoint's
+        # adapters are kept as they are (the next refresh reads the rows it wrote).
+        changes = {rid: ep.adapters_changed for rid, ep in self._endpoints.items()}
         async with self.engine.connect() as conn:
             catalog = self.catalog if reuse else await catalog_repo.get_catalog(conn, self._catalog_memo)
             rows = await fleet_repo.routable_replicas(conn, self.unreachable_after_s)
+            with_adapters = any(m.adapters for m in catalog.models)
+            held = await adapters_repo.held(conn) if with_adapters else []
         # The observers' ages come on every row (with no row there is nothing to judge by them).
         observer_age, pollers_age = (rows[0].observer_age_s, rows[0].pollers_age_s) if rows else (None, None)
         models = {m.name: ModelRoute(m, prompt_bound(m, self.max_prompt_chars), text_only(m)) for m in catalog.models}
         names: dict[str, str] = {}
+        adapters: dict[str, tuple[str, Adapter]] = {}
         for m in catalog.models:
             names[m.name] = m.name
             for a in m.aliases:
                 names.setdefault(a, m.name)
+            for ad in m.adapters:
+                adapters.setdefault(ad.name, (m.name, ad))
+        holding: dict[str, list[str]] = {}
+        for h in held:
+            holding.setdefault(h.replica_id, []).append(h.adapter)
         seen: dict[str, Endpoint] = {}
         for m in catalog.models:
             for i, url in enumerate(m.endpoints):  # static endpoints: engines run elsewhere
@@ -208,9 +233,13 @@ class RouteTable:
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)
+                ep.max_loras = (profile.max_loras or 0) if profile is not None else 0
+                if changes.get(r.replica_id, ep.adapters_changed) == ep.adapters_changed:
+                    _sync_adapters(ep, holding.get(r.replica_id, []))
         if catalog is not self.catalog:
             self._unreadable.clear()
         self.catalog, self.models, self.names, self._endpoints = catalog, models, names, seen
+        self.adapters = adapters
         self._loaded = True
         self.unreachable = {m: sorted(set(ns)) for m, ns in unreachable.items()}
         for hook in self.on_refresh:
@@ -235,3 +264,12 @@ class RouteTable:
                     await asyncio.wait_for(self.changed.wait(), left)
                 except TimeoutError:
                     return self.resolve(name)
+
+
+def _sync_adapters(ep: Endpoint, stored: list[str]) -> None:
+    """`ep`'s adapters as recorded (`stored`, oldest used first): this gateway's order for those it knows,
+    the ones another gateway loaded counted as least recently used here."""
+    known = set(stored)
+    ordered = [n for n in stored if n not in ep.adapters] + [n for n in ep.adapters if n in known]
+    if list(ep.adapters) != ordered:
+        ep.adapters = collections.OrderedDict.fromkeys(ordered)

@@ -190,6 +190,15 @@ def model_not_allowed(name: str, who: str, patterns: list[str]) -> APIError:
                     type="permission_error", param="model", code="model_not_allowed")
 
 
+def adapter_not_allowed(name: str, tenant: str | None) -> APIError:
+    """403: the LoRA adapter `name` is limited to tenants (its catalog `tenants`) and the key's is not one
+    (issue 40). Its list is not said: another tenant's name is not this key's to read."""
+    who = f"tenant `{tenant}`" if tenant is not None else "a key of no tenant"
+    return APIError(403, f"this API key may not use the adapter `{name}`: it is limited to other tenants than "
+                    f"{who} (an operator changes that in the catalog, the adapter's `tenants`)",
+                    type="permission_error", param="model", code="adapter_not_allowed")
+
+
 def rate_limited(message: str, retry_after_s: float, headers: dict[str, str]) -> APIError:
     """429: a tenant's or key's requests or tokens per minute are used up (issue 15)."""
     return APIError(429, message, type="rate_limit_exceeded", code="rate_limit_exceeded",

@@ -207,6 +207,8 @@ class ModelView(_Strict):
     on_request: bool = False  # failing, on demand, nothing asked for it since: its next start waits for a request
     last_failure: str | None = None
     created_at: datetime | None = None
+    # LoRA adapter -> the Ready replicas holding it loaded (issue 40); left out when the model has none.
+    adapters: dict[str, list[str]] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class RetryResult(_Strict):

@@ -20,6 +20,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from llmgw.schemas.tenants import tenant_name_problem
+
 EngineName = Literal["vllm", "sglang", "llamacpp", "sim"]
 ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "sim")
 
@@ -40,6 +42,11 @@ MAX_FALLBACKS = 16
 MAX_REPLICAS = 4096  # scaling.min/max; no fleet runs more replicas of one model
 MAX_DURATION_S = 366 * 86400.0  # a year: longer is a typo (or infinity), and timers overflow
 MAX_COUNT = 1_000_000  # requests in flight, queued, concurrent
+MAX_ADAPTERS = 256  # LoRA adapters under one base model (a model's JSON is read on every route refresh)
+MAX_LORAS = 256  # adapters one replica holds at once (`max_loras`): vLLM keeps each in GPU memory
+MAX_LORA_RANK = 1024  # vLLM's largest supported rank is 512; more is a typo
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's default `--max-lora-rank`
+LORA_ENGINES: tuple[str, ...] = ("vllm", "sim")  # engines that load adapters at run time (engines/)
 
 
 def name_problem(v: object, what: str = "model name") -> str | None:
@@ -224,6 +231,11 @@ class Profile(_Strict):
     args: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
     env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV)
     start_timeout: float | None = Field(None, gt=0, le=MAX_DURATION_S)
+    # LoRA (issue 40): adapters one replica holds at once and the largest rank it takes (vLLM's `--max-loras`,
+    # `--max-lora-rank`; the sim engine's `--max-loras`). Left out of the JSON when unset (spec hash, older
+    # workers), as `device`.
+    max_loras: int | None = Field(None, ge=1, le=MAX_LORAS, exclude_if=lambda v: v is None)
+    max_lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK, exclude_if=lambda v: v is None)
 
     @field_validator("start_timeout", mode="before")
     @classmethod
@@ -269,6 +281,21 @@ class Profile(_Strict):
     @property
     def simulated(self) -> bool:
         return self.engine == "sim"
+
+    @property
+    def lora_rank(self) -> int:
+        """The largest adapter rank a replica of this profile loads (`max_lora_rank`, else vLLM's default)."""
+        return self.max_lora_rank or DEFAULT_MAX_LORA_RANK
+
+    def lora_refusal(self) -> str | None:
+        """Why a replica of this profile cannot load adapters at run time, saying what to write (None: it can)."""
+        if self.engine not in LORA_ENGINES:
+            what = ("llama.cpp takes adapters only at launch (`--lora`), which llmgw does not do yet"
+                    if self.engine == "llamacpp" else f"{self.engine}'s adapter calls are not supported by llmgw yet")
+            return f"engine {self.engine} cannot load adapters at run time ({what}); use a vllm or sim profile"
+        if self.max_loras is None:
+            return "it sets no `max_loras`; write `max_loras: N` (adapters one replica holds at once, e.g. 4)"
+        return None
 
     def sleep_refusal(self) -> str | None:
         """Why a replica of this profile cannot sleep (None: it can). Sleeping keeps the engine's process and
@@ -416,6 +443,52 @@ class GuardPolicy(_Strict):
     check: list[Literal["request", "response"]] = Field(default_factory=lambda: ["request"], min_length=1)
 
 
+class Adapter(_Strict):
+    """A LoRA adapter served under its base model (issue 40): clients send its `name` as `model`.
+
+    - `name`: the model-name rules; unique among every model, alias and adapter (folded as model names).
+    - `source`: what the engine loads (vLLM's `lora_path`): a path on the node or a repository id, passed
+      untouched (the mirror does not take adapters yet).
+    - `version`: a label for the operator (shown by `ctl`); changing it is a catalog change.
+    - `rank`: the adapter's LoRA rank, checked against each profile's `max_lora_rank` (unset: not checked).
+    - `tenants`: the tenants whose keys may use it (unset: every key that may use the base model).
+    """
+
+    name: str
+    source: str = Field(min_length=1, max_length=4096)
+    version: str | None = Field(None, min_length=1, max_length=128, exclude_if=lambda v: v is None)
+    rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK, exclude_if=lambda v: v is None)
+    tenants: list[str] | None = Field(None, max_length=1024, exclude_if=lambda v: v is None)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        problem = name_problem(v, "adapter name")
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("source", "version")
+    @classmethod
+    def _plain(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or any(unicodedata.category(c).startswith("C") for c in v)):
+            raise ValueError(f"{v[:60]!r} is not allowed: write it without control characters (newlines, escapes)")
+        return v
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenants(cls, v: list[str] | None) -> list[str] | None:
+        for i, t in enumerate(v or []):
+            problem = tenant_name_problem(t)
+            if problem:
+                raise ValueError(f"tenants[{i}]: {problem}")
+        return v
+
+    def allows(self, tenant: str | None) -> bool:
+        """Whether a key of `tenant` (None: a key of no tenant) may use this adapter."""
+        return self.tenants is None or (tenant is not None and tenant in self.tenants)
+
+
 class Model(_Strict):
     """A catalog entry. `profiles` say how to run it; `endpoints` instead route to engines run elsewhere.
 
@@ -442,6 +515,8 @@ class Model(_Strict):
     # Left out of the model's JSON when unset: a 0.1.0 gateway or worker reading the catalog refuses fields it
     # does not know, so a catalog that never sets it reads there as before.
     routing: Routing | None = Field(None, exclude_if=lambda v: v is None)
+    # LoRA adapters served on this model's replicas (issue 40); left out of the JSON when empty, as `routing`.
+    adapters: list[Adapter] = Field(default_factory=list, max_length=MAX_ADAPTERS, exclude_if=lambda v: not v)
 
     @field_validator("name")
     @classmethod
@@ -496,6 +571,9 @@ class Model(_Strict):
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
+
+    def adapter(self, name: str) -> Adapter | None:
+        return next((a for a in self.adapters if a.name == name), None)
 
 
 _DEFAULT_RESUME = StreamResume()

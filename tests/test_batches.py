@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from llmgw.dev.procs import stop_process, wait_port
+from llmgw.security.batch_token import batch_secret, batch_token
 from tests.helpers import ControlPlane, wait_until
 from tests.test_tenants import Sim, create_key, create_tenant, usage_rows
 
@@ -37,7 +38,9 @@ async def plane(tmp_path_factory, module_database_url, temporal):
         for s in (sim, slow):
             wait_port(s.port, 30, s.proc, "sim engine")
         await asyncio.to_thread(cp.start)
-        r = cp.apply({"models": [{"name": "sim", "endpoints": [sim.url]}, {"name": "slow", "endpoints": [slow.url]}]})
+        r = cp.apply({"models": [{"name": "sim", "endpoints": [sim.url]}, {"name": "slow", "endpoints": [slow.url]},
+                                 {"name": "narrow", "endpoints": [slow.url],
+                                  "limits": {"max_concurrency": 1, "max_queue": 10}}]})
         assert r.status_code == 200, r.text
         create_tenant(cp, "alpha")
         create_tenant(cp, "beta")
@@ -200,6 +203,31 @@ async def test_a_cancelled_batch_keeps_what_it_finished(plane):
     assert 8 <= len(out) < 80 and len(out) + len(err) == 80
     assert {ln["error"]["code"] for ln in err} == {"batch_cancelled"}
     assert sorted(ln["custom_id"] for ln in out + err) == sorted(f"c-{i}" for i in range(80))
+
+
+async def test_a_batch_request_waits_behind_interactive_ones(plane):
+    """On a saturated model (one slot) a batch's request that queued first is served after an interactive
+    request that queued later: the batch band. A batch token that does not verify is a 401."""
+    token = batch_token(batch_secret(None, plane.db), "batch_probe", "")
+    done: list[str] = []
+
+    async def post(http: httpx.AsyncClient, name: str, auth: str, tokens: int) -> None:
+        r = await http.post(plane.gateway + "/v1/chat/completions", headers={"authorization": f"Bearer {auth}"},
+                            json={"model": "narrow", "max_tokens": tokens, "messages": [{"role": "user", "content": name}]})
+        assert r.status_code == 200, r.text
+        done.append(name)
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        holder = asyncio.create_task(post(http, "holder", plane.alpha, 40))  # about 1 s on its slot
+        await asyncio.sleep(0.3)
+        batch = asyncio.create_task(post(http, "batch", token, 4))
+        await asyncio.sleep(0.3)
+        later = asyncio.create_task(post(http, "interactive", plane.alpha, 4))
+        await asyncio.gather(holder, batch, later)
+        assert done == ["holder", "interactive", "batch"], done
+        r = await http.post(plane.gateway + "/v1/chat/completions", headers={"authorization": f"Bearer {token}x"},
+                            json={"model": "narrow", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 401
 
 
 async def test_a_batch_survives_its_worker_and_gateway_killed(plane):

@@ -32,7 +32,8 @@ async def plane(tmp_path_factory, module_database_url, temporal):
     namespace = temporal.free_namespaces.pop(0)
     cp = ControlPlane(tmp_path_factory.mktemp("batches"), module_database_url, temporal.address,
                       LLMGW_TEMPORAL_NAMESPACE=namespace, LLMGW_ROUTE_REFRESH_S="0.5",
-                      LLMGW_BATCH_MAX_FILE_BYTES=str(MAX_FILE_BYTES), LLMGW_BATCH_MAX_LINES="1000")
+                      LLMGW_BATCH_MAX_FILE_BYTES=str(MAX_FILE_BYTES), LLMGW_BATCH_MAX_LINES="1000",
+                      LLMGW_BATCH_PARALLEL="16")
     cp.env["LLMGW_BATCH_GATEWAY_URL"] = cp.gateway
     try:
         for s in (sim, slow):
@@ -157,6 +158,9 @@ async def test_a_file_over_the_limit_is_refused_before_it_is_read(plane):
     with pytest.raises(openai.APIStatusError) as e:
         await gpt.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES * 2)), purpose="batch")
     assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:  # the module's batch_max_lines is 1000
+        await gpt.files.create(file=("many.jsonl", b"{}\n" * 1001), purpose="batch")
+    assert e.value.body["param"] == "file" and "at most 1000 lines" in e.value.body["message"]  # type: ignore[index]
 
     def chunks():
         for _ in range(64):

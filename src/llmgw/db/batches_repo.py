@@ -98,7 +98,8 @@ async def list_files(conn: AsyncConnection, owner: str, purpose: str | None, aft
     if purpose:
         q = q.where(batch_files.c.purpose == purpose)
     if after:
-        mark = select(batch_files.c.created_at).where(batch_files.c.id == after).scalar_subquery()
+        mark = select(batch_files.c.created_at).where(batch_files.c.id == after,
+                                                      batch_files.c.owner == owner).scalar_subquery()
         q = q.where((batch_files.c.created_at, batch_files.c.id) < (mark, after))
     q = q.order_by(batch_files.c.created_at.desc(), batch_files.c.id.desc()).limit(limit)
     return [FileRow(*r) for r in (await conn.execute(q)).all()]
@@ -153,7 +154,7 @@ async def list_batches(conn: AsyncConnection, owner: str, after: str | None, lim
     """An owner's batches, newest first; `after`: those listed after that id."""
     q = _batch_query().where(batches.c.owner == owner)
     if after:
-        mark = select(batches.c.created_at).where(batches.c.id == after).scalar_subquery()
+        mark = select(batches.c.created_at).where(batches.c.id == after, batches.c.owner == owner).scalar_subquery()
         q = q.where((batches.c.created_at, batches.c.id) < (mark, after))
     q = q.order_by(batches.c.created_at.desc(), batches.c.id.desc()).limit(limit)
     return [_batch(r) for r in (await conn.execute(q)).all()]

@@ -26,7 +26,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from llmgw.db import batches_repo
 from llmgw.gateway.openai_api import read_body
-from llmgw.http import errors
+from llmgw.http import errors, jsonbody
 from llmgw.http.errors import APIError
 from llmgw.schemas.batches import (
     COMPLETION_WINDOWS, ENDPOINTS, LIST_LIMIT_MAX, MAX_FILENAME, MAX_METADATA_KEY, MAX_METADATA_PAIRS,
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 OWNER = "llmgw.owner"  # the scope key carrying (owner, key id, tenant) to these routes
 MULTIPART_SLACK = 64 << 10  # a multipart body's envelope beside the file: boundaries, part headers, `purpose`
+MAX_CREATE_BYTES = 64 << 10  # a `POST /v1/batches` body: ids, a window and metadata
 _BEARER = b"bearer " + batch_token.PREFIX.encode()
 
 
@@ -209,7 +210,10 @@ def files_and_batches(gw: "Gateway") -> APIRouter:
     @router.post("/v1/batches")
     async def create_batch(request: Request):
         owner, key_id, tenant = who(request)
-        req = await request.json() if request.headers.get("content-length") != "0" else None
+        try:
+            req = jsonbody.decode(await read_body(request.receive, MAX_CREATE_BYTES))
+        except jsonbody.JSONRefused as exc:
+            raise errors.bad_request(str(exc), None) from None
         if not isinstance(req, dict):
             raise errors.bad_request("the body must be a JSON object", None)
         endpoint, window, file_id = req.get("endpoint"), req.get("completion_window"), req.get("input_file_id")

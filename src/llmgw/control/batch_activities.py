@@ -8,7 +8,7 @@ process: the admission that matters (a model's `max_concurrency` slots, the fair
 own memory; a control worker calling the proxy's code would have slots of its own, outside the gateways'.
 
 Each answer is committed with its usage in one transaction keyed by (batch id, custom id)
-(db/batches_repo.py `record_result`): a request whose answer is committed is never sent again; one whose
+(db/batches_repo.py `record_results`; the answers of the last `COMMIT_S` together): a request whose answer is committed is never sent again; one whose
 answer was lost to a restart (of this worker, or of the gateway) is sent again; usage is added only when the
 answer's row is new, so it is counted once. The gateway counts nothing for a batch's request.
 
@@ -40,8 +40,9 @@ from llmgw.security.batch_token import batch_secret, batch_token
 
 log = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
-RETRY_MAX_S = 10.0
+RETRY_MAX_S = 5.0
 CHECK_S = 1.0  # how often a round reads the batch's status (cancelled?) and window
+COMMIT_S = 0.05  # answers that arrive within this long are committed in one transaction
 MAX_ERROR_TEXT = 2000
 _ENDED = {"completed": BatchStatus.COMPLETED, "expired": BatchStatus.EXPIRED, "cancelled": BatchStatus.CANCELLED,
           "failed": BatchStatus.FAILED}
@@ -71,6 +72,34 @@ def _usage(body: dict) -> tuple[int, int]:
                 return v
         return 0
     return n("prompt_tokens", "input_tokens"), n("completion_tokens", "output_tokens")
+
+
+class _Committer:
+    """Commits a round's answers in groups: each `add` joins the transaction that starts `COMMIT_S` after the
+    first answer not yet committed (one transaction for about `batch_parallel` answers, not one each). An
+    answer lost with its process before its commit is sent again; `done()` waits for every commit and
+    raises what failed, which fails the round (it is retried)."""
+
+    def __init__(self, engine: AsyncEngine, batch: batches_repo.BatchRow):
+        self.engine = engine
+        self.batch = batch
+        self.pending: list[batches_repo.Answer] = []
+        self.flushes: list[asyncio.Task] = []
+        self.answered = 0
+
+    def add(self, answer: batches_repo.Answer) -> None:
+        self.pending.append(answer)
+        if len(self.pending) == 1:
+            self.flushes.append(asyncio.create_task(self._flush()))
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(COMMIT_S)
+        answers, self.pending = self.pending, []
+        async with self.engine.begin() as conn:
+            self.answered += await batches_repo.record_results(conn, self.batch, answers)
+
+    async def done(self) -> None:
+        await asyncio.gather(*self.flushes)
 
 
 class BatchActivities:
@@ -112,7 +141,7 @@ class BatchActivities:
                                    "alike on the gateways and the control workers", non_retryable=True)
         pending = [line for line in lines if line.custom_id not in done]
         todo = pending[:inp.limit]
-        answered = 0
+        commits = _Committer(self.engine, batch)
         stop_reason: list[str] = []
         queue: asyncio.Queue[BatchLine] = asyncio.Queue()
         for line in todo:
@@ -123,7 +152,7 @@ class BatchActivities:
         async def watch() -> None:
             """Read the batch's status and window every `CHECK_S`; heartbeat the progress."""
             while not stop_reason:
-                activity.heartbeat(answered)
+                activity.heartbeat(commits.answered)
                 await asyncio.sleep(CHECK_S)
                 async with self.engine.connect() as c:
                     st = await batches_repo.batch_state(c, batch.id)
@@ -131,7 +160,6 @@ class BatchActivities:
                     stop_reason.append(why)
 
         async def send(http: httpx.AsyncClient, line: BatchLine) -> None:
-            nonlocal answered
             delay = 0.5
             while not stop_reason:
                 try:
@@ -143,12 +171,11 @@ class BatchActivities:
                 if resp is not None and resp.status_code not in RETRY_STATUSES:
                     body = _answer_body(resp)
                     prompt, completion = _usage(body)
-                    async with self.engine.begin() as c:
-                        new = await batches_repo.record_result(
-                            c, batch, line.custom_id, line.line, resp.status_code,
-                            {"request_id": resp.headers.get("x-request-id", ""), "body": body},
-                            line.body.get("model"), prompt, completion)
-                    answered += new
+                    model = line.body.get("model")
+                    commits.add(batches_repo.Answer(
+                        line.custom_id, line.line, resp.status_code,
+                        {"request_id": resp.headers.get("x-request-id", ""), "body": body},
+                        model if isinstance(model, str) else None, prompt, completion))
                     return
                 wait = delay
                 if resp is not None and (ra := resp.headers.get("retry-after", "")).isdigit():
@@ -169,12 +196,15 @@ class BatchActivities:
             timeout = httpx.Timeout(self.settings.upstream_timeout_s + self.settings.load_wait_s, connect=5.0)
             async with httpx.AsyncClient(timeout=timeout) as http:
                 await asyncio.gather(*(worker(http) for _ in range(min(self.settings.batch_parallel, len(todo)))))
+            await commits.done()
         finally:
             watcher.cancel()
+        log.info("batch %s: a round answered %d of %d requests%s", batch.id, commits.answered, len(todo),
+                 f" ({stop_reason[0]})" if stop_reason else "")
         if stop_reason:
-            return RunBatchResult(ended=True, reason=stop_reason[0], answered=answered)
+            return RunBatchResult(ended=True, reason=stop_reason[0], answered=commits.answered)
         left = len(pending) - len(todo)
-        return RunBatchResult(ended=left == 0 and queue.empty(), reason="completed", answered=answered)
+        return RunBatchResult(ended=left == 0 and queue.empty(), reason="completed", answered=commits.answered)
 
     @staticmethod
     def _stopped(status: BatchStatus, expired: bool) -> str | None:

@@ -182,20 +182,42 @@ async def answered(conn: AsyncConnection, batch_id: str) -> set[str]:
     return set((await conn.execute(q)).scalars())
 
 
-async def record_result(conn: AsyncConnection, batch: BatchRow, custom_id: str, line: int, status_code: int,
-                        body: dict, model: str | None, prompt_tokens: int, completion_tokens: int) -> bool:
-    """Commit one request's answer and, only if it was not committed before, its usage under the batch's
-    tenant and key (model: the one the request named), in the caller's transaction. False: an answer was
-    already there (another attempt committed it first): nothing is added."""
-    stmt = pg_insert(batch_results).values(batch_id=batch.id, custom_id=custom_id, line=line,
-                                           status_code=status_code, body=body)
+@dataclass(frozen=True)
+class Answer:
+    """One request's answer, to record: its line, status and body (`{"request_id", "body"}`), and the usage
+    to count under `model` (the name its line gave) when it is new."""
+
+    custom_id: str
+    line: int
+    status_code: int
+    body: dict
+    model: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+async def record_results(conn: AsyncConnection, batch: BatchRow, answers: list[Answer]) -> int:
+    """Commit answers and, for those not committed before, their usage under the batch's tenant and key
+    (2xx answers only: a request no engine took is charged nothing), in the caller's transaction. Returns
+    how many were new; an answer already there (another attempt committed it first) adds nothing."""
+    if not answers:
+        return 0
+    stmt = pg_insert(batch_results).values([
+        {"batch_id": batch.id, "custom_id": a.custom_id, "line": a.line, "status_code": a.status_code, "body": a.body}
+        for a in answers])
     r = await conn.execute(stmt.on_conflict_do_nothing(index_elements=["batch_id", "custom_id"])
                            .returning(batch_results.c.custom_id))
-    if r.first() is None:
-        return False
-    if model is not None and 200 <= status_code < 300:
-        await usage_repo.add_now(conn, {(batch.tenant, batch.key_id, model): [1, prompt_tokens, completion_tokens]})
-    return True
+    new = set(r.scalars())
+    rows: dict[usage_repo.RowKey, list[int]] = {}
+    for a in answers:
+        if a.custom_id in new and a.model is not None and 200 <= a.status_code < 300:
+            acc = rows.setdefault((batch.tenant, batch.key_id, a.model), [0, 0, 0])
+            acc[0] += 1
+            acc[1] += a.prompt_tokens
+            acc[2] += a.completion_tokens
+    if rows:
+        await usage_repo.add_now(conn, rows)
+    return len(new)
 
 
 async def results(conn: AsyncConnection, batch_id: str) -> list[ResultRow]:

@@ -28,7 +28,7 @@ MAX_FILE_BYTES = 256 << 10  # the module's batch_max_file_bytes: a file over it 
 async def plane(tmp_path_factory, module_database_url, temporal):
     """The control plane; `.alpha` and `.beta` keys of two tenants, `.sim` the sim engine."""
     sim = Sim("sim")
-    slow = Sim("slow", tokens_per_second=40)  # a request of 16 tokens takes about 0.4 s
+    slow = Sim("slow", tokens_per_second=40)  # a request of 16 tokens takes about 0.4 s (models slow, narrow, four)
     namespace = temporal.free_namespaces.pop(0)
     cp = ControlPlane(tmp_path_factory.mktemp("batches"), module_database_url, temporal.address,
                       LLMGW_TEMPORAL_NAMESPACE=namespace, LLMGW_ROUTE_REFRESH_S="0.5",
@@ -41,7 +41,10 @@ async def plane(tmp_path_factory, module_database_url, temporal):
         await asyncio.to_thread(cp.start)
         r = cp.apply({"models": [{"name": "sim", "endpoints": [sim.url]}, {"name": "slow", "endpoints": [slow.url]},
                                  {"name": "narrow", "endpoints": [slow.url],
-                                  "limits": {"max_concurrency": 1, "max_queue": 10}}]})
+                                  "limits": {"max_concurrency": 1, "max_queue": 10}},
+                                 # 4 at a time: a batch of it runs for seconds, so a test can act mid-run
+                                 {"name": "four", "endpoints": [slow.url],
+                                  "limits": {"max_concurrency": 4, "max_queue": 64}}]})
         assert r.status_code == 200, r.text
         create_tenant(cp, "alpha")
         create_tenant(cp, "beta")
@@ -194,7 +197,7 @@ async def test_a_cancelled_batch_keeps_what_it_finished(plane):
     """Cancel mid-run: `cancelled`, the answered requests in the output file, the rest in the error file
     as `batch_cancelled`; every line in exactly one of them."""
     gpt = client(plane, plane.alpha)
-    f = await gpt.files.create(file=("slow.jsonl", jsonl(80, model="slow", prefix="c")), purpose="batch")
+    f = await gpt.files.create(file=("slow.jsonl", jsonl(80, model="four", prefix="c")), purpose="batch")
     batch = await gpt.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     await asyncio.to_thread(wait_until, lambda: batch_rows(plane, batch.id) >= 8, timeout_s=30,
                             what="some answers")
@@ -239,9 +242,9 @@ async def test_a_batch_survives_its_worker_and_gateway_killed(plane):
     exactly once (one output line and one committed answer each), and the tenant's usage counted once:
     exactly the requests and tokens of the output file, however many the engine served twice."""
     gpt = client(plane, plane.beta)
-    before = tenant_usage(plane, "beta", "slow")
+    before = tenant_usage(plane, "beta", "four")
     served_before = plane.slow.counters().get("sim:requests_total", 0)
-    f = await gpt.files.create(file=("faults.jsonl", jsonl(60, model="slow", prefix="k")), purpose="batch")
+    f = await gpt.files.create(file=("faults.jsonl", jsonl(60, model="four", prefix="k")), purpose="batch")
     batch = await gpt.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     await asyncio.to_thread(wait_until, lambda: batch_rows(plane, batch.id) >= 10, timeout_s=30,
                             what="the first answers")
@@ -259,7 +262,7 @@ async def test_a_batch_survives_its_worker_and_gateway_killed(plane):
     assert batch_rows(plane, batch.id) == 60
     prompt = sum(ln["response"]["body"]["usage"]["prompt_tokens"] for ln in lines)
     completion = sum(ln["response"]["body"]["usage"]["completion_tokens"] for ln in lines)
-    after = tenant_usage(plane, "beta", "slow")
+    after = tenant_usage(plane, "beta", "four")
     assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (60, prompt, completion)
     served = plane.slow.counters().get("sim:requests_total", 0) - served_before
     assert served >= 60  # (more when a request in flight at the kill was sent again: it is not billed twice)

@@ -199,8 +199,8 @@ class BatchActivities:
             await commits.done()
         finally:
             watcher.cancel()
-        log.info("batch %s: a round answered %d of %d requests%s", batch.id, commits.answered, len(todo),
-                 f" ({stop_reason[0]})" if stop_reason else "")
+        log.info("batch %s: a round (attempt %d) answered %d of %d requests%s", batch.id, activity.info().attempt,
+                 commits.answered, len(todo), f" ({stop_reason[0]})" if stop_reason else "")
         if stop_reason:
             return RunBatchResult(ended=True, reason=stop_reason[0], answered=commits.answered)
         left = len(pending) - len(todo)

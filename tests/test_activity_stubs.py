@@ -31,6 +31,7 @@ from llmgw.node.activities import NodeActivities
 from llmgw.schemas.payloads import (
     DrainShardInput, DrainShardResult, RecordReplicaFailureInput, ResetModelFailuresInput, WaitShardReadyInput,
 )
+from llmgw.control.batch_activities import BatchActivities
 from llmgw.workflows import activities as stubs
 
 WORKFLOWS = Path(__file__).resolve().parent.parent / "src" / "llmgw" / "workflows"
@@ -43,7 +44,7 @@ def _registered() -> dict[str, list]:
     control = ControlActivities(None, 30.0, 60.0)  # type: ignore[arg-type]
     decide = DecideActivities(None, control.settings, control.read_snapshot)  # type: ignore[arg-type]
     return {
-        "control": control_worker.activities(control, decide),
+        "control": control_worker.activities(control, decide, BatchActivities(None, control.settings)),  # type: ignore[arg-type]
         "node": NodeActivities(None).all(),  # type: ignore[arg-type]  (node/agent.py registers this list)
         "mirror": MirrorActivities(None, None, None).all(),  # type: ignore[arg-type]  (mirror/worker.py)
     }

@@ -240,6 +240,15 @@ class Settings(BaseSettings):
     # they connect with different credentials, so a tenant's salt is the same on each.
     cache_salt_secret: str | None = None
 
+    # Files and batches (issue 41; gateway/batches.py, control/batch_activities.py). A batch file is at most
+    # `batch_max_file_bytes` and `batch_max_lines` requests (under OpenAI's 200 MB and 50,000; the body also
+    # passes the listener's `max_request_bytes`). A batch's requests go to the gateway at `batch_gateway_url`
+    # (default: this host's `gateway_port`), `batch_parallel` at a time per batch.
+    batch_max_file_bytes: int = Field(32 << 20, ge=1024, le=1 << 30)
+    batch_max_lines: int = Field(50_000, ge=1, le=1_000_000)
+    batch_gateway_url: str | None = None
+    batch_parallel: int = Field(8, ge=1, le=256)
+
     # Weight fetches, on nodes and by the mirror (weights/download.py): at least `fetch_stall_bytes` every
     # `fetch_stall_s`, one attempt at one file within `fetch_deadline_s`, at most `fetch_max_bytes` per file.
     fetch_stall_s: float = 60.0
@@ -312,6 +321,10 @@ class Settings(BaseSettings):
     @property
     def resolved_admin_url(self) -> str:
         return self.admin_url or f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def resolved_batch_gateway_url(self) -> str:
+        return (self.batch_gateway_url or f"http://127.0.0.1:{self.gateway_port}").rstrip("/")
 
     @property
     def resolved_mirror_url(self) -> str:

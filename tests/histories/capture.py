@@ -13,6 +13,9 @@ activity, `start_shard` (issue 13); `v5` from code whose settle of a failed repl
 the same activity (patch `settle-counts-failure`); `v6` holds one history from the workflow-level test
 `tests/test_start_workflow.py::test_a_start_that_finds_its_replica_draining_leaves_the_engine_to_the_drain`
 (stand-in activities; patch `drain-owns-the-engine`), a path no scenario here reaches on purpose.
+`v7` holds the two runs (one continue-as-new) of a `BatchWorkflow` from
+`tests/test_batches_units.py::test_the_workflow_runs_rounds_then_finishes_with_their_reason` (stand-in
+activities; `LLMGW_HISTORIES_OUT=tests/histories/v7` when running it writes them).
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history

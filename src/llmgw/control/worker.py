@@ -20,6 +20,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from llmgw.control.activities import ControlActivities
+from llmgw.control.batch_activities import BatchActivities
 from llmgw.control.decide import DecideActivities
 from llmgw.config import Settings
 from llmgw.db.engine import async_engine
@@ -27,6 +28,7 @@ from llmgw.schemas.payloads import ReconcilerInput
 from llmgw.telemetry import ControlMetrics
 from llmgw.temporal import SearchAttributeCheck, connect, workflow_runner
 from llmgw.workflows import attributes
+from llmgw.workflows.batch import BatchWorkflow
 from llmgw.workflows.logs import ShardLogWorkflow
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.workflows.ids import RECONCILER_ID
@@ -38,7 +40,7 @@ from llmgw.workflows.sleep import ReplicaSleepWorkflow, ReplicaWakeWorkflow
 
 log = logging.getLogger(__name__)
 WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, ShardLogWorkflow,
-             RolloutWorkflow, ReplicaSleepWorkflow, ReplicaWakeWorkflow]
+             RolloutWorkflow, ReplicaSleepWorkflow, ReplicaWakeWorkflow, BatchWorkflow]
 __all__ = ["WORKFLOWS", "ensure_reconciler", "run_control_worker", "watch_reconciler", "workflow_runner"]
 
 
@@ -126,10 +128,10 @@ async def watch_reconciler(client: Client, every_s: float, stop: asyncio.Event,
             pass
 
 
-def activities(acts: ControlActivities, decide: DecideActivities) -> list:
+def activities(acts: ControlActivities, decide: DecideActivities, batches: BatchActivities | None = None) -> list:
     """Every activity the control worker registers: one implementation of each control stub in
     `llmgw.workflows.activities.CONTROL` (tests/test_activity_stubs.py)."""
-    return acts.all() + decide.all()
+    return acts.all() + decide.all() + (batches.all() if batches is not None else [])
 
 
 def origin_interceptors(settings: Settings) -> list:
@@ -163,7 +165,7 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
                              backoff_base_s=settings.start_backoff_base_s, backoff_max_s=settings.start_backoff_max_s,
                              drain_timeout_s=settings.replica_drain_timeout_s)
     decide = DecideActivities(engine, settings, acts.read_snapshot, metrics, client=client)
-    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=activities(acts, decide),
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=activities(acts, decide, BatchActivities(engine, settings)),
                     workflow_runner=workflow_runner(), interceptors=origin_interceptors(settings))
     try:
         async with worker:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import (
-    BigInteger, Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, Text, func,
+    BigInteger, Column, DateTime, Float, ForeignKey, Integer, LargeBinary, MetaData, String, Table, Text, func,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
@@ -100,7 +100,7 @@ shards = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
-# LoRA adapters each replica holds loaded (0015_h40_lora_adapters): written by the gateway that loaded or
+# LoRA adapters each replica holds loaded (0015_lora_adapters): written by the gateway that loaded or
 # unloaded one (gateway/adapters.py), read by every gateway's route refresh.
 replica_adapters = Table(
     "replica_adapters", metadata,
@@ -210,4 +210,55 @@ node_cert_revocations = Table(
     Column("issued_before", DateTime(timezone=True)),
     Column("reason", Text, nullable=False, server_default=""),
     Column("revoked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Files and batches (issue 41, 0016_batches; db/batches_repo.py). `owner` is who may read a file or a
+# batch: `tenant:<name>`, `key:<id>` for a key of no tenant, `-` without a key (gateway/batches.py).
+batch_files = Table(
+    "batch_files", metadata,
+    Column("id", Text, primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("filename", Text, nullable=False),
+    Column("purpose", Text, nullable=False),  # batch (uploaded), batch_output (written by a batch)
+    Column("bytes", BigInteger, nullable=False),
+    Column("content", LargeBinary, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+batches = Table(
+    "batches", metadata,
+    Column("id", Text, primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("key_id", Text, nullable=False, server_default=""),  # the key that created it ('' none)
+    Column("tenant", Text, nullable=False, server_default=""),  # its tenant ('' none): usage goes there
+    Column("endpoint", Text, nullable=False),
+    Column("input_file_id", Text, nullable=False),
+    Column("completion_window", Text, nullable=False),
+    Column("status", Text, nullable=False),  # schemas/batches.py BatchStatus
+    Column("total", Integer, nullable=False),
+    Column("metadata", JSONB),
+    Column("errors", JSONB),
+    Column("output_file_id", Text),
+    Column("error_file_id", Text),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Column("in_progress_at", DateTime(timezone=True)),
+    Column("finalizing_at", DateTime(timezone=True)),
+    Column("completed_at", DateTime(timezone=True)),
+    Column("expired_at", DateTime(timezone=True)),
+    Column("cancelling_at", DateTime(timezone=True)),
+    Column("cancelled_at", DateTime(timezone=True)),
+    Column("failed_at", DateTime(timezone=True)),
+)
+
+# One row per request a batch answered: committed with its usage in one transaction, so a request is sent
+# again only while its row is missing, and counted once.
+batch_results = Table(
+    "batch_results", metadata,
+    Column("batch_id", Text, ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True),
+    Column("custom_id", Text, primary_key=True),
+    Column("line", Integer, nullable=False),
+    Column("status_code", Integer, nullable=False),
+    Column("body", JSONB, nullable=False),
+    Column("answered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

@@ -227,3 +227,12 @@ async def report(conn: AsyncConnection, since: float, by: str, tenant: str | Non
         *names, r, p, c, last = row
         out.append(UsageTotal(names[0], names[1] if len(names) > 1 else None, int(r), int(p), int(c), last))
     return out
+
+
+async def add_now(conn: AsyncConnection, rows: dict[RowKey, list[int]]) -> None:
+    """`add` at the database clock's minute, day and month (UTC): what a batch's request used, written in
+    the transaction that records its answer (db/batches_repo.py), so it is counted exactly once."""
+    now = await db_now(conn)
+    d = datetime.fromtimestamp(now, timezone.utc)
+    month = datetime(d.year, d.month, 1, tzinfo=timezone.utc).timestamp()
+    await add(conn, now // 60 * 60, {"day": now // 86400 * 86400, "month": month}, rows)

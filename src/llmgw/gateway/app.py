@@ -42,8 +42,10 @@ from llmgw.gateway.upstream import Upstream
 from llmgw.placement.model_status import ModelCondition, client_reason
 from llmgw.schemas.catalog import Adapter, Model
 from llmgw.gateway.keys import KeyRing
+from llmgw.gateway.batches import OWNER, batch_identity, files_and_batches, owner_of
 from llmgw.gateway.messages import MessagesDoor
 from llmgw.gateway.responses import ResponsesDoor
+from llmgw.security.batch_token import batch_secret
 from llmgw.security.logtext import for_client
 from llmgw.telemetry import GatewayMetrics
 from llmgw.temporal import LazyClient
@@ -108,6 +110,7 @@ class Gateway:
         self.upstream = Upstream(settings.upstream_timeout_s)
         isolation = Isolation(Salts(salt_secret(settings.cache_salt_secret, settings.database_url)),
                               lambda: self.keys.tenanted)
+        self.batch_secret = batch_secret(settings.cache_salt_secret, settings.database_url)
         self.drain = Drain(settings.gateway_drain_timeout_s)
         self.drain.on_drain.append(self.demand.draining.set)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
@@ -210,6 +213,8 @@ def create_gateway_app(gw: Gateway):
         raise errors.APIError(404, "this gateway stores no responses (`store` is ignored), so none can be read "
                               "back; keep the Response object the POST returned", code="response_not_stored")
 
+    api.include_router(files_and_batches(gw))
+
     @api.get("/healthz")
     async def health():
         """Liveness: 200 while the process runs, draining included."""
@@ -234,6 +239,7 @@ def create_gateway_app(gw: Gateway):
     quotas = gw.quotas
     gw_metrics = gw.metrics
     drain = gw.drain
+    secret = gw.batch_secret
 
     async def serve(scope, receive, send):
         if scope["type"] == "http":
@@ -241,6 +247,9 @@ def create_gateway_app(gw: Gateway):
             if path.startswith("/v1/"):
                 door = DOORS.get(path)
                 anthropic = path.startswith("/v1/messages")
+                if (batch := batch_identity(scope["headers"], secret)) is not None:
+                    await serve_batch(scope, receive, send, batch)
+                    return
                 account = keys.lookup(scope["headers"])
                 if account is False:
                     gw_metrics.unauthorized()
@@ -261,7 +270,25 @@ def create_gateway_app(gw: Gateway):
                     return
                 if account is not None:
                     scope[ACCOUNT] = account
+                if path.startswith(("/v1/files", "/v1/batches")):
+                    scope[OWNER] = owner_of(keys.identify(scope["headers"]))  # (not False: lookup allowed it)
         await api(scope, receive, send)
+
+    async def serve_batch(scope, receive, send, batch) -> None:
+        """A request of a batch (gateway/batches.py): as the key that made the batch, in the batch band. Its
+        key revoked, or a token that does not verify: 401."""
+        path = scope["path"]
+        key_id = batch[1] if batch is not False else None
+        if batch is False or (key_id and key_id not in keys.by_id) or (path not in REQUIRED and path not in DOORS):
+            gw_metrics.unauthorized()
+            await send_error(send, errors.unauthorized())
+            return
+        account = keys.by_id.get(key_id) if key_id else None
+        if account is not None and (refused := quotas.refusal(account)) is not None:
+            await send_error(send, refused)
+            return
+        door = DOORS.get(path)
+        await proxy.handle(scope, receive, send, account, door() if door is not None else None, batch=True)
 
     async def app(scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):

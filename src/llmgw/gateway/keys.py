@@ -27,6 +27,8 @@ class KeyRing:
         self.require = require
         self.quotas = quotas
         self.entries: dict[str, "Account | None"] = {}  # key hash -> its account (None: not accounted)
+        self.ids: dict[str, tuple[str, str | None]] = {}  # key hash -> (key id, tenant)
+        self.by_id: dict[str, "Account | None"] = {}  # key id -> its account (gateway/batches.py)
         self.accounted = False
         self.tenanted = False  # some valid key belongs to a tenant (gateway/isolation.py)
         self.created = 0
@@ -41,6 +43,8 @@ class KeyRing:
             tenants = await tenants_repo.all_limits(conn) if self.quotas is not None else {}
         accounts = self.quotas.rebuild(tenants, keys) if self.quotas is not None else {}
         self.entries = {k.key_hash: accounts.get(k.id) for k in keys}
+        self.ids = {k.key_hash: (k.id, k.tenant) for k in keys}
+        self.by_id = {k.id: accounts.get(k.id) for k in keys}
         self.accounted = bool(accounts)
         self.tenanted = any(a.tenant is not None for a in accounts.values() if a is not None)
         self.created = created
@@ -62,3 +66,14 @@ class KeyRing:
         if token is None:
             return False
         return self.entries.get(hash_key(token), False)
+
+    def identify(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, str | None] | None | bool:
+        """Who sends a request, for what it owns (files, batches): (key id, tenant) of a valid key; None:
+        no key, allowed while keys are not required; False: refused."""
+        token = api_token(headers)
+        if token is None:
+            return False if self.required else None
+        found = self.ids.get(hash_key(token))
+        if found is None:
+            return False if self.required else None
+        return found

@@ -44,7 +44,7 @@ from llmgw.http import errors
 from llmgw.gateway.admission import Gate, Gates
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand, Hold
-from llmgw.gateway.fairness import request_cost, share_of
+from llmgw.gateway.fairness import BATCH, request_cost, share_of
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
 from llmgw.gateway import messages
@@ -158,7 +158,7 @@ class _Exchange:
     """
 
     __slots__ = ("task", "receive", "timer", "watcher", "started", "finished", "gone", "held", "meter", "door", "tr",
-                 "label")
+                 "label", "batch")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
@@ -173,6 +173,7 @@ class _Exchange:
         self.door: Door | None = None  # another API's request, served as a chat (gateway/messages.py, responses.py)
         self.tr: Any = None  # its stream translator, for a streaming one
         self.label = "unknown"
+        self.batch = False  # a request of a batch (gateway/batches.py): the batch band, usage counted by the batch
 
     def error_body(self, err: APIError) -> bytes | None:
         return self.door.error_body(err) if self.door is not None else None
@@ -248,10 +249,14 @@ class Proxy:
         await self.handle(scope, receive, send, None)
 
     async def handle(self, scope: dict, receive: Receive, send: Send, account: Account | None,
-                     door: Door | None = None) -> None:
+                     door: Door | None = None, batch: bool = False) -> None:
         """One request; `account` when its key is accounted (KeyRing.lookup), else None. `door`: a request of
         another API (Anthropic's Messages, OpenAI's Responses), translated to a chat completion as it comes
-        in and back as it goes out; everything between is a chat's path."""
+        in and back as it goes out; everything between is a chat's path. `batch`: a request of a batch
+        (gateway/batches.py): it waits in the `batch` band of a saturated model, behind interactive
+        traffic; its key's models still apply, and its usage is counted by the batch, in the transaction
+        that records its answer (db/batches_repo.py), not here, so that a request a restart sends again
+        is counted once."""
         started = time.perf_counter()
         label = "unknown"  # never a client-chosen string: label cardinality stays bounded
         status = 0
@@ -261,6 +266,7 @@ class Proxy:
         try:
             path = scope["path"]
             x.door = door
+            x.batch = batch
             req_body = await read_body(receive, self.max_body)
             if door is not None:
                 path, req_body = CHAT, json.dumps(door.request(req_body)).encode()
@@ -284,7 +290,9 @@ class Proxy:
             if path != COMPLETIONS and has_parts(req) and (urls := list(media_urls(req))):  # (embeddings too)
                 await check_media(label, route.model.limits, urls)
             iso = self.isolation.of(account, req) if self.isolation is not None and path != EMBEDDINGS else None
-            if account is not None and self.quotas is not None:
+            if batch and account is not None and (refusing := account.refusing(route.model)) is not None:
+                raise errors.model_not_allowed(route.model.name, refusing.who, refusing.limits.models or [])
+            if account is not None and self.quotas is not None and not batch:
                 x.meter, req, req_body = self.quotas.admit(account, route.model, req, req_body, chars, route.output,
                                                            adapter.name if adapter is not None else None)
                 x.meter.lines = HEAD in (scope.get("extensions") or ())
@@ -383,7 +391,7 @@ class Proxy:
 
         held_as = adapter.name if adapter is not None else route.model.name
         hold = self._holder(held_as, send, x) if req.get("stream") is True and not judged else None
-        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso, adapter)
+        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso, adapter, x.batch)
 
     @staticmethod
     def _holder(name: str, send: Send, x: _Exchange) -> Hold:
@@ -423,7 +431,7 @@ class Proxy:
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
                         consume: Callable[["_Leg"], Awaitable[Any]], hold: Hold | None = None,
                         meter: Meter | None = None, chars: int = 0, iso: Isolated | None = None,
-                        adapter: Adapter | None = None) -> Any:
+                        adapter: Adapter | None = None, batch: bool = False) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
         replica the request is held for a load (`hold` is called while it waits). A fallback that serves
@@ -435,8 +443,11 @@ class Proxy:
         name = plan[0].model.name
         gate = self.gates.get(name)
         if gate is not None and not gate.try_acquire():  # saturated: wait in its tenant's queue (fairness.py)
-            await gate.acquire(share_of(meter.account, meter.held) if meter is not None
-                               else share_of(None, request_cost(req, chars, plan[0].output)))
+            share = (share_of(meter.account, meter.held) if meter is not None
+                     else share_of(None, request_cost(req, chars, plan[0].output)))
+            if batch:
+                share.band = BATCH
+            await gate.acquire(share)
         usage = self.demand.usage
         usage.begin(name)
         # The fallback serving, once `_open` has taken its slot: (name, the gate it took the slot of). The slot

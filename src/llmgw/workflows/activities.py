@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from temporalio import activity
 
+from llmgw.schemas.batches import FinishBatchInput, FinishBatchResult, RunBatchInput, RunBatchResult
 from llmgw.schemas.mirror import (
     DiscardInput, DiscardResult, ExploreInput, FetchMirrorFileInput, MirroredFile, MirrorPlan, PublishInput,
     PublishResult,
@@ -177,6 +178,16 @@ async def read_shard_log(inp: ReadShardLogInput) -> ReadShardLogResult:
     raise _stub()
 
 
+@activity.defn(name="run_batch_requests")
+async def run_batch_requests(inp: RunBatchInput) -> RunBatchResult:
+    raise _stub()
+
+
+@activity.defn(name="finish_batch")
+async def finish_batch(inp: FinishBatchInput) -> FinishBatchResult:
+    raise _stub()
+
+
 # ---- mirror worker (MIRROR_QUEUE): mirror/activities.py ---------------------------------------------
 
 @activity.defn(name="explore_mirror_sources")
@@ -203,7 +214,7 @@ async def discard_mirror_version(inp: DiscardInput) -> DiscardResult:
 # the mirror worker (mirror/worker.py).
 CONTROL = [decide, record_placements, read_snapshot, record_decisions, record_placement, mark_replica,
            settle_replica, record_replica_failure, reset_model_failures, get_replica_shards, check_replica,
-           await_start_closed, reclaim_targets, rollout_step, mark_sleep]
+           await_start_closed, reclaim_targets, rollout_step, mark_sleep, run_batch_requests, finish_batch]
 NODE = [fetch_weights, open_rendezvous, launch_shard, start_shard, wait_shard_joined, wait_shard_ready, drain_shard,
         stop_shard, reclaim_cache, read_shard_log, sleep_shard, wake_shard]
 MIRROR = [explore_mirror_sources, fetch_mirror_file, publish_mirror_version, discard_mirror_version]

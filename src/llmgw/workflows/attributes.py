@@ -4,7 +4,7 @@
 - `LlmgwNode` (KeywordList): every node it touches (a multi-node replica has shards on several; a
   KeywordList matches `LlmgwNode = "gpu-b"` when any of them is gpu-b);
 - `LlmgwReplica` (Keyword): the replica id;
-- `LlmgwKind` (Keyword): `reconciler`, `start`, `stop`, `reclaim`, `logs`, `rollout`.
+- `LlmgwKind` (Keyword): `reconciler`, `start`, `stop`, `reclaim`, `logs`, `rollout`, `batch`.
 
 So `LlmgwModel = "smollm2-135m"` lists a model's whole history, `LlmgwReplica = "<id>"` one replica's start
 and stop. A namespace must register them first (`llmgw dev` and the test fixtures do;

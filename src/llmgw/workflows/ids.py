@@ -69,3 +69,8 @@ def reclaim_id(nonce: str) -> str:
 def mirror_workflow_id(name: str, version: str) -> str:
     """`mirror/<name>/<version>`: one workflow per version, whoever asks for it."""
     return f"{MIRROR_PREFIX}{name}/{version}"
+
+
+def batch_workflow_id(batch_id: str) -> str:
+    """`batch/<id>`: one `BatchWorkflow` per batch (issue 41)."""
+    return f"batch/{batch_id}"

@@ -138,3 +138,19 @@ def mirror_fetch(heartbeat_timeout_s: float) -> dict:
                                  maximum_attempts=20),
         cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
     )
+
+
+# A batch's round of requests (control/batch_activities.py): up to `RunBatchInput.limit` requests, however
+# long the engines take; it heartbeats every 2 s, so a control worker that died is noticed in 10 s and the
+# round is retried, sending only the requests whose answers are not committed. Retried for as long as it
+# takes (the batch's window ends it: the activity itself returns `expired`).
+BATCH_ROUND = dict(
+    start_to_close_timeout=timedelta(hours=6),
+    heartbeat_timeout=timedelta(seconds=10),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+)
+# Writing a batch's output and error files: one transaction, up to a whole file's size.
+BATCH_FINISH = dict(
+    start_to_close_timeout=timedelta(minutes=5),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+)

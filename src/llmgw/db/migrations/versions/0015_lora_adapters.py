@@ -5,13 +5,13 @@ deletes it when it unloads one; every gateway reads them on each route refresh, 
 goes to a replica that holds it. `used_at` is when a gateway last sent it a request (its LRU order, coarse:
 written on load, read as a tie-break). Rows go with their replica.
 
-Revision ID: 0015_h40_lora_adapters
+Revision ID: 0015_lora_adapters
 Revises: 0014_node_version
 """
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0015_h40_lora_adapters"
+revision = "0015_lora_adapters"
 down_revision = "0014_node_version"
 branch_labels = None
 depends_on = None

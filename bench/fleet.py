@@ -236,11 +236,12 @@ async def heartbeats(cp, identities: int, seconds: float, pg_pid: int) -> dict:
     t0 = time.monotonic()
     while count < 3 * identities and time.monotonic() < t0 + 120:  # every node registered and heartbeating
         await asyncio.sleep(0.5)
-    # `llmgw server` runs the node API as a child process: the server's whole tree (its gateway and admin
-    # API idle meanwhile).
-    c0, p0, n0, w0 = tree_cpu(server), tree_cpu(pg), count, time.perf_counter()
+    # `llmgw server` runs the node API as a child process: that child alone (the parent's gateway and admin
+    # API are not part of ingestion).
+    api = max(server.children(recursive=True), key=cpu)
+    c0, p0, n0, w0 = cpu(api), tree_cpu(pg), count, time.perf_counter()
     await asyncio.sleep(seconds)
-    c1, p1, n1, w1 = tree_cpu(server), tree_cpu(pg), count, time.perf_counter()
+    c1, p1, n1, w1 = cpu(api), tree_cpu(pg), count, time.perf_counter()
     stop = 0
     await asyncio.gather(*tasks, return_exceptions=True)
     done = n1 - n0

@@ -162,6 +162,10 @@ class Settings(BaseSettings):
     route_refresh_s: float = 2.0
     # How long an idle poller's last access may age: Temporal's matching.longPollExpirationInterval.
     poller_grace_s: float = 60.0
+    # The pollers witness reads at most this many nodes' task queues a pass (those read longest ago first),
+    # within this many seconds; a node's poller silence counts only up to its last read (control/liveness.py).
+    poller_reads_per_pass: int = Field(1024, ge=1, le=100_000)
+    poller_read_budget_s: float = Field(1.0, gt=0, le=30)
     # More than this share of nodes silent together: the observer is doubted and no node is declared lost.
     silent_share: float = Field(0.5, ge=0, le=1)
     # Replicas of lost nodes torn down at most per window; the rest wait for later passes.

@@ -73,7 +73,7 @@ class ControlActivities:
         the liveness facts (writes in the view's transaction would conflict with every heartbeat)."""
         # The pollers are RPCs to Temporal: asked while the database is read, not before (issue 13: a
         # pass is on the path from a request to its load).
-        pollers = asyncio.ensure_future(read_pollers(self.engine, self.client))
+        pollers = asyncio.ensure_future(read_pollers(self.engine, self.client, self.settings))
         try:
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="REPEATABLE READ")
@@ -82,15 +82,16 @@ class ControlActivities:
                     states = await catalog_repo.model_states(conn)
                     reps = await fleet_repo.active_replicas_with_shards(conn)
                     nodes = await fleet_repo.list_nodes(conn)
-            ages, pollers_error = await pollers
+            ages, read, pollers_error = await pollers
             async with self.engine.begin() as conn:
                 # The transaction's start (`now()`), a few ms after the pollers answered: their ages are
                 # counted back from it (ms, against thresholds of seconds).
                 now = await fleet_repo.db_now(conn)
-                facts = await record_and_read_liveness(conn, now, ages, pollers_error, self.settings)
+                facts = await record_and_read_liveness(conn, now, ages, read, pollers_error, self.settings)
         finally:
             pollers.cancel()
         polled = {n: now - timedelta(seconds=a) for n, a in ages.items()}  # as just kept (never backwards)
+        read_now = set(read)
         snapshot = Snapshot(
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
             liveness=facts, start_budget_s=self.settings.start_budget_s,
@@ -98,6 +99,7 @@ class ControlActivities:
             models=catalog.models, model_states=states,
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat,
                             polled_at=max(filter(None, (n.polled_at, polled.get(n.id))), default=None),
+                            poll_read_at=now if n.id in read_now else n.poll_read_at,
                             inventory=n.inventory, left_at=n.left_at) for n in nodes],
             replicas=[
                 ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status,

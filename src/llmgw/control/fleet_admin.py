@@ -43,7 +43,7 @@ class FleetAdmin:
                 "observer_since": seen.node_api_since, "pollers_since": seen.pollers_since,
                 "doubted_at": seen.doubted_at}),
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat, polled_at=n.polled_at,
-                            left_at=n.left_at) for n in rows],
+                            poll_read_at=n.poll_read_at, left_at=n.left_at) for n in rows],
             replicas=[ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status,
                                   shards=[ShardPlacement(node_id=s.node_id, rank=s.rank) for s in r.shards])
                       for r in reps])
@@ -55,6 +55,7 @@ class FleetAdmin:
         return [NodeView(id=n.id, status=live.status(n.id), last_heartbeat=n.last_heartbeat, inventory=n.inventory,
                          heartbeat_age_s=round(n.age_s, 1),
                          polled_at=n.polled_at, poll_age_s=None if n.poll_age_s is None else round(n.poll_age_s, 1),
+                         poll_read_at=n.poll_read_at,
                          liveness=live.nodes[n.id].describe(), notes=live.notes, registered_at=n.registered_at,
                          version=n.version or "")
                 for n in rows]

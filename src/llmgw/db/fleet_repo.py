@@ -83,6 +83,7 @@ class NodeRow:
     registered_at: datetime | None = None  # its latest registration (the node worker's start)
     left_at: datetime | None = None  # its agent said it was leaving, since its latest registration
     version: str | None = None  # its worker's llmgw version, as it last registered
+    poll_read_at: datetime | None = None  # the control worker last read its pollers (None: never)
 
 
 async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
@@ -91,7 +92,7 @@ async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
     rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
     return [NodeRow(r.id, r.boot_id, _stored_inventory(r.id, r.inventory), r.last_heartbeat, float(r.age),
                     r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at,
-                    r.version)
+                    r.version, r.poll_read_at)
             for r in rows]
 
 
@@ -115,9 +116,13 @@ def _stored_inventory(node_id: str, raw: object) -> Inventory:
                                 "here until the node registers again"])
 
 
-async def set_polled(conn: AsyncConnection, polled: dict[str, datetime]) -> None:
+async def set_polled(conn: AsyncConnection, polled: dict[str, datetime], read: list[str] | None = None,
+                     read_at: datetime | None = None) -> None:
     """Record when each node's worker was last seen polling; never moves a time backwards (Temporal forgets
-    its pollers when it restarts, and a node not seen since keeps the time it was last seen)."""
+    its pollers when it restarts, and a node not seen since keeps the time it was last seen). The nodes in
+    `read` had their pollers read at `read_at` (`poll_read_at`; polling or not): the witness's freshness."""
+    if read and read_at is not None:
+        await conn.execute(update(nodes).where(nodes.c.id.in_(read)).values(poll_read_at=read_at))
     if not polled:
         return
     # One statement for every node (a pass reads the pollers of the whole fleet): UPDATE ... FROM (VALUES ...).
@@ -558,6 +563,7 @@ class RouteRow:
     observer_age_s: float | None = None  # `observer_age_s` of the node API (the same on every row; None: blind)
     pollers_age_s: float | None = None  # and of the pollers
     profile: str = ""  # the catalog profile it runs (its engine: the gateway's cache isolation)
+    poll_read_age_s: float | None = None  # since its pollers were last read (None: never)
 
 
 async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list[RouteRow]:
@@ -572,7 +578,8 @@ async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list
     q = (
         select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
                poll_age.label("poll_age"), shards.c.api_key, _observer_age(fresh_s, NODE_API).label("observer_age"),
-               _observer_age(fresh_s, POLLERS).label("pollers_age"), replicas.c.profile)
+               _observer_age(fresh_s, POLLERS).label("pollers_age"), replicas.c.profile,
+               func.extract("epoch", func.now() - nodes.c.poll_read_at).label("poll_read_age"))
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
         .where(and_(replicas.c.status == ReplicaStatus.READY, replicas.c.endpoint.is_not(None),
@@ -584,7 +591,8 @@ async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list
     def since(x) -> float | None:
         return None if x is None else max(0.0, float(x))
     return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), f(r.poll_age), r.api_key,
-                     since(r.observer_age), since(r.pollers_age), r.profile) for r in (await conn.execute(q)).all()]
+                     since(r.observer_age), since(r.pollers_age), r.profile, since(r.poll_read_age))
+            for r in (await conn.execute(q)).all()]
 
 
 async def db_now(conn: AsyncConnection) -> datetime:

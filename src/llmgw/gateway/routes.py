@@ -222,7 +222,7 @@ class RouteTable:
             if r.model not in models:
                 continue
             live = witness_status(r.node_age_s, r.poll_age_s, observer_age, pollers_age, self.unreachable_after_s,
-                                  float("inf"), self.poller_grace_s)
+                                  float("inf"), self.poller_grace_s, r.poll_read_age_s)
             if live.status != "ready":
                 unreachable.setdefault(r.model, []).append(r.node_id)
                 continue

@@ -13,6 +13,10 @@ The rules, and where they come from:
   nodes). An idle poller's last access is when its long poll began, so it may age by Temporal's long-poll
   interval (`poller_grace_s`) without meaning anything. A witness that cannot see says nothing, and a node
   is never declared silent on one witness alone.
+- **The pollers are read in rotation** (issue 42: one RPC per node per pass does not fit a pass at 10k
+  nodes): each pass reads a bounded slice, oldest read first (control/liveness.py), and a node's poller
+  silence counts only up to its last read (`poll_read_age_s` is taken off): what was not looked at is
+  not silence. So a dead node's pollers show silent at most one rotation late, never a live one early.
 - **A blind observer evicts nothing** (Kubernetes' node lifecycle controller): when more than
   `silent_share` of the nodes that matter are silent together, the observer is the likelier fault: no node
   is declared Lost, and once the doubt ends every node gets `lost_after_s` afresh (`doubted_at`), as
@@ -73,19 +77,23 @@ FRESH_S = 5.0  # a witness heard from this recently is described as fresh (what 
 
 def witness_status(heartbeat_age_s: float | None, poll_age_s: float | None, observer_age_s: float | None,
                    pollers_age_s: float | None, unreachable_after_s: float, lost_after_s: float,
-                   poller_grace_s: float) -> NodeLiveness:
+                   poller_grace_s: float, poll_read_age_s: float | None = None) -> NodeLiveness:
     """One node from its two witnesses (ages in seconds, by one clock).
 
     - `heartbeat_age_s`: since its last node-API heartbeat (None: never);
     - `poll_age_s`: since its worker last began a poll on `node/<id>` (None: never seen polling);
+    - `poll_read_age_s`: since the control worker last read those pollers (the rotation); the poller
+      silence is counted up to that read only. None: read this pass (a snapshot recorded before the
+      rotation, or a node never read, whose `poll_age_s` is None anyway);
     - `observer_age_s`: since the node API began receiving continuously (None: it is not receiving now);
     - `pollers_age_s`: since the control worker began reading the pollers continuously (None: it is not
       reading them now, or they could not be read).
     """
     hb = None if observer_age_s is None else min(math.inf if heartbeat_age_s is None else heartbeat_age_s,
                                                  observer_age_s)
+    unread = poll_read_age_s or 0.0
     poll = None if pollers_age_s is None else min(
-        math.inf if poll_age_s is None else max(0.0, poll_age_s - poller_grace_s), pollers_age_s)
+        math.inf if poll_age_s is None else max(0.0, poll_age_s - unread - poller_grace_s), pollers_age_s)
     silent = 0.0 if hb is None or poll is None else min(hb, poll)
     status = "lost" if silent >= lost_after_s else "unreachable" if silent >= unreachable_after_s else "ready"
     return NodeLiveness(status, hb, poll)
@@ -131,7 +139,8 @@ def fleet_liveness(snapshot: Snapshot) -> FleetLiveness:
     for n in snapshot.nodes:
         seen = out.nodes[n.id] = witness_status(_age(now, n.last_heartbeat), _age(now, n.polled_at), observer_age,
                                                 pollers_age, snapshot.unreachable_after_s,
-                                                snapshot.lost_after_s, facts.poller_grace_s)
+                                                snapshot.lost_after_s, facts.poller_grace_s,
+                                                _age(now, n.poll_read_at))
         if n.left_at is not None:
             # Its agent said goodbye (and stopped its engines): nothing goes there until it registers again.
             # Lost still takes both witnesses' silence, as for any node.

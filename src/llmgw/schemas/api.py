@@ -253,6 +253,7 @@ class NodeView(_Strict):
     heartbeat_age_s: float | None = None
     polled_at: datetime | None = None
     poll_age_s: float | None = None
+    poll_read_at: datetime | None = None  # when the control worker last read those pollers (in rotation)
     liveness: str = ""
     notes: list[str] = Field(default_factory=list)
     registered_at: datetime | None = None

@@ -51,6 +51,7 @@ class NodeSnap(_Wire):
     status: str  # ready | unreachable | lost (derived from both witnesses by placement.liveness)
     last_heartbeat: datetime | None = None
     polled_at: datetime | None = None  # its worker last seen beginning a poll on node/<id> (Temporal)
+    poll_read_at: datetime | None = None  # when those pollers were last read (the rotation; None: this pass)
     inventory: Inventory = Field(default_factory=Inventory)
     left_at: datetime | None = None  # its agent said it was leaving (since it last registered): unreachable
 

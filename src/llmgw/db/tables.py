@@ -42,7 +42,7 @@ nodes = Table(
     Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_heartbeat", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("polled_at", DateTime(timezone=True)),  # its worker last seen polling node/<id> (0005)
-    Column("poll_read_at", DateTime(timezone=True)),  # the control worker last read those pollers (0015)
+    Column("poll_read_at", DateTime(timezone=True)),  # the control worker last read those pollers (0017)
     Column("left_at", DateTime(timezone=True)),  # its agent said it was leaving; cleared on registering (0007)
     Column("version", Text),  # its worker's llmgw version, as it last registered (0013)
 )

@@ -202,7 +202,9 @@ class DecideResult(_Wire):
     interval_s: float = 10.0
     ready_timeout_s: float = 900.0
     drain_timeout_s: float = 60.0
-    wait_heartbeat_timeout_s: float = 30.0  # LLMGW_NODE_WAIT_HEARTBEAT_TIMEOUT_S, for the starts and stops it asks
+    # LLMGW_NODE_WAIT_HEARTBEAT_TIMEOUT_S, for the starts and stops it asks; left out at its default, so that a
+    # 0.1.0 control worker (whose models forbid unknown fields) reads this result on a shared task queue.
+    wait_heartbeat_timeout_s: float = Field(30.0, exclude_if=lambda v: v == 30.0)
     search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
     started: list[str] = Field(default_factory=list)  # placed replicas whose start workflow `decide` started
 

@@ -35,12 +35,11 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 from typing import TYPE_CHECKING, Callable
-from urllib.parse import unquote, urlsplit
 
 from llmgw.http import errors
+from llmgw.security.shared_secret import fleet_secret
 
 if TYPE_CHECKING:
     from llmgw.gateway.quotas import Account
@@ -64,17 +63,9 @@ def salt_secret(explicit: str | None, database_url: str | None) -> bytes:
     password in the database URL (or `PGPASSWORD`), which every gateway of a fleet holds alike and no
     client knows; else a random one for this process, with a warning (isolation holds; a tenant's cache
     is then cold after each restart and split between gateways)."""
-    if explicit:
-        return hmac.new(explicit.encode(), _SALT_LABEL, hashlib.sha256).digest()
-    password = None
-    if database_url:
-        try:
-            password = urlsplit(database_url).password
-        except ValueError:
-            password = None
-    password = unquote(password) if password else os.environ.get("PGPASSWORD")
-    if password:
-        return hmac.new(password.encode(), _SALT_LABEL, hashlib.sha256).digest()
+    secret = fleet_secret(explicit, database_url, _SALT_LABEL)
+    if secret is not None:
+        return secret
     log.warning("no LLMGW_CACHE_SALT_SECRET and no database password to derive tenants' cache salts from: "
                 "using a random one for this process (each gateway and each restart then salts anew)")
     return secrets.token_bytes(32)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-from urllib.parse import unquote, urlsplit
+
+from llmgw.security.shared_secret import fleet_secret
 
 PREFIX = "llmgw-batch."
 _LABEL = b"llmgw batch identity v1"
@@ -22,16 +22,7 @@ _LABEL = b"llmgw batch identity v1"
 
 def batch_secret(explicit: str | None, database_url: str | None) -> bytes | None:
     """The fleet's shared secret for batch tokens; None when there is none (batches cannot run)."""
-    if explicit:
-        return hmac.new(explicit.encode(), _LABEL, hashlib.sha256).digest()
-    password = None
-    if database_url:
-        try:
-            password = urlsplit(database_url).password
-        except ValueError:
-            password = None
-    password = unquote(password) if password else os.environ.get("PGPASSWORD")
-    return hmac.new(password.encode(), _LABEL, hashlib.sha256).digest() if password else None
+    return fleet_secret(explicit, database_url, _LABEL)
 
 
 def _mac(secret: bytes, batch_id: str, key_id: str) -> str:

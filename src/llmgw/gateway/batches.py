@@ -70,6 +70,12 @@ def _ts(t: datetime | None) -> int | None:
     return int(t.timestamp()) if t is not None else None
 
 
+def page(rows: list, n: int, render) -> dict:
+    """OpenAI's list object for the first `n` of `rows` (one more was read, to say `has_more`)."""
+    return {"object": "list", "data": [render(r) for r in rows[:n]], "has_more": len(rows) > n,
+            "first_id": rows[0].id if rows else None, "last_id": rows[:n][-1].id if rows else None}
+
+
 def file_object(f: batches_repo.FileRow) -> dict:
     """OpenAI's FileObject."""
     return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": _ts(f.created_at), "filename": f.filename,
@@ -180,8 +186,7 @@ def files_and_batches(gw: "Gateway") -> APIRouter:
         n = _limit(limit)
         async with gw.engine.connect() as conn:
             rows = await batches_repo.list_files(conn, who(request)[0], purpose, after, n + 1)
-        return {"object": "list", "data": [file_object(r) for r in rows[:n]], "has_more": len(rows) > n,
-                "first_id": rows[0].id if rows else None, "last_id": rows[:n][-1].id if rows else None}
+        return page(rows, n, file_object)
 
     @router.get("/v1/files/{file_id}")
     async def get_file(file_id: str, request: Request):
@@ -263,8 +268,7 @@ def files_and_batches(gw: "Gateway") -> APIRouter:
         n = _limit(limit)
         async with gw.engine.connect() as conn:
             rows = await batches_repo.list_batches(conn, who(request)[0], after, n + 1)
-        return {"object": "list", "data": [batch_object(r) for r in rows[:n]], "has_more": len(rows) > n,
-                "first_id": rows[0].id if rows else None, "last_id": rows[:n][-1].id if rows else None}
+        return page(rows, n, batch_object)
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request):

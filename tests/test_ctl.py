@@ -183,6 +183,9 @@ def test_listings_have_headers_age_and_every_output_format_and_the_catalog_round
     table = wide.splitlines()
     at = table[0].split().index("VERSION")
     assert [line.split()[at] for line in table[1:] if line.startswith("n1 ")] == [VERSION], table
+    # POLLERS reads right for a healthy node (issue 44): polling as of the witness's last read, not "48s ago"
+    n1 = next(line for line in table if line.startswith("n1 "))
+    assert "POLLERS" in table[0] and re.search(r"\bpolling, read \d+s ago\b", n1), table
 
     # The live catalog round-trips: printed, applied back unchanged, edited, applied with the change shown.
     live = ctl_here(cp, "catalog")

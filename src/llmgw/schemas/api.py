@@ -254,6 +254,7 @@ class NodeView(_Strict):
     polled_at: datetime | None = None
     poll_age_s: float | None = None
     poll_read_at: datetime | None = None  # when the control worker last read those pollers (in rotation)
+    pollers: str = ""  # those pollers in words, as of that read: "polling, read 3s ago" (placement.liveness)
     liveness: str = ""
     notes: list[str] = Field(default_factory=list)
     registered_at: datetime | None = None

@@ -117,11 +117,16 @@ class Stack:
     def container(self, service: str) -> str:
         return f"{self.project}_{service}_1"
 
-    def up(self) -> None:
+    def up(self) -> list[str]:
+        """Start every level and wait for it; returns how long each took, for the test's output."""
+        took = []
         for level in start_levels(self.services):
+            t0 = time.monotonic()
             self.compose("up", "-d", "--no-deps", *level)
             for service in level:
                 self.wait_ready(service)
+            took.append(f"{'+'.join(level)} {time.monotonic() - t0:.0f} s")
+        return took
 
     def wait_ready(self, service: str) -> None:
         name = self.container(service)
@@ -230,7 +235,7 @@ def engine_processes(container: str) -> set[tuple[str, str]]:
 
 def test_compose_up_serves_a_sim_model_and_survives_a_gateway_restart(stack, tmp_path):
     started = time.monotonic()
-    stack.up()
+    levels = stack.up()
     up_s = time.monotonic() - started
 
     # Every service started is healthy (its own healthcheck, run now), every one-shot service exited 0.
@@ -300,5 +305,5 @@ def test_compose_up_serves_a_sim_model_and_survives_a_gateway_restart(stack, tmp
     eventually(lambda: chat(gateway, key), 60, "sim-small answered after the gateway restarted")
     assert podman("inspect", "-f", "{{.State.StartedAt}}", agent).stdout == agent_started
     assert engine_processes(agent) == engines
-    print(f"compose up (every level healthy): {up_s:.0f} s; whole test until down: "
-          f"{time.monotonic() - started:.0f} s")
+    print(f"\ncompose up, level by level: {'; '.join(levels)}; all healthy after {up_s:.0f} s; "
+          f"the test until down: {time.monotonic() - started:.0f} s")

@@ -41,10 +41,10 @@ def pytest_configure(config):
 
 
 # The LLMGW_* variables the test harness itself reads, which CI or a person running the suite sets on purpose:
-# a missing browser fails instead of skipping (.ci/run), the idle timings' scale, where captured histories go.
+# a missing browser or podman fails instead of skipping (.ci/run), podman-compose's venv (scripts/compose-ci), the idle timings' scale, where captured histories go.
 # They are no llmgw setting; every other LLMGW_* is one, and is removed.
-HARNESS_VARIABLES = frozenset({"LLMGW_REQUIRE_BROWSER", "LLMGW_REQUIRE_VLLM", "LLMGW_TEST_IDLE_SCALE",
-                               "LLMGW_HISTORIES_OUT"})
+HARNESS_VARIABLES = frozenset({"LLMGW_REQUIRE_BROWSER", "LLMGW_REQUIRE_VLLM", "LLMGW_REQUIRE_PODMAN",
+                               "LLMGW_COMPOSE_VENV", "LLMGW_TEST_IDLE_SCALE", "LLMGW_HISTORIES_OUT"})
 
 
 @pytest.fixture(scope="session", autouse=True)

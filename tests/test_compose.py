@@ -1,6 +1,7 @@
-"""docker-compose.yml as a production starting point (issue 14). No container engine runs here, so the
-file is parsed and every service, port, healthcheck and variable it relies on is checked against what
-llmgw (its settings, commands and defaults), Temporal and the files beside it actually provide."""
+"""docker-compose.yml as a production starting point (issue 14), read: every service, port, healthcheck and
+variable it relies on is checked against what llmgw (its settings, commands and defaults), Temporal and the
+files beside it actually provide. tests/test_compose_up.py runs it, with stand-ins for the images that
+cannot be pulled here."""
 
 from __future__ import annotations
 

@@ -73,6 +73,9 @@ class AdapterLoads:
         `hold(waited_s)` is awaited every `HOLD_TICK_S` while it loads (a stream's SSE comments)."""
         if adapter.name in ep.adapters:
             return
+        if ep.engine == "llamacpp":  # launched with its adapters: chosen per request (`lora_field`), not loaded
+            launch_id(ep, adapter)
+            return
         if hold is None:
             return await self._ensure(ep, model, adapter)
         loop = asyncio.get_running_loop()
@@ -172,11 +175,34 @@ def lora_path(ep: Endpoint, adapter: Adapter) -> str:
     got = ep.adapter_files.get(adapter.name)
     if got is not None and got.path and not got.error:
         return got.path
+    raise _unverified(ep, adapter)
+
+
+def launch_id(ep: Endpoint, adapter: Adapter) -> int:
+    """`adapter`'s id among the adapters `ep`'s llama-server was launched with; raises `APIError` 503
+    `adapter_unverified` when it was launched without it (its file failed, or the replica predates it)."""
+    got = ep.adapter_files.get(adapter.name)
+    if got is not None and got.id is not None and got.path and not got.error:
+        return got.id
+    raise _unverified(ep, adapter)
+
+
+def lora_field(ep: Endpoint, adapter: Adapter | None) -> list[dict]:
+    """llama-server's per-request `lora` for `ep`: every launched adapter, at scale 1 for the one asked for and
+    0 for the rest (one left out keeps its launch scale), so a request for the base, or one carrying a `lora`
+    of its own, gets no adapter it was not allowed."""
+    chosen = launch_id(ep, adapter) if adapter is not None else None
+    ids = sorted(f.id for f in ep.adapter_files.values() if f.id is not None and f.path and not f.error)
+    return [{"id": i, "scale": 1.0 if i == chosen else 0.0} for i in ids]
+
+
+def _unverified(ep: Endpoint, adapter: Adapter) -> APIError:
+    got = ep.adapter_files.get(adapter.name)
     why = (f"its file failed verification on node {ep.node_id}: {got.error}" if got is not None and got.error else
            f"replica {ep.replica_id} started before it was added (the rollout of the change replaces it)")
     log.warning("adapter %s not loaded into %s: %s", adapter.name, ep.replica_id, why)
-    raise APIError(503, f"the adapter `{adapter.name}` cannot be loaded: {why}", type="upstream_error",
-                   param="model", code="adapter_unverified", headers={"Retry-After": "30"})
+    return APIError(503, f"the adapter `{adapter.name}` cannot be loaded: {why}", type="upstream_error",
+                    param="model", code="adapter_unverified", headers={"Retry-After": "30"})
 
 
 def _failed(name: str, why: str) -> APIError:

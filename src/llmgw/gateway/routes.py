@@ -240,8 +240,7 @@ class RouteTable:
                 models[r.model].endpoints.append(ep)
                 ep.max_loras = (profile.max_loras or 0) if profile is not None else 0
                 ep.engine = profile.engine if profile is not None else ""
-                if with_adapters:
-                    ep.adapter_files = _adapter_files(r.replica_id, r.adapter_files)
+                ep.adapter_files = _adapter_files(r.replica_id, r.adapter_files) if with_adapters else {}
                 if changes.get(r.replica_id, ep.adapters_changed) == ep.adapters_changed:
                     _sync_adapters(ep, holding.get(r.replica_id, []))
         if catalog is not self.catalog:

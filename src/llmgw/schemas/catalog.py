@@ -197,8 +197,9 @@ class LaunchAdapter(_Strict):
     """An adapter as a replica is launched with it (`Profile.adapters`): what the node fetches, verifies and
     (llama.cpp) passes to the engine. `name`, `source` and `version` as the catalog's `Adapter`."""
 
-    name: str = Field(min_length=1, max_length=200)
-    source: str = Field(min_length=1, max_length=4096)
+    # Defaults only because it crosses processes (tests/test_wire_compat.py); the planner always sets both.
+    name: str = Field("", max_length=200)
+    source: str = Field("", max_length=4096)
     version: str | None = Field(None, max_length=128, exclude_if=lambda v: v is None)
 
     @property

@@ -59,14 +59,40 @@ def test_adapter_names_that_normalise_to_another_are_refused():
 
 
 def test_a_base_whose_profiles_cannot_load_adapters_is_refused_saying_what_to_write():
-    (p,) = refused(base(profiles=[{"engine": "llamacpp", "source": "/m.gguf"}]))
-    assert "profiles[0] (default)" in p and "llama.cpp takes adapters only at launch" in p and "vllm or sim" in p
+    (p,) = refused(base(profiles=[{"engine": "sglang", "source": "org/m"}]))
+    assert "profiles[0] (default)" in p and "sglang's adapter calls are not supported" in p and "vllm, sim" in p
     (p,) = refused(base(profiles=[{"engine": "vllm", "source": "org/m"}]))
     assert "write `max_loras: N`" in p
     (p,) = refused(base(profiles=[], endpoints=["http://10.0.0.1:8000"]))
     assert "adapters" in p and "endpoints" in p
     (p,) = refused({"name": "l", "profiles": [{"engine": "llamacpp", "source": "/m.gguf", "max_loras": 2}]})
     assert "max_loras: engine llamacpp does not load adapters" in p
+
+
+def test_a_llamacpp_base_takes_gguf_file_adapters_of_any_rank_and_refuses_the_rest():
+    gguf = [{"name": "sql", "source": "mirror:sql.gguf", "rank": 512}, {"name": "legal", "source": "/a/legal.gguf"}]
+    m = read_catalog({"models": [base(profiles=[{"engine": "llamacpp", "source": "/m.gguf"}], adapters=gguf)]})
+    launched = m.catalog.models[0].launch_profile(m.catalog.models[0].profiles[0])
+    assert [(a.name, a.source) for a in launched.adapters] == [("sql", "mirror:sql.gguf"), ("legal", "/a/legal.gguf")]
+    problems = refused(base(profiles=[{"engine": "llamacpp", "source": "/m.gguf"}]))  # a hub id; a version below
+    assert problems == ["models[0] (base).adapters[1] (chat-x).source: 'org/chat-x' is not a file llama.cpp can "
+                        "load; write mirror:NAME.gguf, an http(s) URL of the GGUF, or its path on the node"]
+    (p,) = refused(base(profiles=[{"engine": "llamacpp", "source": "/m.gguf"}],
+                        adapters=[{"name": "v", "source": "mirror:v/"}]))
+    assert "adapters[0] (v).source" in p
+    (p,) = refused(base(profiles=[{"engine": "llamacpp", "source": "/m.gguf", "max_loras": 2}], adapters=gguf))
+    assert "reads no `max_loras`; remove it" in p
+
+
+def test_only_fetched_adapters_travel_with_a_vllm_launch_and_a_profile_may_not_name_them():
+    m = read_catalog({"models": [base(adapters=[{"name": "a", "source": "mirror:a/"},
+                                                {"name": "b", "source": "/srv/b"}])]}).catalog.models[0]
+    launched = m.launch_profile(m.profiles[0])
+    assert [a.name for a in launched.adapters] == ["a"] and launched.spec_hash() != m.profiles[0].spec_hash()
+    plain = read_catalog({"models": [base(adapters=[{"name": "b", "source": "/srv/b"}])]}).catalog.models[0]
+    assert plain.launch_profile(plain.profiles[0]) is plain.profiles[0]  # nothing to fetch: the same hash
+    (p,) = refused(base(profiles=[{"engine": "sim", "max_loras": 2, "adapters": [{"name": "a", "source": "/x"}]}]))
+    assert "`adapters` is written under the model, not a profile" in p
 
 
 def test_an_adapter_rank_above_the_profile_max_lora_rank_is_refused():

@@ -249,8 +249,9 @@ def check_catalog(catalog: Catalog, indices: list[int] | None = None, unread: Se
 
 
 def adapter_problems(m: Model, where: str) -> list[str]:
-    """A model's adapters against its profiles (issue 40): each profile must load adapters at run time
-    (`Profile.lora_refusal`), and each adapter's `rank` must fit every profile's `max_lora_rank`; a model
+    """A model's adapters against its profiles (issue 40): each profile must serve adapters
+    (`Profile.lora_refusal`), and each adapter's `rank` must fit every vLLM/sim profile's `max_lora_rank` (a
+    llama.cpp profile takes any rank, and a GGUF file as each adapter's source); a model
     served by static `endpoints` takes none (llmgw does not run its engines)."""
     if not m.adapters:
         return [f"{where}.profiles[{j}] ({p.name}).max_loras: engine {p.engine} does not load adapters at run time; "
@@ -263,6 +264,12 @@ def adapter_problems(m: Model, where: str) -> list[str]:
         refusal = p.lora_refusal()
         if refusal is not None:
             problems.append(f"{where}.profiles[{j}] ({p.name}): the model has adapters, but {refusal}")
+            continue
+        if p.engine == "llamacpp":  # launched with every adapter: no rank bound; each must be one GGUF file
+            problems += [f"{where}.adapters[{k}] ({a.name}).source: {a.source!r} is not a file llama.cpp can load; "
+                         "write mirror:NAME.gguf, an http(s) URL of the GGUF, or its path on the node"
+                         for k, a in enumerate(m.adapters) if a.source.endswith("/") or not a.source.startswith(
+                             ("mirror:", "http://", "https://", "/", "./", "../"))]
             continue
         for k, a in enumerate(m.adapters):
             if a.rank is not None and a.rank > p.lora_rank:

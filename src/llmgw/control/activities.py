@@ -251,10 +251,13 @@ class ControlActivities:
 
     @activity.defn(name="reclaim_targets")
     async def reclaim_targets(self) -> ReclaimTargets:
-        """Cache names of every fetchable source in the catalog, and the nodes heard from recently."""
+        """Cache names of every fetchable source in the catalog (adapters' included), and the nodes heard from
+        recently."""
         async with self.engine.begin() as conn:
             catalog = await catalog_repo.get_catalog(conn)
             nodes = await fleet_repo.list_nodes(conn)
         wanted = sorted({cache_name_for(p.source) for m in catalog.models for p in m.profiles
-                         if p.source and parse_source(p.source).kind == "remote"})
+                         if p.source and parse_source(p.source).kind == "remote"}
+                        | {cache_name_for(a.source) for m in catalog.models for a in m.adapters
+                           if parse_source(a.source).kind == "remote"})
         return ReclaimTargets(wanted=wanted, nodes=[n.id for n in nodes if n.age_s < self.lost_after_s])

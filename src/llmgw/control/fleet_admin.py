@@ -122,7 +122,7 @@ class FleetAdmin:
     async def explain(self, model: str) -> dict:
         """The latest reconcile pass's lines about `model` (an alias or a LoRA adapter: its model), when that
         pass ran, the planner's own failure if it is failing, its last 10 replicas, and its adapters with the
-        Ready replicas holding each (issue 40). 404 for a name no model has."""
+        Ready replicas holding each and those whose node could not fetch or verify its file (issue 40). 404 for a name no model has."""
         async with self.engine.connect() as conn:
             catalog = await catalog_repo.get_catalog(conn)
             model = next((m.name for m in catalog.models if model in m.aliases or m.adapter(model)), model)
@@ -130,6 +130,7 @@ class FleetAdmin:
             rec = await reconciler_repo.get(conn)
             entry = catalog.get(model)
             held = await adapters_repo.held(conn) if entry is not None and entry.adapters else []
+            bad = await adapters_repo.unverified(conn) if entry is not None and entry.adapters else []
         rows = await self.status.replicas(include_ended=True, model=model, limit=10)
         if lines is None and not rows:
             names = [n for m in catalog.models for n in (m.name, *m.aliases)]
@@ -141,7 +142,9 @@ class FleetAdmin:
                        "last_pass_at": rec.pass_at}
         adapters = [{"name": a.name, "version": a.version, "tenants": a.tenants,
                      "replicas": [{"id": h.replica_id, "loaded_at": h.loaded_at.isoformat(),
-                                   "used_at": h.used_at.isoformat()} for h in held if h.adapter == a.name]}
+                                   "used_at": h.used_at.isoformat()} for h in held if h.adapter == a.name],
+                     "unverified": [{"id": b.replica_id, "node": b.node_id, "error": b.error}
+                                    for b in bad if b.adapter == a.name]}
                     for a in (entry.adapters if entry is not None else [])]
         return {"model": model, "decisions": lines or [], "decided_at": at, "reconciler_failure": failing,
                 "replicas": [r.model_dump(mode="json") for r in rows], "adapters": adapters}

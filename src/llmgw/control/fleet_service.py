@@ -80,7 +80,7 @@ def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
     profile = model.profile(report.profile)
     if profile is None:
         return f"model {report.model!r} has no profile {report.profile!r}"
-    if report.profile_hash != profile.spec_hash():
+    if report.profile_hash != model.launch_profile(profile).spec_hash():  # (its adapters included)
         return "it runs a different profile than the catalog now asks for"
     if profile.nodes > 1 or report.rank != 0:
         return "a shard of a multi-node replica cannot be adopted alone"

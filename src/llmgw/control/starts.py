@@ -70,7 +70,7 @@ class StrandedStarts:
         """Start the start workflow of every placement in `snapshot` left without one; returns their ids."""
         starting = {r.id: r for r in snapshot.replicas if r.status == ReplicaStatus.STARTING}
         self.seen &= set(starting)
-        profiles = {(m.name, p.name): p for m in snapshot.models for p in m.profiles}
+        profiles = {(m.name, p.name): m.launch_profile(p) for m in snapshot.models for p in m.profiles}
         sleeping = {m.name for m in snapshot.models if m.effective_scaling.sleep_after is not None}
         repaired: list[str] = []
         checks = 0

@@ -286,6 +286,8 @@ def explain(model: str = typer.Argument(..., metavar="MODEL", help="A model or a
         where = ", ".join(h["id"][:8] for h in a["replicas"]) or "no replica (loaded by its next request)"
         only = f" [tenants {', '.join(a['tenants'])}]" if a.get("tenants") is not None else ""
         typer.echo(f"  {a['name']}{'@' + a['version'] if a.get('version') else ''}{only}: loaded in {where}")
+        for b in a.get("unverified") or []:  # never loaded there: its file failed on the node
+            typer.echo(f"    NOT LOADABLE in {b['id'][:8]} (node {b['node']}): {b['error'].splitlines()[0][:300]}")
 
 
 # ---- logs --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from sqlalchemy import Text, and_, delete, func, literal, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from llmgw.db.tables import replica_adapters, replicas
+from llmgw.db.tables import replica_adapters, replicas, shards
 from llmgw.schemas.status import ReplicaStatus
 
 
@@ -33,6 +33,30 @@ async def held(conn: AsyncConnection, ready_only: bool = True) -> list[HeldAdapt
             replicas.c.status == ReplicaStatus.READY)
     return [HeldAdapter(r.replica_id, r.model, r.adapter, r.loaded_at, r.used_at)
             for r in (await conn.execute(q)).all()]
+
+
+@dataclass(frozen=True)
+class UnverifiedFile:
+    """An adapter's file that a Ready replica's node could not fetch or verify (`shards.adapters`): never loaded."""
+
+    replica_id: str
+    node_id: str
+    adapter: str
+    error: str
+
+
+async def unverified(conn: AsyncConnection) -> list[UnverifiedFile]:
+    """Every adapter file that failed on a Ready replica's rank-0 node, with the node's words."""
+    q = (select(shards.c.replica_id, shards.c.node_id, shards.c.adapters)
+         .join(replicas, replicas.c.id == shards.c.replica_id)
+         .where(and_(replicas.c.status == ReplicaStatus.READY, shards.c.rank == 0, shards.c.adapters.is_not(None)))
+         .order_by(shards.c.replica_id))
+    out = []
+    for r in (await conn.execute(q)).all():
+        for name, f in (r.adapters or {}).items():
+            if isinstance(f, dict) and f.get("error"):
+                out.append(UnverifiedFile(r.replica_id, r.node_id, str(name), str(f["error"])))
+    return out
 
 
 async def record_loaded(conn: AsyncConnection, replica_id: str, model: str, adapter: str) -> None:

@@ -224,6 +224,7 @@ async def adopt_replica(conn: AsyncConnection, node_id: str, report: ShardReport
     await conn.execute(insert(shards).values(
         id=report.shard_id, replica_id=report.replica_id, rank=report.rank, node_id=node_id, status=report.state,
         pid=report.pid, endpoint=report.endpoint, gpus=report.gpus, api_key=report.api_key,
+        adapters=_adapter_files(report),
     ))
     return True
 
@@ -466,6 +467,10 @@ async def active_replicas_with_shards(conn: AsyncConnection) -> list[ReplicaRow]
     return await _with_shards(conn, reps)
 
 
+def _adapter_files(report: ShardReport) -> dict | None:
+    return None if report.adapters is None else {k: v.model_dump(mode="json") for k, v in report.adapters.items()}
+
+
 async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport) -> ReplicaStatus | None:
     """Apply a node's report about one of its shards (the caller has checked it is placed on `node_id`).
     Returns the replica's status (None if unknown). A shard's status only moves forward (`ShardStatus.step`):
@@ -479,6 +484,8 @@ async def update_shard(conn: AsyncConnection, node_id: str, report: ShardReport)
         v = getattr(report, field)
         if v is not None:
             values[field] = v
+    if report.adapters is not None:
+        values["adapters"] = _adapter_files(report)
     res = await conn.execute(
         update(shards).where(and_(shards.c.id == report.shard_id, shards.c.node_id == node_id)).values(**values)
         .returning(shards.c.replica_id)
@@ -564,6 +571,7 @@ class RouteRow:
     pollers_age_s: float | None = None  # and of the pollers
     profile: str = ""  # the catalog profile it runs (its engine: the gateway's cache isolation)
     poll_read_age_s: float | None = None  # since its pollers were last read (None: never)
+    adapter_files: dict | None = None  # rank 0's adapter files by name, as its node reported them (issue 40)
 
 
 async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list[RouteRow]:
@@ -579,7 +587,7 @@ async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list
         select(replicas.c.model, replicas.c.id, replicas.c.endpoint, shards.c.node_id, age.label("age"),
                poll_age.label("poll_age"), shards.c.api_key, _observer_age(fresh_s, NODE_API).label("observer_age"),
                _observer_age(fresh_s, POLLERS).label("pollers_age"), replicas.c.profile,
-               func.extract("epoch", func.now() - nodes.c.poll_read_at).label("poll_read_age"))
+               func.extract("epoch", func.now() - nodes.c.poll_read_at).label("poll_read_age"), shards.c.adapters)
         .join(shards, and_(shards.c.replica_id == replicas.c.id, shards.c.rank == 0))
         .join(nodes, nodes.c.id == shards.c.node_id)
         .where(and_(replicas.c.status == ReplicaStatus.READY, replicas.c.endpoint.is_not(None),
@@ -591,7 +599,7 @@ async def routable_replicas(conn: AsyncConnection, fresh_s: float = 0.0) -> list
     def since(x) -> float | None:
         return None if x is None else max(0.0, float(x))
     return [RouteRow(r.model, r.id, r.endpoint, r.node_id, float(r.age), f(r.poll_age), r.api_key,
-                     since(r.observer_age), since(r.pollers_age), r.profile, since(r.poll_read_age))
+                     since(r.observer_age), since(r.pollers_age), r.profile, since(r.poll_read_age), r.adapters)
             for r in (await conn.execute(q)).all()]
 
 

@@ -27,6 +27,7 @@ import aiohttp
 
 from llmgw.engines.exits import describe_exit
 from llmgw.schemas.catalog import Profile
+from llmgw.schemas.inventory import AdapterFile
 from llmgw.schemas.payloads import Rendezvous
 
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ")
@@ -48,6 +49,8 @@ class ShardSpec:
     rendezvous: Rendezvous | None = None  # multi-node replicas: where the shards meet (rank 0's node)
     api_key: str | None = field(default=None, repr=False)  # the engine's key (serving shards); see module doc
     sleep_mode: bool = False  # launched able to sleep (its model has `scaling.sleep_after`; issue 39)
+    # The profile's adapters as the node fetched and verified them, by name (issue 40; node/activities.py).
+    adapter_files: dict[str, AdapterFile] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

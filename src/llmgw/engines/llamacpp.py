@@ -7,6 +7,10 @@ llama-server's own: `--model`, `--host`, `--port`, `--alias`; GPUs via `--n-gpu-
 The engine key goes in `LLAMA_API_KEY` (llama-server reads it as `--api-key`); llama-server then refuses
 every request without it except `/health` and `/v1/models`, so the node's `/slots` reads send it.
 
+LoRA adapters (issue 40) are given at launch: `--lora FILE` for each the node fetched and verified, and
+the gateway selects one per request by llama-server's `lora` field (`[{"id", "scale"}]`), so a new adapter
+is a launched profile's change, rolled out (`lora_args`).
+
 llama-server has no sleep (issue 39): nothing releases its memory while its process lives, so `sleeps` stays
 False and the planner never puts a llama.cpp replica to sleep; with `scaling.sleep_after` it stays awake until
 `idle_timeout`, as without it. Its fast way back from stopped is a start from the weights already in the
@@ -25,6 +29,23 @@ from llmgw.engines.base import (
     EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
 )
 from llmgw.weights.manifest import SPLIT_GGUF
+
+
+def lora_args(spec: ShardSpec) -> list[str]:
+    """`--lora FILE` for each adapter file the node verified, in the order of their ids (llama-server numbers
+    its adapters as given), then `--lora-init-without-apply`. The gateway chooses per request with the
+    request's `lora` field, listing every id (gateway/adapters.py `lora_field`): an adapter left out of it
+    keeps its launch scale (1.0 in the llama-server built here, even with `--lora-init-without-apply`)."""
+    files = sorted((f for f in spec.adapter_files.values() if f.path and not f.error and f.id is not None),
+                   key=lambda f: f.id)  # type: ignore[arg-type, return-value]
+    if not files:
+        return []
+    argv: list[str] = []
+    for f in files:
+        if "," in f.path:  # type: ignore[operator]
+            raise EngineError(f"adapter file {f.path!r}: llama-server splits --lora at commas; use a path without one")
+        argv += ["--lora", f.path]  # type: ignore[list-item]
+    return argv + ["--lora-init-without-apply"]
 
 
 def find_llama_server(configured: str | None = None) -> str | None:
@@ -97,6 +118,7 @@ class LlamaCppAdapter(EngineAdapter):
                 argv += ["--split-mode", "layer"]
         else:
             argv += ["--n-gpu-layers", "0"]
+        argv += lora_args(spec)
         env = launch_env(spec, {"LLAMA_API_KEY": spec.api_key} if spec.api_key else None)
         return LaunchPlan(argv=argv, env=env, endpoint=f"http://{spec.host}:{spec.port}")
 

@@ -175,6 +175,7 @@ class SimEngine:
         if isinstance(body, web.Response):
             return body
         name, path = body.get("lora_name"), body.get("lora_path")
+        print(f"sim: load_lora_adapter called for {str(name)[:200]!r}", flush=True)  # (tests: was it ever asked)
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             return vllm_error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         async with self._lora_lock:

@@ -13,6 +13,9 @@ loading the adapter there when no replica holds it.
   gateway used least recently there (`POST /v1/unload_lora_adapter`). The order is this gateway's; what
   is loaded where is recorded in `replica_adapters` (db/adapters_repo.py), which every gateway reads on its
   route refresh (gateway/routes.py), so the others route to it too.
+- An adapter whose source the node fetches (`mirror:`, http(s)) is loaded from the node's verified copy, the
+  path its node recorded for the replica (`shards.adapters`, read on the route refresh); one whose file
+  failed verification there is never loaded: its request gets 503 `adapter_unverified` with the node's words.
 - An engine that answers an adapter's request with 404 (it lost it: restarted) is forgotten as holding it,
   and the request is sent again once (gateway/proxy.py), which loads it anew.
 """
@@ -30,7 +33,7 @@ from llmgw.gateway.demand import HOLD_TICK_S, Hold
 from llmgw.gateway.routes import Endpoint
 from llmgw.gateway.upstream import Upstream, UpstreamError
 from llmgw.http.errors import APIError
-from llmgw.schemas.catalog import Adapter
+from llmgw.schemas.catalog import Adapter, LaunchAdapter
 
 log = logging.getLogger(__name__)
 LOAD = "/v1/load_lora_adapter"
@@ -70,6 +73,9 @@ class AdapterLoads:
         `hold(waited_s)` is awaited every `HOLD_TICK_S` while it loads (a stream's SSE comments)."""
         if adapter.name in ep.adapters:
             return
+        if ep.engine == "llamacpp":  # launched with its adapters: chosen per request (`lora_field`), not loaded
+            launch_id(ep, adapter)
+            return
         if hold is None:
             return await self._ensure(ep, model, adapter)
         loop = asyncio.get_running_loop()
@@ -99,6 +105,7 @@ class AdapterLoads:
                 del self.loading[adapter.name]
 
     async def _load(self, ep: Endpoint, model: str, adapter: Adapter) -> None:
+        path = lora_path(ep, adapter)  # before any unload: an unverified adapter changes nothing
         while ep.adapters and len(ep.adapters) >= max(1, ep.max_loras):
             victim = next(iter(ep.adapters))  # the least recently used
             status, text = await self._call(ep, UNLOAD, {"lora_name": victim})
@@ -110,7 +117,7 @@ class AdapterLoads:
             self.evictions += 1
             log.info("unloaded adapter %s from %s (least recently used; max_loras %d)", victim, ep.replica_id,
                      ep.max_loras)
-        status, text = await self._call(ep, LOAD, {"lora_name": adapter.name, "lora_path": adapter.source})
+        status, text = await self._call(ep, LOAD, {"lora_name": adapter.name, "lora_path": path})
         if status != 200 and not (status == 400 and ALREADY in text):
             raise _failed(adapter.name, f"the engine answered HTTP {status}: {text}")
         await self._record(adapters_repo.record_loaded, ep.replica_id, model, adapter.name)
@@ -156,6 +163,46 @@ class AdapterLoads:
                 await fn(conn, *args)
         except Exception:  # noqa: BLE001 - logged with its traceback, routing goes on
             log.exception("recording adapter holding %s failed", args)
+
+
+def lora_path(ep: Endpoint, adapter: Adapter) -> str:
+    """What `ep`'s engine is told to load for `adapter`: the node's verified copy of a fetched source
+    (`mirror:`, http(s)), else the source untouched (a path on the node, a hub id). Raises `APIError` 503
+    `adapter_unverified` when the node's copy failed verification or was never fetched (the replica started
+    before the adapter was added: the rollout of the change replaces it): the engine never gets its load."""
+    if not LaunchAdapter(name=adapter.name, source=adapter.source).fetched:
+        return adapter.source
+    got = ep.adapter_files.get(adapter.name)
+    if got is not None and got.path and not got.error:
+        return got.path
+    raise _unverified(ep, adapter)
+
+
+def launch_id(ep: Endpoint, adapter: Adapter) -> int:
+    """`adapter`'s id among the adapters `ep`'s llama-server was launched with; raises `APIError` 503
+    `adapter_unverified` when it was launched without it (its file failed, or the replica predates it)."""
+    got = ep.adapter_files.get(adapter.name)
+    if got is not None and got.id is not None and got.path and not got.error:
+        return got.id
+    raise _unverified(ep, adapter)
+
+
+def lora_field(ep: Endpoint, adapter: Adapter | None) -> list[dict]:
+    """llama-server's per-request `lora` for `ep`: every launched adapter, at scale 1 for the one asked for and
+    0 for the rest (one left out keeps its launch scale), so a request for the base, or one carrying a `lora`
+    of its own, gets no adapter it was not allowed."""
+    chosen = launch_id(ep, adapter) if adapter is not None else None
+    ids = sorted(f.id for f in ep.adapter_files.values() if f.id is not None and f.path and not f.error)
+    return [{"id": i, "scale": 1.0 if i == chosen else 0.0} for i in ids]
+
+
+def _unverified(ep: Endpoint, adapter: Adapter) -> APIError:
+    got = ep.adapter_files.get(adapter.name)
+    why = (f"its file failed verification on node {ep.node_id}: {got.error}" if got is not None and got.error else
+           f"replica {ep.replica_id} started before it was added (the rollout of the change replaces it)")
+    log.warning("adapter %s not loaded into %s: %s", adapter.name, ep.replica_id, why)
+    return APIError(503, f"the adapter `{adapter.name}` cannot be loaded: {why}", type="upstream_error",
+                    param="model", code="adapter_unverified", headers={"Retry-After": "30"})
 
 
 def _failed(name: str, why: str) -> APIError:

@@ -67,7 +67,7 @@ from llmgw.gateway.upstream import (
     AnswerTooLarge, ConnectFailed, Response, Upstream, UpstreamBroken, UpstreamError, UpstreamTimeout,
 )
 from llmgw.http.response_head import EXTENSION as HEAD
-from llmgw.gateway.adapters import AdapterLoads
+from llmgw.gateway.adapters import AdapterLoads, lora_field
 from llmgw.schemas.catalog import Adapter, GuardPolicy
 from llmgw.security.logtext import printable
 from llmgw.telemetry import GatewayMetrics, trace_route, tracing_enabled
@@ -559,7 +559,11 @@ class Proxy:
                 if tracing_enabled() and self.balancer.last is not None:
                     c = self.balancer.last
                     trace_route(name, ep.replica_id, c.policy, c.reason(), len(tried))
-                sent = data if iso is None else iso.body(mr.model, ep.kind, req if data is body else {**req, "model": sent_name}, data)
+                asked, sent = req if data is body else {**req, "model": sent_name}, data
+                if ep.engine == "llamacpp" and (adapter is not None or ep.adapter_files or "lora" in req):
+                    asked = {**asked, "lora": lora_field(ep, adapter)}  # (its own `lora` is never passed on)
+                    sent = json.dumps(asked).encode()
+                sent = sent if iso is None else iso.body(mr.model, ep.kind, asked, sent)
                 if tried:
                     self.metrics.retries.labels(plan[0].model.name).inc()
                 tried.add(ep.replica_id)

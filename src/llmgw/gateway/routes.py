@@ -34,6 +34,7 @@ from llmgw.gateway.resume import continues_chat
 from llmgw.gateway.upstream import Target, parse_target
 from llmgw.placement.liveness import witness_status
 from llmgw.schemas.catalog import Adapter, Catalog, Model, fold_name
+from llmgw.schemas.inventory import AdapterFile
 
 log = logging.getLogger(__name__)
 TABLES = {"replicas", "catalog_models", "nodes"}  # what the route table is read from
@@ -67,6 +68,10 @@ class Endpoint:
     adapters_changed: int = 0  # bumped by each load or unload this gateway makes (gateway/adapters.py)
     # The LoRA adapters its replica holds, least recently used first (gateway/adapters.py).
     adapters: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+    # Its adapter files as its node fetched and verified them (`shards.adapters`): the path a load gives the
+    # engine, or why none may be loaded; llama.cpp's launch ids (gateway/adapters.py).
+    adapter_files: dict[str, AdapterFile] = field(default_factory=dict)
+    engine: str = ""  # its profile's engine (llama.cpp's adapters are chosen per request, not loaded)
 
 
 @dataclass
@@ -234,6 +239,8 @@ class RouteTable:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)
                 ep.max_loras = (profile.max_loras or 0) if profile is not None else 0
+                ep.engine = profile.engine if profile is not None else ""
+                ep.adapter_files = _adapter_files(r.replica_id, r.adapter_files) if with_adapters else {}
                 if changes.get(r.replica_id, ep.adapters_changed) == ep.adapters_changed:
                     _sync_adapters(ep, holding.get(r.replica_id, []))
         if catalog is not self.catalog:
@@ -264,6 +271,17 @@ class RouteTable:
                     await asyncio.wait_for(self.changed.wait(), left)
                 except TimeoutError:
                     return self.resolve(name)
+
+
+def _adapter_files(replica_id: str, raw: object) -> dict[str, AdapterFile]:
+    """A replica's recorded adapter files; {} when none or unreadable (its fetched adapters are then refused
+    as not verified, never loaded from a path nobody checked)."""
+    try:
+        return {str(k): AdapterFile.model_validate(v) for k, v in (raw or {}).items()}  # type: ignore[union-attr]
+    except (ValueError, AttributeError):
+        log.warning("replica %s: its recorded adapter files cannot be read; its fetched adapters are refused",
+                    replica_id)
+        return {}
 
 
 def _sync_adapters(ep: Endpoint, stored: list[str]) -> None:

@@ -26,7 +26,7 @@ from temporalio.exceptions import ApplicationError
 from llmgw.failures import expected_failure
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, Ports, ShardSpec, SleepError, new_api_key
-from llmgw.schemas.inventory import DownloadProgress
+from llmgw.schemas.inventory import AdapterFile, DownloadProgress
 from llmgw.schemas.status import ShardStatus
 from llmgw.schemas.payloads import (
     NOT_WANTED, STILL_SERVING, UNREACHABLE, DrainShardInput, SleepShardInput, SleepShardResult, WakeShardInput,
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 FETCHED_IN_USE_S = 600.0  # weights a start fetched are not reclaimed for this long, launched or not
 RECHECK_AFTER_S = 0.25  # a fetch longer than this (or one that downloaded) is followed by "still wanted?" again
+ADAPTER_FETCH_RETRIES_S = (1.0, 3.0)  # waits before fetching an adapter again after a passing failure
 SLEEP_GRACE_S = 1.0  # before a sleep looks at what is in flight: the gateways' route tables follow the NOTIFY
 
 
@@ -182,6 +183,11 @@ class NodeActivities:
 
     async def _launch(self, inp: LaunchShardInput) -> LaunchShardResult:
         sup = self.agent.supervisor
+        existing = sup.get(inp.shard_id)
+        files = {}
+        if inp.rank == 0 and inp.profile.adapters and not (existing is not None and sup.poll(existing) is None):
+            self._check_fence(inp.replica_id, inp.generation, f"fetch adapters for shard {inp.shard_id}")
+            files = await self._fetch_adapters(inp)
         # No await between this check and the launch: a stop (which fences first) cannot slip in between.
         self._check_fence(inp.replica_id, inp.generation, f"launch shard {inp.shard_id}")
         existing = sup.get(inp.shard_id)
@@ -196,7 +202,8 @@ class NodeActivities:
                              rank=inp.rank, gpus=inp.gpus, weights_path=inp.weights_path, host=host,
                              port=self._ports.take(host, {s.spec.port for s in sup.shards.values()}) if serving else 0,
                              rendezvous=inp.rendezvous,
-                             api_key=new_api_key() if serving else None, sleep_mode=inp.sleep_mode)
+                             api_key=new_api_key() if serving else None, sleep_mode=inp.sleep_mode,
+                             adapter_files=files)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
@@ -205,6 +212,49 @@ class NodeActivities:
         await self._report(shard, ShardStatus.STARTING)
         self._watch(shard)  # after "starting": the agent's reports keep their order
         return LaunchShardResult(shard_id=inp.shard_id, pid=shard.pid, endpoint=shard.endpoint)
+
+    async def _fetch_adapters(self, inp: LaunchShardInput) -> dict[str, AdapterFile]:
+        """Fetch and verify each of the profile's adapters (issue 40) into the weight cache, as weights are
+        (`Fetcher.fetch`: the mirror's sha256, a version's manifest). One that fails is recorded with its
+        error and the replica starts without it: the gateway refuses its requests naming the cause, and the
+        engine is never given it (llama.cpp's `--lora` ids count only the verified ones)."""
+        files: dict[str, AdapterFile] = {}
+        beat = asyncio.create_task(_keepalive({"adapters": len(inp.profile.adapters)})) if activity.in_activity() \
+            else None
+        try:
+            for a in inp.profile.adapters:
+                try:
+                    got = await self._fetch_adapter(a.source)
+                except FetchError as exc:
+                    log.warning("adapter %s of replica %s not fetched: %s; the replica starts without it",
+                                a.name, inp.replica_id, exc)
+                    files[a.name] = AdapterFile(error=str(exc)[:2000])
+                    continue
+                if got.fetched:
+                    self.agent.cache_changed(got.bytes)
+                if got.path:
+                    self._fetched[got.path] = time.monotonic()
+                files[a.name] = AdapterFile(path=got.path)
+        finally:
+            if beat is not None:
+                beat.cancel()
+        if inp.profile.engine == "llamacpp":  # its `--lora` order: the verified ones, as the profile lists them
+            ids = iter(range(len(files)))
+            files = {k: f.model_copy(update={"id": next(ids)}) if f.path else f for k, f in files.items()}
+        return files
+
+    async def _fetch_adapter(self, source: str):
+        """`Fetcher.fetch`, tried again after a passing failure (a dropped connection, a 5xx): an adapter that
+        fails here stays out of the replica for its life. A verification failure is not tried again."""
+        for wait in ADAPTER_FETCH_RETRIES_S:
+            try:
+                return await self.agent.fetcher.fetch(source)
+            except FetchError as exc:
+                if not exc.retryable:
+                    raise
+                log.info("fetching adapter %s failed (%s); again in %gs", source, exc, wait)
+                await asyncio.sleep(wait)
+        return await self.agent.fetcher.fetch(source)
 
     async def _report(self, shard, state: str) -> None:
         """Report a transition; a refusal by the control plane stops the shard and fails the activity for good
@@ -455,6 +505,7 @@ class NodeActivities:
     async def reclaim_cache(self, inp: NodeReclaimInput) -> NodeReclaimResult:
         """List or delete cache entries llmgw fetched that the catalog no longer wants; this node decides."""
         in_use = {s.spec.weights_path for s in self.agent.supervisor.running() if s.spec.weights_path}
+        in_use |= {f.path for s in self.agent.supervisor.running() for f in s.spec.adapter_files.values() if f.path}
         # And what a start fetched lately: between its fetch and its launch (an await, or a workflow step
         # on the two-step path) the engine does not hold it yet, and its source may just have left the catalog.
         now = time.monotonic()

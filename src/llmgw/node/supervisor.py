@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from llmgw.engines.base import LaunchPlan, ShardSpec
 from llmgw.schemas.catalog import Profile
-from llmgw.schemas.inventory import ShardReport
+from llmgw.schemas.inventory import AdapterFile, ShardReport
 from llmgw.schemas.payloads import Rendezvous
 from llmgw.schemas.status import ShardStatus
 
@@ -73,6 +73,7 @@ class Shard:
             profile=self.spec.profile.name, rank=self.spec.rank, gpus=self.spec.gpus, state=state or self.state, pid=self.pid,
             endpoint=self.endpoint, exit_code=self.exit_code, exit_reason=exit_reason, output_tail=tail,
             profile_hash=self.spec.profile.spec_hash(), api_key=self.spec.api_key if with_key else None,
+            adapters=dict(self.spec.adapter_files) if self.spec.adapter_files else None,
         )
 
     def to_json(self) -> dict:
@@ -85,6 +86,7 @@ class Shard:
             "log_path": str(self.log_path), "state": self.state, "started_at": self.started_at,
             "rendezvous": self.spec.rendezvous.model_dump(mode="json") if self.spec.rendezvous else None,
             "api_key": self.spec.api_key, "sleep_mode": self.spec.sleep_mode, "asleep": self.asleep,
+            "adapter_files": {k: v.model_dump(mode="json") for k, v in self.spec.adapter_files.items()},
         }
 
     @classmethod
@@ -93,11 +95,22 @@ class Shard:
                          profile=_profile_as_written(d["profile"], d["shard_id"]), rank=d["rank"], gpus=d["gpus"],
                          weights_path=d["weights_path"], host=d["host"], port=d["port"],
                          rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None,
-                         api_key=d.get("api_key"), sleep_mode=bool(d.get("sleep_mode", False)))
+                         api_key=d.get("api_key"), sleep_mode=bool(d.get("sleep_mode", False)),
+                         adapter_files=_adapter_files(d.get("adapter_files"), d["shard_id"]))
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", ShardStatus.STARTING), adopted=True,
                    started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"),
                    asleep=bool(d.get("asleep", False)))
+
+
+def _adapter_files(raw: object, shard_id: str) -> dict[str, AdapterFile]:
+    """The adapter files a spec file holds ({} when it has none or they cannot be read: its adapters are then
+    refused by the gateway as not verified, never loaded from an unknown path)."""
+    try:
+        return {str(k): AdapterFile.model_validate(v) for k, v in (raw or {}).items()}  # type: ignore[union-attr]
+    except (ValidationError, AttributeError) as exc:
+        log.warning("shard %s's spec file holds adapter files this version cannot read (%s)", shard_id, exc)
+        return {}
 
 
 def _profile_as_written(raw: object, shard_id: str) -> Profile:

@@ -35,14 +35,16 @@ def place_one(model: Model, view: FleetView, explain: bool = True) -> Decision:
         if profile.shard_count == 1:
             if ok:
                 best = min(ok, key=NodeFit.preference)
-                return Decision(kind="place", model=model.name, profile=profile.name, profile_spec=profile,
+                return Decision(kind="place", model=model.name, profile=profile.name,
+                                profile_spec=model.launch_profile(profile),
                                 shards=[ShardPlacement(node_id=best.node.id, rank=0, gpus=best.gpus or [])],
                                 reason=f"{best.node.id} {best.remark()}{rung(profile, best, fits)}", refusals=refusals)
             continue
         fp = place_across_fabric(profile, sorted(ok, key=NodeFit.preference))
         refusals += fp.refusals
         if fp.shards:
-            return Decision(kind="place", model=model.name, profile=profile.name, profile_spec=profile,
+            return Decision(kind="place", model=model.name, profile=profile.name,
+                            profile_spec=model.launch_profile(profile),
                             shards=fp.shards, reason=fp.reason, refusals=refusals)
     return Decision(kind="refuse", model=model.name, reason="no node can take it", refusals=refusals)
 

@@ -1,7 +1,8 @@
 """Rolling replacement when a model's profile changes (issue 13). Pure: snapshot in, decisions out.
 
 A replica is *outdated* when the profile hash its node reports it runs (`ReplicaSnap.profile_hash`, from
-the shard reports) differs from the catalog's profile of the same name. A replica that has not reported
+the shard reports) differs from the catalog's profile of the same name, as launched (with the model's
+adapters the node fetches, `Model.launch_profile`: a changed adapter is rolled out as a changed profile). A replica that has not reported
 yet (hash None) is not outdated: it was placed from the current catalog, or predates hashes.
 
 The work is split so that nothing races for GPUs:
@@ -36,11 +37,11 @@ def is_outdated(r: ReplicaSnap, model: Model) -> bool:
     profile = model.profile(r.profile)
     if profile is None:
         return bool(model.profiles)
-    return r.profile_hash is not None and r.profile_hash != profile.spec_hash()
+    return r.profile_hash is not None and r.profile_hash != model.launch_profile(profile).spec_hash()
 
 
 def hashes(model: Model) -> str:
-    return ", ".join(f"{p.name}@{p.spec_hash()[:8]}" for p in model.profiles)
+    return ", ".join(f"{p.name}@{model.launch_profile(p).spec_hash()[:8]}" for p in model.profiles)
 
 
 def plan_rules(model: Model, mine: list[ReplicaSnap], want: int, why: str) -> tuple[list[Decision], bool]:

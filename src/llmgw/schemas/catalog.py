@@ -193,6 +193,22 @@ class Scaling(_Strict):
         return self.max == 0
 
 
+class LaunchAdapter(_Strict):
+    """An adapter as a replica is launched with it (`Profile.adapters`): what the node fetches, verifies and
+    (llama.cpp) passes to the engine. `name`, `source` and `version` as the catalog's `Adapter`."""
+
+    # Defaults only because it crosses processes (tests/test_wire_compat.py); the planner always sets both.
+    name: str = Field("", max_length=200)
+    source: str = Field("", max_length=4096)
+    version: str | None = Field(None, max_length=128, exclude_if=lambda v: v is None)
+
+    @property
+    def fetched(self) -> bool:
+        """Whether the node fetches and verifies its file (a `mirror:` or http(s) source), so that the engine
+        is given the node's verified copy; a path or a hub id is passed to the engine untouched."""
+        return self.source.startswith(("mirror:", "http://", "https://"))
+
+
 class Profile(_Strict):
     """One way to run a model.
 
@@ -236,6 +252,10 @@ class Profile(_Strict):
     # workers), as `device`.
     max_loras: int | None = Field(None, ge=1, le=MAX_LORAS, exclude_if=lambda v: v is None)
     max_lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK, exclude_if=lambda v: v is None)
+    # The model's adapters whose files the node fetches and verifies before the launch (and llama.cpp launches
+    # with): set by the planner from the model's `adapters` (`Model.launch_profile`), never written in a
+    # catalog (the model refuses it). Part of the spec hash, so a changed adapter rolls the replicas out.
+    adapters: list[LaunchAdapter] = Field(default_factory=list, max_length=MAX_ADAPTERS, exclude_if=lambda v: not v)
 
     @field_validator("start_timeout", mode="before")
     @classmethod
@@ -272,7 +292,7 @@ class Profile(_Strict):
 
     @model_validator(mode="after")
     def _size(self) -> "Profile":
-        size = len(self.model_dump_json().encode())
+        size = len(self.model_dump_json(exclude={"adapters"}).encode())  # (adapters: bounded by their model)
         if size > MAX_PROFILE_BYTES:
             raise ValueError(f"profile {self.name!r} is {size} bytes as JSON, more than {MAX_PROFILE_BYTES} "
                              "(it travels in every start of a replica); put long values in files on the node")
@@ -288,11 +308,13 @@ class Profile(_Strict):
         return self.max_lora_rank or DEFAULT_MAX_LORA_RANK
 
     def lora_refusal(self) -> str | None:
-        """Why a replica of this profile cannot load adapters at run time, saying what to write (None: it can)."""
+        """Why a replica of this profile cannot serve adapters, saying what to write (None: it can)."""
+        if self.engine == "llamacpp":  # launched with every adapter (`--lora`), chosen per request
+            return None if self.max_loras is None else ("llama.cpp holds every adapter from its launch and reads no "
+                                                        "`max_loras`; remove it")
         if self.engine not in LORA_ENGINES:
-            what = ("llama.cpp takes adapters only at launch (`--lora`), which llmgw does not do yet"
-                    if self.engine == "llamacpp" else f"{self.engine}'s adapter calls are not supported by llmgw yet")
-            return f"engine {self.engine} cannot load adapters at run time ({what}); use a vllm or sim profile"
+            return (f"engine {self.engine} cannot load adapters at run time ({self.engine}'s adapter calls are not "
+                    "supported by llmgw yet); use a vllm, sim or llamacpp profile")
         if self.max_loras is None:
             return "it sets no `max_loras`; write `max_loras: N` (adapters one replica holds at once, e.g. 4)"
         return None
@@ -447,8 +469,9 @@ class Adapter(_Strict):
     """A LoRA adapter served under its base model (issue 40): clients send its `name` as `model`.
 
     - `name`: the model-name rules; unique among every model, alias and adapter (folded as model names).
-    - `source`: what the engine loads (vLLM's `lora_path`): a path on the node or a repository id, passed
-      untouched (the mirror does not take adapters yet).
+    - `source`: as a profile's (docs/catalog.md, "Sources"): `mirror:NAME` or an http(s) URL is fetched and
+      verified by the node worker when a replica starts, and the engine is given that copy; a path on the
+      node or a hub id is passed to the engine untouched.
     - `version`: a label for the operator (shown by `ctl`); changing it is a catalog change.
     - `rank`: the adapter's LoRA rank, checked against each profile's `max_lora_rank` (unset: not checked).
     - `tenants`: the tenants whose keys may use it (unset: every key that may use the base model).
@@ -544,7 +567,21 @@ class Model(_Strict):
         names = [p.name for p in self.profiles]
         if len(names) != len(set(names)):
             raise ValueError(f"model {self.name!r} has two profiles with the same name; give each a distinct `name`")
+        for p in self.profiles:
+            if p.adapters:
+                raise ValueError(f"profile {p.name!r}: `adapters` is written under the model, not a profile")
         return self
+
+    def launch_profile(self, profile: Profile) -> Profile:
+        """`profile` as a replica of it is launched: with the adapters the node fetches and verifies first
+        (those with a `mirror:` or http(s) source), every adapter on llama.cpp (launched with `--lora`).
+        Its `spec_hash()` is what a replica reports it runs, so a changed adapter rolls the replicas out."""
+        chosen = [a for a in self.adapters if profile.engine == "llamacpp" or LaunchAdapter(
+            name=a.name, source=a.source).fetched]
+        if not chosen:
+            return profile
+        return profile.model_copy(update={"adapters": [
+            LaunchAdapter(name=a.name, source=a.source, version=a.version) for a in chosen]})
 
     @property
     def effective_scaling(self) -> Scaling:

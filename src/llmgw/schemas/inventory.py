@@ -98,6 +98,19 @@ ShardState = Literal[ShardStatus.STARTING, ShardStatus.READY, ShardStatus.DRAINI
                      ShardStatus.FAILED]
 
 
+class AdapterFile(_Wire):
+    """A LoRA adapter's file as the node fetched and verified it for a shard (issue 40), or why not.
+
+    `path`: the node-local verified copy the engine is given (vLLM's `lora_path`; llama.cpp's `--lora`);
+    `error`: why it is not there (a hash that did not match the mirror's, a missing file): the engine is never
+    given it, and the gateway answers its requests 503 `adapter_unverified` with these words; `id`: its index
+    among the engine's launch adapters (llama.cpp's per-request `lora` ids; None elsewhere)."""
+
+    path: str | None = Field(None, max_length=4096)
+    error: str | None = Field(None, max_length=2000)
+    id: int | None = Field(None, ge=0, le=1024)
+
+
 class ShardReport(_Wire):
     """One shard as the node sees it. Sent on register (every running shard) and on each transition."""
 
@@ -117,6 +130,8 @@ class ShardReport(_Wire):
     # The engine's key (serving shards), which the gateway sends; sent on registration and transitions,
     # stored with the shard, never logged (repr) nor shown by the admin API.
     api_key: str | None = Field(None, repr=False, pattern=r"^[A-Za-z0-9_-]{16,256}$")
+    # Rank 0's adapter files by adapter name (issue 40); left out when it has none (an older control plane).
+    adapters: dict[str, AdapterFile] | None = Field(None, max_length=256, exclude_if=lambda v: v is None)
 
 
 class DownloadProgress(_Wire):

@@ -99,7 +99,7 @@ shards = Table(
     Column("progress", JSONB),  # a download in progress: {"source", "bytes", "total"?}; cleared by any transition
     Column("api_key", Text),  # the engine's key, from the node's report; the gateway sends it (0005_engine_keys)
     # Rank 0's LoRA adapter files as its node fetched and verified them: {name: {path, error, id}}
-    # (0018_h40_lora2_adapter_files); the gateway loads only a verified path.
+    # (0018_adapter_files); the gateway loads only a verified path.
     Column("adapters", JSONB),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

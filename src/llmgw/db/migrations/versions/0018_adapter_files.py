@@ -4,14 +4,14 @@
 gives the engine the node-local verified `path`, and refuses an adapter whose file failed verification
 (`error`) without sending its load. NULL: the shard has no fetched adapters.
 
-Revision ID: 0018_h40_lora2_adapter_files
+Revision ID: 0018_adapter_files
 Revises: 0017_poll_read
 """
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-revision = "0018_h40_lora2_adapter_files"
+revision = "0018_adapter_files"
 down_revision = "0017_poll_read"
 branch_labels = None
 depends_on = None

@@ -83,6 +83,10 @@ async def test_each_replica_is_asked_its_version_once_and_an_unreadable_one_is_t
     assert await d.native(llama) is False and await d.native(static) is False
     assert await d.native(vllm) is True
     assert up.asked == ["/version", "/props"]  # once each (two at once share one); a static one never
+    huge = Dialects(_Upstream({"/props": _Resp(200, b'{"build_info": "b11434", "x": "' + b"y" * (2 << 20) + b'"}')}))  # type: ignore[arg-type]
+    assert await huge.native(_ep("llamacpp")) is False  # read up to 1 MiB: no JSON, so no version
+    refused = Dialects(_Upstream({"/version": _Resp(401, b'{"version": "0.32.0"}')}))  # type: ignore[arg-type]
+    assert await refused.native(_ep("vllm")) is False
     down = Dialects(_Upstream({"/version": ConnectFailed("refused")}))  # type: ignore[arg-type]
     sim = _ep("sim")
     assert await down.native(sim) is False and sim.native is None and sim.native_retry_at > 0

@@ -1,7 +1,8 @@
 """The sim engine: an OpenAI-compatible server that streams Greek letters at a fixed rate.
 
 It stands in for a GPU engine wherever there is none: it serves `/v1/chat/completions`,
-`/v1/completions`, `/v1/embeddings`, `/v1/models`, `/health` and `/metrics`, streaming or not, emitting
+`/v1/completions`, `/v1/embeddings`, Anthropic's `/v1/messages` (`SimEngine.messages`), `/v1/models`,
+`/version`, `/health` and `/metrics`, streaming or not, emitting
 tokens from the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16), for
 each of `n` choices (default 1; their tokens interleaved in a stream, as vLLM sends them). Its
 models are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503

@@ -592,11 +592,12 @@ class Proxy:
                 if tracing_enabled() and self.balancer.last is not None:
                     c = self.balancer.last
                     trace_route(name, ep.replica_id, c.policy, c.reason(), len(tried))
-                sent_path = path
+                sent_path, native = path, False
                 if door is not None:
                     native = door.may_pass and await self.dialects.native(ep)
                     door.passing(native)
-                if door is not None and native:
+                if native:
+                    assert door is not None
                     sent_path = messages_native.PATH
                     nreq = messages_native.request(door.original, sent_name, req)
                     ndata = json.dumps(nreq).encode()

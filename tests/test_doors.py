@@ -18,7 +18,7 @@ import pytest
 
 from llmgw.dev.procs import free_port, stop_process, wait_port
 from llmgw.engines.llamacpp import find_llama_server
-from llmgw.gateway.dialects import parse_version, speaks_messages
+from llmgw.engines.dialects import parse_version, speaks_messages
 from tests.fake_engine import FakeEngines
 from tests.helpers import ControlPlane, wait_until
 from tests.test_tenants import Sim, create_key, create_tenant, usage_rows

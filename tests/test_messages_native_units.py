@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from llmgw.gateway.dialects import Dialects, parse_version, reported_version, speaks_messages
+from llmgw.engines.dialects import parse_version, reported_version, speaks_messages
+from llmgw.gateway.dialects import Dialects
 from llmgw.gateway.messages import MessagesDoor
 from llmgw.gateway.messages_native import NativeFrames, counts, counts_of_message, request
 from llmgw.gateway.openai_api import sse_error

@@ -78,9 +78,7 @@ from aiohttp import web
 
 from llmgw.engines.sim_cache import MAX_CACHED_BLOCKS, PrefixCache, prompt_words
 from llmgw.engines.sim_group import Group, run_worker
-from llmgw.gateway.dialects import parse_version, speaks_messages
-from llmgw.gateway.messages import to_chat
-from llmgw.http.errors import APIError
+from llmgw.engines.dialects import parse_version, speaks_messages
 from llmgw.version import VERSION
 
 GREEK = "α β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω".split()
@@ -303,16 +301,15 @@ class SimEngine:
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body
-        try:
-            chat = to_chat(body)
-        except APIError as err:
-            return web.json_response({"type": "error", "error": {"type": "invalid_request_error",
-                                                                 "message": err.message}}, status=400)
+        n, turns = body.get("max_tokens"), body.get("messages")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(turns, list) or not turns:
+            return web.json_response({"type": "error", "error": {
+                "type": "invalid_request_error", "message": "`max_tokens` (from 1) and `messages` are required"}},
+                status=400)
         serving = self._serving(body)
         if isinstance(serving, web.Response):
             return serving
-        n = chat["max_tokens"]
-        usage = {"input_tokens": prompt_tokens(chat["messages"]), "output_tokens": n}
+        usage = {"input_tokens": prompt_tokens(turns), "output_tokens": n}
         mid = "msg_sim_" + uuid.uuid4().hex[:24]
         self.in_flight += 1
         self.requests_total += 1

@@ -107,10 +107,10 @@ def test_anthropic_messages_are_passed_through_to_vllm(fleet):
     cp, _, _ = fleet
     client = anthropic.Anthropic(base_url=cp.gateway, api_key="unused", timeout=120, max_retries=0)
     hello = [{"role": "user", "content": "Say hello."}]
-    msg = client.messages.create(model=MODEL, max_tokens=4, temperature=0, messages=hello)
+    msg = client.messages.create(model=MODEL, max_tokens=4, messages=hello)
     assert msg.content[0].type == "text" and msg.content[0].text and not msg.id.startswith("msg_chatcmpl"), msg
     assert 0 < msg.usage.output_tokens <= 4 and msg.usage.input_tokens > 0
-    with client.messages.stream(model=MODEL, max_tokens=4, temperature=0, messages=hello) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=4, messages=hello) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text and final.content[0].text == text and not final.id.startswith("msg_chatcmpl"), final

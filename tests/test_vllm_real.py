@@ -98,6 +98,25 @@ def test_a_cpu_vllm_model_is_placed_fetched_launched_with_its_key_and_served(fle
                      timeout=10).status_code == 200
 
 
+def test_anthropic_messages_are_passed_through_to_vllm(fleet):
+    """vLLM 0.32 serves `/v1/messages` itself (gateway/dialects.py reads its `/version`): the gateway sends the
+    request as it came and relays vLLM's answer, whose id is vLLM's own (a translation's would be `msg_` + the
+    chat id), with the unmodified anthropic client, streaming too."""
+    import anthropic
+
+    cp, _, _ = fleet
+    client = anthropic.Anthropic(base_url=cp.gateway, api_key="unused", timeout=120, max_retries=0)
+    hello = [{"role": "user", "content": "Say hello."}]
+    msg = client.messages.create(model=MODEL, max_tokens=4, messages=hello)
+    assert msg.content[0].type == "text" and msg.content[0].text and not msg.id.startswith("msg_chatcmpl"), msg
+    assert 0 < msg.usage.output_tokens <= 4 and msg.usage.input_tokens > 0
+    with client.messages.stream(model=MODEL, max_tokens=4, messages=hello) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[0].text == text and not final.id.startswith("msg_chatcmpl"), final
+    assert 0 < final.usage.output_tokens <= 4
+
+
 def test_vllm_s_own_metrics_are_read_for_load(fleet):
     """`vllm:num_requests_running`, read with the engine key, is what scaling and drains count."""
     import asyncio

@@ -1,7 +1,8 @@
 """The sim engine: an OpenAI-compatible server that streams Greek letters at a fixed rate.
 
 It stands in for a GPU engine wherever there is none: it serves `/v1/chat/completions`,
-`/v1/completions`, `/v1/embeddings`, `/v1/models`, `/health` and `/metrics`, streaming or not, emitting
+`/v1/completions`, `/v1/embeddings`, Anthropic's `/v1/messages` (`SimEngine.messages`), `/v1/models`,
+`/version`, `/health` and `/metrics`, streaming or not, emitting
 tokens from the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16), for
 each of `n` choices (default 1; their tokens interleaved in a stream, as vLLM sends them). Its
 models are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503
@@ -77,6 +78,8 @@ from aiohttp import web
 
 from llmgw.engines.sim_cache import MAX_CACHED_BLOCKS, PrefixCache, prompt_words
 from llmgw.engines.sim_group import Group, run_worker
+from llmgw.engines.dialects import parse_version, speaks_messages
+from llmgw.version import VERSION
 
 GREEK = "α β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω".split()
 OWNED_BY = "llmgw-sim"
@@ -120,6 +123,7 @@ class SimEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_total = 0
+        self.engine_version = VERSION  # what /version reports (`--engine-version`: an older engine's)
 
     def token(self, i: int) -> str:
         return GREEK[i % len(GREEK)] + " "
@@ -283,6 +287,73 @@ class SimEngine:
         return web.json_response({"object": "list", "data": data, "model": self.model,
                                   "usage": {"prompt_tokens": len(items), "total_tokens": len(items)}})
 
+    async def version(self, request: web.Request) -> web.Response:
+        """`{"version": ...}` as vLLM's `/version` (gateway/dialects.py reads it): llmgw's, or `--engine-version`."""
+        return web.json_response({"version": self.engine_version})
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's `POST /v1/messages`, served here (from `MESSAGES_SINCE`), so that a test tells a request
+        the gateway passed through from one it translated: this answer's id starts `msg_sim_` (a translated
+        one's is `msg_` + the chat id). The text is the chat's (Greek letters, `max_tokens` of them); a
+        stream sends Anthropic's events, and one of a type no client knows (`sim_note`) after `ping`, as an
+        engine newer than its clients might. Below `MESSAGES_SINCE` it is a 404, as an engine without it."""
+        if not speaks_messages("sim", parse_version("sim", self.engine_version)):
+            return error(404, "Not Found")
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        n, turns = body.get("max_tokens"), body.get("messages")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(turns, list) or not turns:
+            return web.json_response({"type": "error", "error": {
+                "type": "invalid_request_error", "message": "`max_tokens` (from 1) and `messages` are required"}},
+                status=400)
+        serving = self._serving(body)
+        if isinstance(serving, web.Response):
+            return serving
+        usage = {"input_tokens": prompt_tokens(turns), "output_tokens": n}
+        mid = "msg_sim_" + uuid.uuid4().hex[:24]
+        self.in_flight += 1
+        self.requests_total += 1
+        self.prompt_tokens_total += usage["input_tokens"]
+        resp: web.StreamResponse | None = None
+        try:
+            if not body.get("stream"):
+                for _ in range(n):
+                    if self.delay:
+                        await asyncio.sleep(self.delay)
+                    self.generation_tokens_total += 1
+                return web.json_response({"id": mid, "type": "message", "role": "assistant", "model": serving,
+                                          "content": [{"type": "text", "text": "".join(map(self.token, range(n)))}],
+                                          "stop_reason": "max_tokens", "stop_sequence": None, "usage": usage})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+
+            async def event(kind: str, obj: dict) -> None:
+                await resp.write(f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **obj},
+                                                                                 ensure_ascii=False).encode() + b"\n\n")
+            await event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": serving, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}})
+            await event("ping", {})
+            await event("sim_note", {"note": "an event type no client knows"})
+            await event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            for i in range(n):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                self.generation_tokens_total += 1
+                await event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": self.token(i)}})
+            await event("content_block_stop", {"index": 0})
+            await event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                                          "usage": {"output_tokens": n}})
+            await event("message_stop", {})
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:
+            log.info("the client of %s went away mid-stream", mid)
+            return resp if resp is not None else web.Response(status=499)
+        finally:
+            self.in_flight -= 1
+
     async def _generate(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         if not isinstance(n, int) or n < 1:
@@ -434,6 +505,8 @@ def make_app(engine: SimEngine, api_key: str | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", engine.chat)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_post("/v1/embeddings", engine.embeddings)
+    app.router.add_post("/v1/messages", engine.messages)
+    app.router.add_get("/version", engine.version)
     app.router.add_post("/sleep", engine.sleep)
     app.router.add_post("/wake_up", engine.wake_up)
     app.router.add_get("/is_sleeping", engine.is_sleeping)
@@ -460,6 +533,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="go on serving after SIGTERM, as a wedged engine does: only SIGKILL ends it")
     p.add_argument("--max-loras", type=int, default=0, help="LoRA adapters held at once (0: LoRA off)")
     p.add_argument("--lora-load-s", type=float, default=0.0, help="seconds a POST /v1/load_lora_adapter takes")
+    p.add_argument("--engine-version", default=VERSION,
+                   help="the version /version reports (an older one than 0.2.0 serves no /v1/messages)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1, help="shards in the replica (multi-node)")
     p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
@@ -494,6 +569,7 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group,
                        PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second), args.gpu_memory_mb,
                        args.sleep_s, args.wake_s, args.max_loras, args.lora_load_s)
+    engine.engine_version = args.engine_version
     runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -401,6 +401,7 @@ class MessagesStream:
     Chunks of no known shape (no choices, no usage, no error) are skipped."""
 
     def __init__(self, model: str, stops: list[str] | None = None):
+        self.native = False  # the engine serving it speaks Messages: its events pass as they are
         self.model = model
         self.stops = stops
         self.started = False
@@ -411,6 +412,8 @@ class MessagesStream:
         self.usage: dict = {"input_tokens": 0, "output_tokens": 0}
 
     def feed(self, out: bytes) -> bytes:
+        if self.native:
+            return out
         if self.ended or not out:
             return b""
         parts: list[bytes] = []
@@ -506,24 +509,41 @@ class MessagesStream:
 
 class MessagesDoor:
     """One Messages request at the gateway's door (gateway/proxy.py calls it): the chat request it becomes,
-    its answer and stream in Anthropic's form, its errors in Anthropic's envelope."""
+    its answer and stream in Anthropic's form, its errors in Anthropic's envelope. Where the replica that
+    serves it speaks Messages itself (gateway/dialects.py), the proxy sends it `original` instead
+    (gateway/messages_native.py) and calls `passing(True)`: its answer and events then pass as they are.
+    `may_pass`: the proxy allows it (not when the model's guard judges answers, which it reads as chats)."""
 
     path = "/v1/messages"
 
     def __init__(self) -> None:
         self.model = ""
         self.stops: list[str] | None = None
+        self.original: dict = {}
+        self.may_pass = False
+        self.native = False
+        self._stream: MessagesStream | None = None
 
     def request(self, body: bytes) -> dict:
-        chat = to_chat(decode_request(body))
+        self.original = decode_request(body)
+        chat = to_chat(self.original)
         self.model = chat["model"]
         self.stops = chat.get("stop")
         return chat
 
     error_body = staticmethod(error_body)
 
+    def passing(self, native: bool) -> None:
+        """The replica now asked speaks Messages (True) or takes the translation (False)."""
+        self.native = native
+        if self._stream is not None:
+            self._stream.native = native
+
     def answer(self, data: bytes) -> bytes:
+        if self.native:
+            return data
         return answer(data, self.model, self.stops)
 
     def stream(self) -> MessagesStream:
-        return MessagesStream(self.model, self.stops)
+        self._stream = MessagesStream(self.model, self.stops)
+        return self._stream

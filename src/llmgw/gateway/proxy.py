@@ -28,6 +28,9 @@ For each request:
 - a request of another API (Anthropic's POST /v1/messages, OpenAI's POST /v1/responses: a `Door`) is
   translated into a chat completion as it is read and takes every step above as one; its answer, its
   events and its errors are translated back as they are sent (gateway/messages.py, gateway/responses.py).
+  A Messages request to a replica whose engine serves Messages itself (gateway/dialects.py) is sent as it
+  came instead, with the same rules applied, and its answer and events relayed in their own framing
+  (gateway/messages_native.py); each replica gets what it speaks, request by request.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ from llmgw.gateway.demand import Demand, Hold
 from llmgw.gateway.fairness import BATCH, request_cost, share_of
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
-from llmgw.gateway import messages
-from llmgw.gateway.messages import Door
+from llmgw.gateway import messages, messages_native
+from llmgw.gateway.dialects import Dialects
+from llmgw.gateway.messages import Door, MessagesDoor
+from llmgw.gateway.messages_native import NativeFrames
 from llmgw.gateway.media import check_media, has_parts, media_urls
 from llmgw.gateway.isolation import Isolated, Isolation
 from llmgw.gateway.prefix import prefix_key
@@ -109,6 +114,19 @@ def _prepared(out: bytes, splice: Splice | None, meter: Meter | None) -> bytes:
         if USAGE in out:
             out = meter.events(out)
         meter.relayed += out.count(b"data: {")
+    return out
+
+
+def _fed(frames: "SSEFrames | NativeFrames", chunk: bytes, splice: Splice | None, meter: Meter | None) -> bytes:
+    """The complete events `chunk` completes, prepared for relaying: a chat stream's by `_prepared`, an
+    Anthropic stream passed through (gateway/messages_native.py) counted from its own usage events."""
+    if isinstance(frames, SSEFrames):
+        return _prepared(frames.feed(chunk), splice, meter)
+    out = frames.feed(chunk)
+    if meter is not None:
+        meter.relayed = frames.deltas
+        if frames.counts is not None:
+            meter.counts = frames.counts
     return out
 
 
@@ -178,6 +196,11 @@ class _Exchange:
     def error_body(self, err: APIError) -> bytes | None:
         return self.door.error_body(err) if self.door is not None else None
 
+    @property
+    def native(self) -> bool:
+        """A Messages request the replica serving it answers in Messages itself (gateway/messages_native.py)."""
+        return isinstance(self.door, MessagesDoor) and self.door.native
+
     def stream_error(self, err: APIError) -> bytes:
         """The event that ends a stream the gateway failed: in the door's API, or OpenAI's and `[DONE]`."""
         return self.tr.error(err) if self.tr is not None else sse_error(err) + DONE
@@ -244,6 +267,7 @@ class Proxy:
         self.metrics = metrics
         self.max_body = max_body
         self.guard = Guard(self.call)
+        self.dialects = Dialects(upstream)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         await self.handle(scope, receive, send, None)
@@ -381,6 +405,9 @@ class Proxy:
                                   "messages" if path.endswith("chat/completions") else "prompt", iso)
 
         judged = policy is not None and "response" in policy.check
+        door = x.door if isinstance(x.door, MessagesDoor) else None
+        if door is not None:
+            door.may_pass = not judged  # a judged answer is read as a chat's: translated
 
         async def consume(leg: _Leg) -> tuple[int, float | None]:
             if judged:
@@ -391,7 +418,8 @@ class Proxy:
 
         held_as = adapter.name if adapter is not None else route.model.name
         hold = self._holder(held_as, send, x) if req.get("stream") is True and not judged else None
-        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso, adapter, x.batch)
+        return await self._exchange(route, path, req, body, consume, hold, x.meter, chars, iso, adapter, x.batch,
+                                    door)
 
     @staticmethod
     def _holder(name: str, send: Send, x: _Exchange) -> Hold:
@@ -431,7 +459,8 @@ class Proxy:
     async def _exchange(self, route: ModelRoute, path: str, req: dict, body: bytes,
                         consume: Callable[["_Leg"], Awaitable[Any]], hold: Hold | None = None,
                         meter: Meter | None = None, chars: int = 0, iso: Isolated | None = None,
-                        adapter: Adapter | None = None, batch: bool = False) -> Any:
+                        adapter: Adapter | None = None, batch: bool = False,
+                        door: MessagesDoor | None = None) -> Any:
         """Route, admit, open the upstream answer and hand it to `consume`; keeps the books (outstanding
         requests, breaker, use for the idle clock, the concurrency slot) whatever happens. With no Ready
         replica the request is held for a load (`hold` is called while it waits). A fallback that serves
@@ -456,7 +485,8 @@ class Proxy:
         fallback: list[tuple[str, Gate | None]] = []
         try:
             tried: set[str] = set()
-            resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried, adapter, hold)
+            resp, ep, served = await self._open(plan, path, req, body, meter, fallback, iso, tried, adapter, hold,
+                                                door)
             leg = _Leg(resp, ep, served.model.name, tried, adapter)
             healthy: bool | None = None
             try:
@@ -518,7 +548,8 @@ class Proxy:
     async def _open(self, plan: list[ModelRoute], path: str, req: dict, body: bytes,
                     meter: Meter | None = None, fallback: list[tuple[str, Gate | None]] | None = None,
                     iso: Isolated | None = None, tried: set[str] | None = None,
-                    adapter: Adapter | None = None, hold: Hold | None = None) -> tuple[Response, Endpoint, ModelRoute]:
+                    adapter: Adapter | None = None, hold: Hold | None = None,
+                    door: MessagesDoor | None = None) -> tuple[Response, Endpoint, ModelRoute]:
         """Send the request to the best endpoint, moving on to the next while nothing has reached the
         client. Returns an answer with a status below 400, its endpoint counted as outstanding, and the
         model route it came from; `tried` collects the replicas it was sent to (those in it are passed
@@ -527,7 +558,9 @@ class Proxy:
         answer is still charged its prompt): set as it is sent, cleared when no engine took it. `iso`: what
         its endpoints are told for cache isolation (gateway/isolation.py), by model and engine. `adapter`: the
         LoRA adapter the request names, sent to a replica holding it, loaded into one first when none does
-        (gateway/adapters.py; `hold` is called while it loads, as while a model loads)."""
+        (gateway/adapters.py; `hold` is called while it loads, as while a model loads). `door`: a Messages
+        request, sent as it came to a replica that speaks Messages (`door.may_pass`, gateway/dialects.py),
+        translated to the others; `door.native` says which the answer returned is."""
         loop = asyncio.get_running_loop()
         tried = set() if tried is None else tried
         last: APIError | None = None
@@ -559,8 +592,18 @@ class Proxy:
                 if tracing_enabled() and self.balancer.last is not None:
                     c = self.balancer.last
                     trace_route(name, ep.replica_id, c.policy, c.reason(), len(tried))
-                asked, sent = req if data is body else {**req, "model": sent_name}, data
-                if ep.engine == "llamacpp" and (adapter is not None or ep.adapter_files or "lora" in req):
+                sent_path, native = path, False
+                if door is not None:
+                    native = door.may_pass and await self.dialects.native(ep)
+                    door.passing(native)
+                if native:
+                    assert door is not None
+                    sent_path = messages_native.PATH
+                    asked = messages_native.request(door.original, sent_name, req)
+                    sent = json.dumps(asked).encode()
+                else:
+                    asked, sent = req if data is body else {**req, "model": sent_name}, data
+                if ep.engine == "llamacpp" and (adapter is not None or ep.adapter_files or "lora" in asked):
                     asked = {**asked, "lora": lora_field(ep, adapter)}  # (its own `lora` is never passed on)
                     sent = json.dumps(asked).encode()
                 sent = sent if iso is None else iso.body(mr.model, ep.kind, asked, sent)
@@ -571,7 +614,7 @@ class Proxy:
                 if meter is not None:
                     meter.sent = True
                 try:
-                    resp = await self.upstream.post(ep.target, path, sent)
+                    resp = await self.upstream.post(ep.target, sent_path, sent)
                 except ConnectFailed as exc:
                     if meter is not None:
                         meter.sent = False
@@ -630,7 +673,10 @@ class Proxy:
         """A non-streaming answer: one JSON body, read whole before its status is sent (gateway/sse.py has
         the streaming contract)."""
         data = await self._read_whole(resp, stream=False)
-        if x.meter is not None:
+        if x.meter is not None and x.native:
+            x.meter.whole = True
+            x.meter.counts = messages_native.counts_of_message(data) or x.meter.counts
+        elif x.meter is not None:
             x.meter.body(data)
         if x.door is not None:
             data = x.door.answer(data)
@@ -647,13 +693,14 @@ class Proxy:
         continued (gateway/resume.py); else the stream ends with one error event. Returns (status, seconds to
         the first streamed byte)."""
         meter = x.meter
-        splice = self._splice(leg.name, path, req)
+        native = x.native
+        splice = None if native else self._splice(leg.name, path, req)
         status = leg.resp.status
         ttft: float | None = None
         itl = self.metrics.itl_of(x.label)  # the gaps between the chunks relayed (inter-token latency)
         while True:  # once per engine serving the stream
             resp = leg.resp
-            frames = SSEFrames()
+            frames: SSEFrames | NativeFrames = NativeFrames() if native else SSEFrames()
             out = b""
             try:
                 _require_stream(resp)
@@ -667,7 +714,7 @@ class Proxy:
                 if splice is not None:  # stalls count from the first byte: a long prefill is no stall
                     resp.limit(min(splice.stall_s, self.upstream.read_timeout_s))  # never past the read timeout
                 while chunk and not resp.complete:  # the last chunk goes with the end of the body: one write
-                    out = _prepared(frames.feed(chunk), splice, meter)
+                    out = _fed(frames, chunk, splice, meter)
                     if frames.done:  # its [DONE]: the answer ends here, whatever the engine sends after (or keeps
                         break        # open); the connection is dropped, not pooled (Response.release)
                     if out:
@@ -678,7 +725,7 @@ class Proxy:
                     last, now = now, time.perf_counter()
                     itl.observe(now - last)
                 else:
-                    out = _prepared(frames.feed(chunk), splice, meter)  # the last events too (not [DONE])
+                    out = _fed(frames, chunk, splice, meter)  # the last events too (not [DONE])
             except (APIError, UpstreamError, StreamBroken) as exc:
                 if isinstance(exc, APIError):
                     err = exc
@@ -707,7 +754,7 @@ class Proxy:
             x.finished = True
             tail = frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
             await send({"type": "http.response.body", "body": x.out(out + tail), "more_body": False})
-            if tail.startswith(b"data: {"):
+            if tail not in (b"", DONE):  # (an error event: the stream ended mid-event, or short of its end)
                 log.warning("the engine's stream ended mid-event")
                 raise errors.upstream_failed("its stream ended mid-event")
             return status, ttft

@@ -65,13 +65,15 @@ class Endpoint:
     open_until: float = 0.0
     trial: bool = False
     max_loras: int = 0  # adapters its replica may hold at once (its profile's; 0: none)
+    engine: str = "unknown"  # its profile's engine ("unknown": a static endpoint; llama.cpp's adapters per request)
+    native: bool | None = None  # its engine serves Anthropic's Messages itself (gateway/dialects.py); None: not known yet
+    native_retry_at: float = 0.0  # (event-loop time) when its version, unreadable, is asked again
     adapters_changed: int = 0  # bumped by each load or unload this gateway makes (gateway/adapters.py)
     # The LoRA adapters its replica holds, least recently used first (gateway/adapters.py).
     adapters: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
     # Its adapter files as its node fetched and verified them (`shards.adapters`): the path a load gives the
     # engine, or why none may be loaded; llama.cpp's launch ids (gateway/adapters.py).
     adapter_files: dict[str, AdapterFile] = field(default_factory=dict)
-    engine: str = ""  # its profile's engine (llama.cpp's adapters are chosen per request, not loaded)
 
 
 @dataclass
@@ -169,18 +171,18 @@ class RouteTable:
         return out
 
     def _endpoint(self, key: str, url: str, node_id: str, api_key: str | None = None,
-                  kind: str = SALTED, continues_chat: bool = False) -> Endpoint | None:
+                  kind: str = SALTED, continues_chat: bool = False, engine: str = "unknown") -> Endpoint | None:
         url = url.rstrip("/")
         auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         ep = self._endpoints.get(key)
-        if ep is not None and ep.url == url and ep.target.auth == auth and ep.kind == kind:
+        if ep is not None and ep.url == url and ep.target.auth == auth and ep.kind == kind and ep.engine == engine:
             ep.continues_chat = continues_chat
             return ep
         try:
             if "\r" in (api_key or "") or "\n" in (api_key or ""):
                 raise ValueError("its engine key is not a header value")
             return Endpoint(key, url, node_id, dataclasses.replace(parse_target(url), auth=auth), kind=kind,
-                            continues_chat=continues_chat)
+                            continues_chat=continues_chat, engine=engine)
         except ValueError as exc:
             log.warning("not routing to %s: %s", key, exc)
             return None
@@ -234,12 +236,12 @@ class RouteTable:
             profile = models[r.model].model.profile(r.profile)
             ep = self._endpoint(r.replica_id, r.endpoint, r.node_id, r.api_key,
                                 engine_class(profile.engine if profile is not None else "unknown"),
-                                profile is not None and continues_chat(profile))
+                                profile is not None and continues_chat(profile),
+                                profile.engine if profile is not None else "unknown")
             if ep is not None:
                 seen[r.replica_id] = ep
                 models[r.model].endpoints.append(ep)
                 ep.max_loras = (profile.max_loras or 0) if profile is not None else 0
-                ep.engine = profile.engine if profile is not None else ""
                 ep.adapter_files = _adapter_files(r.replica_id, r.adapter_files) if with_adapters else {}
                 if changes.get(r.replica_id, ep.adapters_changed) == ep.adapters_changed:
                     _sync_adapters(ep, holding.get(r.replica_id, []))

@@ -402,14 +402,19 @@ class Upstream:
             raise ConnectFailed(f"cannot connect ({exc.strerror or type(exc).__name__})") from None
         return conn
 
-    async def post(self, target: Target, path: str, body: bytes) -> Response:
+    async def get(self, target: Target, path: str) -> Response:
+        """GET `target` + `path` (an engine's `/version`, gateway/dialects.py), as `post` sends."""
+        return await self.post(target, path, b"", b"GET")
+
+    async def post(self, target: Target, path: str, body: bytes, method: bytes = b"POST") -> Response:
         """POST `body` (JSON) to `target` + `path`; returns once status and headers have arrived.
 
         Raises `ConnectFailed`, `UpstreamTimeout` or `UpstreamBroken`. A kept-alive connection that the
         engine had closed meanwhile is retried once on a fresh one.
         """
-        head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                b"User-Agent: llmgw\r\n%s\r\n" % ((target.prefix + path).encode(), target.host_header, len(body), target.auth))
+        head = (b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                b"User-Agent: llmgw\r\n%s\r\n" % (method, (target.prefix + path).encode(), target.host_header, len(body),
+                                             target.auth))
         pool = self.idle.get(target)
         while pool:
             conn = pool.pop()

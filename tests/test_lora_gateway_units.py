@@ -135,3 +135,93 @@ async def test_a_streaming_request_is_held_with_comments_while_its_adapter_loads
     finally:
         await upstream.close()
         await server.close()
+
+
+def test_a_hot_adapter_spreads_to_a_less_busy_replica():
+    """`holders`: the holder while it is not much busier than a replica without the adapter; that replica too
+    once every holder has SPREAD_AFTER more in flight; never a second load while one is in progress."""
+    from llmgw.gateway.adapters import SPREAD_AFTER
+
+    def ep(rid: str, held: list[str], outstanding: int) -> Endpoint:
+        e = Endpoint(rid, "http://127.0.0.1:1", "node-a", parse_target("http://127.0.0.1:1"), max_loras=2)
+        e.adapters = collections.OrderedDict.fromkeys(held)
+        e.outstanding = outstanding
+        return e
+
+    loads = AdapterLoads(None, Upstream(5))
+    hot, cold, busy = ep("r1", ["a"], SPREAD_AFTER - 1), ep("r2", [], 0), ep("r3", [], SPREAD_AFTER)
+    assert loads.holders([hot, cold, busy], "a", set()) == [hot]
+    hot.outstanding = SPREAD_AFTER
+    assert loads.holders([hot, cold, busy], "a", set()) == [hot, cold]  # the least busy replica without it
+    assert loads.holders([hot, cold, busy], "a", {"r2"}) == [hot]  # (busy has as many in flight as hot)
+    loads.loading["a"] = "r2"
+    assert loads.holders([hot, cold, busy], "a", set()) == [hot, cold]  # the one loading it, no third
+    loads.loading["a"] = "r1"
+    assert loads.holders([hot, cold, busy], "a", set()) == [hot]
+
+
+async def test_the_proxy_loads_a_hot_adapter_into_a_second_replica():
+    """Through the real proxy and upstream client to two real sim engines: requests for one adapter in flight
+    together go to the replica that loaded it until it is SPREAD_AFTER busier than the other, and then the
+    other loads it too and serves."""
+    import json
+
+    from llmgw.catalog.context import prompt_bound
+    from llmgw.gateway.admission import Gates
+    from llmgw.gateway.adapters import SPREAD_AFTER
+    from llmgw.gateway.balancer import Balancer
+    from llmgw.gateway.demand import Demand
+    from llmgw.gateway.proxy import Proxy
+    from llmgw.gateway.routes import ModelRoute, RouteTable
+    from llmgw.schemas.catalog import Model
+    from llmgw.telemetry import GatewayMetrics
+
+    engines, servers = zip(*[await engine_server(max_loras=2) for _ in range(2)])
+    for e in engines:
+        e.delay = 0.05  # 20 tokens a second: each answer of 20 tokens takes a second, so they overlap
+    upstream = Upstream(10)
+    try:
+        model = Model.model_validate({"name": "base", "profiles": [{"engine": "sim", "max_loras": 2}],
+                                      "adapters": [{"name": "a", "source": "/adapters/a"}]})
+        eps = [endpoint(s, 2) for s in servers]
+        eps[1].replica_id = "rep-2"
+        for e in eps:
+            e.engine = "sim"
+        routes = RouteTable(None, 15.0)  # type: ignore[arg-type]
+        routes.models = {"base": ModelRoute(model, prompt_bound(model), endpoints=eps)}
+        routes.names = {"base": "base"}
+        routes.adapters = {"a": ("base", model.adapters[0])}
+        proxy = Proxy(routes, Demand(None, routes, None, 1.0), Gates(), Balancer(), upstream,  # type: ignore[arg-type]
+                      GatewayMetrics(), adapters=AdapterLoads(None, upstream))
+        body = json.dumps({"model": "a", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        answers: list[dict] = []
+
+        async def call() -> None:
+            sent = [{"type": "http.request", "body": body, "more_body": False}]
+            chunks: list[bytes] = []
+
+            async def receive():
+                return sent.pop() if sent else await asyncio.sleep(3600)
+
+            async def send(msg):
+                if msg["type"] == "http.response.start":
+                    assert msg["status"] == 200
+                elif msg.get("body"):
+                    chunks.append(msg["body"])
+
+            await proxy.handle({"type": "http", "path": "/v1/chat/completions", "method": "POST", "headers": []},
+                               receive, send, None)
+            answers.append(json.loads(b"".join(chunks)))
+
+        calls = []
+        for _ in range(SPREAD_AFTER + 1):  # started one by one: each sees the ones before it in flight
+            calls.append(asyncio.ensure_future(call()))
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*calls)
+        assert sorted(len(e.loras) for e in engines) == [1, 1] and all("a" in e.loras for e in engines)
+        assert [a["system_fingerprint"] for a in answers] == ["lora:a"] * (SPREAD_AFTER + 1)
+        assert all("a" in e.adapters for e in eps)
+    finally:
+        await upstream.close()
+        for s in servers:
+            await s.close()

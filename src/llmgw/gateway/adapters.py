@@ -9,6 +9,9 @@ loading the adapter there when no replica holds it.
   (a streaming one is held as for a cold start: 200 and an SSE comment every `HOLD_TICK_S`); a request for
   the same adapter arriving during the load is sent to the replica loading it and waits on the
   same load (one load per replica at a time).
+- A hot adapter spreads: when its least busy holder has `SPREAD_AFTER` (4) more requests in flight than the
+  least busy replica of the base without it, that replica is a candidate too, and the balancer's pick (the
+  fewest in flight) loads it there; it is not unloaded from the first. One load of an adapter at a time.
 - A replica holds at most its profile's `max_loras` adapters: loading one more first unloads the one this
   gateway used least recently there (`POST /v1/unload_lora_adapter`). The order is this gateway's; what
   is loaded where is recorded in `replica_adapters` (db/adapters_repo.py), which every gateway reads on its
@@ -40,6 +43,9 @@ LOAD = "/v1/load_lora_adapter"
 UNLOAD = "/v1/unload_lora_adapter"
 ALREADY = "has already been loaded"  # vLLM's 400 for a name it holds (serving_models.py): loaded, then
 MAX_ENGINE_ANSWER = 16 << 10
+# An adapter whose every holder has this many more requests in flight than the least busy replica of its base
+# without it is loaded there too (`AdapterLoads.holders`).
+SPREAD_AFTER = 4
 
 
 class AdapterLoads:
@@ -56,10 +62,21 @@ class AdapterLoads:
         self.evictions = 0
 
     def holders(self, endpoints: list[Endpoint], name: str, tried: set[str]) -> list[Endpoint]:
-        """The endpoints among `endpoints` that hold adapter `name` or are loading it, not yet `tried`."""
+        """The endpoints among `endpoints` that hold adapter `name` or are loading it, not yet `tried`; and,
+        when the adapter is hot (its least busy holder has `SPREAD_AFTER` more requests in flight than the
+        least busy replica without it), that replica too, so the balancer's pick loads it there: a hot
+        adapter spreads over more replicas instead of queueing on the first that loaded it."""
         loading = self.loading.get(name)
-        return [ep for ep in endpoints if (name in ep.adapters or ep.replica_id == loading)
+        held = [ep for ep in endpoints if (name in ep.adapters or ep.replica_id == loading)
                 and ep.replica_id not in tried]
+        if not held or loading is not None:  # one load of an adapter at a time
+            return held
+        others = [ep for ep in endpoints if ep not in held and ep.replica_id not in tried]
+        if others:
+            idle = min(others, key=lambda ep: ep.outstanding)
+            if min(ep.outstanding for ep in held) >= idle.outstanding + SPREAD_AFTER:
+                return [*held, idle]
+        return held
 
     @staticmethod
     def used(ep: Endpoint, name: str) -> None:

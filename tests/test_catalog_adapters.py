@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw.catalog import CatalogError, read_catalog
-from llmgw.schemas.catalog import MAX_ADAPTERS
+from llmgw.schemas.catalog import MAX_ADAPTERS, MAX_LAUNCH_BYTES
 
 
 def base(**over) -> dict:
@@ -148,3 +148,18 @@ def test_the_apply_diff_names_each_adapter_changed_by_its_name():
     assert "adapters[sql].version: (unset) -> 2" in lines
     assert "adapters[law].source: (unset) -> /adapters/law" in lines
     assert "adapters[chat-x].source: org/chat-x -> (unset)" in lines
+
+
+def test_the_adapters_a_launch_carries_are_bounded_so_a_pass_stays_within_temporals_payload_limit():
+    """A profile travels with its fetched adapters in every start (Temporal payloads, 2 MiB per pass): 256
+    adapters with 4 KiB URLs would have made one profile a megabyte. Bounded per profile as launched, with
+    the fix named; a realistic set of mirrored adapters fits."""
+    long = [{"name": f"a{i}", "source": "https://host/" + "x" * 4000 + f"/{i}.safetensors"} for i in range(8)]
+    (p,) = refused(base(adapters=long))
+    assert f"more than {MAX_LAUNCH_BYTES}" in p and "`mirror:NAME`" in p and "profile 'default'" in p, p
+    plain = [{"name": f"a{i}", "source": "/srv/" + "x" * 4000} for i in range(8)]  # node paths travel not
+    assert len(read_catalog({"models": [base(adapters=plain)]}).catalog.models[0].adapters) == 8
+    mirrored = [{"name": f"adapter-{i}", "source": f"mirror:adapter-{i}/", "version": "1"} for i in range(128)]
+    m = read_catalog({"models": [base(adapters=mirrored)]}).catalog.models[0]
+    assert len(m.launch_profile(m.profiles[0]).adapters) == 128
+

@@ -37,6 +37,9 @@ MAX_ARG_CHARS = 8192
 MAX_ARGS = 256
 MAX_ENV = 128
 MAX_PROFILE_BYTES = 16384
+# A profile as launched, with the adapters its node fetches first (`Model.launch_profile`): 64 x 24 KiB
+# still leaves half a megabyte of the pass's 2 MiB for everything else.
+MAX_LAUNCH_BYTES = 24576
 MAX_ALIASES = 32
 MAX_FALLBACKS = 16
 MAX_REPLICAS = 4096  # scaling.min/max; no fleet runs more replicas of one model
@@ -570,6 +573,13 @@ class Model(_Strict):
         for p in self.profiles:
             if p.adapters:
                 raise ValueError(f"profile {p.name!r}: `adapters` is written under the model, not a profile")
+        for p in self.profiles if self.adapters else ():
+            size = len(self.launch_profile(p).model_dump_json().encode())
+            if size > MAX_LAUNCH_BYTES:
+                raise ValueError(
+                    f"profile {p.name!r} with the adapters its nodes fetch is {size} bytes as JSON, more than "
+                    f"{MAX_LAUNCH_BYTES} (it travels in every start of a replica): give adapters short sources "
+                    "(`mirror:NAME` after `llmgw mirror add`), or serve some of them under another model")
         return self
 
     def launch_profile(self, profile: Profile) -> Profile:

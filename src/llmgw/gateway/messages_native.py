@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmgw.gateway.sse import MAX_EVENT, StreamBroken
+from llmgw.gateway.sse import complete_events
 from llmgw.gateway.tokens import MAX_COUNT, Counts
 
 PATH = "/v1/messages"
@@ -89,16 +89,9 @@ class NativeFrames:
     def feed(self, chunk: bytes) -> bytes:
         if self.done:
             return b""
-        buf = self.pending + chunk if self.pending else chunk
-        if b"\r" in buf:
-            buf = buf.replace(b"\r\n", b"\n")
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            if len(buf) > MAX_EVENT:
-                raise StreamBroken(f"the engine sent an event longer than {MAX_EVENT} bytes")
-            self.pending = buf
+        out, self.pending = complete_events(self.pending, chunk)
+        if not out:
             return b""
-        out, self.pending = buf[:end + 2], buf[end + 2:]
         kept = []
         for event in out.split(b"\n\n"):
             lines = [ln for ln in event.split(b"\n") if ln.startswith((b"event:", b"data:"))]

@@ -29,6 +29,21 @@ class StreamBroken(Exception):
     """The engine's stream cannot be relayed further (an event that never ends)."""
 
 
+def complete_events(pending: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    """What `pending` (kept from earlier chunks) and `chunk` hold: (the complete events, CRLF made LF and
+    ending in their blank line, or b""; what is left of an event not complete yet). Raises `StreamBroken`
+    for an incomplete event past `MAX_EVENT`."""
+    buf = pending + chunk if pending else chunk
+    if b"\r" in buf:
+        buf = buf.replace(b"\r\n", b"\n")
+    end = buf.rfind(b"\n\n")
+    if end < 0:
+        if len(buf) > MAX_EVENT:
+            raise StreamBroken(f"the engine sent an event longer than {MAX_EVENT} bytes")
+        return b"", buf
+    return buf[:end + 2], buf[end + 2:]
+
+
 class SSEFrames:
     """Feed the engine's stream chunk by chunk; relay what `feed` returns; end with `finish` or `broken`."""
 
@@ -49,18 +64,10 @@ class SSEFrames:
                 return chunk
         elif self.done:
             return b""
-        buf = self.pending + chunk if self.pending else chunk
-        if b"\r" in buf:
-            buf = buf.replace(b"\r\n", b"\n")
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            if len(buf) > MAX_EVENT:
-                raise StreamBroken(f"the engine sent an event longer than {MAX_EVENT} bytes")
-            self.pending = buf
-            self.plain = not buf
-            return b""
-        out, self.pending = buf[:end + 2], buf[end + 2:]
+        out, self.pending = complete_events(self.pending, chunk)
         self.plain = not self.pending
+        if not out:
+            return b""
         events = out.count(b"\n\n")
         if (out.startswith(b"data:") and out.count(b"\n") == 2 * events and out.count(b"\n\ndata:") == events - 1
                 and b"[DONE]" not in out):

@@ -38,6 +38,14 @@ def pytest_configure(config):
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, interrupt)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... under `pytest -n N`
+    if worker.startswith("gw") and worker[2:].isdigit():  # each worker picks free ports from a slice of its own
+        from llmgw.dev import procs
+
+        count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        low, high = procs.PORT_RANGE
+        step = (high - low) // count
+        procs.PORT_RANGE = (low + int(worker[2:]) * step, low + (int(worker[2:]) + 1) * step - 1)
 
 
 # The LLMGW_* variables the test harness itself reads, which CI or a person running the suite sets on purpose:

@@ -13,6 +13,10 @@ import psutil
 
 
 _HANDED_OUT: set[int] = set()  # ports free_port has returned in this process
+# Where free_port picks, below Linux's ephemeral range (32768-60999). Test processes running side by side
+# (pytest-xdist workers) each take a slice of it (tests/conftest.py), so that a port one of them let go (a
+# server it stops and starts again on the same port) is never handed to the other meanwhile.
+PORT_RANGE = (20000, 32000)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,10 +26,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     get the same one twice now and then (seen in CI: the node's metrics port was Temporal UI's)."""
     import random
 
-    if len(_HANDED_OUT) > 6000:  # half the range: the oldest picks have long been bound or let go
+    low, high = PORT_RANGE
+    if len(_HANDED_OUT) > (high - low) // 2:  # half the range: the oldest picks have long been bound or let go
         _HANDED_OUT.clear()
     for _ in range(200):
-        port = random.randint(20000, 32000)
+        port = random.randint(low, high)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:

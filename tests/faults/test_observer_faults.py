@@ -75,9 +75,10 @@ def test_node_api_frozen_for_twice_lost_after_tears_nothing_down(fleet):
         assert t.count(m, since=resumed) > 5 and t.failures(m, since=resumed) == [], t.failures(m, since=resumed)
     shown = fleet.cp.ctl("nodes")
     lines = shown.stdout.splitlines()
-    assert shown.returncode == 0 and "LAST SEEN" in lines[0] and "POLLED" in lines[0], shown.stdout
+    assert shown.returncode == 0 and "LAST SEEN" in lines[0] and "POLLERS" in lines[0], shown.stdout
     rows = [line for line in lines[1:] if line.split()[:1] and line.split()[0] in NODES]
     assert len(rows) == len(NODES) and all("heartbeats " in r and "pollers " in r for r in rows), shown.stdout
+    assert all("polling, read " in r for r in rows), shown.stdout  # POLLERS: what the witness last read
 
 
 def test_postgres_stopped_for_twice_lost_after_traffic_continues(fleet):

@@ -151,7 +151,9 @@ class HeadCycle(RequestResponseCycle):
             self.keep_alive = False
             self._until_close = True
             unknown_length = False
-        if not self.keep_alive and not has_connection_close:
+        if self.more_body:  # answered before the request's body has come (a 401, a 429): the connection ends
+            self.keep_alive = False  # with this answer (serving.py), so its head says so, or a client sends
+        if not self.keep_alive and not has_connection_close:  # its next request into a closing connection
             content.append(_CLOSE)
         if unknown_length:
             self.chunked_encoding = True  # neither content-length nor transfer-encoding given

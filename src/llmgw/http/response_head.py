@@ -84,6 +84,9 @@ class HeadCycle(RequestResponseCycle):
     does (`_until_close`), as HTTP/1.0 delimits bodies."""
 
     _until_close = False  # this answer's body is delimited by closing the connection (HTTP/1.0, no length)
+    # The connection ends with an answer given before the request's body has all come (serving.py's guarded
+    # listeners close it: `GuardedProtocol.on_response_complete`); uvicorn's own would read on.
+    ends_early = False
 
     def send(self, message):  # type: ignore[override]
         if self._until_close:
@@ -151,9 +154,9 @@ class HeadCycle(RequestResponseCycle):
             self.keep_alive = False
             self._until_close = True
             unknown_length = False
-        if self.more_body:  # answered before the request's body has come (a 401, a 429): the connection ends
-            self.keep_alive = False  # with this answer (serving.py), so its head says so, or a client sends
-        if not self.keep_alive and not has_connection_close:  # its next request into a closing connection
+        if self.more_body and self.ends_early:  # answered before the request's body has come (a 401, a 429):
+            self.keep_alive = False  # the connection ends with this answer, so its head says so, or a client
+        if not self.keep_alive and not has_connection_close:  # sends its next request into a closing connection
             content.append(_CLOSE)
         if unknown_length:
             self.chunked_encoding = True  # neither content-length nor transfer-encoding given

@@ -164,6 +164,13 @@ def _registry(server_state, name: str) -> dict:
     return table
 
 
+class GuardedCycle(HeadCycle):
+    """A request's cycle on a guarded listener: an answer given before the request's body has come ends the
+    connection (`GuardedProtocol.on_response_complete`), and its head says `connection: close`."""
+
+    ends_early = True
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the deadlines, caps and connection limits of `ListenerLimits`
     (read from `config.listener_limits`, set by `serve`). See the module docstring for what each refuses."""
@@ -329,7 +336,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_head = False
         super().on_headers_complete()
         if type(self.cycle) is RequestResponseCycle:  # just made (its task has not run): the head as llmgw writes it
-            self.cycle.__class__ = HeadCycle
+            self.cycle.__class__ = GuardedCycle
 
     def on_chunk_header(self) -> None:
         """httptools calls this for each chunk of a chunked body (the last, empty one too)."""

@@ -225,6 +225,28 @@ async def test_a_key_out_of_requests_or_budget_is_refused_before_its_body_is_sen
     assert b"\r\nconnection: close\r\n" in data.split(b"\r\n\r\n")[0].lower() + b"\r\n", data
 
 
+async def test_a_client_still_sending_its_body_reads_the_early_answer_instead_of_a_reset(plane):
+    """A client that sends its whole body before it reads (as httpx does) gets the 401 given before the
+    body came, not a reset: the connection lingers, reading and dropping the rest, before it closes. (It
+    had been closed at once once the head said `connection: close`; with the body unread, the kernel
+    answered with a reset that destroyed the 401, and a batch file over its limit got a connection error
+    for its 413 in CI.)"""
+    reader, w = await connect(plane.ports["gateway"], "127.0.2.2")
+    size, piece = 4 << 20, b"x" * (64 << 10)
+    w.write(head("sk-llmgw-not-a-key", size))
+    sent = 0
+    try:
+        while sent < size:
+            w.write(piece)
+            await asyncio.wait_for(w.drain(), 10)
+            sent += len(piece)
+    except (ConnectionResetError, BrokenPipeError) as e:
+        raise AssertionError(f"the connection was reset after {sent} bytes of the body: {e!r}") from None
+    data = await until_closed(reader, 10)
+    w.close()
+    assert data.startswith(b"HTTP/1.1 401 ") and error_of(data)["code"] == "invalid_api_key", data
+
+
 async def test_a_body_slower_than_the_minimum_rate_gets_408_and_a_faster_one_is_served(plane):
     """A body trickled at 1 KB/s (the minimum is 4 KiB/s) gets 408 `request_too_slow` after a window, long
     before the body deadline; another client is served meanwhile. The same body at 20 KB/s is served."""

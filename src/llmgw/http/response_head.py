@@ -154,10 +154,15 @@ class HeadCycle(RequestResponseCycle):
             self.keep_alive = False
             self._until_close = True
             unknown_length = False
-        if self.more_body and self.ends_early:  # answered before the request's body has come (a 401, a 429):
-            self.keep_alive = False  # the connection ends with this answer, so its head says so, or a client
-        if not self.keep_alive and not has_connection_close:  # sends its next request into a closing connection
+        # Answered before the request's body has come (a 401, a 429): the connection ends with this answer, so
+        # its head says so, or a client sends its next request into a closing connection. It is not closed
+        # here (uvicorn closes at once when not `keep_alive`): with the body unread, the kernel would answer
+        # the client's next bytes with a reset that destroys this answer; the protocol lingers, then closes.
+        early = self.more_body and self.ends_early
+        if (early or not self.keep_alive) and not has_connection_close:
             content.append(_CLOSE)
+        if early and not self._until_close:
+            self.keep_alive = True
         if unknown_length:
             self.chunked_encoding = True  # neither content-length nor transfer-encoding given
             content.append(_CHUNKED)

@@ -26,7 +26,8 @@ connections or stall the event loop (docs/security.md, "Listeners"):
   same `Authorization` value (an API key, the admin token), whatever addresses they come from; checked
   when the headers arrive, before the app runs (the same making way, else 429 and close);
 - an **early answer closes**: a request the app answered before its body had arrived (a 401, a 429 of
-  admission, a 404) is not waited for: the connection is half-closed and what still arrives is dropped;
+  admission, a 404) is not waited for: the connection is half-closed and what still arrives is dropped
+  until the client is quiet for `LINGER_S` (`LINGER_MAX_S` at most), then it closes;
 - a **minimum transfer rate** (`min_transfer_bytes_per_s`, judged over `transfer_grace_s`): a body that
   arrives slower gets 408 and close; a client that, while the server waits on it (its answer's bytes are
   pending: writing is paused), takes them slower is dropped. An answer the server has little to send (a
@@ -136,7 +137,10 @@ CLIENT_429 = _error(b"429 Too Many Requests", "too many connections from this cl
 KEY_429 = _error(b"429 Too Many Requests", "too many connections with this API key (Authorization); reuse "
                  "open connections or close idle ones", "too_many_key_connections", b"retry-after: 1\r\n",
                  "rate_limit_exceeded")
+# After an answer given while the client still sends (nginx's lingering_close): what arrives is read and
+# dropped until the client is quiet for LINGER_S, for at most LINGER_MAX_S in all, then the connection ends.
 LINGER_S = 2.0
+LINGER_MAX_S = 10.0  # (a lingering connection has no request in progress: the first to make way at a cap)
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset and discards the send buffer
 FREE_CHUNKS = 64  # chunks of a chunked body before their average size is judged
 
@@ -188,6 +192,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._opened_at = 0.0
         self._refused = False  # answered and closing: the parser's remaining callbacks are ignored
+        self._linger_ends: float | None = None  # lingering (reading and dropping) until then at the latest
         self._client: str | None = None  # the name it is counted under among its client's connections
         self._credential: bytes | None = None  # the Authorization value of its latest request
         self._chunks = 0  # chunks of this request's body (chunked), and the bytes they carried
@@ -273,6 +278,10 @@ class GuardedProtocol(HttpToolsProtocol):
     # ---- reading --------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            if self._linger_ends is not None and self._timer is not None:  # the client still sends: wait on
+                self._timer.cancel()
+                self._timer = self.loop.call_at(min(self.loop.time() + LINGER_S, self._linger_ends),
+                                                self.transport.abort)
             return
         if not self._in_head:  # (a bound: the read may end the body and begin the next request)
             self._body_bytes += len(data)
@@ -449,12 +458,14 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _linger(self) -> None:
-        """Half-close, read and drop what still arrives for `LINGER_S`, then abort (see `_refuse`)."""
+        """Half-close, read and drop what still arrives until the client is quiet for `LINGER_S` (at most
+        `LINGER_MAX_S` in all), then abort (see `_refuse`)."""
         if not self.transport.can_write_eof():
             self.transport.close()
             return
         self.transport.write_eof()
         self.flow.resume_reading()
+        self._linger_ends = self.loop.time() + LINGER_MAX_S
         self._timer = self.loop.call_later(LINGER_S, self.transport.abort)
 
     # ---- writing ------------------------------------------------------------------------------------

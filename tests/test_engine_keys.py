@@ -93,3 +93,7 @@ def test_llama_server_refuses_requests_without_its_key_and_the_gateway_sends_it(
         async with aiohttp.ClientSession() as s:
             return await LlamaCppAdapter().in_flight(s, endpoint, api_key)
     assert asyncio.run(in_flight(key)) == 0 and asyncio.run(in_flight(None)) is None
+    # Started with `--metrics`: its queue, which the gateway reads as saturation (gateway/engine_queues.py).
+    from llmgw.engines.queue_gauges import waiting
+    page = httpx.get(endpoint + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    assert page.status_code == 200 and waiting("llamacpp", page.text) == 0, page.text[:500]

@@ -250,3 +250,72 @@ def test_ctl_takes_weight_and_band_and_refuses_a_weight_that_is_not_a_number(cap
             limits_body(None, None, None, None, None, text, None)
         assert "--weight" in capsys.readouterr().err
     assert limits_text({"weight": 2.0, "band": "batch"}) == "weight 2, band batch"
+
+
+async def test_engines_queueing_lower_the_slots_to_what_they_run_and_an_empty_queue_grows_them_back():
+    """The engines' own queues (gateway/engine_queues.py): with 6 of this gateway's requests in flight and 4
+    waiting inside the engines, the slots become 2 and the next requests wait at the gateway, in fair
+    queues; while requests wait here and the engines queue nothing, the slots grow back (a quarter, at
+    least one, a reading) up to `max_concurrency`, and those waiting take the new slots in fair order."""
+    g = gate(slots=8, queue=50)
+    assert g.learns
+    for _ in range(6):
+        assert g.try_acquire()
+    assert g.engines_waiting(4) and g.max_concurrency == 2
+    assert not g.try_acquire()  # 6 in flight over 2 slots: a newcomer waits here, not in an engine
+    w = Waiting(g)
+    await w.add("heavy-1", Share(("tenant", "heavy"), cost=10))
+    await w.add("heavy-2", Share(("tenant", "heavy"), cost=10))
+    await w.add("light", Share(("tenant", "light"), cost=10))
+    assert await w.serve(4) == []  # those in flight end: 6 -> 2, no slot handed on until they are under 2
+    assert await w.serve(1) == ["heavy-1"]
+    assert g.engines_waiting(0) and g.max_concurrency == 3  # waiters here, engines empty, slots all taken: grow
+    await asyncio.sleep(0)
+    assert w.served == ["heavy-1", "light"], w.served  # the new slot, to the light flow first (fair order)
+    assert g.engines_waiting(0) and g.max_concurrency == 4
+    await asyncio.sleep(0)
+    assert w.served == ["heavy-1", "light", "heavy-2"], w.served
+    for _ in range(10):
+        assert not g.engines_waiting(0)  # nobody waits here any more: nothing to grow for
+    assert g.max_concurrency == 4 and g.active == 4
+
+
+async def test_a_gate_without_a_queue_is_left_to_its_engines_and_growth_stops_at_the_ceiling():
+    g = Gate("m", ModelLimits(max_concurrency=4))  # no max_queue: lowering it would only refuse requests
+    assert not g.learns
+    unbounded = Gate("m", ModelLimits(max_queue=10))
+    assert unbounded.learns and unbounded.max_concurrency == unbounded.ceiling == 1 << 30
+    for _ in range(3):
+        assert unbounded.try_acquire()
+    assert unbounded.engines_waiting(1) and unbounded.max_concurrency == 2
+    assert not unbounded.engines_waiting(0)  # nobody waits here: the slots stay as learned
+    g = gate(slots=3, queue=10)
+    for _ in range(3):
+        g.try_acquire()
+    assert g.engines_waiting(2) and g.max_concurrency == 1
+    w = Waiting(g)
+    for i in range(5):
+        await w.add(f"r{i}", Share(("tenant", "t"), cost=1))
+    await w.serve(2)  # 3 in flight -> 1
+    seen = []
+    for _ in range(6):
+        g.engines_waiting(0)
+        seen.append(g.max_concurrency)
+    assert seen[:2] == [2, 3] and set(seen[2:]) == {3}, seen  # +1 while small, never past max_concurrency
+
+
+@pytest.mark.parametrize("engine, page, expected", [
+    ("vllm", 'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\nvllm:num_requests_running{engine="0"} 8.0\n', 3),
+    ("vllm", 'vllm:num_requests_waiting{engine="0"} 2.0\nvllm:num_requests_waiting{engine="1"} 1.0\n', 3),
+    ("sglang", "sglang:num_queue_reqs{model_name=\"m\"} 5\n", 5),
+    ("llamacpp", "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 1\n", 1),
+    ("sim", "sim:num_requests_waiting 0\n", 0),
+    ("unknown", "vllm:num_requests_waiting 4\n", 4),  # a static endpoint: whichever gauge its page has
+    ("vllm", "vllm:num_requests_running 4\n", None),  # no waiting gauge: it says nothing
+    ("vllm", "vllm:num_requests_waiting NaN\n", None),
+    ("vllm", "vllm:num_requests_waiting -1\n", None),
+    ("sglang", "<html>not metrics</html>", None),
+])
+def test_an_engines_queue_is_read_from_its_own_gauge(engine, page, expected):
+    from llmgw.engines.queue_gauges import waiting
+    assert waiting(engine, page) == expected

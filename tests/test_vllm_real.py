@@ -134,6 +134,10 @@ def test_vllm_s_own_metrics_are_read_for_load(fleet):
             return await VllmAdapter().in_flight(s, base, spec["api_key"])
 
     assert asyncio.run(running()) == 0
+    # and its queue, which the gateway reads as saturation (gateway/engine_queues.py), under the name it uses
+    from llmgw.engines.queue_gauges import waiting
+    page = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {spec['api_key']}"}, timeout=10).text
+    assert waiting("vllm", page) == 0, [ln for ln in page.splitlines() if "waiting" in ln][:5]
     import threading
 
     # vLLM's own `ignore_eos`: the answer runs its full length, so it is in flight long enough to be seen

@@ -197,6 +197,9 @@ class Settings(BaseSettings):
     # The longest a LoRA adapter's load into a replica (with the unload making room for it) may take while
     # its request waits; past it the request gets 504 `adapter_load_timeout` (gateway/adapters.py).
     adapter_load_timeout_s: float = Field(120.0, gt=0, le=3600)
+    # How often the gateway reads the queues of the engines of models with `limits.max_queue`, to lower their
+    # slots while the engines queue requests (gateway/engine_queues.py). 0: never.
+    engine_queue_poll_s: float = Field(1.0, ge=0, le=3600)
     # On SIGTERM the gateway drains (gateway/drain.py): it refuses new requests (503, `/readyz` says
     # draining), answers the ones held for a load, and lets open answers and streams finish for this long
     # before it ends them (a stream with an error event). 0: end them at once.

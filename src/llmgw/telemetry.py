@@ -119,6 +119,9 @@ class GatewayMetrics:
         self.in_flight = Gauge("llmgw_in_flight", "Requests this gateway holds, queued ones included", ["model"],
                                registry=r)
         self.queued = Gauge("llmgw_queued", "Requests waiting for a concurrency slot or for a load", ["model"], registry=r)
+        self.slots = Gauge("llmgw_model_slots", "Requests this gateway forwards to a model at once now: its "
+                           "max_concurrency, lowered while its engines queue (gateway/engine_queues.py)", ["model"],
+                           registry=r)
         self.ready = Gauge("llmgw_ready_replicas", "Routable replicas per model in the route table", ["model"],
                            registry=r)
         self.open_breakers = Gauge("llmgw_open_breakers", "Endpoints whose circuit breaker is open", ["model"],
@@ -148,7 +151,7 @@ class GatewayMetrics:
         # Every metric with a `model` label, and its label names: a model's series go with it (`forget`).
         self._by_model = [(m, names) for m, names in (
             (self.requests, ("model", "status")), (self.latency, ("model",)), (self.ttft, ("model",)),
-(self.in_flight, ("model",)), (self.queued, ("model",)), (self.ready, ("model",)),
+(self.in_flight, ("model",)), (self.queued, ("model",)), (self.slots, ("model",)), (self.ready, ("model",)),
             (self.open_breakers, ("model",)), (self.retries, ("model",)), (self.guard_refusals, ("model", "stage")),
             (self.stream_resumes, ("model", "outcome")),
             (self.tokens, ("tenant", "model", "type")), (self.usage_missing, ("model",)))]
@@ -207,9 +210,11 @@ class GatewayMetrics:
     def refused(self, tenant: str, limit: str) -> None:
         self.rate_limited.labels(tenant, limit).inc()
 
-    def route_gauges(self, model: str, ready: int, open_breakers: int, queued: int) -> None:
-        """The route table's gauges of one model, at scrape time."""
+    def route_gauges(self, model: str, ready: int, open_breakers: int, queued: int, slots: int | None = None) -> None:
+        """The route table's gauges of one model, at scrape time (`slots`: its gate's, when it has one with a bound)."""
         self._gauged.add(model)
+        if slots is not None:
+            self.slots.labels(model).set(slots)
         self.ready.labels(model).set(ready)
         self.open_breakers.labels(model).set(open_breakers)
         self.queued.labels(model).set(queued)

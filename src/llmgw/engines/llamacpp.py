@@ -111,7 +111,8 @@ class LlamaCppAdapter(EngineAdapter):
             raise EngineError("llama-server is not installed on this node; set LLMGW_LLAMA_SERVER to its path")
         model = weights_argument(spec, "llama-server needs a GGUF file")
         argv = [self.binary, *spec.profile.args, "--model", gguf_entry(model), "--host", spec.host,
-                "--port", str(spec.port), "--alias", spec.model, "--no-webui"]
+                "--port", str(spec.port), "--alias", spec.model, "--no-webui",
+                "--metrics"]  # its queue (`llamacpp:requests_deferred`) tells the gateway it is saturated
         if spec.gpus:
             argv += ["--n-gpu-layers", "999"]
             if len(spec.gpus) > 1:

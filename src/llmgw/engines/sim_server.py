@@ -42,6 +42,11 @@ reports `sim:accelerator_memory_bytes` (that, or 0 asleep), `sim:offloaded_memor
 holding its weights asleep at level 1) and `sim:sleep_level` (0 awake), so a test sees the memory released
 while asleep and taken back after, by the same process.
 
+A batch bound (`--max-num-seqs N`, vLLM's flag; 0, the default, none): at most N requests generate at once,
+the rest wait in arrival order, as vLLM's scheduler holds them; `/metrics` reports
+`sim:num_requests_waiting` (vLLM's `vllm:num_requests_waiting`) beside `sim:num_requests_running`, which
+the gateway reads to know a model is saturated (gateway/engine_queues.py).
+
 LoRA adapters (issue 40), as vLLM loads them at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; its
 `serving_models.py`): `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` takes `--lora-load-s` seconds and
 answers 200 with vLLM's text (`Success: LoRA adapter 'x' added successfully.`); `POST /v1/unload_lora_adapter
@@ -101,8 +106,11 @@ def vllm_error(status: int, message: str, err_type: str) -> web.Response:
 class SimEngine:
     def __init__(self, model: str, tokens_per_second: float, startup_delay: float, rank: int = 0,
                  group: Group | None = None, cache: PrefixCache | None = None, gpu_memory_mb: int = 1024,
-                 sleep_s: float = 0.1, wake_s: float = 0.2, max_loras: int = 0, lora_load_s: float = 0.0):
+                 sleep_s: float = 0.1, wake_s: float = 0.2, max_loras: int = 0, lora_load_s: float = 0.0,
+                 max_num_seqs: int = 0):
         self.model = model
+        self.seqs = asyncio.Semaphore(max_num_seqs) if max_num_seqs > 0 else None  # the batch bound
+        self.waiting = 0  # requests waiting for a place in the batch
         self.max_loras = max_loras
         self.lora_load_s = lora_load_s
         self.loras: dict[str, str] = {}  # adapter name -> the path it was loaded from, in load order
@@ -234,8 +242,10 @@ class SimEngine:
                                     self.cache.queries),
                                    ("sim:prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
                                     self.cache.hits),
-                                   ("sim:num_requests_running", "Requests in flight", self.in_flight)):
-            kind = "gauge" if name.endswith("running") else "counter"
+                                   ("sim:num_requests_running", "Requests in flight", self.in_flight),
+                                   ("sim:num_requests_waiting", "Requests waiting for a place in the batch",
+                                    self.waiting)):
+            kind = "gauge" if name.endswith(("running", "waiting")) else "counter"
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -312,6 +322,7 @@ class SimEngine:
             return serving
         usage = {"input_tokens": prompt_tokens(turns), "output_tokens": n}
         mid = "msg_sim_" + uuid.uuid4().hex[:24]
+        await self._enter_batch()
         self.in_flight += 1
         self.requests_total += 1
         self.prompt_tokens_total += usage["input_tokens"]
@@ -353,6 +364,21 @@ class SimEngine:
             return resp if resp is not None else web.Response(status=499)
         finally:
             self.in_flight -= 1
+            self._leave_batch()
+
+    async def _enter_batch(self) -> None:
+        """Wait (in arrival order) for a place in the batch (`--max-num-seqs`); `_leave_batch` gives it back."""
+        if self.seqs is None:
+            return
+        self.waiting += 1
+        try:
+            await self.seqs.acquire()
+        finally:
+            self.waiting -= 1
+
+    def _leave_batch(self) -> None:
+        if self.seqs is not None:
+            self.seqs.release()
 
     async def _generate(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
@@ -396,6 +422,7 @@ class SimEngine:
             cached = min(self.cache.lookup(salt, prompt_words(prompt), body.get("cache_prompt") is not False),
                          usage["prompt_tokens"] - 1)
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        await self._enter_batch()
         self.in_flight += 1
         self.requests_total += 1
         self.prompt_tokens_total += usage["prompt_tokens"]
@@ -444,6 +471,7 @@ class SimEngine:
             return resp if resp is not None else web.Response(status=499)
         finally:
             self.in_flight -= 1
+            self._leave_batch()
 
 
 def continuation(body: dict) -> int | web.Response:
@@ -532,6 +560,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ignore-sigterm", action="store_true",
                    help="go on serving after SIGTERM, as a wedged engine does: only SIGKILL ends it")
     p.add_argument("--max-loras", type=int, default=0, help="LoRA adapters held at once (0: LoRA off)")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="requests generated at once; more wait (vLLM's flag; 0: no bound)")
     p.add_argument("--lora-load-s", type=float, default=0.0, help="seconds a POST /v1/load_lora_adapter takes")
     p.add_argument("--engine-version", default=VERSION,
                    help="the version /version reports (an older one than 0.2.0 serves no /v1/messages)")
@@ -568,7 +598,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await group.start()
     engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group,
                        PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second), args.gpu_memory_mb,
-                       args.sleep_s, args.wake_s, args.max_loras, args.lora_load_s)
+                       args.sleep_s, args.wake_s, args.max_loras, args.lora_load_s, args.max_num_seqs)
     engine.engine_version = args.engine_version
     runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()

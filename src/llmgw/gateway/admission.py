@@ -8,6 +8,15 @@ to say: weighted fair queuing by tokens between tenants, inside priority bands (
 finds a free slot and nobody waiting takes it at once (`try_acquire`): no queue, no await. With
 `limits.headroom` (0 by default), an interactive request whose tenant has nothing waiting may take one of
 that many slots beyond `max_concurrency` while others wait (gateway/fairness.py).
+
+**The engines' own queues.** A model with a queue (`max_queue` > 0) is also saturated when its engines say
+so: each gateway reads how many requests wait in its replicas' engines' own queues (vLLM
+`num_requests_waiting`, SGLang's, llama-server's deferred requests, the sim's; gateway/engine_queues.py)
+and lowers the model's slots to what the engines are running (`Gate.engines_waiting`), so that the rest
+wait here, in fair queues, rather than first come first served inside an engine; while requests wait here
+and the engines queue nothing, the slots grow back (by a quarter a reading) up to `max_concurrency` (no
+bound when unset). A model without `max_queue` is left to its engines' queues, as before: lowering its
+slots would only refuse what an engine would have served.
 """
 
 from __future__ import annotations
@@ -25,9 +34,36 @@ class Gate:
     def __init__(self, name: str, limits: Limits):
         self.name = name
         self.limits = limits
-        self.max_concurrency = limits.max_concurrency or 1 << 30
+        self.ceiling = limits.max_concurrency or 1 << 30  # the most slots it ever has
+        self.max_concurrency = self.ceiling  # its slots now: lowered while its engines queue (engines_waiting)
         self.active = 0
         self.waiters = FairQueue()
+
+    @property
+    def learns(self) -> bool:
+        """Whether its engines' own queues set its slots (it has a queue to hold what they would)."""
+        return self.limits.max_queue > 0
+
+    def engines_waiting(self, waiting: int) -> bool:
+        """Its engines hold `waiting` requests in their own queues (gateway/engine_queues.py): with any,
+        its slots become what they run of its requests (those in flight less those waiting, at least 1);
+        with none while its slots are all taken and requests wait here, they grow by a quarter (at least
+        one), up to `ceiling`, and those waiting take the new ones. True when its slots changed."""
+        slots = self.max_concurrency
+        if waiting > 0:
+            slots = max(1, min(slots, self.active) - waiting)
+        elif self.active >= slots and self.waiters.waiting:
+            slots = min(self.ceiling, slots + max(1, slots // 4))
+        if slots == self.max_concurrency:
+            return False
+        self.max_concurrency = slots
+        while self.active < slots:  # grown: those waiting take the new slots, as fair queuing orders them
+            w = self.waiters.next()
+            if w is None:
+                break
+            self.active += 1
+            w.fut.set_result(None)
+        return True
 
     async def acquire(self, share: Share | None = None) -> None:
         """Take a slot, waiting in `share`'s flow (None: the shared flow, cost 1) if there is room in the
@@ -106,7 +142,7 @@ class Gates:
         """Called after each route refresh: a gate survives while its limits are unchanged."""
         out: dict[str, Gate] = {}
         for m in catalog.models:
-            if m.limits is None or (m.limits.max_concurrency is None):
+            if m.limits is None or (m.limits.max_concurrency is None and not m.limits.max_queue):
                 continue
             g = self.gates.get(m.name)
             out[m.name] = g if g is not None and g.limits == m.limits else Gate(m.name, m.limits)

@@ -27,6 +27,7 @@ from llmgw.config import Settings
 from llmgw.db import status_repo
 from llmgw.http import errors
 from llmgw.gateway.admission import Gates
+from llmgw.gateway.engine_queues import EngineQueues
 from llmgw.gateway.adapters import AdapterLoads
 from llmgw.gateway.balancer import Balancer
 from llmgw.gateway.demand import Demand
@@ -113,6 +114,7 @@ class Gateway:
         self.batch_secret = batch_secret(settings.cache_salt_secret, settings.database_url)
         self.drain = Drain(settings.gateway_drain_timeout_s)
         self.drain.on_drain.append(self.demand.draining.set)
+        self.engine_queues = EngineQueues(self.routes, self.gates, self.upstream, settings.engine_queue_poll_s)
         self.proxy = Proxy(self.routes, self.demand, self.gates,
                            Balancer(settings.breaker_failures, settings.breaker_open_s), self.upstream, self.metrics,
                            max_body=settings.max_request_bytes, quotas=self.quotas, isolation=isolation,
@@ -124,6 +126,12 @@ class Gateway:
         await self.feed.start()
         self._tasks.append(asyncio.create_task(self.demand.flush_loop(), name="usage"))
         self._tasks.append(asyncio.create_task(self.quotas.sync_loop(), name="quotas"))
+        self._tasks.append(asyncio.create_task(self.engine_queues.loop(), name="engine-queues"))
+
+    def _slots(self, name: str) -> int | None:
+        """`name`'s slots on this gateway now, when its gate has a bound (gateway/engine_queues.py)."""
+        gate = self.gates.get(name)
+        return gate.max_concurrency if gate is not None and gate.max_concurrency < 1 << 30 else None
 
     def _queued(self, name: str) -> int:
         """Requests waiting for a slot under `name`'s limits on this gateway."""
@@ -145,7 +153,7 @@ class Gateway:
         now = asyncio.get_running_loop().time()
         for name, r in self.routes.models.items():
             self.metrics.route_gauges(name, len(r.endpoints), sum(1 for e in r.endpoints if not self.proxy.balancer.usable(e, now)),
-                                      self._queued(name) + self.demand.waiting.get(name, 0))
+                                      self._queued(name) + self.demand.waiting.get(name, 0), self._slots(name))
         return self.metrics.render()
 
 

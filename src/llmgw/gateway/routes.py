@@ -68,6 +68,7 @@ class Endpoint:
     engine: str = "unknown"  # its profile's engine ("unknown": a static endpoint; llama.cpp's adapters per request)
     native: bool | None = None  # its engine serves Anthropic's Messages itself (gateway/dialects.py); None: not known yet
     native_retry_at: float = 0.0  # (event-loop time) when its version, unreadable, is asked again
+    queue_retry_at: float = 0.0  # (event-loop time) when its engine's queue, unreadable, is asked again
     adapters_changed: int = 0  # bumped by each load or unload this gateway makes (gateway/adapters.py)
     # The LoRA adapters its replica holds, least recently used first (gateway/adapters.py).
     adapters: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)

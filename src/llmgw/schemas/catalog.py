@@ -395,7 +395,8 @@ class Limits(_Strict):
     a prompt it takes.
 
     - `max_concurrency`: requests forwarded at once, per gateway (unset: no limit);
-    - `max_queue`: requests that may wait for a slot beyond that; one more is refused at once with 429;
+    - `max_queue`: requests that may wait for a slot beyond that; one more is refused at once with 429.
+      With it, the engines' own queues lower the slots too (gateway/engine_queues.py);
     - `queue_timeout_s`: how long a request waits in the queue before 503 (seconds);
     - `max_prompt_chars`: the most characters of text one prompt may hold; longer is refused with 400
       `context_length_exceeded` before it reaches an engine. Unset: from the context the profiles declare,

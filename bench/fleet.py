@@ -291,6 +291,7 @@ async def decide(url: str, sizes: list[int], repeat: int, pg_pid: int) -> list[d
     rounds: wall time on a shared machine counts other processes' load."""
     from llmgw.config import Settings
     from llmgw.control.activities import ControlActivities
+    from llmgw.control.gc_pause import gc_paused
     from llmgw.db import catalog_repo
     from llmgw.db.engine import async_engine
     from llmgw.placement.plan import plan_pass
@@ -309,19 +310,23 @@ async def decide(url: str, sizes: list[int], repeat: int, pg_pid: int) -> list[d
             best = {"read": math.inf, "plan": math.inf, "save": math.inf, "pg_read": math.inf, "pg_save": math.inf}
             for _ in range(repeat):
                 gc.collect()
-                p0, t0 = tree_cpu(pg), time.process_time()
-                s = await acts.read_snapshot()
-                p1, t1 = tree_cpu(pg), time.process_time()
-                plan = plan_pass(s)
-                explanations = plan.explanations()
-                t2 = time.process_time()
-                async with engine.begin() as conn:
-                    await catalog_repo.save_decisions(conn, explanations)
+                with gc_paused():  # as the decide activity holds the collector off (control/gc_pause.py)
+                    p0, t0 = tree_cpu(pg), time.process_time()
+                    s = await acts.read_snapshot()
+                    p1, t1 = tree_cpu(pg), time.process_time()
+                    plan = plan_pass(s)
+                    explanations = plan.explanations()
+                    t2 = time.process_time()
+                    async with engine.begin() as conn:
+                        await catalog_repo.save_decisions(conn, explanations)
+                counted = (len(s.nodes), len(s.replicas))
+                del s, plan, explanations
+                gc.collect(0)  # what the collector does after the pass, when it is on again: counted in the save
                 p3, t3 = tree_cpu(pg), time.process_time()
                 for k, v in (("read", t1 - t0), ("plan", t2 - t1), ("save", t3 - t2), ("pg_read", p1 - p0),
                              ("pg_save", p3 - p1)):
                     best[k] = min(best[k], v * 1e3)
-            assert len(s.nodes) == n and len(s.replicas) == len(snap.replicas), (len(s.nodes), len(s.replicas))
+            assert counted == (n, len(snap.replicas)), counted
             out.append({"nodes": n, "models": len(snap.models), "replicas": len(snap.replicas), **best})
             print(f"decide: {n}: read {best['read']:.0f} ms, plan {best['plan']:.0f} ms, save {best['save']:.0f} ms",
                   file=sys.stderr)

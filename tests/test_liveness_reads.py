@@ -55,3 +55,56 @@ async def test_one_statement_reads_say_what_the_separate_reads_said(database_url
             assert stale.observer_age_s is None and stale.pollers_age_s is None
     finally:
         await engine.dispose()
+
+
+async def test_the_snapshots_inventory_memo_parses_only_what_changed_and_reads_what_list_nodes_reads(database_url):
+    """The snapshot reads every node each pass with an `InventoryMemo` (issue 42): an inventory unchanged in
+    Postgres is the same object as last pass (not parsed again), a changed one (a registration, a
+    heartbeat carrying one) is read anew, one this version refuses reads as empty with its note, a node
+    forgotten leaves the memo; and what it reads equals what `list_nodes` without it reads."""
+    from llmgw.schemas.inventory import GPU
+
+    engine = async_engine(database_url)
+    memo = fleet_repo.InventoryMemo()
+    try:
+        async with engine.begin() as conn:
+            await fleet_repo.upsert_node(conn, "m1", "boot", Inventory(cpus=8, gpus=[GPU(index=0, memory_mb=81920)]))
+            await fleet_repo.upsert_node(conn, "m2", "boot", Inventory(cpus=4))
+            first = {n.id: n.inventory for n in await fleet_repo.list_nodes(conn, memo)}
+            plain = {n.id: n.inventory for n in await fleet_repo.list_nodes(conn)}
+            assert first == plain and first["m1"].gpus[0].memory_mb == 81920
+            await fleet_repo.heartbeat(conn, "m2", "boot")  # no inventory: unchanged
+            await fleet_repo.heartbeat(conn, "m1", "boot", Inventory(cpus=16))  # a new one
+            second = {n.id: n.inventory for n in await fleet_repo.list_nodes(conn, memo)}
+            assert second["m2"] is first["m2"]  # not parsed again
+            assert second["m1"].cpus == 16 and second["m1"].gpus == []
+            await conn.exec_driver_sql(  # two GPUs of one index: refused by this version's rules
+                "UPDATE nodes SET inventory = '{\"gpus\": [{\"index\": 0}, {\"index\": 0}]}' WHERE id = 'm2'")
+            third = {n.id: n.inventory for n in await fleet_repo.list_nodes(conn, memo)}
+            assert third["m2"].gpus == [] and "cannot be read" in " ".join(third["m2"].notes)
+            await conn.exec_driver_sql("DELETE FROM nodes WHERE id = 'm2'")
+            await fleet_repo.list_nodes(conn, memo)
+            assert set(memo.parsed) == {"m1"}
+    finally:
+        await engine.dispose()
+
+
+def test_the_collector_is_held_off_for_a_pass_and_on_again_after_the_last_of_overlapping_passes():
+    import gc
+
+    from llmgw.control.gc_pause import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # a rollout step beside a decide
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # held off by someone else: left so
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

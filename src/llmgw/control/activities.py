@@ -21,6 +21,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from llmgw.control.idempotent import CrashHook, once
 from llmgw.control.liveness import read_pollers, record_and_read_liveness, remember_doubt
 from llmgw.config import Settings
+from llmgw.control.gc_pause import gc_paused
 from llmgw.db import catalog_repo, fleet_repo, status_repo
 from llmgw.telemetry import ControlMetrics
 from llmgw.placement.plan import backoff_delay, rollout_step
@@ -55,6 +56,7 @@ class ControlActivities:
         self.attributes = attributes
         self.metrics = metrics or ControlMetrics()
         self._catalog_memo = catalog_repo.CatalogMemo()  # the snapshot's catalog, parsed again only when changed
+        self._inventory_memo = fleet_repo.InventoryMemo()  # and each node's inventory
         self.backoff = (backoff_base_s, backoff_max_s)
         self.drain_timeout_s = drain_timeout_s
 
@@ -81,7 +83,7 @@ class ControlActivities:
                     catalog, unreadable = await catalog_repo.read_catalog(conn, self._catalog_memo)
                     states = await catalog_repo.model_states(conn)
                     reps = await fleet_repo.active_replicas_with_shards(conn)
-                    nodes = await fleet_repo.list_nodes(conn)
+                    nodes = await fleet_repo.list_nodes(conn, self._inventory_memo)
             ages, read, pollers_error = await pollers
             async with self.engine.begin() as conn:
                 # The transaction's start (`now()`), a few ms after the pollers answered: their ages are
@@ -118,7 +120,8 @@ class ControlActivities:
     @activity.defn(name="rollout_step")
     async def rollout_step(self, inp: RolloutStepInput) -> RolloutStep:
         """What `model`'s rolling replacement does next, decided from a fresh snapshot (placement/rollout.py)."""
-        step = rollout_step(await self.read_snapshot(), inp.model)
+        with gc_paused():  # (control/gc_pause.py)
+            step = rollout_step(await self.read_snapshot(), inp.model)
         return step.model_copy(update={"drain_timeout_s": self.drain_timeout_s})
 
     @activity.defn(name="record_placement")

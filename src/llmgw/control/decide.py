@@ -25,6 +25,7 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
+from llmgw.control.gc_pause import gc_paused
 from llmgw.control.idempotent import CrashHook, may_have_committed, store, stored
 from llmgw.control.starts import StrandedStarts, start_replica
 from llmgw.config import Settings
@@ -76,7 +77,8 @@ class DecideActivities:
     async def decide(self, inp: DecideInput) -> DecideResult:
         beat = asyncio.create_task(_heartbeats())
         try:
-            result, snapshot = await self._decide(inp)
+            with gc_paused():  # (control/gc_pause.py)
+                result, snapshot = await self._decide(inp)
             if inp.start_replicas and inp.record_placements and self.client is not None:
                 # Shielded: a run closed now (terminated) cancels this activity, and the placements it just
                 # committed would be left without a start (`control/starts.py` finds those later).

@@ -95,7 +95,7 @@ async def read_pollers(engine: AsyncEngine, client: Client | None,
     if client is None:
         return {}, [], "no Temporal client in this worker"
     async with engine.connect() as conn:
-        ids = rotation(await fleet_repo.list_nodes(conn), settings.poller_reads_per_pass)
+        ids = rotation(await fleet_repo.poll_reads(conn), settings.poller_reads_per_pass)
     return await poll_ages(client, ids, settings.poller_read_budget_s)
 
 

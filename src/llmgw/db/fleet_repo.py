@@ -8,12 +8,13 @@ has asked every one of its shards to stop and counted its failure; until then th
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 from pydantic import ValidationError
-from sqlalchemy import DateTime, String, and_, case, column, delete, func, select, update, values
+from sqlalchemy import DateTime, String, Text, and_, case, cast, column, delete, func, select, update, values
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # The ended statuses as SQL IN / NOT IN lists take them, in the enum's order.
 _ENDED = tuple(s for s in ReplicaStatus if s.is_ended)
+_NO_INVENTORY = Inventory()  # (poll_reads: rows that carry no inventory)
+_EPOCH = datetime.fromtimestamp(0, timezone.utc)
 
 
 # ---- nodes --------------------------------------------------------------------------------------
@@ -86,14 +89,51 @@ class NodeRow:
     poll_read_at: datetime | None = None  # the control worker last read its pollers (None: never)
 
 
-async def list_nodes(conn: AsyncConnection) -> list[NodeRow]:
+class InventoryMemo:
+    """Each node's inventory as last read (its stored JSON text and what it parsed to), so that a reader that
+    reads every node often (the snapshot, every pass) parses only those that changed: at 10k nodes parsing
+    them all was most of a pass (issue 42). Its holder treats the inventories as read-only."""
+
+    def __init__(self) -> None:
+        self.parsed: dict[str, tuple[str, Inventory]] = {}
+
+    def inventory(self, node_id: str, text: str) -> Inventory:
+        known = self.parsed.get(node_id)
+        if known is not None and known[0] == text:
+            return known[1]
+        inv = _stored_inventory(node_id, json.loads(text))
+        self.parsed[node_id] = (text, inv)
+        return inv
+
+
+async def list_nodes(conn: AsyncConnection, memo: InventoryMemo | None = None) -> list[NodeRow]:
+    """Every registered node. With `memo`, an inventory unchanged since the memo's last read is not parsed again."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
-    rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
-    return [NodeRow(r.id, r.boot_id, _stored_inventory(r.id, r.inventory), r.last_heartbeat, float(r.age),
-                    r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at,
-                    r.version, r.poll_read_at)
-            for r in rows]
+    if memo is None:
+        rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
+        return [NodeRow(r.id, r.boot_id, _stored_inventory(r.id, r.inventory), r.last_heartbeat, float(r.age),
+                        r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at,
+                        r.version, r.poll_read_at)
+                for r in rows]
+    columns = [c for c in nodes.c if c.name != "inventory"]
+    rows = (await conn.execute(select(*columns, cast(nodes.c.inventory, Text).label("inventory_text"), age.label("age"),
+                                      poll_age.label("poll_age")).order_by(nodes.c.id))).all()
+    out = [NodeRow(r.id, r.boot_id, memo.inventory(r.id, r.inventory_text), r.last_heartbeat, float(r.age),
+                   r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at,
+                   r.version, r.poll_read_at)
+           for r in rows]
+    if len(memo.parsed) > len(out):  # nodes removed since: forgotten
+        ids = {n.id for n in out}
+        memo.parsed = {k: v for k, v in memo.parsed.items() if k in ids}
+    return out
+
+
+async def poll_reads(conn: AsyncConnection) -> list[NodeRow]:
+    """Every registered node with only what the liveness rotation orders them by (`id`, `poll_read_at`): the
+    witness reads these each pass, and parsing every inventory for it cost as much as the snapshot's read."""
+    rows = (await conn.execute(select(nodes.c.id, nodes.c.poll_read_at).order_by(nodes.c.id))).all()
+    return [NodeRow(r.id, None, _NO_INVENTORY, _EPOCH, 0.0, poll_read_at=r.poll_read_at) for r in rows]
 
 
 _told: set[tuple[str, str]] = set()  # (node, why) already logged: a pass every few seconds would repeat it

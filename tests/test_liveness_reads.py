@@ -108,3 +108,27 @@ def test_the_collector_is_held_off_for_a_pass_and_on_again_after_the_last_of_ove
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+async def test_the_catalog_memo_keeps_an_unchanged_catalog_and_reads_a_changed_one(database_url):
+    """The snapshot and the route table read the catalog with a `CatalogMemo`, compared as Postgres's text of
+    each spec: unchanged, the same `Catalog` object; changed, read anew (issue 42)."""
+    from llmgw.db import catalog_repo
+    from llmgw.schemas.catalog import Catalog
+
+    engine = async_engine(database_url)
+    memo = catalog_repo.CatalogMemo()
+    spec = {"name": "a", "profiles": [{"engine": "sim"}]}
+    try:
+        async with engine.begin() as conn:
+            await catalog_repo.apply_catalog(conn, Catalog.model_validate({"models": [spec]}))
+            first, _ = await catalog_repo.read_catalog(conn, memo)
+            again, _ = await catalog_repo.read_catalog(conn, memo)
+            assert again is first and [m.name for m in first.models] == ["a"]
+            await catalog_repo.apply_catalog(conn, Catalog.model_validate({"models": [
+                spec, {"name": "b", "profiles": [{"engine": "sim"}]}]}))
+            changed, _ = await catalog_repo.read_catalog(conn, memo)
+            assert changed is not first and [m.name for m in changed.models] == ["a", "b"]
+            assert changed == (await catalog_repo.read_catalog(conn))[0]  # as a read without the memo
+    finally:
+        await engine.dispose()

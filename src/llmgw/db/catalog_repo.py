@@ -7,7 +7,7 @@ import logging
 from datetime import datetime
 
 from pydantic import ValidationError
-from sqlalchemy import Text, bindparam, delete, func, select, update
+from sqlalchemy import Text, bindparam, cast, delete, func, select, update
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -45,15 +45,21 @@ async def read_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) -
     """`get_catalog`, and the stored models it left out: name -> why this version cannot read it. Their
     replicas are kept running and they are shown to the operator (`ctl models`), not taken for removed:
     an upgrade whose rules are stricter must not stop a healthy engine (placement/plan.py)."""
-    rows = (await conn.execute(select(catalog_models.c.name, catalog_models.c.spec)
-                               .order_by(catalog_models.c.position, catalog_models.c.name))).all()
-    key = json.dumps([[r.name, r.spec] for r in rows], sort_keys=True, separators=(",", ":")) if memo is not None else None
-    if memo is not None and memo.catalog is not None and key == memo.key:
-        return memo.catalog, memo.unreadable
+    order = (catalog_models.c.position, catalog_models.c.name)
+    key = None
+    if memo is None:
+        rows = [(r.name, r.spec) for r in (await conn.execute(
+            select(catalog_models.c.name, catalog_models.c.spec).order_by(*order))).all()]
+    else:  # the specs as Postgres writes them (jsonb's text is canonical): compared, and parsed only when changed
+        texts = (await conn.execute(select(catalog_models.c.name, cast(catalog_models.c.spec, Text)).order_by(*order))).all()
+        key = json.dumps([list(r) for r in texts], separators=(",", ":"))
+        if memo.catalog is not None and key == memo.key:
+            return memo.catalog, memo.unreadable
+        rows = [(name, json.loads(text)) for name, text in texts]
     models = []
     unreadable: dict[str, str] = {}
-    for i, r in enumerate(rows):
-        spec, _, problems = upgrade_model_spec(r.spec, i)
+    for i, (name, stored_spec) in enumerate(rows):
+        spec, _, problems = upgrade_model_spec(stored_spec, i)
         spec = _without_bad_aliases(spec)
         try:
             if problems:
@@ -61,9 +67,9 @@ async def read_catalog(conn: AsyncConnection, memo: CatalogMemo | None = None) -
             models.append(Model.model_validate(spec))
         except (ValidationError, ValueError) as exc:
             why = _why_unreadable(exc)
-            unreadable[r.name] = why
+            unreadable[name] = why
             log.error("stored catalog model %r cannot be read and is skipped; apply a corrected catalog: %s",
-                      r.spec.get("name") if isinstance(r.spec, dict) else r.spec, why)
+                      stored_spec.get("name") if isinstance(stored_spec, dict) else stored_spec, why)
     catalog = Catalog(models=models)
     if memo is not None:
         memo.key, memo.catalog, memo.unreadable = key, catalog, unreadable

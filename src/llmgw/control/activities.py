@@ -30,8 +30,8 @@ from llmgw.schemas.status import ReplicaStatus, wanted_by_start
 from llmgw.schemas.payloads import (
     AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
     MarkReplicaInput, MarkReplicaResult, MarkSleepInput, NodeSnap, ReclaimTargets, RecordDecisionsInput, RecordPlacementInput,
-    RecordReplicaFailureInput, ReplicaShardsInput, ReplicaShardsResult, ReplicaSnap, ResetModelFailuresInput,
-    RolloutStep, RolloutStepInput, SettleReplicaInput, SettleReplicaResult, ShardPlacement, Snapshot,
+    RecordReplicaFailureInput, ReplicaShardsInput, ReplicaShardsResult, ResetModelFailuresInput,
+    RolloutStep, RolloutStepInput, SettleReplicaInput, SettleReplicaResult, Snapshot,
 )
 from llmgw.workflows.ids import replica_sleep_id, replica_start_id
 
@@ -82,7 +82,7 @@ class ControlActivities:
                 async with conn.begin():
                     catalog, unreadable = await catalog_repo.read_catalog(conn, self._catalog_memo)
                     states = await catalog_repo.model_states(conn)
-                    reps = await fleet_repo.active_replicas_with_shards(conn)
+                    reps = await fleet_repo.snapshot_replicas(conn)
                     nodes = await fleet_repo.list_nodes(conn, self._inventory_memo)
             ages, read, pollers_error = await pollers
             async with self.engine.begin() as conn:
@@ -103,13 +103,7 @@ class ControlActivities:
                             polled_at=max(filter(None, (n.polled_at, polled.get(n.id))), default=None),
                             poll_read_at=now if n.id in read_now else n.poll_read_at,
                             inventory=n.inventory, left_at=n.left_at) for n in nodes],
-            replicas=[
-                ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status,
-                            created_at=r.created_at, updated_at=r.updated_at, settled=r.settled_at is not None,
-                            profile_hash=r.profile_hash,
-                            shards=[ShardPlacement(node_id=s.node_id, rank=s.rank, gpus=s.gpus) for s in r.shards])
-                for r in reps
-            ],
+            replicas=reps,
             search_attributes=await self.attributes.registered(self.client) if self.attributes else False,
             unreadable_models=sorted(unreadable),
         )

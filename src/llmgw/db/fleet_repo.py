@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from llmgw.db.tables import model_state, nodes, observers, replicas, shards
 from llmgw.schemas import problems_line
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
-from llmgw.schemas.payloads import ShardPlacement
+from llmgw.schemas.payloads import ReplicaSnap, ShardPlacement
 from llmgw.schemas.status import ReplicaStatus, ShardStatus
 from llmgw.workflows.ids import shard_id
 
@@ -459,16 +459,19 @@ class ReplicaRow:
     node_id: str | None = None
 
 
-async def _with_shards(conn: AsyncConnection, rows) -> list[ReplicaRow]:
-    """`ReplicaRow`s of replica rows (with `node_id` when selected), each with its shards, in one more query."""
+async def _with_shards(conn: AsyncConnection, rows, among=None) -> list[ReplicaRow]:
+    """`ReplicaRow`s of replica rows (with `node_id` when selected), each with its shards, in one more query:
+    the shards of the replicas `among` selects (a subquery of their ids), else of these rows' ids."""
     ids = [r.id for r in rows]
     by_rep: dict[str, list[ShardRow]] = {}
     if ids:
-        for sr in (await conn.execute(select(shards).where(shards.c.replica_id.in_(ids)).order_by(shards.c.rank))).all():
+        which = shards.c.replica_id.in_(among if among is not None else ids)  # (15k ids as literals cost 0.2 s)
+        for sr in (await conn.execute(select(shards).where(which).order_by(shards.c.rank))).all():
             by_rep.setdefault(sr.replica_id, []).append(_shard(sr))
+    has_node = bool(rows) and "node_id" in rows[0]._fields  # (getattr with a default costs an exception a row)
     return [ReplicaRow(r.id, r.model, r.profile, ReplicaStatus(r.status), r.endpoint, r.failure, r.reason, r.created_at,
                        r.updated_at, r.ready_at, r.ended_at, r.settled_at, r.ended_reason, r.generation, r.profile_hash,
-                       by_rep.get(r.id, []), getattr(r, "node_id", None))
+                       by_rep.get(r.id, []), r.node_id if has_node else None)
             for r in rows]
 
 
@@ -502,9 +505,31 @@ async def set_progress(conn: AsyncConnection, node_id: str, downloads: list[Down
 
 async def active_replicas_with_shards(conn: AsyncConnection) -> list[ReplicaRow]:
     """Every replica that is not ended, and every ended one not yet settled, each with its shards."""
-    reps = (await conn.execute(select(replicas).where(
-        (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))))).all()
-    return await _with_shards(conn, reps)
+    active = (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))
+    reps = (await conn.execute(select(replicas).where(active))).all()
+    return await _with_shards(conn, reps, select(replicas.c.id).where(active).scalar_subquery())
+
+
+async def snapshot_replicas(conn: AsyncConnection) -> list[ReplicaSnap]:
+    """The replicas `active_replicas_with_shards` reads, with only what a reconcile snapshot holds of them and
+    their shards (never a shard's output tail or progress: at 15k replicas reading those was a third of
+    the snapshot's read, issue 42)."""
+    active = (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))
+    reps = (await conn.execute(select(replicas.c.id, replicas.c.model, replicas.c.profile, replicas.c.status,
+                                      replicas.c.created_at, replicas.c.updated_at, replicas.c.settled_at,
+                                      replicas.c.profile_hash).where(active))).all()
+    by_rep: dict[str, list[ShardPlacement]] = {}
+    if reps:
+        q = (select(shards.c.replica_id, shards.c.node_id, shards.c.rank, shards.c.gpus)
+             .where(shards.c.replica_id.in_(select(replicas.c.id).where(active).scalar_subquery()))
+             .order_by(shards.c.rank))
+        for sr in (await conn.execute(q)).all():
+            by_rep.setdefault(sr.replica_id, []).append(ShardPlacement(node_id=sr.node_id, rank=sr.rank,
+                                                                       gpus=list(sr.gpus or [])))
+    return [ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status, created_at=r.created_at,
+                        updated_at=r.updated_at, settled=r.settled_at is not None, profile_hash=r.profile_hash,
+                        shards=by_rep.get(r.id, []))
+            for r in reps]
 
 
 def _adapter_files(report: ShardReport) -> dict | None:

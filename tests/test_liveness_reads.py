@@ -132,3 +132,33 @@ async def test_the_catalog_memo_keeps_an_unchanged_catalog_and_reads_a_changed_o
             assert changed == (await catalog_repo.read_catalog(conn))[0]  # as a read without the memo
     finally:
         await engine.dispose()
+
+
+async def test_a_heartbeat_records_and_clears_download_progress_in_its_statement(database_url):
+    """The heartbeat's progress (issue 42: folded into its UPDATE as a CTE): a download it reports is kept
+    on its starting shard, one it no longer reports is cleared, and a heartbeat of a boot that never
+    registered changes nothing."""
+    from llmgw.schemas.inventory import DownloadProgress
+
+    engine = async_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            await fleet_repo.upsert_node(conn, "d1", "boot", Inventory())
+            for rid in ("r1", "r2"):
+                await fleet_repo.create_replica(conn, rid, "m", "default", [ShardPlacement(node_id="d1")])
+
+            async def progress() -> dict:
+                rows = (await conn.exec_driver_sql("SELECT replica_id, progress FROM shards ORDER BY 1")).all()
+                return {r[0]: (r[1] or {}).get("bytes") for r in rows}
+
+            down = [DownloadProgress(replica_id=rid, source="mirror:x", bytes=n) for rid, n in (("r1", 10), ("r2", 20))]
+            assert await fleet_repo.heartbeat(conn, "d1", "boot", downloads=down)
+            assert await progress() == {"r1": 10, "r2": 20}
+            assert not await fleet_repo.heartbeat(conn, "d1", "stale-boot", downloads=[])  # another boot: nothing
+            assert await progress() == {"r1": 10, "r2": 20}
+            assert await fleet_repo.heartbeat(conn, "d1", "boot", downloads=down[1:])  # r1 done
+            assert await progress() == {"r1": None, "r2": 20}
+            assert await fleet_repo.heartbeat(conn, "d1", "boot", downloads=[])
+            assert await progress() == {"r1": None, "r2": None}
+    finally:
+        await engine.dispose()

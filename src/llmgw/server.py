@@ -99,7 +99,10 @@ async def run_node_api(settings: Settings) -> None:
     deny-list of node certificates it re-reads every `revocation_refresh_s`."""
     if why := listen_refusal(settings):
         raise SystemExit(why)
-    engine = async_engine(settings.require_database_url(), pool_size=5)
+    # Connections enough for a burst of heartbeats (every node at once after a network blip): beyond the pool
+    # SQLAlchemy opens overflow connections and closes them on return, and that churn, a new Postgres
+    # connection per heartbeat, was a tenth of the node API's CPU under load (bench/fleet.py).
+    engine = async_engine(settings.require_database_url(), pool_size=32)
     temporal = LazyClient(settings)
     temporal.start()
     stop = asyncio.Event()

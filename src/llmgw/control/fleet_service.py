@@ -172,9 +172,8 @@ class FleetService:
         gone: list[str] = []
         stop: list[str] = []
         async with self.engine.begin() as conn:
-            known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory)
+            known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory, req.downloads)
             if known:
-                await fleet_repo.set_progress(conn, req.node_id, req.downloads)
                 listed = {s.shard_id for s in req.shards}
                 live = await fleet_repo.shards_on_node(conn, req.node_id)
                 # A shard the node still runs whose replica has ended: its stop did not reach the node, or

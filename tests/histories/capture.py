@@ -15,7 +15,9 @@ the same activity (patch `settle-counts-failure`); `v6` holds one history from t
 (stand-in activities; patch `drain-owns-the-engine`), a path no scenario here reaches on purpose.
 `v7` holds the two runs (one continue-as-new) of a `BatchWorkflow` from
 `tests/test_batches_units.py::test_the_workflow_runs_rounds_then_finishes_with_their_reason` (stand-in
-activities; `LLMGW_HISTORIES_OUT=tests/histories/v7` when running it writes them).
+activities; `LLMGW_HISTORIES_OUT=tests/histories/v7` when running it writes them). `v8` holds the sleep
+and wake workflows of issue 39 (`test_sleep_and_wake` here), captured before the wake's control steps
+became local activities (patch `wake-local-steps`).
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history
@@ -220,3 +222,22 @@ def test_place_many_in_one_pass(control_plane, temporal, namespace):
     cp.kill_node(lost["node_id"])
     cp.wait_replicas("m1", exclude={lost["id"]}, timeout_s=90)
     assert len(export(temporal, namespace, "place-many")) >= 6
+
+
+def test_sleep_and_wake(control_plane, temporal, namespace):
+    """Issue 39's workflows (tests/histories/v8): an idle replica put to sleep (`ReplicaSleepWorkflow`), a
+    request that wakes it (`ReplicaWakeWorkflow`), asleep again."""
+    cp = control_plane
+    cp.env.update({"LLMGW_LOAD_WAIT_S": "30", "LLMGW_REPLICA_DRAIN_TIMEOUT_S": "5", "LLMGW_RECONCILE_INTERVAL_S": "1"})
+    cp.start()
+    cp.agent("node-a")
+    cp.wait_nodes("node-a")
+    sleepy = {"name": "sleepy", "scaling": {"min": 0, "max": 1, "sleep_after": 2, "idle_timeout": 600},
+              "profiles": [{"engine": "sim", "args": ["--tokens-per-second", "0", "--sleep-s", "0.2", "--wake-s", "0.3"]}]}
+    assert cp.apply({"models": [sleepy]}).status_code == 200
+    assert chat(cp, "sleepy") == 200  # a cold start
+    cp.wait_replicas("sleepy", "sleeping", 1, 30)
+    assert chat(cp, "sleepy") == 200  # woken
+    cp.wait_replicas("sleepy", "sleeping", 1, 30)
+    time.sleep(2)  # the sleep workflow closes
+    assert len(export(temporal, namespace, "sleep-wake", kinds=("ReplicaSleepWorkflow", "ReplicaWakeWorkflow"))) >= 3

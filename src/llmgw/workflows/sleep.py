@@ -15,7 +15,13 @@ An engine that does not wake is stopped as failed, so the model's next request g
 
 A stop while it sleeps is any stop: `ReplicaStopWorkflow` marks it (bumping the fencing generation), and
 stops its shards with that generation; a wake that comes after is refused by the node, and one before is
-undone by the stop. Both workflows are new (no run recorded before them), so nothing here is patched.
+undone by the stop.
+
+A request waits on the wake, so its control steps (is the sleep closed, the replica's shards, marking it
+Ready) run as local activities (`WAKE_LOCAL`): one read or write each on this worker, inside the workflow
+task, with no round trip through Temporal's task queue (three of them had cost ~40 ms of a wake's ~180 ms
+of orchestration, issue 39). Only a sleep still running is waited for as before, by an activity that
+heartbeats. Runs recorded before that patch (tests/histories/v8) replay as they ran.
 """
 
 from __future__ import annotations
@@ -35,16 +41,36 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.workflows.replica import ReplicaStopWorkflow, failure_text, wake_reconciler
 
 SLEEP_CLOSE_WAIT_S = 120.0  # a wake waits this long for the sleep before it
+WAKE_LOCAL = "wake-local-steps"  # the patch that made the wake's control steps local activities
 
 
-async def _shards(rid: str) -> ReplicaShardsResult:
+async def _shards(rid: str, local: bool = False) -> ReplicaShardsResult:
+    if local:
+        return await workflow.execute_local_activity(activities.get_replica_shards,
+                                                     ReplicaShardsInput(replica_id=rid), **options.CONTROL)
     return await workflow.execute_activity(activities.get_replica_shards, ReplicaShardsInput(replica_id=rid),
                                            task_queue=CONTROL_QUEUE, **options.CONTROL)
 
 
-async def _mark_sleep(rid: str, asleep: bool) -> MarkReplicaResult:
+async def _mark_sleep(rid: str, asleep: bool, local: bool = False) -> MarkReplicaResult:
+    if local:
+        return await workflow.execute_local_activity(activities.mark_sleep,
+                                                     MarkSleepInput(replica_id=rid, asleep=asleep), **options.CONTROL)
     return await workflow.execute_activity(activities.mark_sleep, MarkSleepInput(replica_id=rid, asleep=asleep),
                                            task_queue=CONTROL_QUEUE, **options.CONTROL)
+
+
+async def _await_sleep_closed(rid: str, local: bool) -> None:
+    """Wait until the replica's sleep workflow has closed (a wake never meets an engine half asleep). With
+    `local`, first asked once as a local activity; only a sleep still running is waited for by the activity."""
+    wait = AwaitStartClosedInput(replica_id=rid, timeout_s=SLEEP_CLOSE_WAIT_S, cancel=False, workflow="sleep")
+    if local:
+        first = await workflow.execute_local_activity(activities.await_start_closed,
+                                                      wait.model_copy(update={"timeout_s": 0}), **options.CONTROL)
+        if first.closed:
+            return
+    await workflow.execute_activity(activities.await_start_closed, wait, task_queue=CONTROL_QUEUE,
+                                    **options.await_close(SLEEP_CLOSE_WAIT_S))
 
 
 async def _stop(rid: str, model: str, final: ReplicaStatus, reason: str) -> None:
@@ -98,12 +124,9 @@ class ReplicaWakeWorkflow:
     @workflow.run
     async def run(self, inp: ReplicaWakeInput) -> str:
         rid = inp.replica_id
-        await workflow.execute_activity(
-            activities.await_start_closed, AwaitStartClosedInput(replica_id=rid, timeout_s=SLEEP_CLOSE_WAIT_S,
-                                                                 cancel=False, workflow="sleep"),
-            task_queue=CONTROL_QUEUE, **options.await_close(SLEEP_CLOSE_WAIT_S),
-        )
-        info = await _shards(rid)
+        local = workflow.patched(WAKE_LOCAL)
+        await _await_sleep_closed(rid, local)
+        info = await _shards(rid, local)
         rank0 = next((s for s in info.shards if s.rank == 0), None)
         if info.status != ReplicaStatus.SLEEPING or rank0 is None:
             return f"not woken: it is {info.status or 'gone'}"
@@ -119,5 +142,5 @@ class ReplicaWakeWorkflow:
             await _stop(rid, inp.model, ReplicaStatus.FAILED, f"could not wake: {why}")
             await wake_reconciler(f"replica {rid} did not wake")
             return f"failed: could not wake: {why}"
-        res = await _mark_sleep(rid, False)
+        res = await _mark_sleep(rid, False, local)
         return "ready" if res.applied else f"woken, but it is {res.status}: its stop stops it"

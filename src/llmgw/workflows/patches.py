@@ -59,6 +59,8 @@ ONE_NODE_STEP = "issue13-one-node-step"
 SETTLE_COUNTS = "settle-counts-failure"
 DRAIN_OWNS = "drain-owns-the-engine"
 FETCH_BY_TIME = "issue38-fetch-bounded-by-time"
+# workflows/sleep.py
+WAKE_LOCAL = "wake-local-steps"
 
 PATCHES: dict[str, Patch] = {p.id: p for p in [
     # Deprecated in 0.2.0 (`_legacy_pass`, `one_per_pass` and the histories of runs that planned in workflow
@@ -86,4 +88,6 @@ PATCHES: dict[str, Patch] = {p.id: p for p in [
           why="settling a failed replica counts its failure in the same transaction"),
     Patch(STOP_FENCES_START, "ReplicaStopWorkflow", "0.1.0", BOUNDED_RUNS,
           why="a stop marks the replica, cancels its start and waits for it, then stops with the new generation"),
+    Patch(WAKE_LOCAL, "ReplicaWakeWorkflow", "0.2.0", BOUNDED_RUNS,
+          why="a wake's control steps (its sleep closed?, its shards, marking it Ready) are local activities"),
 ]}

@@ -37,11 +37,11 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.schemas.status import ReplicaStatus
     from llmgw.workflows import activities, attributes, options
     from llmgw.workflows.ids import replica_stop_id, shard_id
+    from llmgw.workflows.patches import WAKE_LOCAL
     from llmgw.workflows.queues import CONTROL_QUEUE, node_queue
     from llmgw.workflows.replica import ReplicaStopWorkflow, failure_text, wake_reconciler
 
 SLEEP_CLOSE_WAIT_S = 120.0  # a wake waits this long for the sleep before it
-WAKE_LOCAL = "wake-local-steps"  # the patch that made the wake's control steps local activities
 
 
 async def _shards(rid: str, local: bool = False) -> ReplicaShardsResult:

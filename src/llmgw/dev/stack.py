@@ -103,7 +103,7 @@ class DevStack:
 
     def stop_leftovers(self) -> None:
         """Processes a killed `llmgw dev` left behind (pid files under <state>/run): stop them first."""
-        for name in ("agent", "worker", "server", "mirror"):
+        for name in ("agent", "worker", "server", "node-api", "mirror"):
             kill_pid_file(self.run_dir / f"{name}.pid", "llmgw")
         kill_pid_file(self.run_dir / "temporal.pid", "start-dev")
         kill_leftover_engines(self.s.shard_dir)
@@ -208,12 +208,12 @@ class DevStack:
         env.update(self.pki_env)
         return env
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         pidfile = self.run_dir / f"{name}.pid"
         kill_pid_file(pidfile, "llmgw")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "llmgw", *args], env=self.env(), stdout=logf,
+            proc = subprocess.Popen([sys.executable, "-m", "llmgw", *args], env={**self.env(), **(env or {})}, stdout=logf,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         pidfile.write_text(str(proc.pid))
         self.children.append((name, proc))
@@ -307,11 +307,15 @@ class DevStack:
         self.pki_env = self.ensure_pki()
         catalog = self.ensure_catalog()
         mirror = self.spawn("mirror", "mirror", "serve")
-        server = self.spawn("server", "server", "--no-migrate")
+        # The node API as a process of its own (not `llmgw server`'s child), so that on the way out it is
+        # still there when the agent says it leaves (`stop`).
+        server = self.spawn("server", "server", "--no-migrate", env={"LLMGW_NODE_API_PORT": "0"})
+        node_api = self.spawn("node-api", "node-api")
         self.spawn("worker", "worker")
         self.wait_child("mirror", mirror, self.s.mirror_port, 30)
         self.wait_child("server", server, self.s.admin_port, 60)
         self.wait_child("server", server, self.s.gateway_port, 60)
+        self.wait_child("node-api", node_api, self.s.node_api_port, 60)
         self.spawn("agent", "agent", "--node-id", self.s.node_id or "local", "--stop-engines-on-exit")
         self.apply_catalog(catalog, always=self.catalog_path is not None)
         urls = self.urls()
@@ -344,9 +348,11 @@ class DevStack:
             self.echo("stopping ...")
         # The server first: its gateway drains (gateway/drain.py: open streams finish, or end with an error
         # event, within gateway_drain_timeout_s) while the engines still run. Then the agent, which stops
-        # its engines. Then the rest, in reverse order of start.
+        # its engines and says it leaves to the node API, still running (its replicas end as stopped on
+        # purpose: had the node API gone first, the next start would find them lost and count them as
+        # failures to replace). Then the rest, in reverse order of start.
         grace = {"server": self.s.gateway_drain_timeout_s + 15, "agent": 20}
-        for name, proc in sorted(self.children, key=lambda c: {"server": 0, "agent": 1}.get(c[0], 2)):
+        for name, proc in sorted(self.children, key=lambda c: {"server": 0, "agent": 1, "node-api": 2}.get(c[0], 3)):
             stop_process(proc, grace_s=grace.get(name, 10))
             (self.run_dir / f"{name}.pid").unlink(missing_ok=True)
         kill_leftover_engines(self.s.shard_dir)  # engines of an agent that died before stopping them

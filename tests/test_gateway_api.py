@@ -375,6 +375,23 @@ async def test_shapes_engines_answer_500_to_are_400_naming_the_field(gw, path, b
     assert status == 400 and err["param"] == param, out
 
 
+@pytest.mark.parametrize("path, model, says", [
+    ("/v1/chat/completions", None, "`model` is required"),
+    ("/v1/chat/completions", 5, "`model` must be a string, the name of a model from /v1/models, not a number"),
+    ("/v1/chat/completions", ["echo"], "not an array"),
+    ("/v1/chat/completions", "m" * 300, "longer than 256 characters"),
+    ("/v1/messages", 5, "`model` must be a string"),
+    ("/v1/responses", {"name": "echo"}, "not an object"),
+])
+async def test_a_model_that_is_not_a_name_is_refused_saying_what_was_sent(gw, path, model, says):
+    """A `model` sent as a number (or an array, an object) is not "missing": the 400 says what it must be."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "input": "x"}
+    if model is not None:
+        body["model"] = model
+    status, _, out = await post(gw, path, body)
+    assert status == 400 and says in json.dumps(out), out
+
+
 async def test_engine_text_reaches_the_log_escaped_and_without_url_secrets(gw):
     """An engine's 500 body (logged, never sent to the client) cannot forge log lines or leak a signed
     URL's token: newlines and escape sequences are written as escapes, the query string is redacted."""

@@ -375,7 +375,7 @@ async def test_ctl_usage_matches_the_engines_own_counts(plane):
     out = cp.ctl("keys", "list", "-o", "wide")  # a tenant's key without limits of its own is not "unlimited"
     assert "OWN LIMITS" in out.stdout.splitlines()[0], out.stdout
     line = next(ln for ln in out.stdout.splitlines() if " acct-1 " in ln)
-    assert "none (tenant acct's apply)" in line and "unlimited" not in line, out.stdout
+    assert "none: tenant acct's limits apply" in line and "unlimited" not in line, out.stdout
     assert cp.ctl("tenants", "set", "acct", "--rpm", "none").returncode == 0
     acct = next(t for t in admin(cp, "GET", "/admin/v1/tenants").json() if t["name"] == "acct")
     assert acct["limits"]["rpm"] is None and acct["limits"]["tpm"] == 1_000_000 and acct["keys"] == 2

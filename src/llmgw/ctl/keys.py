@@ -106,7 +106,7 @@ def own_limits_text(k: dict) -> str:
     own = k.get("limits") or {}
     if any(v is not None for v in own.values()):
         return limits_text(own)
-    return f"none (tenant {k['tenant']}'s apply)" if k.get("tenant") else "unlimited"
+    return f"none: tenant {k['tenant']}'s limits apply" if k.get("tenant") else "unlimited"
 
 
 def _keys_table(keys: list[dict], now: datetime, wide: bool):

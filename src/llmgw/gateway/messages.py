@@ -24,6 +24,7 @@ import json
 import uuid
 from typing import Any, Protocol
 
+from llmgw.gateway.openai_api import model_refusal
 from llmgw.http import errors
 from llmgw.http.errors import APIError
 from llmgw.http.jsonbody import JSONRefused, decode
@@ -265,8 +266,8 @@ def to_chat(req: dict, count_only: bool = False) -> dict:
     """A decoded Messages request as a chat completion request, or a 400 `APIError` naming the field.
     `count_only`: for /v1/messages/count_tokens, which takes no `max_tokens`."""
     model = req.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("`model` is required: the name of a model from /v1/models", "model")
+    if (why := model_refusal(model)) is not None:
+        raise _bad(why, "model")
     count = _Count()
     system = _system(req.get("system"), count)
     messages = _turns(req.get("messages"), count)

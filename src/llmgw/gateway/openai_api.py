@@ -24,6 +24,19 @@ log = logging.getLogger(__name__)
 REQUIRED = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
 MAX_BODY = 64 << 20
 MAX_MODEL_NAME = 256
+_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+
+
+def model_refusal(model: object) -> str | None:
+    """What is wrong with a request's `model` (every door's), saying what to write; None when nothing is."""
+    if model is None or model == "":
+        return "`model` is required: the name of a model from /v1/models"
+    if not isinstance(model, str):
+        return (f"`model` must be a string, the name of a model from /v1/models, not "
+                f"{_JSON_TYPES.get(type(model), 'that')}")
+    if len(model) > MAX_MODEL_NAME:
+        return f"`model` is longer than {MAX_MODEL_NAME} characters: no model is named so (see /v1/models)"
+    return None
 # Counts the gateway bounds because each multiplies an engine's work: OpenAI's own ceilings (`n` 128), and
 # token limits within a signed 32-bit integer, which is what engines store them in.
 MAX_CHOICES = 128
@@ -88,9 +101,8 @@ def parse_request(path: str, body: bytes) -> dict[str, Any]:
         raise errors.bad_request(str(exc), param=exc.param) from None
     if not isinstance(req, dict):
         raise errors.bad_request("the request body must be a JSON object")
-    model = req.get("model")
-    if not isinstance(model, str) or not model or len(model) > MAX_MODEL_NAME:
-        raise errors.bad_request("`model` is required: the name of a model from /v1/models", param="model")
+    if (why := model_refusal(req.get("model"))) is not None:
+        raise errors.bad_request(why, param="model")
     field = REQUIRED[path]
     value = req.get(field)
     if field == "messages":

@@ -25,6 +25,7 @@ import time
 import uuid
 from typing import Any
 
+from llmgw.gateway.openai_api import model_refusal
 from llmgw.http import errors
 from llmgw.http.errors import APIError
 from llmgw.gateway.messages import MAX_BLOCKS, MAX_TOKENS, chat_events, decode_request
@@ -161,8 +162,8 @@ def _format(text: Any) -> dict | None:
 def to_chat(req: dict) -> dict:
     """A decoded Responses request as a chat completion request, or a 400 `APIError` naming the field."""
     model = req.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("`model` is required: the name of a model from /v1/models", "model")
+    if (why := model_refusal(model)) is not None:
+        raise _bad(why, "model")
     for field in ("previous_response_id", "conversation"):
         if req.get(field) is not None:
             raise _bad(f"`{field}` is not supported: this gateway stores no responses, so there is none to continue "

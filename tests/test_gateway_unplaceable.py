@@ -46,6 +46,7 @@ def test_unplaceable_on_demand_model_says_why(control_plane):
     err = r.json()["error"]
     assert err["code"] == "model_unplaceable", err
     assert "no node can take it" in err["message"] and "llmgw ctl explain huge" in err["message"]
+    assert "needs 100000 GB of host memory" in err["message"], err  # why, not only that no node can take it
     r = httpx.post(cp.gateway + "/v1/messages", timeout=30,
                    json={"model": "huge", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 503 and r.headers["Retry-After"] and r.json()["type"] == "error", r.text

@@ -17,10 +17,30 @@ DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "w
 REFUSED = "cannot place"
 
 
+REFUSAL_REASONS_SHOWN = 3  # the candidates' distinct reasons a refusal carries (`ctl explain` has them all)
+
+
 def refusal(lines: list[str], model: str) -> str | None:
-    """The reason in a pass's lines (`Plan.explanations()[model]`) when it refused to place `model`, else None."""
+    """The reason in a pass's lines (`Plan.explanations()[model]`) when it refused to place `model`, else None:
+    its line, and what turned its candidates down (their distinct reasons, without the profile and node
+    each line names: "has no GPU (needs 1)"), so that `ctl models` and a client's 503 say why, not only
+    that no node can take it."""
     head = f"{REFUSED} {model}: "
-    return next((line[len(head):] for line in lines if line.startswith(head)), None)
+    for i, line in enumerate(lines):
+        if not line.startswith(head):
+            continue
+        reasons: list[str] = []
+        for candidate in lines[i + 1:]:
+            if not candidate.startswith("  "):  # (an indented line is one candidate turned down)
+                break
+            why = candidate.strip().split(": ", 1)[-1]
+            if why not in reasons:
+                reasons.append(why)
+        said = "; ".join(reasons[:REFUSAL_REASONS_SHOWN])
+        if len(reasons) > REFUSAL_REASONS_SHOWN:
+            said += f"; and {len(reasons) - REFUSAL_REASONS_SHOWN} more"
+        return line[len(head):] + (f" ({said})" if said else "")
+    return None
 
 
 class Decision(BaseModel):

@@ -75,6 +75,11 @@ async def test_keys_required_once_created_and_revocation_is_prompt(tmp_path, dat
             await asyncio.sleep(0.05)
         assert await status_of(cp, None, "/v1/models") == 401
         assert await status_of(cp, "llmgw-not-a-key") == 401
+        async with aiohttp.ClientSession() as s:  # the 401 says which: no key, or one it does not know
+            for sent, says in ((None, "a valid API key is required"), ("llmgw-not-a-key", "the API key sent is not valid")):
+                async with s.post(cp.gateway + "/v1/chat/completions", json={"model": "echo", "messages": []},
+                                  headers={"Authorization": f"Bearer {sent}"} if sent else {}) as r:
+                    assert r.status == 401 and says in (await r.json())["error"]["message"], await r.text()
         assert await status_of(cp, key) == 200
         assert await status_of(cp, key, "/v1/models") == 200
         async with aiohttp.ClientSession() as s:  # two Authorization headers: which is meant cannot be told

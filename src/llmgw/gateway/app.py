@@ -43,6 +43,7 @@ from llmgw.gateway.upstream import Upstream
 from llmgw.placement.model_status import ModelCondition, client_reason
 from llmgw.schemas.catalog import Adapter, Model
 from llmgw.gateway.keys import KeyRing
+from llmgw.security.api_keys import api_token
 from llmgw.gateway.batches import OWNER, batch_identity, files_and_batches, owner_of
 from llmgw.gateway.messages import MessagesDoor
 from llmgw.gateway.responses import ResponsesDoor
@@ -261,7 +262,7 @@ def create_gateway_app(gw: Gateway):
                 account = keys.lookup(scope["headers"])
                 if account is False:
                     gw_metrics.unauthorized()
-                    err = errors.unauthorized()
+                    err = errors.unauthorized(sent=api_token(scope["headers"]) is not None)
                     await send_error(send, err, body=MessagesDoor.error_body(err) if anthropic else None)
                     return
                 if path in REQUIRED or door is not None or path == COUNT_TOKENS:

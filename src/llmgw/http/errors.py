@@ -132,9 +132,16 @@ def upstream_timeout(seconds: float) -> APIError:
     return APIError(504, f"the engine did not answer within {seconds:g}s", type="upstream_error", code="engine_timeout")
 
 
-def unauthorized() -> APIError:
-    return APIError(401, "a valid API key is required: send `Authorization: Bearer <key>` (keys come from "
-                    "`llmgw ctl keys create`)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+def unauthorized(sent: bool = False) -> APIError:
+    """401. `sent`: the request carried a key, and it is not one the gateway knows (mistyped, revoked, or of
+    another deployment); else it carried none that could be read."""
+    if sent:
+        why = ("the API key sent is not valid here (mistyped, revoked, or not this gateway's): send "
+               "`Authorization: Bearer <key>` with a key from `llmgw ctl keys create`")
+    else:
+        why = ("a valid API key is required: send `Authorization: Bearer <key>` (keys come from "
+               "`llmgw ctl keys create`)")
+    return APIError(401, why, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def method_not_allowed(method: str, path: str, allow: str) -> APIError:

@@ -340,6 +340,7 @@ async def test_engine_failures_become_envelopes_with_the_right_status(gw):
     assert status == 400  # not a 5xx: OpenAI clients would retry it three times
     err = assert_envelope(out, status)
     assert err["code"] == "engine_unsupported" and "Start it with `--embeddings`" in err["message"]
+    assert "in llmgw: add that flag to the model's profile `args`" in err["message"], err
     status, _, out = await post(gw, "/v1/chat/completions", chat("traceback501"))
     err = assert_envelope(out, status)  # a 501 that is not JSON: its text stays in the log
     assert status == 400 and err["code"] == "engine_unsupported", out

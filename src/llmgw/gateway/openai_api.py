@@ -273,6 +273,8 @@ def engine_error(status: int, body: bytes) -> APIError:
         message = "see the gateway's log"
     elif not message:
         message = " ".join(body.decode("utf-8", "replace").split())[:300] or f"HTTP {status}"
+    if status == 501 and "Start it with `--" in message:  # the engine's advice, as an llmgw operator acts on it
+        message += " (in llmgw: add that flag to the model's profile `args` in the catalog)"
     out = errors.engine_error(status, message)
     if status in (401, 403):
         log.warning("engine answered HTTP %d to the gateway (its key or configuration): %s", status, printable(body))

@@ -87,6 +87,7 @@ class HeadCycle(RequestResponseCycle):
     # The connection ends with an answer given before the request's body has all come (serving.py's guarded
     # listeners close it: `GuardedProtocol.on_response_complete`); uvicorn's own would read on.
     ends_early = False
+    said_close = False  # its head said `connection: close` while the cycle stayed keep-alive (an early answer)
 
     def send(self, message):  # type: ignore[override]
         if self._until_close:
@@ -163,6 +164,7 @@ class HeadCycle(RequestResponseCycle):
             content.append(_CLOSE)
         if early and not self._until_close:
             self.keep_alive = True
+            self.said_close = True  # (the protocol closes after the answer: GuardedProtocol.on_response_complete)
         if unknown_length:
             self.chunked_encoding = True  # neither content-length nor transfer-encoding given
             content.append(_CHUNKED)

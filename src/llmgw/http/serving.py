@@ -387,6 +387,8 @@ class GuardedProtocol(HttpToolsProtocol):
             self._cancel()
             self._linger()
             return
+        if getattr(cycle, "said_close", False) and not self.transport.is_closing():
+            self.transport.close()  # answered early, its body came all the same meanwhile: closed as its head said
         super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:  # uvicorn's, for a request its parser refused

@@ -21,9 +21,10 @@ The rules, each from a way weights went wrong (issue 11, seeds 000):
   address) remove the partial; retryable ones (a dropped connection, a stall, 5xx) leave it to resume.
 - Messages and logs carry redacted URLs only (`urls.redact`).
 
-The body is read in a thread with a blocking client (`http.py`): fill a chunk, write it, hand it to a
-second thread that hashes it and starts its writeback to disk, read the next. Written before hashed, so a
-killed process loses at most the chunk it was reading; a failed connection loses nothing it received.
+The body is read in a thread with a blocking client (`http.py`): fill a chunk, writing each piece
+(`PIECE`) as it is received, hand the chunk to a second thread that hashes it and starts its writeback to
+disk, fill the next. Written before hashed, so a killed process loses at most the piece it was reading; a
+failed connection loses nothing it received.
 Writeback started chunk by chunk (`sync_file_range`, asynchronous) leaves the final fsync little to wait
 for: without it that fsync wrote the whole file after the last byte arrived (0.22 s per 512 MB here,
 about a third of curl's whole fetch time; bench/README.md).
@@ -350,9 +351,10 @@ class _Transfer:
     def _body(self, opened, n: int, total: int | None, cap: int, hasher, deadline: float) -> int:
         """Read the body into the partial from byte `n`; returns the bytes the partial holds after.
 
-        Per receive it does only what the limits need: one clock read, a read straight into a pooled
-        buffer (`Opened.readinto1`), and the socket timeout set again only when the time left before a
-        stall differs from it by more than `slack` (a syscall per receive was a tenth of the CPU per GB)."""
+        Per receive it does only what the limits need: one clock read, a read of at most `PIECE` straight
+        into a pooled buffer (`Opened.readinto1`) and its write, and the socket timeout set again only when
+        the time left before a stall differs from it by more than `slack` (a syscall per receive was a tenth
+        of the CPU per GB)."""
         lim = self.limits
         step = max(1, min(CHUNK, lim.stall_bytes))
         mark, mark_t, told = n, time.monotonic(), 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import sys
 import threading
 import types
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import uvicorn
 
 from llmgw.dev.procs import free_port, wait_port
+from llmgw.weights import download as download_mod
 from llmgw.weights.download import download
 from llmgw.weights.fetcher import FetchError, Fetcher
 from llmgw.mirror.server import create_mirror_app
@@ -89,6 +91,27 @@ async def test_interrupted_download_resumes_with_range(mirror, tmp_path):
     assert got.resumed_from == 1_234_567 and got.received == len(data) - 1_234_567
     assert seen[0][0] > 1_234_567 and seen[-1] == (len(data), len(data))  # continued, did not restart
     assert not list(tmp_path.glob("*.part"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+async def test_writeback_is_started_for_every_byte_written_from_the_resume_offset(mirror, tmp_path, monkeypatch):
+    # The final fsync then has little left to write (bench/README.md); a wrong offset would start nothing.
+    root, url, _ = mirror
+    data = write(root / "w.gguf", 5_000_000)
+    (tmp_path / "w.gguf.0123456789ab.part").write_bytes(data[:1_234_567])
+    assert download_mod._SYNC_FILE_RANGE is not None
+    real, ranges = download_mod._SYNC_FILE_RANGE, []
+
+    def recording(fd, offset, n, flags):
+        ranges.append((offset, n, flags))
+        return real(fd, offset, n, flags)
+
+    monkeypatch.setattr(download_mod, "_SYNC_FILE_RANGE", recording)
+    got = await download(url + "/files/w.gguf", tmp_path / "w.gguf", tmp_path)
+    assert got.size == len(data) and (tmp_path / "w.gguf").read_bytes() == data
+    assert ranges[0][0] == 1_234_567 and all(flags == 2 for _, _, flags in ranges)
+    assert all(o + n == nxt for (o, n, _), (nxt, _, _) in zip(ranges, ranges[1:]))  # contiguous, in order
+    assert ranges[-1][0] + ranges[-1][1] == len(data)
 
 
 async def test_checksum_mismatch_is_refused_and_partial_removed(mirror, tmp_path):

@@ -241,3 +241,19 @@ async def await_until(fn, timeout_s: float = 30, interval_s: float = 0.2, what: 
             return v
         await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def parse_source(text: str, name: str):
+    """`ast.parse` with the cyclic collector held off: on CPython 3.11 a finalizer the collector runs in the
+    middle of it (an asyncio task's "exception was never retrieved", left by an earlier test in the same
+    worker) failed it with `SystemError: AST constructor recursion depth mismatch`."""
+    import ast
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(text, name)
+    finally:
+        if was:
+            gc.enable()

@@ -33,6 +33,7 @@ from llmgw.schemas.payloads import (
 )
 from llmgw.control.batch_activities import BatchActivities
 from llmgw.workflows import activities as stubs
+from tests.helpers import parse_source
 
 WORKFLOWS = Path(__file__).resolve().parent.parent / "src" / "llmgw" / "workflows"
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*/*.json"))
@@ -82,7 +83,7 @@ def test_workflows_call_activities_by_stub():
     calls = {"execute_activity", "start_activity", "execute_local_activity", "start_local_activity"}
     bad = []
     for path in sorted(WORKFLOWS.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_source(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls:
                 if node.args and isinstance(node.args[0], ast.Constant) or any(
                         k.arg in ("result_type", "activity") for k in node.keywords):

@@ -302,6 +302,8 @@ async def test_a_gate_without_a_queue_is_left_to_its_engines_and_growth_stops_at
         g.engines_waiting(0)
         seen.append(g.max_concurrency)
     assert seen[:2] == [2, 3] and set(seen[2:]) == {3}, seen  # +1 while small, never past max_concurrency
+    for t in w.tasks:  # (the rest still wait: the session's loop would time them out in a later test)
+        t.cancel()
 
 
 @pytest.mark.parametrize("engine, page, expected", [

@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from tests.helpers import parse_source
 
 ROOT = Path(__file__).resolve().parent.parent / "src" / "llmgw"
 PROCESSES = {"gateway", "control", "node", "mirror", "ctl"}
@@ -44,7 +45,7 @@ def scan(files: list[tuple[str, str]]) -> list[tuple[str, str, str, int]]:
     found = []
     for rel, source in files:
         unit = rel.split("/")[0].removesuffix(".py")
-        for node in ast.walk(ast.parse(source, rel)):
+        for node in ast.walk(parse_source(source, rel)):
             names: list[str] = []
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 if node.module == "llmgw":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from llmgw.version import minor
 from llmgw.workflows.patches import PATCHES
+from tests.helpers import parse_source
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 CALLS = {"patched": "patched", "deprecate_patch": "deprecated"}
@@ -38,7 +39,7 @@ def asked() -> dict[str, set[tuple[str, bool, str]]]:
     """id -> {(how it is asked: patched/deprecated, per pass, where)}, from every module under src/llmgw."""
     found: dict[str, set[tuple[str, bool, str]]] = {}
     for path in sorted((SRC / "llmgw").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_source(path.read_text(), str(path))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CALLS
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "workflow"):
                 pid, per_pass = _id(node.args[0], path)

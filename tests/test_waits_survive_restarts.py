@@ -116,14 +116,19 @@ async def drain_events(cp: ControlPlane, namespace: str, workflow_id: str) -> di
     """The `drain_shard` activities of a stop workflow: as scheduled, and the attempt each started with."""
     client = await Client.connect(cp.env["LLMGW_TEMPORAL_ADDRESS"], namespace=namespace,
                                   data_converter=pydantic_data_converter)
-    out: dict = {"scheduled": [], "attempts": []}
-    drain_ids = set()
-    async for e in client.get_workflow_handle(workflow_id).fetch_history_events():
-        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED and \
-                e.activity_task_scheduled_event_attributes.activity_type.name == "drain_shard":
-            out["scheduled"].append(e.activity_task_scheduled_event_attributes)
-            drain_ids.add(e.event_id)
-        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED and \
-                e.activity_task_started_event_attributes.scheduled_event_id in drain_ids:
-            out["attempts"].append(e.activity_task_started_event_attributes.attempt)
+    out: dict = {"scheduled": [], "attempts": [], "runs": []}
+    # Every run under the id, oldest first: a later run (a stop asked again once the replica had ended) must
+    # not hide the one that drained.
+    runs = sorted([wf async for wf in client.list_workflows(f'WorkflowId = "{workflow_id}"')], key=lambda wf: wf.start_time)
+    out["runs"] = [f"{wf.run_id[-8:]} {wf.status.name if wf.status else '?'}" for wf in runs]
+    for run_id in [wf.run_id for wf in runs] or [None]:  # (none listed yet: the latest run, as before)
+        drain_ids = set()
+        async for e in client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history_events():
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED and \
+                    e.activity_task_scheduled_event_attributes.activity_type.name == "drain_shard":
+                out["scheduled"].append(e.activity_task_scheduled_event_attributes)
+                drain_ids.add(e.event_id)
+            elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED and \
+                    e.activity_task_started_event_attributes.scheduled_event_id in drain_ids:
+                out["attempts"].append(e.activity_task_started_event_attributes.attempt)
     return out

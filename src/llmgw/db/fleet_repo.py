@@ -119,12 +119,7 @@ async def list_nodes(conn: AsyncConnection, memo: InventoryMemo | None = None) -
     """Every registered node. With `memo`, an inventory unchanged since the memo's last read is not parsed again."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
-    if memo is None:
-        rows = (await conn.execute(select(nodes, age.label("age"), poll_age.label("poll_age")).order_by(nodes.c.id))).all()
-        return [NodeRow(r.id, r.boot_id, _stored_inventory(r.id, r.inventory), r.last_heartbeat, float(r.age),
-                        r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at,
-                        r.version, r.poll_read_at)
-                for r in rows]
+    memo = memo if memo is not None else InventoryMemo()  # (one for this read alone: every inventory parsed)
     columns = [c for c in nodes.c if c.name != "inventory"]
     rows = (await conn.execute(select(*columns, cast(nodes.c.inventory, Text).label("inventory_text"), age.label("age"),
                                       poll_age.label("poll_age")).order_by(nodes.c.id))).all()

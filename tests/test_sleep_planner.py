@@ -222,10 +222,15 @@ def test_an_on_demand_start_prefers_a_node_holding_the_weights_and_says_which_ru
     taken = replica("other", "b", [("n2", [0])])
     [d] = plan_pass(snapshot([m, steady("b", gpus_per_node=1)], [node("n1", gpus=1), full], [taken],
                              [used("a", 1, load=1)])).of_kind("place")
-    assert d.shards[0].node_id == "n1" and "rung: fetch the weights (n2 holds them but cannot take it)" in d.reason
+    assert d.shards[0].node_id == "n1" and "rung: fetch the weights from the mirror (n2 holds them but cannot take it; serving no peers)" in d.reason
+    # The holder serves its cache to peers (node/peer_server.py): the start fetches from it.
+    serving = full.model_copy(update={"inventory": full.inventory.model_copy(update={"peer_url": "https://10.0.0.2:9443"})})
+    [d] = plan_pass(snapshot([m, steady("b", gpus_per_node=1)], [node("n1", gpus=1), serving], [taken],
+                             [used("a", 1, load=1)])).of_kind("place")
+    assert "rung: fetch the weights from a peer, n2 (n2 holds them but cannot take it), else the mirror" in d.reason, d.reason
 
     [d] = plan_pass(snapshot([m], [node("n1", gpus=1)], [], [used("a", 1, load=1)])).of_kind("place")
-    assert "rung: fetch the weights (no node holds them)" in d.reason
+    assert "rung: fetch the weights from the mirror (no node holds them)" in d.reason
     # No weights to fetch (the sim engine, a model id the engine resolves): no rung to name.
     [d] = plan_pass(snapshot([sleepy("s")], [node("n1")], [], [used("s", 1, load=1)])).of_kind("place")
     assert "rung" not in d.reason

@@ -133,6 +133,10 @@ class Settings(BaseSettings):
     fabrics: dict[str, list[str]] = Field(default_factory=dict)
     infiniband_sysfs: Path = Path("/sys/class/infiniband")
     agent_metrics_port: int = 9101  # Prometheus metrics of the node worker; 0 = off
+    # The peer listener (node/peer_server.py): this node's weight cache, served to other nodes over mutual TLS
+    # on `advertise_host`, so a start elsewhere fetches from here rather than the mirror. 0: a free port,
+    # chosen at start and advertised; -1: serve no peers. Served only with a node certificate.
+    peer_port: int = Field(0, ge=-1, le=65535)
     control_metrics_port: int = 9102  # Prometheus metrics of the control worker (`llmgw worker`); 0 = off
 
     # OpenTelemetry: "off" (no-op), "console", "file:<dir>" (JSON lines, one file per process), or

@@ -128,7 +128,7 @@ async def run_node_api(settings: Settings) -> None:
     else:
         log.warning("the node API runs without mutual TLS: any client can claim to be any node. Configure "
                     "LLMGW_CA_CERT, LLMGW_NODE_API_CERT and LLMGW_NODE_API_KEY (llmgw ctl cert ...)")
-    fleet = FleetService(engine, temporal)
+    fleet = FleetService(engine, temporal, settings.node_unreachable_after_s)
     app = create_node_api(fleet, require_identity=tls is not None, deny=deny, renewer=renewer)
     log.info("node API on %s:%d (pid %d)", settings.host, settings.node_api_port, os.getpid())
     # The control plane's own sight of heartbeats (liveness: a blind observer declares nothing lost) is

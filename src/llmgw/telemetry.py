@@ -273,6 +273,9 @@ class AgentMetrics:
                                     registry=self.registry)
         self.fetched = Counter("llmgw_node_fetched_bytes", "Bytes of weight fetches completed on this node",
                                registry=self.registry)
+        self.fetched_from_peers = Counter("llmgw_node_peer_fetched_bytes",
+                                          "Of those, bytes received from peer nodes rather than the mirror (issue 39)",
+                                          registry=self.registry)
         self.refused_activities = Counter("llmgw_node_activities_refused",
                                           "Node activities refused: their origin is not proven",
                                           ["activity", "reason"], registry=self.registry)
@@ -420,6 +423,9 @@ class MirrorMetrics:
         self.size = Gauge("llmgw_mirror_download_size_bytes", "Announced size of files being mirrored", ["version"],
                           registry=r)
         self.fetched = Counter("llmgw_mirror_fetched_bytes", "Bytes received from origins", registry=r)
+        self.requests = Counter("llmgw_mirror_requests", "Requests the byte listener answered, by what they asked for: "
+                                "file (a file's bytes), head (its size and sha256 alone), manifest, index", ["kind"],
+                                registry=r)
         self.published = Counter("llmgw_mirror_published", "Versions published", registry=r)
         self.failures = Counter("llmgw_mirror_fetch_failures", "File fetch attempts that failed", ["retryable"],
                                 registry=r)

@@ -43,10 +43,10 @@ from llmgw.db import catalog_repo, fleet_repo
 from llmgw.engines.exits import describe_exit
 from llmgw.schemas.api import (
     HeartbeatRequest, HeartbeatResponse, LaunchCheckRequest, LaunchCheckResponse, LeaveRequest, LeaveResponse,
-    RegisterRequest, RegisterResponse, ShardStatusRequest,
+    PeerRef, RegisterRequest, RegisterResponse, ShardStatusRequest,
 )
 from llmgw.schemas.catalog import Catalog
-from llmgw.schemas.inventory import ShardReport
+from llmgw.schemas.inventory import Inventory, ShardReport
 from llmgw.schemas.status import ReplicaStatus, ShardStatus, wanted_by_start
 from llmgw.security.node_address import AddressUnknown, NodeAddresses, pin_endpoint
 from llmgw.temporal import LazyClient
@@ -90,9 +90,12 @@ def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
 
 
 class FleetService:
-    def __init__(self, engine: AsyncEngine, temporal: LazyClient):
+    def __init__(self, engine: AsyncEngine, temporal: LazyClient, peer_fresh_s: float = 15.0):
+        """`peer_fresh_s`: a node is named as a peer to fetch from only if it beat within this long
+        (`node_unreachable_after_s`)."""
         self.engine = engine
         self.temporal = temporal
+        self.peer_fresh_s = peer_fresh_s
         self.observer_id = f"{fleet_repo.NODE_API}{uuid.uuid4().hex[:12]}"
 
     async def observe_loop(self, interval_s: float, gap_s: float) -> None:
@@ -109,6 +112,7 @@ class FleetService:
 
     async def register(self, req: RegisterRequest, node: NodeAddresses, version: str | None = None) -> RegisterResponse:
         """`version`: the node worker's llmgw version, from its `User-Agent` (None: not an llmgw one, or older)."""
+        req = req.model_copy(update={"inventory": await self._pin_peer(req.node_id, req.inventory, node)})
         reported = {s.shard_id: s for s in req.shards}
         resp = RegisterResponse(node_id=req.node_id)
         lost: list[str] = []
@@ -168,7 +172,26 @@ class FleetService:
         self.temporal.wake_soon(f"node {req.node_id} registered")
         return resp
 
-    async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatResponse:
+    async def _pin_peer(self, node_id: str, inv: Inventory, node: NodeAddresses) -> Inventory:
+        """`inv` with its peer listener's URL pinned to the node's verified address (the rule of engine
+        endpoints: a node may only point peers at itself), or dropped, with a note that says why."""
+        if not inv.peer_url:
+            return inv
+        try:
+            pinned = await pin_endpoint(inv.peer_url, node)
+        except AddressUnknown as exc:
+            return inv.model_copy(update={"peer_url": None, "notes": [*inv.notes, f"peer listener not advertised: {exc}"]})
+        if pinned.refusal:
+            log.warning("node %s advertises a peer listener elsewhere: %s", node_id, pinned.refusal)
+            return inv.model_copy(update={"peer_url": None, "notes": [
+                *inv.notes, f"peer listener not advertised: {pinned.refusal}"][:100]})
+        return inv.model_copy(update={"peer_url": pinned.endpoint})
+
+    async def heartbeat(self, req: HeartbeatRequest, node: NodeAddresses | None = None) -> HeartbeatResponse:
+        """`node`: where the beat came from, to pin a peer listener its inventory (when it carries one) names."""
+        if req.inventory is not None and req.inventory.peer_url:
+            req = req.model_copy(update={"inventory": await self._pin_peer(req.node_id, req.inventory, node)
+                                         if node is not None else req.inventory.model_copy(update={"peer_url": None})})
         gone: list[str] = []
         stop: list[str] = []
         async with self.engine.begin() as conn:
@@ -245,8 +268,13 @@ class FleetService:
         why = not_its_own(req.node_id, req, row)
         if why is not None:
             raise NodeRestricted(why)
-        return LaunchCheckResponse(wanted=wanted_by_start(row.replica_status), status=row.replica_status,
-                                   generation=row.generation)
+        wanted = wanted_by_start(row.replica_status)
+        peers: list[PeerRef] | None = None
+        if wanted and req.cache_name:
+            async with self.engine.connect() as conn:
+                peers = [PeerRef(node_id=n, url=u) for n, u in await fleet_repo.peers_holding(
+                    conn, req.cache_name, req.node_id, self.peer_fresh_s)]
+        return LaunchCheckResponse(wanted=wanted, status=row.replica_status, generation=row.generation, peers=peers)
 
     async def shard_status(self, req: ShardStatusRequest, node: NodeAddresses) -> None:
         """A shard changed state on its node. A failure takes its replica out of routing at once; so does a

@@ -159,7 +159,7 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
     @app.post("/node/v1/heartbeat", response_model=HeartbeatResponse, response_model_exclude_none=True)
     async def heartbeat(req: HeartbeatRequest, request: Request) -> HeartbeatResponse:
         identify(request, req.node_id)
-        return await fleet.heartbeat(req)
+        return await fleet.heartbeat(req, node_addresses(request) if req.inventory is not None else None)
 
     @app.post("/node/v1/shards")
     async def shard_status(req: ShardStatusRequest, request: Request) -> dict:

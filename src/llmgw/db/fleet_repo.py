@@ -115,6 +115,23 @@ class InventoryMemo:
         return inv
 
 
+MAX_PEERS = 3  # peers named to a node about to fetch: enough to pass over one that fails, few to try
+
+
+async def peers_holding(conn: AsyncConnection, cache_name: str, asker: str, fresh_s: float) -> list[tuple[str, str]]:
+    """(node id, peer URL) of up to `MAX_PEERS` nodes other than `asker` whose last inventory lists
+    `cache_name` on disk and advertises a peer listener, that beat within `fresh_s` and have not left:
+    the most recently heard first (issue 39; a start's node fetches from them before the mirror)."""
+    inv = nodes.c.inventory
+    rows = await conn.execute(
+        select(nodes.c.id, inv["peer_url"].astext)
+        .where(nodes.c.id != asker, inv["cached_sources"].contains([cache_name]), inv.has_key("peer_url"),
+               inv["peer_url"].astext.is_not(None), nodes.c.left_at.is_(None),
+               nodes.c.last_heartbeat > func.now() - timedelta(seconds=fresh_s))
+        .order_by(nodes.c.last_heartbeat.desc()).limit(MAX_PEERS))
+    return [(r[0], r[1]) for r in rows]
+
+
 async def list_nodes(conn: AsyncConnection, memo: InventoryMemo | None = None) -> list[NodeRow]:
     """Every registered node. With `memo`, an inventory unchanged since the memo's last read is not parsed again."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)

@@ -615,6 +615,12 @@ async def serve(listeners: list[Listener], stop: asyncio.Event, log_level: str =
             raise SystemExit(f"{lst.name} could not listen on {lst.host}:{lst.port}")
 
 
+def make_server(listener: Listener, log_level: str = "warning") -> uvicorn.Server:
+    """One listener's server, for a caller that runs it itself (`server.serve(sockets=[...])` on a socket
+    it bound, to learn the port) and keeps a hand on it (its TLS context: `server.config.ssl` once started)."""
+    return _Server(_config(listener, log_level))
+
+
 def server_name(listener: str) -> str:
     """The `server` header of a listener's answers: `llmgw-gateway`, `llmgw-admin`, `llmgw-node-api`, ..."""
     return f"llmgw-{listener}"

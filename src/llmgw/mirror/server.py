@@ -12,7 +12,9 @@
   missing. Never a partial manifest (seeds 000).
 - Names are validated segment by segment and the resolved path must stay under the root: no path is ever
   built from an unvalidated name. Hidden entries (`.staging`, records, locks) are never listed or served.
-- `/metrics`: the mirror worker's download progress (telemetry.MirrorMetrics), when it runs here.
+- `/metrics`: the mirror worker's download progress and the requests answered by kind
+  (telemetry.MirrorMetrics), when it runs here.
+- The same app serves a node's cache to its peers (node/peer_server.py), without `/metrics`.
 
 It is separate from the admin API because every node needs it and the admin port must be closeable.
 """
@@ -86,10 +88,16 @@ def create_mirror_app(root: Path, metrics=None) -> Starlette:
             fut.add_done_callback(lambda _: flights.pop(key, None))
         return await asyncio.shield(fut)
 
+    def count(kind: str) -> None:
+        if metrics is not None:
+            metrics.requests.labels(kind).inc()
+
     async def files(request: Request) -> Response:
         name = request.path_params["name"]
         if name == "":
             return await index(request)
+        # `head`: a file's size and sha256 alone, what a node fetching from a peer asks (weights/fetcher.py).
+        count("manifest" if name.endswith("/") else "head" if request.method == "HEAD" else "file")
         path = resolve(root, name)
         if path is None:
             return JSONResponse({"error": "invalid name: use segments of letters, digits, '.', '_' and '-'"}, 400)
@@ -110,6 +118,8 @@ def create_mirror_app(root: Path, metrics=None) -> Starlette:
         return FileResponse(path, headers={SHA_HEADER: sha}, filename=None)
 
     async def index(request: Request) -> Response:
+        count("index")
+
         def walk() -> list[dict]:
             out = []
             for dirpath, dirs, names in os.walk(root):

@@ -26,6 +26,7 @@ from temporalio.exceptions import ApplicationError
 from llmgw.failures import expected_failure
 from llmgw.catalog.policy import PolicyError, check_profile
 from llmgw.engines.base import EngineError, Ports, ShardSpec, SleepError, new_api_key
+from llmgw.schemas.api import LaunchCheckResponse
 from llmgw.schemas.inventory import AdapterFile, DownloadProgress
 from llmgw.schemas.status import ShardStatus
 from llmgw.schemas.payloads import (
@@ -35,7 +36,7 @@ from llmgw.schemas.payloads import (
     Rendezvous, StartShardInput, StopShardInput, StopShardResult, WaitShardJoinedInput, WaitShardJoinedResult,
     WaitShardReadyInput, WaitShardReadyResult,
 )
-from llmgw.weights.fetcher import FetchError
+from llmgw.weights.fetcher import FetchError, Peer
 from llmgw.node.errors import ReportRefused
 from llmgw.node.logs import BadShardId, read_log
 from llmgw.node.readiness import ReadinessCues
@@ -83,7 +84,9 @@ class NodeActivities:
         with self.agent.attempts.running():  # a crash's next boot retries it at once (node/attempts.py)
             return await self._fetch(inp)
 
-    async def _fetch(self, inp: FetchWeightsInput) -> FetchWeightsResult:
+    async def _fetch(self, inp: FetchWeightsInput, peers: list[Peer] | None = None) -> FetchWeightsResult:
+        """`peers`: nodes holding these weights, tried before the mirror (issue 39; named by the control
+        plane's answer to `start_shard`'s "still wanted?"; a start in steps asks no one and takes the mirror)."""
         self._check_fence(inp.replica_id, inp.generation, "fetch weights")
         # `moved_at`: when the download last made progress, carried across attempts in the heartbeat's details
         # (an attempt that is retried resumes from there): the bound on retrying it (`fetch_retry_s`).
@@ -104,7 +107,7 @@ class NodeActivities:
 
         beat = asyncio.create_task(_keepalive(seen))
         try:
-            got = await self.agent.fetcher.fetch(inp.source, progress)
+            got = await self.agent.fetcher.fetch(inp.source, progress, peers)
         except FetchError as exc:
             # What the disk holds changed (a partial removed, a disk found full): the next heartbeat carries
             # the inventory, so the planner judges this node's free disk anew before it places the retry
@@ -123,9 +126,9 @@ class NodeActivities:
             beat.cancel()
             self.agent.download_progress(inp.replica_id, None)
         if got.fetched:
-            self.agent.cache_changed(got.bytes)
+            self.agent.cache_changed(got.bytes, got.peer_bytes)
         self._fetched[got.path] = time.monotonic()  # in use from here: its launch is a moment (or a step) away
-        return FetchWeightsResult(path=got.path, bytes=got.bytes, fetched=got.fetched)
+        return FetchWeightsResult(path=got.path, bytes=got.bytes, fetched=got.fetched, peers=list(got.peers) or None)
 
     @activity.defn(name="launch_shard")
     async def launch_shard(self, inp: LaunchShardInput) -> LaunchShardResult:
@@ -151,19 +154,26 @@ class NodeActivities:
         existing = sup.get(la.shard_id)
         if existing is not None and sup.poll(existing) is None:
             return await self._launch(la)  # a retry: adopted as it runs
-        la = la.model_copy(update={"generation": await self._still_wanted(la, "fetching weights")})
+        cache_name = self.agent.fetcher.remote_name(inp.source)
+        if cache_name and (self.agent.cache_dir / cache_name).exists():
+            cache_name = None  # held here: no peer to ask for
+        ans = await self._still_wanted(la, "fetching weights", cache_name)
+        la = la.model_copy(update={"generation": ans.generation})
+        peers = [Peer(p.node_id, p.url) for p in ans.peers or ()]
         began = time.monotonic()
-        got = await self._fetch(FetchWeightsInput(replica_id=la.replica_id, source=inp.source, generation=la.generation))
+        got = await self._fetch(FetchWeightsInput(replica_id=la.replica_id, source=inp.source, generation=la.generation),
+                                peers)
         if got.fetched or time.monotonic() - began > RECHECK_AFTER_S:
-            la = la.model_copy(update={"generation": await self._still_wanted(la, "launching")})
+            la = la.model_copy(update={"generation": (await self._still_wanted(la, "launching")).generation})
         return await self._launch(la.model_copy(update={"weights_path": got.path}))
 
-    async def _still_wanted(self, la: LaunchShardInput, before: str) -> int:
-        """The replica's fencing generation if the control plane says it is still `starting`; else fail the
+    async def _still_wanted(self, la: LaunchShardInput, before: str, cache_name: str | None = None) -> LaunchCheckResponse:
+        """The control plane's answer (the replica's fencing generation; with `cache_name`, the peers that hold
+        it) if it says the replica is still `starting`; else fail the
         activity for good with `NotWanted` (its details: the replica's status, and `before`), or with
         `ControlPlaneUnreachable` when the node API does not answer (the start then takes its steps)."""
         try:
-            ans = await self.agent.launch_wanted(la.shard_id, la.replica_id)
+            ans = await self.agent.launch_wanted(la.shard_id, la.replica_id, cache_name=cache_name)
         except ReportRefused as exc:
             raise ApplicationError(f"node {self.agent.node_id}: the control plane refused to say whether shard "
                                    f"{la.shard_id} may start: {exc}", type="ReportRefused", non_retryable=True) from None
@@ -179,7 +189,7 @@ class NodeActivities:
             log.warning("did not start shard %s: its replica became %s before %s", la.shard_id, ans.status, before)
             raise ApplicationError(f"replica {la.replica_id} became {ans.status} before {before}", ans.status, before,
                                    type=NOT_WANTED, non_retryable=True)
-        return ans.generation
+        return ans
 
     async def _launch(self, inp: LaunchShardInput) -> LaunchShardResult:
         sup = self.agent.supervisor

@@ -52,6 +52,7 @@ from llmgw.node.fences import Fences
 from llmgw.node.health import EngineHealth
 from llmgw.node.infiniband import discover_fabrics
 from llmgw.telemetry import AgentMetrics
+from llmgw.node.peer_server import PeerListener, client_context
 from llmgw.node.simulate import simulated_inventory
 from llmgw.node.renewal import renew_loop
 from llmgw.node.supervisor import Shard, Supervisor
@@ -72,7 +73,10 @@ class Agent:
         self.boot_id = uuid.uuid4().hex
         self.stop_engines_on_exit = stop_engines_on_exit
         self.engines = Engines(settings.llama_server, settings.vllm, settings.ray, settings.sglang_python)
-        self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url, Limits.from_settings(settings))
+        self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url, Limits.from_settings(settings),
+                               peer_tls=lambda: self._peer_client)
+        self.peer_listener: PeerListener | None = None  # this node's cache, served to peers (issue 39)
+        self._peer_client = None  # TLS to peers' listeners
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit,
                                      log_max_bytes=int(settings.engine_log_max_mb * (1 << 20)),
@@ -109,10 +113,12 @@ class Agent:
         else:
             self.downloads[replica_id] = progress
 
-    def cache_changed(self, fetched_bytes: int = 0) -> None:
+    def cache_changed(self, fetched_bytes: int = 0, peer_bytes: int = 0) -> None:
         self.inventory_dirty = True
         if fetched_bytes:
             self.metrics.fetched.inc(fetched_bytes)
+        if peer_bytes:
+            self.metrics.fetched_from_peers.inc(peer_bytes)
 
     # ---- node API ------------------------------------------------------------------------------
     def ssl_context(self):
@@ -140,6 +146,11 @@ class Agent:
         assert self._ssl is not None and self.http is not None
         async with self._post_lock:
             self._ssl.load_cert_chain(str(s.node_cert), str(s.node_key))
+            if self._peer_client is not None:
+                self._peer_client.load_cert_chain(str(s.node_cert), str(s.node_key))
+            if self.peer_listener is not None:
+                self.peer_listener.reload()
+                self.inventory_dirty = True  # a certificate now able to serve peers: advertised at once
             old, self.http = self.http, self._session()
         await old.close()
 
@@ -175,6 +186,11 @@ class Agent:
                 for s in list(self.supervisor.shards.values())]
 
     def inventory(self):
+        inv = self._inventory()
+        url = self.peer_listener.advertisable() if self.peer_listener is not None else None
+        return inv.model_copy(update={"peer_url": url}) if url else inv
+
+    def _inventory(self):
         if self.simulate is not None:
             inv = simulated_inventory(self.simulate, self.settings.resolved_cache_dir, self.engines.names(),
                                       self.fetcher.cached_names())
@@ -252,12 +268,13 @@ class Agent:
         self.reregister = True
 
     async def launch_wanted(self, shard_id: str, replica_id: str, attempts: int = 2,
-                            timeout_s: float = 3.0) -> LaunchCheckResponse:
+                            timeout_s: float = 3.0, cache_name: str | None = None) -> LaunchCheckResponse:
         """Ask the control plane whether `replica_id` is still wanted (`starting`) before fetching for or
         launching its shard `shard_id`. Raises `ReportRefused` when it refuses to answer this node (not its
         shard), and, after `attempts` of `timeout_s` each, the transport's error when it cannot be reached
-        (nothing starts unasked: the start takes its steps, which ask through the control worker)."""
-        req = LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id)
+        (nothing starts unasked: the start takes its steps, which ask through the control worker).
+        `cache_name`: the weights it is about to fetch, asked of peers (the answer's `peers`)."""
+        req = LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id, cache_name=cache_name)
         for attempt in range(attempts - 1):
             try:
                 return LaunchCheckResponse.model_validate(await self._post("/node/v1/launch-check", req, timeout_s))
@@ -412,6 +429,16 @@ class Agent:
         return [OriginCheck(Verifier(keys), self.node_id,
                             lambda activity, reason: self.metrics.refused_activities.labels(activity, reason).inc())]
 
+    def _start_peer_listener(self) -> asyncio.Task | None:
+        why = PeerListener.wanted(self.settings)
+        if why is not None:
+            log.info("serving no peers: %s", why)
+            return None
+        self._peer_client = client_context(self.settings)
+        self.peer_listener = PeerListener(self.settings, self.settings.resolved_cache_dir)
+        self.peer_listener.bind()
+        return asyncio.create_task(self.peer_listener.run(), name="peers")
+
     async def run(self, stop: asyncio.Event) -> None:
         self.origin_check = self.load_origin_check()
         log.info("node %s launches %s", self.node_id, self.engines.describe())
@@ -423,6 +450,7 @@ class Agent:
             self.metrics.serve(self.settings.agent_metrics_port, self.settings.host)
         self.ssl_context()
         self.http = self._session()
+        peer_task = self._start_peer_listener()
         health = EngineHealth(self.supervisor, self.engines, self.settings.engine_probe_interval_s,
                               self.settings.engine_probe_failures, self._on_unresponsive)
         workers: list[Worker] = []
@@ -435,6 +463,8 @@ class Agent:
                  asyncio.create_task(health.run(), name="health")]
         if self._ssl is not None:
             tasks.append(asyncio.create_task(renew_loop(self), name="renewal"))
+        if peer_task is not None:
+            tasks.append(peer_task)
         try:
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)

@@ -44,8 +44,9 @@ class NodeHost(Protocol):
         """Tell the node API a shard stopped."""
 
     async def launch_wanted(self, shard_id: str, replica_id: str, attempts: int = 2,
-                            timeout_s: float = 3.0) -> "LaunchCheckResponse":
-        """Ask the node API whether this shard may still be launched (the last check before a spawn)."""
+                            timeout_s: float = 3.0, cache_name: str | None = None) -> "LaunchCheckResponse":
+        """Ask the node API whether this shard may still be launched (the last check before a spawn), and
+        with `cache_name`, which peers hold those weights."""
 
     def describe_exit(self, shard: "Shard", tail: str = "") -> str:
         """An engine's exit, in words."""
@@ -53,5 +54,6 @@ class NodeHost(Protocol):
     def download_progress(self, replica_id: str, progress: "DownloadProgress | None") -> None:
         """Weights being fetched for a replica (None: no longer); the heartbeat carries it."""
 
-    def cache_changed(self, fetched_bytes: int = 0) -> None:
-        """The cache gained (`fetched_bytes`) or lost files: the next heartbeat carries the inventory."""
+    def cache_changed(self, fetched_bytes: int = 0, peer_bytes: int = 0) -> None:
+        """The cache gained (`fetched_bytes`, `peer_bytes` of them from peers) or lost files: the next
+        heartbeat carries the inventory."""

@@ -59,17 +59,23 @@ def fetched(profile: Profile) -> bool:
 
 def rung(profile: Profile, best: NodeFit, fits: list[NodeFit]) -> str:
     """Which rung of the activation ladder (issue 39) a start on `best` takes, and why, for the decision line:
-    from the weights already in its cache (no fetch), else a fetch, naming the nodes that hold the weights
-    but cannot take the replica. Waking a sleeping replica, the first rung, is a decision of its own."""
+    from the weights already in its cache (no fetch), else a fetch: from a peer that holds the weights but
+    cannot take the replica (a single-node replica's start asks for them; node/peer_server.py), else from
+    the mirror. Waking a sleeping replica, the first rung, is a decision of its own."""
     if not fetched(profile):
         return ""
     if best.holds_weights:
         return "; rung: start from the weights already in its cache (no fetch)"
     holders = sorted(f.node.id for f in fits if f.holds_weights)
-    if holders:
-        verb = "holds" if len(holders) == 1 else "hold"
-        return f"; rung: fetch the weights ({', '.join(holders)} {verb} them but cannot take it)"
-    return "; rung: fetch the weights (no node holds them)"
+    if not holders:
+        return "; rung: fetch the weights from the mirror (no node holds them)"
+    serving = [f.node.id for f in fits if f.holds_weights and f.node.inventory.peer_url]
+    verb = "holds" if len(holders) == 1 else "hold"
+    if serving and profile.nodes == 1:
+        return (f"; rung: fetch the weights from a peer, {', '.join(sorted(serving)[:3])} ({', '.join(holders)} {verb} "
+                "them but cannot take it), else the mirror")
+    why = "a multi-node start fetches from the mirror" if serving else "serving no peers"
+    return f"; rung: fetch the weights from the mirror ({', '.join(holders)} {verb} them but cannot take it; {why})"
 
 
 class Probe:

@@ -80,6 +80,16 @@ class LaunchCheckRequest(_NodeSends):
     node_id: str = Field(max_length=253)
     shard_id: str = Field(max_length=200)
     replica_id: str = Field(max_length=200)
+    # The cache entry it is about to fetch (`weights.naming.cache_name_for`): the answer names peers that
+    # hold it (issue 39). A control plane from before ignores it, and names none.
+    cache_name: str | None = Field(None, max_length=200, pattern=r"^[0-9a-f]{32}-[A-Za-z0-9._-]{1,80}$")
+
+
+class PeerRef(_NodeReads):
+    """A node that holds a cache entry, and its peer listener (node/peer_server.py)."""
+
+    node_id: str = Field(max_length=253)
+    url: str = Field(max_length=300)
 
 
 class LeaveRequest(_NodeSends):
@@ -102,6 +112,9 @@ class LaunchCheckResponse(_NodeReads):
     # the node reads it only to say why it stops, and a newer control plane's status must not fail an older node.
     status: str
     generation: int = 0  # its fencing generation, which the node's commands for it carry
+    # Nodes holding the entry asked for (`LaunchCheckRequest.cache_name`), freshest first, at most
+    # `MAX_PEERS`: the node fetches from them before the mirror. None: not asked, or none.
+    peers: list[PeerRef] | None = None
 
 
 class RenewRequest(_NodeSends):

@@ -82,6 +82,9 @@ class Inventory(_Wire):
     engines: list[str] = Field(default_factory=list, max_length=16)  # engines this node can launch
     simulated: bool = False
     notes: list[str] = Field(default_factory=list, max_length=100)  # discovery remarks (no NVIDIA driver, ...)
+    # Its peer listener, serving its cache to other nodes over mutual TLS (node/peer_server.py): pinned by the
+    # node API to the node's own addresses, as an engine endpoint is; None when it serves none.
+    peer_url: str | None = Field(None, max_length=300, pattern=r"^https://[^\s/?#@]+$")
 
     @field_validator("gpus")
     @classmethod

@@ -381,6 +381,7 @@ class FetchWeightsResult(_Wire):
     path: str | None
     bytes: int = 0
     fetched: bool = False  # False when it was already in the cache or nothing needed fetching
+    peers: list[str] | None = None  # the peer nodes its bytes came from (issue 39); None: the mirror or source
 
 
 class Rendezvous(_Wire):

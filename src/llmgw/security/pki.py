@@ -118,7 +118,7 @@ def _sign(ca_cert, ca_key, public_key, common_name: str, usage, sans: list[x509.
         .issuer_name(ca_cert.subject).public_key(public_key).serial_number(x509.random_serial_number())
         .not_valid_before(now - BACKDATE).not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]), critical=False)
     )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
@@ -152,15 +152,19 @@ def _sans(hosts: list[str]) -> list[x509.GeneralName]:
     return sans
 
 
+# A node certificate's uses: clientAuth for the node API, serverAuth for its peer listener.
+NODE_USAGE = [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
+
+
 def issue_node(directory: Path, node_id: str, days: float = NODE_CERT_DAYS, addresses: list[str] | None = None,
                replace: bool = False) -> Issued:
-    """A node's client certificate: common name = node id, usage clientAuth. `addresses` (IPs or DNS names)
-    are where its engines listen when that is not the address its node-API connection comes from; the node
-    API accepts engine endpoints at the connection's address and at these (security/node_address.py)."""
+    """A node's certificate: common name = node id, usage clientAuth (the node API) and serverAuth (its peer
+    listener, which serves its weight cache to other nodes: node/peer_server.py). `addresses` (IPs or DNS
+    names) are where its engines listen when that is not the address its node-API connection comes from; the
+    node API accepts engine endpoints at the connection's address and at these (security/node_address.py)."""
     if not NODE_ID_RE.match(node_id):
         raise ValueError(f"node id {node_id!r}: use letters, digits, '.', '_' and '-' (up to 63)")
-    return _issue(directory, f"node-{node_id}", node_id, ExtendedKeyUsageOID.CLIENT_AUTH, _sans(addresses or []), days,
-                  replace)
+    return _issue(directory, f"node-{node_id}", node_id, NODE_USAGE, _sans(addresses or []), days, replace)
 
 
 def cert_addresses(peercert: dict | None) -> tuple[list[str], list[str]]:
@@ -247,7 +251,17 @@ def sign_node_csr(ca_cert_path: Path, ca_key_path: Path, csr_pem: str, node_id: 
         raise CSRRefused("the csr's key must be EC (P-256 or larger) or RSA (2048 bits or more)")
     ca_cert = x509.load_pem_x509_certificate(Path(ca_cert_path).read_bytes())
     ca_key = serialization.load_pem_private_key(Path(ca_key_path).read_bytes(), password=None)
-    return _sign(ca_cert, ca_key, key, node_id, ExtendedKeyUsageOID.CLIENT_AUTH, _sans([*ips, *names]), days)
+    return _sign(ca_cert, ca_key, key, node_id, NODE_USAGE, _sans([*ips, *names]), days)
+
+
+def serves_peers(cert: x509.Certificate) -> bool:
+    """Whether a node certificate may serve TLS (serverAuth): those issued before peer fetch (issue 39) were
+    clientAuth alone, and a peer's TLS client refuses them; such a node serves no peers until it renews."""
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return True  # no EKU: any purpose
+    return ExtendedKeyUsageOID.SERVER_AUTH in usage
 
 
 def _replace_file(path: Path, data: bytes, mode: int) -> None:

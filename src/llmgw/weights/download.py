@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from llmgw.weights.http import abort, open_url
+from llmgw.weights.http import PeerTLS, abort, open_url
 from llmgw.weights.manifest import SHA256, fsync_dir
 from llmgw.weights.urls import AddressPolicy, URLRefused, redact, scrub
 
@@ -174,10 +174,12 @@ class _Stopped(Exception):
 async def download(url: str, dest: Path, work_dir: Path, *, expect_size: int | None = None,
                    expect_sha: str | None = None, progress: Progress | None = None, limits: Limits = Limits(),
                    policy: AddressPolicy | None = None, resume_hint: str | None = None,
-                   on_partial: Callable[[str], None] | None = None, refuse_html: bool = True) -> Downloaded:
+                   on_partial: Callable[[str], None] | None = None, refuse_html: bool = True,
+                   peer: PeerTLS | None = None) -> Downloaded:
     """Fetch `url` into `dest` (see the module docstring), resuming a partial under `work_dir`. The
     caller holds `target_lock(work_dir, dest)`. `progress(bytes, total)` is called on the event loop a few
     times a second; `on_partial(name)` learns which partial this attempt writes (the mirror heartbeats it).
+    `peer`: `url` is a peer node's cache, reached over mutual TLS (weights/http.py).
     Returns size and sha256; raises `FetchError`. Cancelled, it stops the transfer and keeps what arrived."""
     if expect_sha is not None and not SHA256.fullmatch(expect_sha):
         raise FetchError(f"expected sha256 {expect_sha!r} for {dest.name} is not 64 lowercase hex digits", retryable=False)
@@ -186,7 +188,7 @@ async def download(url: str, dest: Path, work_dir: Path, *, expect_size: int | N
         on_partial(partial.name)
     loop = asyncio.get_running_loop()
     job = _Transfer(url, partial, expect_size, expect_sha, limits, policy, refuse_html,
-                    (lambda n, t: loop.call_soon_threadsafe(progress, n, t)) if progress else None)
+                    (lambda n, t: loop.call_soon_threadsafe(progress, n, t)) if progress else None, peer)
     done: asyncio.Future = loop.create_future()
 
     def settle(result=None, error: BaseException | None = None) -> None:
@@ -245,8 +247,10 @@ class _Transfer:
     """One file's transfer, run in its own thread (`run`); `stop` from any thread ends it promptly."""
 
     def __init__(self, url: str, partial: Path, expect_size: int | None, expect_sha: str | None, limits: Limits,
-                 policy: AddressPolicy | None, refuse_html: bool, progress: Progress | None):
+                 policy: AddressPolicy | None, refuse_html: bool, progress: Progress | None,
+                 peer: PeerTLS | None = None):
         self.url = url
+        self.peer = peer
         self.partial = partial
         self.expect_size = expect_size
         self.expect_sha = expect_sha
@@ -295,7 +299,8 @@ class _Transfer:
         headers = {"Range": f"bytes={have}-"} if have else {}
         n = have
         try:
-            opened = open_url(self.url, self.policy, headers, timeout_s=lim.stall_s, on_conn=self._on_conn)
+            opened = open_url(self.url, self.policy, headers, timeout_s=lim.stall_s, on_conn=self._on_conn,
+                              peer=self.peer)
         except socket.timeout:
             raise FetchError(f"{redact(self.url)}: no answer within {lim.stall_s:g}s") from None
         except OSError as exc:

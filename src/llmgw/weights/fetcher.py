@@ -11,6 +11,13 @@
   (`manifest.parse_manifest`): a bad one refuses the version. Every file goes into one directory, which
   is renamed into place only when every file is complete. A mirror answering 409 has the version not
   ready yet (still being mirrored): retried, never taken as a partial set.
+- From a peer (issue 39): given `peers` (nodes that hold the same cache entry, named by the control plane
+  in its answer to "still wanted?"), each file is fetched from the first peer that serves it, over mutual
+  TLS (node/peer_server.py), and verified against the mirror's digest, never the peer's: a version's
+  manifest is read from the mirror, a single file's size and sha256 from a `HEAD` there. A peer that fails,
+  stalls or serves other bytes is passed over for the next, then the mirror, resuming what arrived (a
+  mismatch discards it). A source whose digest the mirror does not state (a plain URL) is never taken from
+  a peer.
 - Nothing that hashes a whole file runs on the event loop (issue 9): the node worker's loop also carries
   its heartbeats and activity heartbeats, and hashing 100 GB takes minutes. A transfer, resumed partial
   included, runs in its own thread (`download.download`); other file work goes through `asyncio.to_thread`.
@@ -25,9 +32,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.weights.download import FetchError, Limits, Progress, download, target_lock
-from llmgw.weights.http import open_url, read_small
-from llmgw.weights.manifest import MAX_JSON_BYTES, ManifestError, fsync_dir, parse_manifest, record_sha256, \
+from llmgw.weights.download import SHA_HEADER, Downloaded, FetchError, Limits, Progress, download, target_lock
+from llmgw.weights.http import PeerTLS, open_url, read_small
+from llmgw.weights.manifest import MAX_JSON_BYTES, SHA256, ManifestError, fsync_dir, parse_manifest, record_sha256, \
     recorded_sha256
 from llmgw.weights.naming import Source, SourceError, cache_name_for, parse_source
 from llmgw.weights.urls import URLRefused, redact
@@ -42,13 +49,35 @@ class Fetched:
     path: str | None
     bytes: int = 0
     fetched: bool = False
+    peer_bytes: int = 0  # of `bytes`, how many came from peers
+    peers: tuple[str, ...] = ()  # the peers they came from
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A node that holds the entry, and its peer listener's URL (`https://ADDRESS:PORT`)."""
+
+    node_id: str
+    url: str
+
+
+@dataclass
+class _Sources:
+    """Where this fetch's files come from: the peers to try, in order, and what came from them."""
+
+    peers: list[Peer]
+    tls: object | None  # ssl.SSLContext for peers
+    peer_bytes: int = 0
+    used: list[str] | None = None
 
 
 class Fetcher:
     """Fetches sources into `cache_dir`. One per node worker; safe to call concurrently."""
 
-    def __init__(self, cache_dir: Path, mirror_url: str | None, limits: Limits = Limits()):
+    def __init__(self, cache_dir: Path, mirror_url: str | None, limits: Limits = Limits(), peer_tls=None):
+        """`peer_tls()`: the TLS context for peers (llmgw's CA, this node's certificate), or None: no peers."""
         self.cache_dir = cache_dir
+        self.peer_tls = peer_tls
         self.partial_dir = cache_dir / ".partial"
         self.mirror_url = mirror_url
         self.limits = limits
@@ -66,8 +95,18 @@ class Fetcher:
         except FileNotFoundError:
             return []
 
-    async def fetch(self, source: str | None, progress: Progress | None = None) -> Fetched:
-        """Make `source` available on this node and return what the engine should load."""
+    def remote_name(self, source: str | None) -> str | None:
+        """The cache name `source` is fetched into when it comes over the network (None for a path, a bare
+        model id, none, or a source that does not parse): what a peer may hold."""
+        try:
+            src = parse_source(source, self.mirror_url)
+        except SourceError:
+            return None
+        return cache_name_for(src.raw) if src.url and src.raw else None  # type: ignore[arg-type]
+
+    async def fetch(self, source: str | None, progress: Progress | None = None, peers: list[Peer] | None = None) -> Fetched:
+        """Make `source` available on this node and return what the engine should load; `peers`: nodes that
+        hold it, tried before the mirror (a download already under way goes on from where it takes it)."""
         try:
             src = parse_source(source, self.mirror_url)
         except SourceError as exc:
@@ -99,7 +138,9 @@ class Fetcher:
                 for cb in list(self._listeners.get(name, [])):
                     cb(n, total)
 
-            task = asyncio.ensure_future(self._download(src, target, fan_out))
+            tls = self.peer_tls() if peers and self.peer_tls else None
+            sources = _Sources(list(peers or ()) if tls is not None else [], tls, used=[])
+            task = asyncio.ensure_future(self._download(src, target, fan_out, sources))
             self._inflight[name] = task
 
             def done(_t: asyncio.Future) -> None:
@@ -114,23 +155,51 @@ class Fetcher:
             if progress and progress in self._listeners.get(name, []):
                 self._listeners[name].remove(progress)
 
-    async def _download(self, src: Source, target: Path, progress: Progress) -> Fetched:
+    async def _download(self, src: Source, target: Path, progress: Progress, sources: _Sources) -> Fetched:
         async with target_lock(self.partial_dir, target):
             if target.exists():  # another process on this cache fetched it while we waited for the lock
                 return Fetched(str(target), _size(target), fetched=False)
             if src.is_version:
-                total = await self._download_version(src.url, target, progress)  # type: ignore[arg-type]
+                total = await self._download_version(src.url, target, progress, sources)  # type: ignore[arg-type]
             else:
                 legacy = self.partial_dir / target.name  # earlier versions' fixed partial: resume from it
                 if legacy.is_file():
                     os.replace(legacy, self.partial_dir / f"{target.name}.legacy.part")
-                got = await download(src.url, target, self.partial_dir, progress=progress,  # type: ignore[arg-type]
-                                     limits=self.limits)
+                size = sha = None
+                if sources.peers:
+                    size, sha = await asyncio.to_thread(_head, src.url, self.limits)  # type: ignore[arg-type]
+                    if sha is None:
+                        log.info("%s states no sha256: not fetched from a peer", redact(src.raw or ""))
+                        sources.peers = []
+                got = await self._file(src.url, target.name, target, self.partial_dir, size, sha,  # type: ignore[arg-type]
+                                       progress, sources)
                 total = got.size
-        log.info("fetched %s into %s (%d bytes)", redact(src.raw or ""), target, total)
-        return Fetched(str(target), total, fetched=True)
+                # Recorded, so this node's peer listener serves it without hashing it again.
+                await asyncio.to_thread(record_sha256, self.cache_dir, {target.name: got.sha256})
+        log.info("fetched %s into %s (%d bytes%s)", redact(src.raw or ""), target, total,
+                 f", {sources.peer_bytes} from {', '.join(dict.fromkeys(sources.used or ()))}" if sources.used else "")
+        return Fetched(str(target), total, fetched=True, peer_bytes=sources.peer_bytes,
+                       peers=tuple(dict.fromkeys(sources.used or ())))
 
-    async def _download_version(self, url: str, target: Path, progress: Progress) -> int:
+    async def _file(self, url: str, name: str, dest: Path, work: Path, size: int | None, sha: str | None,
+                    progress: Progress, sources: _Sources) -> Downloaded:
+        """One file into `dest`: from each peer in turn (`name`: its path in their caches), then from `url`."""
+        for peer in list(sources.peers):
+            try:
+                got = await download(f"{peer.url.rstrip('/')}/files/{name}", dest, work, expect_size=size,
+                                     expect_sha=sha, progress=progress, limits=self.limits,
+                                     peer=PeerTLS(sources.tls, peer.node_id))  # type: ignore[arg-type]
+            except FetchError as exc:
+                log.warning("fetching %s from peer %s failed (%s); trying %s", name, peer.node_id, exc,
+                            "the next peer" if peer is not sources.peers[-1] else "the mirror")
+                sources.peers.remove(peer)  # not asked again in this fetch
+                continue
+            sources.peer_bytes += got.received
+            sources.used.append(peer.node_id)  # type: ignore[union-attr]
+            return got
+        return await download(url, dest, work, expect_size=size, expect_sha=sha, progress=progress, limits=self.limits)
+
+    async def _download_version(self, url: str, target: Path, progress: Progress, sources: _Sources) -> int:
         manifest = parse_manifest_or_refuse(await asyncio.to_thread(_get_manifest, url, self.limits), url)
         too_big = [f.name for f in manifest.files if f.size > self.limits.max_bytes]
         if too_big:
@@ -150,8 +219,8 @@ class Fetcher:
                 progress(base + n, total_size)
 
             async with target_lock(work, dest):
-                got = await download(url + f.name, dest, work, expect_size=f.size, expect_sha=f.sha256,
-                                     progress=sub, limits=self.limits)
+                got = await self._file(url + f.name, f"{target.name}/{f.name}", dest, work, f.size, f.sha256, sub,
+                                       sources)
             await asyncio.to_thread(record_sha256, work, {f.name: got.sha256})
             done += got.size
         for p in work.iterdir():
@@ -195,6 +264,25 @@ def _get_manifest(url: str, limits: Limits) -> bytes:
             raise FetchError(f"manifest {redact(url)} is larger than {MAX_JSON_BYTES} bytes", retryable=False) from None
     except (OSError, http.client.HTTPException) as exc:
         raise FetchError(f"manifest {redact(url)}: {type(exc).__name__}") from None
+    finally:
+        opened.close()
+
+
+def _head(url: str, limits: Limits) -> tuple[int | None, str | None]:
+    """A file's size and sha256 as the mirror states them (`HEAD`, no body; blocking). (None, None) when it
+    states none or cannot be asked: then the file is fetched from the mirror alone."""
+    try:
+        opened = open_url(url, None, timeout_s=limits.stall_s, method="HEAD")
+    except (URLRefused, OSError, http.client.HTTPException) as exc:
+        log.warning("cannot ask %s for its sha256 (%s)", redact(url), type(exc).__name__)
+        return None, None
+    try:
+        if opened.status != 200:
+            return None, None
+        sha = (opened.headers.get(SHA_HEADER) or "").strip().lower()
+        length = opened.headers.get("Content-Length")
+        size = int(length) if length and length.isdigit() else None
+        return size, sha if SHA256.fullmatch(sha) else None
     finally:
         opened.close()
 

@@ -9,6 +9,10 @@ Where it connects: the host is resolved once, every address is checked against t
 there is one, and the connection goes to exactly those addresses (TLS still verifies the host name), so a
 name cannot resolve to one address when checked and another when connected (DNS rebinding). Redirects are
 followed by hand, each hop checked (`urls.py`). Bodies are asked for as sent (`Accept-Encoding: identity`).
+
+A peer node's cache (issue 39, node/peer_server.py) is reached with `PeerTLS`: llmgw's CA alone trusted,
+this node's certificate presented, and the answering certificate must name the peer the control plane
+named (its common name): the node id is the identity, whatever address the URL holds.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
+from llmgw.security.pki import common_name
 from llmgw.weights.urls import MAX_REDIRECTS, REDIRECTS, AddressPolicy, URLRefused, check_url, redact
 
 _TLS = None
@@ -32,12 +37,26 @@ def _tls() -> ssl.SSLContext:
     return _TLS
 
 
+@dataclass(frozen=True)
+class PeerTLS:
+    """TLS to one peer node: `context` trusts llmgw's CA only and presents this node's certificate (checking
+    no host name: the peer is named by `node_id`, which its certificate's common name must equal)."""
+
+    context: ssl.SSLContext
+    node_id: str
+
+
+class PeerRefused(OSError):
+    """The peer's certificate, though the CA signed it, names another node."""
+
+
 class _Pinned(http.client.HTTPConnection):
     """An HTTP connection to addresses resolved (and checked) beforehand."""
 
-    def __init__(self, host: str, port: int, addresses: list[str], timeout: float):
+    def __init__(self, host: str, port: int, addresses: list[str], timeout: float, peer: PeerTLS | None = None):
         super().__init__(host, port, timeout=timeout)
         self._addresses = addresses
+        self._peer = peer
 
     def _open(self) -> socket.socket:
         last: OSError | None = None
@@ -58,7 +77,16 @@ class _PinnedTLS(_Pinned):
     default_port = 443
 
     def connect(self) -> None:
-        self.sock = _tls().wrap_socket(self._open(), server_hostname=self.host)
+        if self._peer is None:
+            self.sock = _tls().wrap_socket(self._open(), server_hostname=self.host)
+            return
+        sock = self._peer.context.wrap_socket(self._open(), server_hostname=None)
+        named = common_name(sock.getpeercert())
+        if named != self._peer.node_id:
+            sock.close()
+            raise PeerRefused(f"the peer at {self.host}:{self.port} presented the certificate of {named!r}, "
+                              f"not of {self._peer.node_id}")
+        self.sock = sock
 
 
 def resolve(host: str, port: int, policy: AddressPolicy | None) -> list[str]:
@@ -133,19 +161,23 @@ def abort(conn: http.client.HTTPConnection | None) -> None:
 
 
 def open_url(url: str, policy: AddressPolicy | None, headers: dict[str, str] | None = None, *,
-             timeout_s: float = 60.0, max_redirects: int = MAX_REDIRECTS, on_conn=None) -> Opened:
-    """GET `url` (blocking), following redirects: http(s) only, never https to http, at most
+             timeout_s: float = 60.0, max_redirects: int = MAX_REDIRECTS, on_conn=None,
+             peer: PeerTLS | None = None, method: str = "GET") -> Opened:
+    """GET (or `method`) `url` (blocking), following redirects: http(s) only, never https to http, at most
     `max_redirects`, every host through the policy. `timeout_s` bounds connecting and each read until the
     caller sets another, and the whole of each answer's status line and headers (a server dripping them a
     byte a second is cut off: `socket.timeout`). `on_conn(conn)` learns each connection as it opens (to
-    `abort` it from elsewhere). Raises `URLRefused`; network errors are `OSError`/`http.client.HTTPException`."""
+    `abort` it from elsewhere). `peer`: the URL is a peer node's listener (https only, no redirects followed).
+Raises `URLRefused`; network errors are `OSError`/`http.client.HTTPException`."""
     hops: list = []
     current = url
     for _ in range(max_redirects + 1):
         scheme, host, port = check_url(current)
         addresses = resolve(host, port, policy)
-        cls = _PinnedTLS if scheme == "https" else _Pinned
-        conn = cls(host, port, addresses, timeout_s)
+        if peer is not None and scheme != "https":
+            raise URLRefused(f"{redact(current)}: a peer node is reached over https only")
+        conn = _PinnedTLS(host, port, addresses, timeout_s, peer) if scheme == "https" else \
+            _Pinned(host, port, addresses, timeout_s)
         p = urlsplit(current)
         target = (p.path or "/") + (f"?{p.query}" if p.query else "")
         opened = None
@@ -162,7 +194,7 @@ def open_url(url: str, policy: AddressPolicy | None, headers: dict[str, str] | N
             if on_conn is not None:
                 on_conn(conn)
             timer.start()
-            conn.putrequest("GET", target, skip_accept_encoding=True)
+            conn.putrequest(method, target, skip_accept_encoding=True)
             for k, v in {"Accept-Encoding": "identity", "User-Agent": "llmgw", **(headers or {})}.items():
                 conn.putheader(k, v)
             conn.endheaders()
@@ -177,7 +209,7 @@ def open_url(url: str, policy: AddressPolicy | None, headers: dict[str, str] | N
             timer.cancel()
             if opened is None:
                 conn.close()
-        if r.status in REDIRECTS and r.getheader("Location"):
+        if r.status in REDIRECTS and r.getheader("Location") and peer is None:
             hops.append(r.headers)
             nxt = urljoin(current, r.getheader("Location"))
             conn.close()

@@ -257,6 +257,50 @@ def test_launch_check_answers_a_node_about_its_own_shards_only(server):
         assert r.status_code == 403
 
 
+def test_launch_check_names_the_peers_holding_the_weights_at_their_own_addresses(server, module_database_url):
+    """Peer fetch (issue 39): a node about to fetch names the cache entry; the answer names the other nodes
+    whose inventory holds it and whose peer listener is at their own address (pinned like an engine
+    endpoint: one advertised elsewhere is dropped, with a note). A cache name that is not one is a 400."""
+    from llmgw.weights.naming import cache_name_for
+
+    name = cache_name_for("mirror:pf.bin")
+
+    def inventory(peer_url: str) -> dict:
+        return {"cpus": 1, "cached_sources": [name], "peer_url": peer_url}
+
+    with node_client(server, "pf-a") as a, node_client(server, "pf-c") as c, node_client(server, "pf-b") as b:
+        r = a.post("/node/v1/register", json={"node_id": "pf-a", "boot_id": "b1", "inventory": inventory(
+            "https://localhost:7001")})
+        assert r.status_code == 200, r.text
+        r = c.post("/node/v1/register", json={"node_id": "pf-c", "boot_id": "b1", "inventory": inventory(
+            "https://10.9.9.9:7001")})
+        assert r.status_code == 200, r.text
+        r = c.post("/node/v1/heartbeat", json={"node_id": "pf-c", "boot_id": "b1", "inventory": inventory(
+            "https://10.9.9.9:7002")})
+        assert r.status_code == 200, r.text
+        with psycopg.connect(module_database_url) as conn:
+            conn.execute("INSERT INTO replicas (id, model, profile, status) VALUES ('rep-pf', 'sim-a', 'default', "
+                         "'starting')")
+            conn.execute("INSERT INTO shards (id, replica_id, node_id, rank, status) VALUES ('rep-pf-r0', 'rep-pf', "
+                         "'pf-b', 0, 'starting')")
+            stored = dict(conn.execute("SELECT id, inventory FROM nodes WHERE id IN ('pf-a', 'pf-c')").fetchall())
+        assert stored["pf-a"]["peer_url"] == "https://127.0.0.1:7001"  # the name, pinned to the verified address
+        assert stored["pf-c"]["peer_url"] is None
+        assert any("peer listener not advertised" in n and "10.9.9.9" in n for n in stored["pf-c"]["notes"]), stored
+
+        ask = {"node_id": "pf-b", "shard_id": "rep-pf-r0", "replica_id": "rep-pf"}
+        r = b.post("/node/v1/launch-check", json={**ask, "cache_name": name})
+        assert r.status_code == 200 and r.json()["wanted"] is True, r.text
+        assert r.json()["peers"] == [{"node_id": "pf-a", "url": "https://127.0.0.1:7001"}]
+        assert "peers" not in b.post("/node/v1/launch-check", json=ask).json()  # not asked: as before
+        for bad in ("../../etc/passwd", "x" * 300, "0" * 32 + "-a b"):
+            r = b.post("/node/v1/launch-check", json={**ask, "cache_name": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_name", r.text
+        r = b.post("/node/v1/register", json={"node_id": "pf-b", "boot_id": "b1",
+                                              "inventory": {"cpus": 1, "peer_url": "http://127.0.0.1:1/x?y"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "inventory.peer_url", r.text
+
+
 def test_a_late_report_never_moves_a_shard_back(server, module_database_url):
     """A report that arrives late (an agent's retry of one sent before) had set the shard row back:
     `starting` after `ready`, `ready` after `stopped`. Now a shard's status only moves forward; the

@@ -167,7 +167,8 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
         await fleet.shard_status(req, node_addresses(request))
         return {"ok": True}
 
-    @app.post("/node/v1/launch-check", response_model=LaunchCheckResponse)
+    # `peers` is left out when None, as it was before peer fetch.
+    @app.post("/node/v1/launch-check", response_model=LaunchCheckResponse, response_model_exclude_none=True)
     async def launch_check(req: LaunchCheckRequest, request: Request) -> LaunchCheckResponse:
         identify(request, req.node_id)
         return await fleet.launch_check(req)

@@ -114,7 +114,7 @@ async def test_start_shard_asks_before_fetching_and_after_a_long_fetch(tmp_path,
     asked: list[str] = []
     answers = {"rep3": ["stopped"], "rep4": ["starting", "starting"], "rep5": ["starting", "evicted"]}
 
-    async def launch_wanted(shard_id: str, replica_id: str) -> LaunchCheckResponse:
+    async def launch_wanted(shard_id: str, replica_id: str, cache_name: str | None = None) -> LaunchCheckResponse:
         asked.append(shard_id)
         status = answers[replica_id].pop(0) if answers[replica_id] else "starting"
         return LaunchCheckResponse(wanted=status == "starting", status=status, generation=4)
@@ -152,7 +152,7 @@ async def test_start_shard_asks_before_fetching_and_after_a_long_fetch(tmp_path,
 
     from llmgw.schemas.payloads import UNREACHABLE
 
-    async def unreachable(shard_id: str, replica_id: str) -> LaunchCheckResponse:
+    async def unreachable(shard_id: str, replica_id: str, cache_name: str | None = None) -> LaunchCheckResponse:
         raise aiohttp.ClientConnectionError("connection refused")
     acts.agent.launch_wanted = unreachable  # type: ignore[method-assign]
     with pytest.raises(ApplicationError) as exc:

@@ -23,7 +23,7 @@ from llmgw.weights.download import FetchError
 def activities(tmp_path, error: FetchError) -> NodeActivities:
     a = Agent(Settings(state_dir=tmp_path, node_id="n1", mirror_url="http://127.0.0.1:9", fetch_retry_s=60))
 
-    async def fetch(source, progress):
+    async def fetch(source, progress, peers=None):
         progress(10, 100)  # (the same bytes as before: no progress)
         raise error
     a.fetcher.fetch = fetch  # type: ignore[method-assign]

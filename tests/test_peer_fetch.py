@@ -19,7 +19,7 @@ import uvicorn
 
 from llmgw.config import Settings
 from llmgw.dev.procs import free_port, wait_port
-from llmgw.mirror.server import create_mirror_app
+from llmgw.weights.files_app import create_files_app
 from llmgw.node.peer_server import PeerListener, client_context
 from llmgw.security.pki import create_ca, issue_node
 from llmgw.weights.fetcher import Fetcher, Peer
@@ -48,7 +48,7 @@ class Counting:
 def mirror(tmp_path):
     root = tmp_path / "mirror"
     root.mkdir()
-    app = Counting(create_mirror_app(root))
+    app = Counting(create_files_app(root))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)

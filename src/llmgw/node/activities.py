@@ -159,7 +159,7 @@ class NodeActivities:
             cache_name = None  # held here: no peer to ask for
         ans = await self._still_wanted(la, "fetching weights", cache_name)
         la = la.model_copy(update={"generation": ans.generation})
-        peers = [Peer(p.node_id, p.url) for p in ans.peers or ()]
+        peers = [Peer(p.node_id, p.url) for p in ans.peers or () if p.node_id and p.url]
         began = time.monotonic()
         got = await self._fetch(FetchWeightsInput(replica_id=la.replica_id, source=inp.source, generation=la.generation),
                                 peers)

@@ -3,7 +3,7 @@
 A node starting a replica whose weights another node already holds fetches them from that node instead of
 the mirror (weights/fetcher.py), when the control plane names it in its answer to "still wanted?"
 (`LaunchCheckResponse.peers`). This is the listener it fetches from:
-- the mirror's byte listener (mirror/server.py) over the cache directory: `GET /files/<cache name>` (Range
+- the mirror's byte listener (weights/files_app.py) over the cache directory: `GET /files/<cache name>` (Range
   supported, the sha256 recorded at fetch time in `X-Llmgw-Sha256`) and `GET /files/<cache name>/` (a
   version's manifest, from the directory, whole or refused). Hidden entries (`.partial`, records, locks,
   compile caches) are never listed or served, and a name that escapes the cache is refused;
@@ -30,8 +30,8 @@ import ssl
 from pathlib import Path
 
 from llmgw.http.serving import TLS, Listener, listener_limits, make_server
-from llmgw.mirror.server import create_mirror_app
 from llmgw.security.pki import load_cert, serves_peers
+from llmgw.weights.files_app import create_files_app
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class PeerListener:
         port = sock.getsockname()[1]
         self.url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
         s = self.settings
-        listener = Listener(create_mirror_app(self.cache_dir), host, port, "peer", lifespan="off",
+        listener = Listener(create_files_app(self.cache_dir), host, port, "peer", lifespan="off",
                             tls=TLS(str(s.node_cert), str(s.node_key), str(s.ca_cert)),
                             limits=listener_limits(s, 64 << 10))
         self._server = make_server(listener)

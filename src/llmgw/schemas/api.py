@@ -88,8 +88,8 @@ class LaunchCheckRequest(_NodeSends):
 class PeerRef(_NodeReads):
     """A node that holds a cache entry, and its peer listener (node/peer_server.py)."""
 
-    node_id: str = Field(max_length=253)
-    url: str = Field(max_length=300)
+    node_id: str = Field("", max_length=253)
+    url: str = Field("", max_length=300)
 
 
 class LeaveRequest(_NodeSends):

@@ -180,6 +180,12 @@ class Settings(BaseSettings):
     # Host memory each node may give sleeping replicas (`scaling.sleep_after`; their weights offloaded from
     # the GPUs), in GB: unset = half the node's host memory, 0 = no replica sleeps (placement/sleep.py).
     sleep_host_memory_gb: float | None = Field(None, ge=0, le=1e6)
+    # Pre-staging (issue 39; placement/prestage.py): the weights of an on-demand model used within
+    # `prestage_recent_s` and not running are fetched ahead onto the node its next start would take, when that
+    # node lacks them; each node holds at most `prestage_disk_gb` of weights for catalog models not running
+    # on it (the profiles' `disk_gb`). 0 s: nothing is staged.
+    prestage_recent_s: float = Field(86400.0, ge=0, le=365 * 86400)
+    prestage_disk_gb: float = Field(500.0, ge=0, le=1e9)
 
     # Test hooks (tests/faults/): SIGKILL the control worker right after the named control activity's commit
     # (`mark_replica` or `mark_replica:ready`), once per marker file. Unset in any real deployment.

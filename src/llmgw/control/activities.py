@@ -98,6 +98,7 @@ class ControlActivities:
             now=now, unreachable_after_s=self.unreachable_after_s, lost_after_s=self.lost_after_s,
             liveness=facts, start_budget_s=self.settings.start_budget_s,
             sleep_host_memory_gb=self.settings.sleep_host_memory_gb,
+            prestage_recent_s=self.settings.prestage_recent_s, prestage_disk_gb=self.settings.prestage_disk_gb,
             models=catalog.models, model_states=states,
             nodes=[NodeSnap(id=n.id, status="ready", last_heartbeat=n.last_heartbeat,
                             polled_at=max(filter(None, (n.polled_at, polled.get(n.id))), default=None),

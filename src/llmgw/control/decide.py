@@ -27,7 +27,7 @@ from temporalio.exceptions import ApplicationError
 
 from llmgw.control.gc_pause import gc_paused
 from llmgw.control.idempotent import CrashHook, may_have_committed, store, stored
-from llmgw.control.starts import StrandedStarts, start_replica
+from llmgw.control.starts import Stages, StrandedStarts, start_replica
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.decisions import Decision, Plan
@@ -69,6 +69,7 @@ class DecideActivities:
         self.hook = load_hook(settings.planner_hook)
         self.crash = CrashHook(settings.test_crash_after_commit, settings.test_crash_marker)
         self.stranded = StrandedStarts(client) if client is not None else None
+        self.stages = Stages(client) if client is not None else None
 
     def all(self) -> list:
         return [self.decide, self.record_placements]
@@ -78,7 +79,7 @@ class DecideActivities:
         beat = asyncio.create_task(_heartbeats())
         try:
             with gc_paused():  # (control/gc_pause.py)
-                result, snapshot = await self._decide(inp)
+                result, snapshot, plan = await self._decide(inp)
             if inp.start_replicas and inp.record_placements and self.client is not None:
                 # Shielded: a run closed now (terminated) cancels this activity, and the placements it just
                 # committed would be left without a start (`control/starts.py` finds those later).
@@ -88,6 +89,12 @@ class DecideActivities:
                     placed = {a.replica_id for a in result.actions if a.kind == "place"}
                     await self.stranded.repair(snapshot, placed, result.ready_timeout_s,
                                                result.wait_heartbeat_timeout_s)
+            if plan is not None and snapshot is not None and self.stages is not None and plan.of_kind("stage"):
+                # After the starts: a stage is for a later request, a start for one waiting now.
+                try:
+                    await asyncio.shield(self.stages.start(plan.of_kind("stage"), snapshot, plan.node_status))
+                except Exception:  # noqa: BLE001 - a stage is an optimisation: never a reason to fail the pass
+                    log.exception("starting this pass's stages failed")
             return result
         finally:
             beat.cancel()
@@ -109,7 +116,7 @@ class DecideActivities:
         places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
         return [rid for rid in await asyncio.gather(*[start(a) for a in places]) if rid is not None]
 
-    async def _decide(self, inp: DecideInput) -> tuple[DecideResult, Snapshot | None]:
+    async def _decide(self, inp: DecideInput) -> tuple[DecideResult, Snapshot | None, Plan | None]:
         """One pass. With `inp.record_placements`, the replicas it places are created in the transaction
         that saves its decisions, with its result stored beside them: a retry after that commit returns the
         same actions (the same replica ids), so each placed replica gets its start workflow exactly once."""
@@ -117,7 +124,7 @@ class DecideActivities:
             async with self.engine.begin() as conn:
                 found, result = await stored(conn, "decide", DecideResult)
             if found and result is not None:
-                return result, None
+                return result, None, None
         started = time.monotonic()
         s = self.settings
         forget_after_s = max(s.node_forget_after_s, s.node_lost_after_s)  # never a node that is not yet Lost
@@ -180,7 +187,7 @@ class DecideActivities:
             trace.get_tracer("llmgw.reconciler").start_span("reconcile pass", attributes={
                 "llmgw.decisions": [d.line() for d in plan.decisions],
                 "llmgw.refusals": [r for d in plan.decisions for r in d.refusals]}).end()
-        return result, snapshot
+        return result, snapshot, plan
 
     @activity.defn(name="record_placements")
     async def record_placements(self, inp: RecordPlacementsInput) -> None:

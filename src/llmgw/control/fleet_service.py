@@ -114,7 +114,7 @@ class FleetService:
         """`version`: the node worker's llmgw version, from its `User-Agent` (None: not an llmgw one, or older)."""
         req = req.model_copy(update={"inventory": await self._pin_peer(req.node_id, req.inventory, node)})
         reported = {s.shard_id: s for s in req.shards}
-        resp = RegisterResponse(node_id=req.node_id)
+        resp = RegisterResponse(node_id=req.node_id, peers=True)
         lost: list[str] = []
         foreign: dict[str, str] = {}
         unverified: set[str] = set()  # its endpoint's name cannot be resolved now: neither kept anew nor stopped

@@ -13,6 +13,7 @@ ones (the id's `REJECT_DUPLICATE` policy makes a start already there, running or
 from __future__ import annotations
 
 import logging
+import time
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDReusePolicy
@@ -20,11 +21,13 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from llmgw.schemas.catalog import Profile
-from llmgw.schemas.payloads import ReplicaStartInput, ShardPlacement, Snapshot
+from llmgw.schemas.inventory import PeerRef
+from llmgw.schemas.payloads import ReplicaStartInput, ShardPlacement, Snapshot, StageWeightsInput
 from llmgw.schemas.status import ReplicaStatus
 from llmgw.workflows import attributes
 from llmgw.workflows.queues import CONTROL_QUEUE
-from llmgw.workflows.ids import replica_start_id
+from llmgw.weights.naming import cache_name_for
+from llmgw.workflows.ids import replica_start_id, stage_id
 
 log = logging.getLogger(__name__)
 STRANDED_AFTER_S = 20.0  # a placement this old with no start workflow was left behind (a start RPC takes ms)
@@ -101,3 +104,50 @@ class StrandedStarts:
                 self.seen.add(r.id)
                 repaired.append(r.id)
         return repaired
+
+
+# ---- pre-staging (issue 39; placement/prestage.py) -------------------------------------------------------
+
+STAGE_RETRY_S = 300.0  # a stage this process started is not started again for this long (one that failed)
+
+
+class Stages:
+    """Starts the `StageWeightsWorkflow` of each `stage` decision a pass made (never the reconciler's
+    workflow: runs from before replay unchanged). A stage running already is left to run (the id's conflict
+    policy); one that closed may run again (its weights since reclaimed), but not within `STAGE_RETRY_S` of
+    this process's last start of it, so a stage that fails (its source gone) is not retried every pass."""
+
+    def __init__(self, client: Client):
+        self.client = client
+        self._started: dict[str, float] = {}
+
+    async def start(self, decisions: list, snapshot: Snapshot, node_status: dict[str, str]) -> list[str]:
+        """The ids started now."""
+        now = time.monotonic()
+        out = []
+        for d in decisions:
+            node = d.shards[0].node_id
+            name = cache_name_for(d.profile_spec.source)
+            wid = stage_id(node, name)
+            if now - self._started.get(wid, -STAGE_RETRY_S) < STAGE_RETRY_S:
+                continue
+            peers = [PeerRef(node_id=n.id, url=n.inventory.peer_url) for n in snapshot.nodes
+                     if n.id != node and n.inventory.peer_url and name in n.inventory.cached_sources
+                     and node_status.get(n.id) == "ready"][:3]
+            try:
+                await self.client.start_workflow(
+                    "StageWeightsWorkflow",
+                    StageWeightsInput(node_id=node, model=d.model, source=d.profile_spec.source, cache_name=name,
+                                      peers=peers),
+                    id=wid, task_queue=CONTROL_QUEUE, id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                    memo=attributes.memo(d.model, d.profile or "default"))
+            except WorkflowAlreadyStartedError:
+                pass  # running: left to finish
+            except RPCError as exc:
+                log.warning("could not start %s (%s)", wid, exc)
+                continue
+            self._started[wid] = now
+            out.append(wid)
+            log.info("staging %s's weights on %s ahead of its next start%s", d.model, node,
+                     f" (from {', '.join(p.node_id for p in peers)} or the mirror)" if peers else "")
+        return out

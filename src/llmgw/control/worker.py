@@ -37,10 +37,12 @@ from llmgw.workflows.reconciler import ReconcilerWorkflow
 from llmgw.workflows.replica import ReplicaStartWorkflow, ReplicaStopWorkflow
 from llmgw.workflows.rollout import RolloutWorkflow
 from llmgw.workflows.sleep import ReplicaSleepWorkflow, ReplicaWakeWorkflow
+from llmgw.workflows.stage import StageWeightsWorkflow
 
 log = logging.getLogger(__name__)
 WORKFLOWS = [ReconcilerWorkflow, ReplicaStartWorkflow, ReplicaStopWorkflow, ReclaimWorkflow, ShardLogWorkflow,
-             RolloutWorkflow, ReplicaSleepWorkflow, ReplicaWakeWorkflow, BatchWorkflow]
+             RolloutWorkflow, ReplicaSleepWorkflow, ReplicaWakeWorkflow, BatchWorkflow,
+             StageWeightsWorkflow]
 __all__ = ["WORKFLOWS", "ensure_reconciler", "run_control_worker", "watch_reconciler", "workflow_runner"]
 
 

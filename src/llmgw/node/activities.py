@@ -86,8 +86,11 @@ class NodeActivities:
 
     async def _fetch(self, inp: FetchWeightsInput, peers: list[Peer] | None = None) -> FetchWeightsResult:
         """`peers`: nodes holding these weights, tried before the mirror (issue 39; named by the control
-        plane's answer to `start_shard`'s "still wanted?"; a start in steps asks no one and takes the mirror)."""
+        plane's answer to `start_shard`'s "still wanted?", or by a pre-staging fetch's input; a start in steps
+        asks no one and takes the mirror)."""
         self._check_fence(inp.replica_id, inp.generation, "fetch weights")
+        if peers is None:  # a pre-staging fetch names them in its input (workflows/stage.py)
+            peers = [Peer(p.node_id, p.url) for p in inp.peers if p.node_id and p.url]
         # `moved_at`: when the download last made progress, carried across attempts in the heartbeat's details
         # (an attempt that is retried resumes from there): the bound on retrying it (`fetch_retry_s`).
         before = _details(activity.info().heartbeat_details) if activity.in_activity() else {}

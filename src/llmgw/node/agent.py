@@ -77,6 +77,8 @@ class Agent:
                                peer_tls=lambda: self._peer_client)
         self.peer_listener: PeerListener | None = None  # this node's cache, served to peers (issue 39)
         self._peer_client = None  # TLS to peers' listeners
+        # The control plane takes peer fetch's fields (its registration answer said so): sent only then.
+        self.peers_taken = False
         node_dir = settings.shard_dir / self.node_id
         self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit,
                                      log_max_bytes=int(settings.engine_log_max_mb * (1 << 20)),
@@ -187,7 +189,7 @@ class Agent:
 
     def inventory(self):
         inv = self._inventory()
-        url = self.peer_listener.advertisable() if self.peer_listener is not None else None
+        url = self.peer_listener.advertisable() if self.peer_listener is not None and self.peers_taken else None
         return inv.model_copy(update={"peer_url": url}) if url else inv
 
     def _inventory(self):
@@ -218,6 +220,10 @@ class Agent:
                                         shards=self.shard_reports()))
             return sent[-1]
         resp = RegisterResponse.model_validate(await self._post("/node/v1/register", body))
+        if resp.peers and not self.peers_taken:
+            self.peers_taken = True
+            self.inventory_dirty = True  # the next beat advertises the peer listener
+        self.peers_taken = resp.peers
         await self.stop_unwanted(resp.stop, "which it cannot identify or no longer wants")
         if not self.registered.is_set():
             for note in inv.notes:
@@ -274,7 +280,8 @@ class Agent:
         shard), and, after `attempts` of `timeout_s` each, the transport's error when it cannot be reached
         (nothing starts unasked: the start takes its steps, which ask through the control worker).
         `cache_name`: the weights it is about to fetch, asked of peers (the answer's `peers`)."""
-        req = LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id, cache_name=cache_name)
+        req = LaunchCheckRequest(node_id=self.node_id, shard_id=shard_id, replica_id=replica_id,
+                                 cache_name=cache_name if self.peers_taken else None)
         for attempt in range(attempts - 1):
             try:
                 return LaunchCheckResponse.model_validate(await self._post("/node/v1/launch-check", req, timeout_s))

@@ -11,7 +11,7 @@ from llmgw.schemas.payloads import ShardPlacement
 from llmgw.schemas.status import ReplicaStatus
 
 DecisionKind = Literal["place", "stop", "evict", "lost", "cleanup", "refuse", "wait", "keep", "rollout", "sleep",
-                       "wake"]
+                       "wake", "stage"]
 
 
 REFUSED = "cannot place"
@@ -59,6 +59,8 @@ class Decision(BaseModel):
     - `rollout`: some of `model`'s replicas run an older profile: make sure its `RolloutWorkflow` runs.
     - `sleep`: put Ready `replica_id` to sleep (out of routing, engine kept, accelerator memory released);
     - `wake`: wake sleeping `replica_id` (placement/sleep.py).
+    - `stage`: fetch `model`'s weights onto `shards[0]`'s node ahead of its next start (placement/prestage.py);
+      carried out by `decide` itself, never an action of the reconciler's workflow.
     `sleep_mode` (a `place`): its engine is launched able to sleep (the model has `scaling.sleep_after`).
     """
 
@@ -98,6 +100,7 @@ _HEADS = {
     "rollout": lambda d, rid: f"roll out {d.model}",
     "sleep": lambda d, rid: f"put replica {rid} of {d.model} to sleep",
     "wake": lambda d, rid: f"wake replica {rid} of {d.model}",
+    "stage": lambda d, rid: f"stage {d.model}'s weights on {d.shards[0].node_id if d.shards else '?'}",
 }
 
 

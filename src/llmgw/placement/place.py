@@ -69,7 +69,7 @@ def rung(profile: Profile, best: NodeFit, fits: list[NodeFit]) -> str:
     holders = sorted(f.node.id for f in fits if f.holds_weights)
     if not holders:
         return "; rung: fetch the weights from the mirror (no node holds them)"
-    serving = [f.node.id for f in fits if f.holds_weights and f.node.inventory.peer_url]
+    serving = [f.node.id for f in fits if f.holds_weights and f.node.inventory.peer_url and f.node.status == "ready"]
     verb = "holds" if len(holders) == 1 else "hold"
     if serving and profile.nodes == 1:
         return (f"; rung: fetch the weights from a peer, {', '.join(sorted(serving)[:3])} ({', '.join(holders)} {verb} "

@@ -35,6 +35,7 @@ from datetime import datetime, timedelta
 from llmgw.placement.deadline import overdue_start
 from llmgw.placement.decisions import Decision, Plan
 from llmgw.placement.liveness import FleetLiveness, TeardownBudget, fleet_liveness, held_decision
+from llmgw.placement.prestage import stages
 from llmgw.placement.place import Probe, place_one
 from llmgw.placement.preempt import fits_after_drains, plan_eviction
 from llmgw.placement.rollout import is_outdated, next_step, plan_rules
@@ -347,6 +348,10 @@ def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
                 f"{head}; evicting {len(ev.victims)} lower-priority replica(s) to make room: {'; '.join(names)}; "
                 f"placed once they have drained ({ev.placement.reason})")))
             break
+    if snapshot.prestage_recent_s:
+        acted = {d.model for d in plan.decisions if d.kind != "keep"}
+        plan.decisions.extend(stages(snapshot, lambda: view or FleetView(nodes, snapshot.replicas, snapshot.models),
+                                     acted, states, now))
     return plan
 
 

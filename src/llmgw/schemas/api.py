@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
+from llmgw.schemas.inventory import DownloadProgress, Inventory, PeerRef, ShardReport
 from llmgw.schemas.status import ReplicaStatus, ShardStatus
 from llmgw.schemas.tenants import KeyName, Limits, TenantName
 from llmgw.schemas.wire import WireModel
@@ -45,6 +45,9 @@ class RegisterResponse(_NodeReads):
     node_id: str
     adopted: list[str] = Field(default_factory=list)
     stop: list[str] = Field(default_factory=list)  # shard ids the node must stop
+    # This control plane takes peer fetch's fields (issue 39): `Inventory.peer_url`, `LaunchCheckRequest.cache_name`.
+    # A node sends them only after an answer said so: one from before refuses unknown fields (before issue 38).
+    peers: bool = False
 
 
 class HeartbeatRequest(_NodeSends):
@@ -81,15 +84,9 @@ class LaunchCheckRequest(_NodeSends):
     shard_id: str = Field(max_length=200)
     replica_id: str = Field(max_length=200)
     # The cache entry it is about to fetch (`weights.naming.cache_name_for`): the answer names peers that
-    # hold it (issue 39). A control plane from before ignores it, and names none.
-    cache_name: str | None = Field(None, max_length=200, pattern=r"^[0-9a-f]{32}-[A-Za-z0-9._-]{1,80}$")
-
-
-class PeerRef(_NodeReads):
-    """A node that holds a cache entry, and its peer listener (node/peer_server.py)."""
-
-    node_id: str = Field("", max_length=253)
-    url: str = Field("", max_length=300)
+    # hold it (issue 39). Sent only to a control plane whose registration answer said `peers`.
+    cache_name: str | None = Field(None, max_length=200, pattern=r"^[0-9a-f]{32}-[A-Za-z0-9._-]{1,80}$",
+                                   exclude_if=lambda v: v is None)
 
 
 class LeaveRequest(_NodeSends):

@@ -70,6 +70,13 @@ class Fabric(_Wire):
     rate_gbps: float = 0.0
 
 
+class PeerRef(_Wire):
+    """A node that holds a cache entry, and its peer listener (node/peer_server.py; issue 39)."""
+
+    node_id: str = Field("", max_length=253)
+    url: str = Field("", max_length=300)
+
+
 class Inventory(_Wire):
     """A node's hardware. Memory and disk in MiB; `disk_free_mb` is free space under the weight cache."""
 
@@ -83,8 +90,9 @@ class Inventory(_Wire):
     simulated: bool = False
     notes: list[str] = Field(default_factory=list, max_length=100)  # discovery remarks (no NVIDIA driver, ...)
     # Its peer listener, serving its cache to other nodes over mutual TLS (node/peer_server.py): pinned by the
-    # node API to the node's own addresses, as an engine endpoint is; None when it serves none.
-    peer_url: str | None = Field(None, max_length=300, pattern=r"^https://[^\s/?#@]+$")
+    # node API to the node's own addresses, as an engine endpoint is; None when it serves none. Sent only to a
+    # control plane whose registration answer said `peers` (schemas/api.py).
+    peer_url: str | None = Field(None, max_length=300, pattern=r"^https://[^\s/?#@]+$", exclude_if=lambda v: v is None)
 
     @field_validator("gpus")
     @classmethod

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from llmgw.schemas.catalog import Model, Profile
-from llmgw.schemas.inventory import Inventory
+from llmgw.schemas.inventory import Inventory, PeerRef
 from llmgw.schemas.status import ReplicaStatus
 from llmgw.schemas.wire import WireModel as _Wire
 
@@ -132,6 +132,11 @@ class Snapshot(_Wire):
     # Host memory each node may give replicas asleep (their offloaded weights), in GB: None = half the
     # node's host memory, 0 = none sleeps (the control plane's `sleep_host_memory_gb`; placement/sleep.py).
     sleep_host_memory_gb: float | None = Field(None, exclude_if=lambda v: v is None)
+    # Pre-staging (placement/prestage.py): weights of on-demand models used within this long are fetched ahead
+    # onto the node their next start would take (0: none; snapshots recorded before it), within
+    # `prestage_disk_gb` per node (None: no bound). The control plane's settings of the same names.
+    prestage_recent_s: float = Field(0.0, exclude_if=lambda v: not v)
+    prestage_disk_gb: float | None = Field(None, exclude_if=lambda v: v is None)
 
 
 # ---- reconciler ---------------------------------------------------------------------------------
@@ -373,6 +378,19 @@ class FetchWeightsInput(_Wire):
     replica_id: str
     source: str | None
     generation: int = 0  # fencing: refused on a node told to stop this replica at a later generation
+    # Nodes that hold these weights, tried before the mirror (issue 39); a pre-staging fetch carries them.
+    peers: list[PeerRef] = Field(default_factory=list, max_length=8, exclude_if=lambda v: not v)
+
+
+class StageWeightsInput(_Wire):
+    """Fetch `model`'s weights (`source`, cached as `cache_name`) onto `node_id` ahead of its next start
+    (pre-staging, placement/prestage.py). Id: `stage/<node_id>/<cache_name>`."""
+
+    node_id: str = ""
+    model: str = ""
+    source: str = ""
+    cache_name: str = ""
+    peers: list[PeerRef] = Field(default_factory=list)
 
 
 class FetchWeightsResult(_Wire):

@@ -56,6 +56,16 @@ def replica_history_query(replica_id: str) -> str:
                                                       replica_sleep_id(replica_id), replica_wake_id(replica_id)))
 
 
+def stage_id(node_id: str, cache_name: str) -> str:
+    """`stage/<node>/<cache name>`: fetching one model's weights onto one node ahead of its start (issue 39)."""
+    return f"stage/{node_id}/{cache_name}"
+
+
+def stage_replica(cache_name: str) -> str:
+    """What a staging fetch names as its replica (its download's progress; fencing, which no stop targets)."""
+    return f"stage-{cache_name}"
+
+
 def rollout_id(model: str) -> str:
     """`rollout/<model>`: one rolling replacement per model at a time."""
     return f"rollout/{model}"

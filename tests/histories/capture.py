@@ -17,7 +17,8 @@ the same activity (patch `settle-counts-failure`); `v6` holds one history from t
 `tests/test_batches_units.py::test_the_workflow_runs_rounds_then_finishes_with_their_reason` (stand-in
 activities; `LLMGW_HISTORIES_OUT=tests/histories/v7` when running it writes them). `v8` holds the sleep
 and wake workflows of issue 39 (`test_sleep_and_wake` here), captured before the wake's control steps
-became local activities (patch `wake-local-steps`).
+became local activities (patch `wake-local-steps`). `v9` holds pre-staging's `StageWeightsWorkflow`
+(`test_prestage` here; issue 39), and the start of the replica that then found the weights staged.
 
 Each scenario runs the real control plane, Temporal, Postgres and simulated agents, then writes every
 workflow history it produced as `<scenario>--<workflow id with / as _>.json` (Temporal's JSON history
@@ -241,3 +242,29 @@ def test_sleep_and_wake(control_plane, temporal, namespace):
     cp.wait_replicas("sleepy", "sleeping", 1, 30)
     time.sleep(2)  # the sleep workflow closes
     assert len(export(temporal, namespace, "sleep-wake", kinds=("ReplicaSleepWorkflow", "ReplicaWakeWorkflow"))) >= 3
+
+
+def test_prestage(control_plane, temporal, namespace):
+    """Pre-staging (tests/histories/v9): an on-demand model used and stopped for being idle, its node gone:
+    its weights are staged on the other node (`StageWeightsWorkflow`), where the next request starts it."""
+    cp = control_plane
+    cp.start(mirror=True)
+    cp.mirror_dir.mkdir(parents=True, exist_ok=True)
+    (cp.mirror_dir / "w.bin").write_bytes(b"w" * (1 << 20))
+    agents = {n: cp.agent(n, simulate=sim_spec(gpus=1)) for n in ("node-a", "node-b")}
+    cp.wait_nodes(*agents)
+    od = {"name": "od", "scaling": {"min": 0, "max": 1, "idle_timeout": "3s"},
+          "profiles": [{"engine": "sim", "source": "mirror:w.bin", "gpus_per_node": 1, "disk_gb": 1}]}
+    assert cp.apply({"models": [od]}).status_code == 200
+    assert chat(cp, "od") == 200
+    [first] = cp.replicas()
+    wait_until(lambda: all(r["status"] == "stopped" for r in cp.replicas()), timeout_s=60, what="od idle-stopped")
+    agents[first["node_id"]].stop()
+    other = next(n for n in agents if n != first["node_id"])
+    wait_until(lambda: any(f.name.endswith("-w.bin") for f in (cp.state / "cache" / other).glob("*")), timeout_s=60,
+               what="staged")
+    time.sleep(3)  # its inventory reaches the control plane
+    assert chat(cp, "od") == 200
+    time.sleep(2)
+    assert export(temporal, namespace, "prestage", kinds=("StageWeightsWorkflow",))
+    assert export(temporal, namespace, "prestage", kinds=("ReplicaStartWorkflow",))

@@ -211,3 +211,13 @@ def test_a_certificate_from_before_peer_fetch_advertises_no_listener(tmp_path, p
         assert listener.advertisable() == listener.url
     finally:
         listener._sock.close()
+
+
+def test_a_peer_port_that_is_taken_leaves_the_node_serving_no_peers_not_stopped(tmp_path, pki, peer_a, caplog):
+    """The agent runs on (its engines with it): other nodes fetch from the mirror instead."""
+    _, url = peer_a
+    taken = int(url.rsplit(":", 1)[1])
+    s = node_settings(pki, "node-b").model_copy(update={"peer_port": taken})
+    listener = PeerListener(s, tmp_path / "cache-b")
+    assert listener.bind() is False and listener.url is None and listener.advertisable() is None
+    assert f"cannot listen on 127.0.0.1:{taken}" in caplog.text and "LLMGW_PEER_PORT" in caplog.text

@@ -442,9 +442,11 @@ class Agent:
             log.info("serving no peers: %s", why)
             return None
         self._peer_client = client_context(self.settings)
-        self.peer_listener = PeerListener(self.settings, self.settings.resolved_cache_dir)
-        self.peer_listener.bind()
-        return asyncio.create_task(self.peer_listener.run(), name="peers")
+        listener = PeerListener(self.settings, self.settings.resolved_cache_dir)
+        if not listener.bind():
+            return None
+        self.peer_listener = listener
+        return asyncio.create_task(listener.run(), name="peers")
 
     async def run(self, stop: asyncio.Event) -> None:
         self.origin_check = self.load_origin_check()

@@ -65,7 +65,8 @@ class PeerListener:
         except (OSError, ValueError):
             return None
 
-    def bind(self) -> None:
+    def bind(self) -> bool:
+        """Listen (not yet serve); False when the address cannot be had (logged)."""
         host = self.settings.advertise_host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -73,9 +74,12 @@ class PeerListener:
         try:
             sock.bind((host, self.settings.peer_port))
         except OSError as exc:
+            # Not a reason to stop the agent and its engines: other nodes fetch from the mirror instead.
             sock.close()
-            raise SystemExit(f"the peer listener cannot listen on {host}:{self.settings.peer_port} ({exc.strerror}); "
-                             "set LLMGW_PEER_PORT to a free port, 0 for any, or -1 to serve no peers") from None
+            log.error("the peer listener cannot listen on %s:%s (%s); this node serves no peers: set "
+                      "LLMGW_PEER_PORT to a free port, 0 for any, or -1 to serve none", host, self.settings.peer_port,
+                      exc.strerror)
+            return False
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock
@@ -89,6 +93,7 @@ class PeerListener:
         if not serves_peers(load_cert(s.node_cert)):
             log.warning("this node's certificate %s predates peer fetch (clientAuth only): it serves no peers "
                         "until it is renewed", s.node_cert)
+        return True
 
     async def run(self) -> None:
         assert self._server is not None and self._sock is not None

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import logging
 import os
@@ -41,7 +42,8 @@ from llmgw.weights.urls import URLRefused, redact
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FetchError", "Fetched", "Fetcher", "Progress"]
+__all__ = ["FetchError", "Fetched", "Fetcher", "Peer", "Progress"]
+PEER_STALL_S = 15.0
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Fetcher:
         """`peer_tls()`: the TLS context for peers (llmgw's CA, this node's certificate), or None: no peers."""
         self.cache_dir = cache_dir
         self.peer_tls = peer_tls
+        # A peer is a node next door: one that stalls is given up on sooner than the mirror, which is all
+        # there is after it.
+        self._peer_limits = dataclasses.replace(limits, stall_s=min(limits.stall_s, PEER_STALL_S))
         self.partial_dir = cache_dir / ".partial"
         self.mirror_url = mirror_url
         self.limits = limits
@@ -187,7 +192,7 @@ class Fetcher:
         for peer in list(sources.peers):
             try:
                 got = await download(f"{peer.url.rstrip('/')}/files/{name}", dest, work, expect_size=size,
-                                     expect_sha=sha, progress=progress, limits=self.limits,
+                                     expect_sha=sha, progress=progress, limits=self._peer_limits,
                                      peer=PeerTLS(sources.tls, peer.node_id))  # type: ignore[arg-type]
             except FetchError as exc:
                 log.warning("fetching %s from peer %s failed (%s); trying %s", name, peer.node_id, exc,

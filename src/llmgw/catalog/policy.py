@@ -213,7 +213,7 @@ SIM = EngineRules(
     engine="sim",
     flags=frozenset({"--tokens-per-second", "--startup-delay", "--join-timeout", "--prefix-cache-blocks",
                      "--prefill-tokens-per-second", "--gpu-memory-mb", "--sleep-s", "--wake-s",
-                     "--ignore-sigterm", "--lora-load-s", "--engine-version"}),
+                     "--ignore-sigterm", "--lora-load-s", "--engine-version", "--compile-s"}),
     env=frozenset(),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {"--rank", "--world-size", "--rendezvous", "--token",
                                                    "--max-loras"}),

@@ -5,10 +5,15 @@ Spawns `vllm serve` on the converted test model (tests/test_vllm_real.py's flags
   1. `--optimization-level 0` (no torch.compile), a fresh cache root: the reference;
   2. torch.compile on (vLLM's default level), an empty cache root: cold;
   3. the same again with the cache root the cold run filled: warm.
-Each run gets its own `VLLM_CACHE_ROOT` (what llmgw gives a shard: engines/compile_cache.py) and its own
-`TMPDIR`, so what vLLM writes outside its cache root (torch's default `/tmp/torchinductor_$USER`) shows.
+Each run gets the variables llmgw gives a shard (`VllmAdapter.compile_env`: `VLLM_CACHE_ROOT` and Inductor's
+and Triton's caches beneath it; engines/compile_cache.py) and its own `TMPDIR`, so what vLLM writes outside
+them (torch's default `$TMPDIR/torchinductor_$USER`) shows.
 
-    .venv/bin/python bench/vllm_compile.py [--runs cold,warm] [--keep DIR]
+    .venv/bin/python bench/vllm_compile.py [--runs O0,cold,warm] [--shared-tmp] [--env K=V ...] [--keep DIR]
+
+`--shared-tmp`: every run gets the same `TMPDIR`, as the engines of one node share `/tmp` (torch keeps its
+precompiled header there, `$TMPDIR/torchinductor_$USER/precompiled_headers`, whatever its cache variables
+say). `--env`: a variable for every run (e.g. `VLLM_USE_AOT_COMPILE=0`).
 
 Slow: the cold compile is minutes on two shared cores. Prints one line per run and a table at the end.
 """
@@ -30,7 +35,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from llmgw.engines.vllm import find_vllm  # noqa: E402
+from llmgw.engines.vllm import VllmAdapter, find_vllm  # noqa: E402
 from llmgw.engines.vllm_selftest import converted_model  # noqa: E402
 
 ARGS = ["--max-model-len", "1024", "--dtype", "bfloat16"]  # tests/test_vllm_real.py, without -O0
@@ -61,11 +66,13 @@ def first_token_s(base: str, model: str) -> float:
     raise RuntimeError("no data line")
 
 
-def serve(vllm: str, model: Path, cache_root: Path, tmp: Path, extra: list[str], log: Path) -> dict:
+def serve(vllm: str, model: Path, cache_root: Path, tmp: Path, extra: list[str], log: Path,
+          more_env: dict[str, str]) -> dict:
     """One start: seconds spawn -> /health 200 and request -> first token; the process is stopped after."""
     port = free_port()
     env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
-    env |= {"VLLM_CACHE_ROOT": str(cache_root), "TMPDIR": str(tmp), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env |= VllmAdapter(vllm).compile_env(str(cache_root))  # what llmgw gives a shard of this key
+    env |= {"TMPDIR": str(tmp), "VLLM_CPU_KVCACHE_SPACE": "1"} | more_env
     argv = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m",
             *ARGS, *extra]
     t0 = time.perf_counter()
@@ -100,7 +107,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="O0,cold,warm", help="which runs, in order (O0, cold, warm)")
     ap.add_argument("--keep", type=Path, help="keep the cache roots and logs here")
+    ap.add_argument("--shared-tmp", action="store_true", help="one TMPDIR for every run, as on a node")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="a variable for every run")
     args = ap.parse_args()
+    more_env = dict(kv.split("=", 1) for kv in args.env)
     vllm = find_vllm(None)
     if vllm is None:
         sys.exit("vLLM is not installed (scripts/setup --with vllm)")
@@ -111,11 +121,11 @@ def main() -> None:
     try:
         for run in args.runs.split(","):
             cache = root / ("cache-O0" if run == "O0" else "cache")  # warm reuses the cold run's root
-            tmp = root / f"tmp-{run}"
+            tmp = root / ("tmp" if args.shared_tmp else f"tmp-{run}")
             tmp.mkdir(exist_ok=True)
             before = du(cache)
             r = serve(vllm, model, cache, tmp, ["--optimization-level", "0"] if run == "O0" else [],
-                      root / f"{run}.log")
+                      root / f"{run}.log", more_env)
             files, size = du(cache)
             tfiles, tsize = du(tmp)
             r |= {"run": run, "cache": f"{before[0]} -> {files} files, {size / 1e6:.1f} MB",
@@ -127,7 +137,8 @@ def main() -> None:
         for r in rows:
             print(f"{r['run']:<8}{r['healthy_s']:>14.1f} s{r['first_token_s'] * 1000:>11.0f} ms  {r['cache']:<32}  "
                   f"{r['outside']}")
-        print(f"\nload average {open('/proc/loadavg').read().split()[0]}, {time.strftime('%Y-%m-%d %H:%M')}")
+        print(f"\nload average {open('/proc/loadavg').read().split()[0]}, {time.strftime('%Y-%m-%d %H:%M')}, "
+              f"TMPDIR {'shared' if args.shared_tmp else 'per run'}, env {more_env or 'default'}")
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

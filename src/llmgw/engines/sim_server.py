@@ -638,7 +638,7 @@ async def _serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     if compile_s and compile_mark is not None:
         loop.call_later(max(0.0, engine.ready_at - time.monotonic()), write_mark, compile_mark)
-    if args.startup_delay > 0:
+    if args.startup_delay + compile_s > 0:
         loop.call_later(max(0.0, engine.ready_at - time.monotonic()), lambda: print(f"sim: {args.model} loaded, ready", flush=True))
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGINT, stop.set)

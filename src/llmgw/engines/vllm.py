@@ -91,8 +91,12 @@ class VllmAdapter(EngineAdapter):
         return self._version
 
     def compile_env(self, directory: str | None) -> dict[str, str]:
-        # vLLM puts Inductor's and Triton's caches beside its compile cache itself (engines/compile_cache.py).
-        return {"VLLM_CACHE_ROOT": directory} if directory else {}
+        # Inductor's and Triton's too: vLLM moves them beside its compile cache only when that cache is on (its
+        # AOT compile); otherwise torch's defaults under /tmp would hold them (engines/compile_cache.py).
+        if not directory:
+            return {}
+        return {"VLLM_CACHE_ROOT": directory, "TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor",
+                "TRITON_CACHE_DIR": f"{directory}/triton"}
 
     def available(self) -> bool:
         return self.vllm is not None

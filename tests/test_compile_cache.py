@@ -104,7 +104,12 @@ def test_one_writer_per_key_a_second_shard_gets_a_scratch_copy_once_the_key_is_w
     assert not held(first.path)
     again = open_compile_dir(tmp_path, KEY, "d-r0")  # free again: the key's own directory, reused
     assert again.shared and again.path == first.path and (again.path / "artifact").exists()
-    again.release()
+    (again.path / "half-written").write_text("{")
+    again.release()  # ... by an engine that never became ready (no mark_warm): what it left is not trusted
+    last = open_compile_dir(tmp_path, KEY, "e-r0")
+    assert last.path == first.path and not (last.path / "half-written").exists()
+    assert not (last.path / "artifact").exists() and (last.path / "key.json").exists()
+    last.release()
 
 
 def test_the_lock_lives_as_long_as_the_engine_that_inherited_it(tmp_path):

@@ -134,6 +134,11 @@ class VllmAdapter(EngineAdapter):
         rz = spec.rendezvous
         worker_env = {"VLLM_API_KEY": spec.api_key} if spec.api_key else {}
         worker_env |= self.sleep_env(spec) | self.compile_env(spec.compile_dir)
+        if spec.compile_dir and spec.profile.device == "cpu":
+            # The CPU build (0.32) cannot load its own AOT artifact ("'function' object has no attribute
+            # 'finalize_loading'") and compiles again every start; its other path reuses Inductor's cache
+            # (bench/README.md, "Compile caches and the activation ladder": 120 s cold, 43 s warm).
+            worker_env["VLLM_USE_AOT_COMPILE"] = "0"
         if spec.profile.max_loras:
             worker_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if rz is not None:

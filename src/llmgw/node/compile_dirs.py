@@ -7,8 +7,10 @@ the engine dies. vLLM writes its compiled artifacts atomically (Inductor's `writ
 renamed for AOT artifacts) but not the index of its compile cache (`vllm_compile_cache.py`, written in place),
 and a reader of a half-written index fails its start: so a second shard of a key that starts while the first
 one runs gets a scratch directory of its own, `.compile/.scratch/<name>.<shard>` — a copy of the key's
-directory once a shard of the key has been ready there (`.warm`: its compile was done and written), else
-empty — and its artifacts are not kept. Scratch directories are removed once their engine has ended.
+directory once the engine holding it has become ready (`.warm`: its compile was done and written), else
+empty — and its artifacts are not kept. Scratch directories are removed once their engine has ended. A key's
+directory whose last engine never became ready (it crashed, maybe mid-write, or failed to start) is emptied
+before it is handed out again: a torn artifact must not fail every later start of the key.
 
 Bounded: `trim` (run before each compile directory is handed out) removes scratch directories no engine holds
 and then, while the compile caches take more than `compile_cache_gb`, the keys' directories used longest
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
-WARM = ".warm"  # a shard of the key was ready here: its compile is done and written
+WARM = ".warm"  # the last engine handed this directory became ready: its compile was done and written
 USED = ".used"  # touched at each hand-out: the age `trim` goes by
 KEY_FILE = "key.json"
 SCRATCH = ".scratch"
@@ -103,6 +105,16 @@ def _write_key(path: Path, key: CompileKey) -> None:
     os.replace(tmp, path / KEY_FILE)
 
 
+def _clear(path: Path) -> None:
+    for p in path.iterdir():
+        if p.name == LOCK:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def open_compile_dir(cache_dir: Path, key: CompileKey, shard_id: str, limit_bytes: int | None = None) -> CompileDir:
     """The directory for one shard of `key`, locked: the key's own when no engine holds it, else a scratch one
     (see the module's doc). Trims first when `limit_bytes` is given. Raises OSError (a full or read-only disk)."""
@@ -115,6 +127,10 @@ def open_compile_dir(cache_dir: Path, key: CompileKey, shard_id: str, limit_byte
         path.mkdir(exist_ok=True)
         fd = _lock(path)
         if fd is not None:
+            if (path / WARM).exists():
+                (path / WARM).unlink()  # set again when this engine is ready
+            else:
+                _clear(path)  # the last engine here never became ready: what it left may be half-written
             _write_key(path, key)
             (path / USED).touch()
             return CompileDir(path=path, key=key, fd=fd, shared=True)

@@ -73,7 +73,7 @@ def test_an_engine_gets_its_keys_compile_directory_and_a_later_start_of_the_key_
     # Two shards of the key at once: the running one keeps the key's directory, the new one gets a copy of it
     # (warm, never the same directory: one writer per directory).
     assert cp.apply(catalog(2)).status_code == 200
-    both = wait_until(lambda: (e := engines(cp)) if len(e) == 2 else None, 60, 0.3, "two replicas")
+    both = wait_until(lambda: e if len(e := engines(cp)) == 2 else None, 60, 0.3, "two replicas")
     dirs = {e["dir"] for e in both}
     assert len(dirs) == 2 and str(d) in dirs, dirs
     [scratch] = dirs - {str(d)}

@@ -245,7 +245,8 @@ def vllm(cp: ControlPlane, vllm_exe: str, model_dir: Path) -> dict[str, tuple[li
     print(f"vllm: through llmgw cold {c:.1f} s, warm {w:.1f} s", flush=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(tempfile.gettempdir())  # the agent's engines share /tmp (torch's precompiled header is there)
-        runs = [serve(vllm_exe, model_dir, Path(d) / "cache", tmp, [], Path(d) / f"{k}.log", {}) for k in ("c", "w")]
+        aot = {"VLLM_USE_AOT_COMPILE": "0"}  # as the adapter sets it for a CPU profile with a compile cache
+        runs = [serve(vllm_exe, model_dir, Path(d) / "cache", tmp, [], Path(d) / f"{k}.log", aot) for k in ("c", "w")]
     ca, wa = (r["healthy_s"] + r["first_token_s"] for r in runs)
     print(f"vllm: alone cold {ca:.1f} s, warm {wa:.1f} s", flush=True)
     cp.apply({"models": []})

@@ -75,6 +75,11 @@ def test_each_adapter_points_its_engine_at_the_directory(tmp_path):
     vllm = VllmAdapter(vllm="/nonexistent/vllm")
     env = vllm.build(dataclasses.replace(spec, profile=Profile(engine="vllm", source="/w"))).env
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path)
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path)) and env["TRITON_CACHE_DIR"].startswith(str(tmp_path))
+    assert "VLLM_USE_AOT_COMPILE" not in env  # on GPUs vLLM's own compile path is left alone
+    cpu = vllm.build(dataclasses.replace(spec, profile=Profile(engine="vllm", source="/w", device="cpu",
+                                                                memory_gb=4))).env
+    assert cpu["VLLM_USE_AOT_COMPILE"] == "0"  # the CPU build's AOT artifact does not load (bench/README.md)
     # No directory: the engine's own default, no variable at all.
     assert "VLLM_CACHE_ROOT" not in vllm.build(dataclasses.replace(
         spec, compile_dir=None, profile=Profile(engine="vllm", source="/w"))).env

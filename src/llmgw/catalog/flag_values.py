@@ -46,7 +46,8 @@ VALUES: dict[str, dict[str, str]] = {
             "--stream-interval"), _INT),
         **dict.fromkeys(("--mem-fraction-static", "--schedule-conservativeness", "--watchdog-timeout"), _FLOAT),
     },
-    "sim": {**dict.fromkeys(("--tokens-per-second", "--startup-delay", "--join-timeout", "--sleep-s", "--wake-s"), _FLOAT),
+    "sim": {**dict.fromkeys(("--tokens-per-second", "--startup-delay", "--join-timeout", "--sleep-s", "--wake-s",
+                                  "--compile-s"), _FLOAT),
             "--gpu-memory-mb": _INT},
 }
 

@@ -87,6 +87,10 @@ WORKER_ENV = {
                             "with scaling.sleep_after",
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "the node worker opens vLLM's adapter load calls, behind the engine key, "
                                         "for a profile with `max_loras`",
+    **dict.fromkeys(("VLLM_CACHE_ROOT", "SGLANG_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+                     "LLMGW_SIM_COMPILE_DIR"),
+                    "the node worker points an engine's compile caches at its key's directory on the node "
+                    "(compile_cache_gb; docs/architecture.md, \"Compile caches\")"),
 }
 
 _COMMON_WORKER_FLAGS = {"--host", "--port", "--model", "--api-key"}
@@ -213,7 +217,7 @@ SIM = EngineRules(
     engine="sim",
     flags=frozenset({"--tokens-per-second", "--startup-delay", "--join-timeout", "--prefix-cache-blocks",
                      "--prefill-tokens-per-second", "--gpu-memory-mb", "--sleep-s", "--wake-s",
-                     "--ignore-sigterm", "--lora-load-s", "--engine-version"}),
+                     "--ignore-sigterm", "--lora-load-s", "--engine-version", "--compile-s"}),
     env=frozenset(),
     worker_flags=frozenset(_COMMON_WORKER_FLAGS | {"--rank", "--world-size", "--rendezvous", "--token",
                                                    "--max-loras"}),

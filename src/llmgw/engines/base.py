@@ -51,6 +51,9 @@ class ShardSpec:
     sleep_mode: bool = False  # launched able to sleep (its model has `scaling.sleep_after`; issue 39)
     # The profile's adapters as the node fetched and verified them, by name (issue 40; node/activities.py).
     adapter_files: dict[str, AdapterFile] = field(default_factory=dict)
+    # The directory of the engine's compile and kernel caches for this shard's key (engines/compile_cache.py),
+    # given to it by `EngineAdapter.compile_env`; None: the engine's own default.
+    compile_dir: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -196,6 +199,16 @@ class EngineAdapter:
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         raise NotImplementedError
+
+    def compile_env(self, directory: str | None) -> dict[str, str]:
+        """The variables that point the engine's compile and kernel caches at `directory` (a key's directory,
+        engines/compile_cache.py); {} for None or an engine that keeps none. Names per engine: that module's doc."""
+        return {}
+
+    def engine_version(self) -> str:
+        """This node's version of the engine, for the compile cache's key; "" when it cannot tell. May run the
+        engine's Python (a fraction of a second, once per adapter): call it off the event loop."""
+        return ""
 
     def redact(self, argv: list[str]) -> list[str]:
         """`argv` with any engine key replaced, for logs."""

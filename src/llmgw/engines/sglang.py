@@ -30,6 +30,7 @@ import aiohttp
 from llmgw.engines.base import (
     EngineAdapter, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
 )
+from llmgw.engines.compile_cache import dist_version
 from llmgw.engines.metrics_text import scrape_gauge
 
 
@@ -50,6 +51,20 @@ class SglangAdapter(EngineAdapter):
 
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
+        self._version: str | None = None
+
+    def engine_version(self) -> str:
+        if self._version is None:
+            self._version = dist_version(self.python, "sglang")
+        return self._version
+
+    def compile_env(self, directory: str | None) -> dict[str, str]:
+        # SGLANG_CACHE_DIR, and beneath it what SGLang's own `redirect_third_party_caches` sets (older releases
+        # do not), as explicit values: they win over its defaults (engines/compile_cache.py).
+        if not directory:
+            return {}
+        return {"SGLANG_CACHE_DIR": directory, "TRITON_CACHE_DIR": f"{directory}/triton",
+                "TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor"}
 
     def executable(self) -> str:
         return f"{self.python} -m sglang.launch_server"
@@ -74,7 +89,7 @@ class SglangAdapter(EngineAdapter):
         if spec.sleep_mode:
             argv += ["--enable-memory-saver"]
         endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
-        return LaunchPlan(argv=argv, env=launch_env(spec), endpoint=endpoint)
+        return LaunchPlan(argv=argv, env=launch_env(spec, self.compile_env(spec.compile_dir)), endpoint=endpoint)
 
     async def in_flight(self, session: aiohttp.ClientSession, endpoint: str, api_key: str | None = None) -> int | None:
         return await scrape_gauge(session, endpoint, "sglang:num_running_reqs", auth_headers(api_key))

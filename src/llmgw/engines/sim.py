@@ -15,6 +15,7 @@ import aiohttp
 
 import llmgw
 
+from llmgw.version import VERSION
 from llmgw.engines.base import EngineAdapter, LaunchPlan, ShardSpec, auth_headers, launch_env
 from llmgw.engines.sim_group import query_status
 
@@ -24,6 +25,12 @@ class SimAdapter(EngineAdapter):
     sleeps = True  # vLLM's calls, with the sleep and wake times `--sleep-s`/`--wake-s` give it (sim_server.py)
     sleep_path = "/sleep?level={level}"
     wake_path = "/wake_up"
+
+    def engine_version(self) -> str:
+        return VERSION  # the agent's own llmgw: the sim engine is its code
+
+    def compile_env(self, directory: str | None) -> dict[str, str]:
+        return {"LLMGW_SIM_COMPILE_DIR": directory} if directory else {}  # its `--compile-s` mark (sim_server.py)
 
     def build(self, spec: ShardSpec) -> LaunchPlan:
         argv = [sys.executable, "-m", "llmgw.engines.sim_server", *spec.profile.args, "--model", spec.model,
@@ -36,7 +43,7 @@ class SimAdapter(EngineAdapter):
         if spec.profile.max_loras:  # adapters loaded at run time, as vLLM's (sim_server.py)
             argv += ["--max-loras", str(spec.profile.max_loras)]
         # The sim engine is llmgw's own code: it runs the agent's llmgw (the same flags), wherever that is imported from.
-        own = {"PYTHONPATH": str(Path(llmgw.__file__).resolve().parents[1])}
+        own = {"PYTHONPATH": str(Path(llmgw.__file__).resolve().parents[1])} | self.compile_env(spec.compile_dir)
         env = launch_env(spec, own | ({"LLMGW_SIM_API_KEY": spec.api_key} if spec.api_key else {}))
         endpoint = "" if spec.is_worker else f"http://{spec.host}:{spec.port}"
         return LaunchPlan(argv=argv, env=env, endpoint=endpoint)

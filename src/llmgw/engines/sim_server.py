@@ -6,7 +6,8 @@ It stands in for a GPU engine wherever there is none: it serves `/v1/chat/comple
 tokens from the Greek alphabet (`α β γ …`) at `--tokens-per-second` until `max_tokens` (default 16), for
 each of `n` choices (default 1; their tokens interleaved in a stream, as vLLM sends them). Its
 models are `owned_by: "llmgw-sim"` (seeds 003, "Say which model is simulated"). `/health` answers 503
-until `--startup-delay` seconds have passed, then 200 with the number of requests in flight.
+until `--startup-delay` seconds have passed (plus `--compile-s` on a cold compile cache: see `compiled_mark`),
+then 200 with the number of requests in flight.
 
 Its answers are deterministic, and a continuation reads as one answer: a chat sent
 `continue_final_message: true` with `add_generation_prompt: false` (vLLM's fields; refused as vLLM refuses
@@ -78,6 +79,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 from aiohttp import web
 
@@ -563,6 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="requests generated at once; more wait (vLLM's flag; 0: no bound)")
     p.add_argument("--lora-load-s", type=float, default=0.0, help="seconds a POST /v1/load_lora_adapter takes")
+    p.add_argument("--compile-s", type=float, default=0.0,
+                   help="seconds a cold start spends compiling, added to --startup-delay unless the compile cache "
+                        "($LLMGW_SIM_COMPILE_DIR) holds this model's mark from an earlier start")
     p.add_argument("--engine-version", default=VERSION,
                    help="the version /version reports (an older one than 0.2.0 serves no /v1/messages)")
     p.add_argument("--rank", type=int, default=0)
@@ -577,8 +582,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--prefix-cache-blocks must be from 0 to {MAX_CACHED_BLOCKS}")
     if args.prefill_tokens_per_second < 0:
         p.error("--prefill-tokens-per-second must be 0 or more")
-    if args.gpu_memory_mb < 0 or args.sleep_s < 0 or args.wake_s < 0:
-        p.error("--gpu-memory-mb, --sleep-s and --wake-s must be 0 or more")
+    if args.gpu_memory_mb < 0 or args.sleep_s < 0 or args.wake_s < 0 or not 0 <= args.compile_s <= 3600:
+        p.error("--gpu-memory-mb, --sleep-s and --wake-s must be 0 or more, --compile-s from 0 to 3600")
     if not 0 <= args.max_loras <= 1024 or not 0 <= args.lora_load_s <= 3600:
         p.error("--max-loras must be from 0 to 1024 and --lora-load-s from 0 to 3600")
     if args.world_size > 1 and not args.rendezvous:
@@ -591,12 +596,36 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(_serve(args))
 
 
+def compiled_mark(model: str) -> Path | None:
+    """Where a start of `model` leaves its mark once it has "compiled": in the compile cache llmgw gives it
+    (`LLMGW_SIM_COMPILE_DIR`, engines/compile_cache.py); None without one (every start is then cold)."""
+    root = os.environ.get("LLMGW_SIM_COMPILE_DIR")
+    if not root:
+        return None
+    return Path(root) / f"sim-compiled-{hashlib.sha256(model.encode()).hexdigest()[:16]}"
+
+
+def write_mark(path: Path) -> None:
+    """The mark, written whole or not at all (a temporary file renamed over it), as vLLM writes its artifacts."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text("compiled\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"sim: could not write the compile mark {path}: {exc}", flush=True)
+
+
 async def _serve(args: argparse.Namespace) -> None:
     group = None
     if args.world_size > 1:
         group = Group(args.rendezvous, args.world_size, args.token)
         await group.start()
-    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay, args.rank, group,
+    compile_mark = compiled_mark(args.model) if args.compile_s > 0 else None
+    compile_s = args.compile_s if compile_mark is not None and not compile_mark.exists() else 0.0
+    if args.compile_s > 0:
+        print(f"sim: compile cache {'cold' if compile_s else 'warm'} ({compile_mark})", flush=True)
+    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay + compile_s, args.rank, group,
                        PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second), args.gpu_memory_mb,
                        args.sleep_s, args.wake_s, args.max_loras, args.lora_load_s, args.max_num_seqs)
     engine.engine_version = args.engine_version
@@ -607,7 +636,9 @@ async def _serve(args: argparse.Namespace) -> None:
     # node checks readiness when an engine's output grows (node/readiness.py).
     print(f"sim: serving {args.model} on {args.host}:{args.port}", flush=True)
     loop = asyncio.get_running_loop()
-    if args.startup_delay > 0:
+    if compile_s and compile_mark is not None:
+        loop.call_later(max(0.0, engine.ready_at - time.monotonic()), write_mark, compile_mark)
+    if args.startup_delay + compile_s > 0:
         loop.call_later(max(0.0, engine.ready_at - time.monotonic()), lambda: print(f"sim: {args.model} loaded, ready", flush=True))
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGINT, stop.set)

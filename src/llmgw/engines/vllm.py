@@ -49,6 +49,7 @@ import aiohttp
 from llmgw.engines.base import (
     EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
 )
+from llmgw.engines.compile_cache import dist_version, script_python
 from llmgw.engines.metrics_text import scrape_gauge
 
 GUARD_DIR = Path(__file__).resolve().parent / "vllm_guard"  # holds only llmgw_vllm_guard.py
@@ -82,6 +83,20 @@ class VllmAdapter(EngineAdapter):
     def __init__(self, vllm: str | None = None, ray: str | None = None):
         self.vllm = find_vllm(vllm)
         self.ray = ray or shutil.which("ray")
+        self._version: str | None = None
+
+    def engine_version(self) -> str:
+        if self._version is None:
+            self._version = dist_version(script_python(self.vllm), "vllm")
+        return self._version
+
+    def compile_env(self, directory: str | None) -> dict[str, str]:
+        # Inductor's and Triton's too: vLLM moves them beside its compile cache only when that cache is on (its
+        # AOT compile); otherwise torch's defaults under /tmp would hold them (engines/compile_cache.py).
+        if not directory:
+            return {}
+        return {"VLLM_CACHE_ROOT": directory, "TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor",
+                "TRITON_CACHE_DIR": f"{directory}/triton"}
 
     def available(self) -> bool:
         return self.vllm is not None
@@ -118,7 +133,12 @@ class VllmAdapter(EngineAdapter):
             raise EngineError("vLLM is not installed on this node; set LLMGW_VLLM to the `vllm` executable")
         rz = spec.rendezvous
         worker_env = {"VLLM_API_KEY": spec.api_key} if spec.api_key else {}
-        worker_env |= self.sleep_env(spec)
+        worker_env |= self.sleep_env(spec) | self.compile_env(spec.compile_dir)
+        if spec.compile_dir and spec.profile.device == "cpu":
+            # The CPU build (0.32) cannot load its own AOT artifact ("'function' object has no attribute
+            # 'finalize_loading'") and compiles again every start; its other path reuses Inductor's cache
+            # (bench/README.md, "Compile caches and the activation ladder": 120 s cold, 43 s warm).
+            worker_env["VLLM_USE_AOT_COMPILE"] = "0"
         if spec.profile.max_loras:
             worker_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if rz is not None:

@@ -16,6 +16,8 @@ for it, and stop it when nobody does").
   backing off is not loading); "cannot be started" when passes keep refusing to place it; "pending" when nothing
   has started yet; and, when its Ready replicas are all on nodes the control plane cannot reach (heartbeats
   and pollers silent), which nodes those are. Waiting without bound turns a request into a job. An unknown model is a 404 elsewhere.
+- A request that was held carries the rung it was held for (`HELD_FOR`: `wake` when its model was sleeping as
+  it arrived, else `start`), which the proxy counts with its first token in `llmgw_activation_seconds`.
 - Use keeps a model alive: every second, models with requests in flight, and those whose last request
   ended since, are marked used now (`last_used_at`). So the reconciler's idle clock runs from when the
   last request ended, and a model serving a long stream is never idle.
@@ -29,6 +31,7 @@ import math
 import os
 import socket
 import uuid
+from contextvars import ContextVar
 from typing import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -41,6 +44,9 @@ from llmgw.placement.model_status import ModelCondition, ModelStatus, client_rea
 from llmgw.temporal import LazyClient
 
 log = logging.getLogger(__name__)
+# How the request the current task serves was held: "wake" or "start" (`Demand.wait` sets it as it returns a
+# route after holding), None when it was not. Per task: each request is served in its own.
+HELD_FOR: ContextVar[str | None] = ContextVar("llmgw_held_for", default=None)
 DEMAND_EVERY_S = 2.0
 LOADING_RETRY_AFTER_S = 10
 CONDITION_TTL_S = 1.0
@@ -159,6 +165,7 @@ class Demand:
         deadline = started + min(sc.load_wait, self.load_wait_cap_s)
         self.waiting[name] = self.waiting.get(name, 0) + 1
         unplaceable_since: float | None = None
+        rung: str | None = None
         try:
             while True:
                 # The catalog may change while it waits: a model removed is unknown now (404), one switched
@@ -170,6 +177,8 @@ class Demand:
                     raise errors.unavailable(name, "it was switched off in the catalog (scaling max 0) while this "
                                              "request waited for it", retry_after_s=60)
                 cond = await self.condition(name)
+                if rung is None:  # as the request found it: asleep, else anything a start answers
+                    rung = "wake" if cond is not None and cond.status == ModelStatus.SLEEPING else "start"
                 now = loop.time()
                 if cond is not None and cond.status == ModelStatus.FAILING and cond.retry_in_s:
                     # Its last start failed and it is backing off: not a load in progress. Held, the client
@@ -187,6 +196,7 @@ class Demand:
                 if self.draining.is_set():  # the gateway is shutting down: the load may take minutes (drain.py)
                     raise errors.draining()
                 if ready and ready.endpoints:
+                    HELD_FOR.set(rung)
                     return ready
                 if loop.time() >= deadline:
                     break

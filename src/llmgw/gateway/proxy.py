@@ -46,7 +46,7 @@ from typing import Any, Awaitable, Callable
 from llmgw.http import errors
 from llmgw.gateway.admission import Gate, Gates
 from llmgw.gateway.balancer import Balancer
-from llmgw.gateway.demand import Demand, Hold
+from llmgw.gateway.demand import HELD_FOR, Demand, Hold
 from llmgw.gateway.fairness import BATCH, request_cost, share_of
 from llmgw.http.errors import APIError
 from llmgw.gateway.guard import Guard, answer_text, conversation
@@ -287,6 +287,7 @@ class Proxy:
         ttft = None
         x = _Exchange()
         counted = False
+        HELD_FOR.set(None)
         try:
             path = scope["path"]
             x.door = door
@@ -351,6 +352,8 @@ class Proxy:
             if counted:
                 self.metrics.end(label)
             self.metrics.observe(label, status, time.perf_counter() - started, ttft)
+            if (rung := HELD_FOR.get()) is not None and status == 200:
+                self.metrics.activated(label, rung, ttft if ttft is not None else time.perf_counter() - started)
             if ttft is not None and account is not None:
                 self.metrics.tenant_ttft(account.label, ttft)
 

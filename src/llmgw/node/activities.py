@@ -38,6 +38,7 @@ from llmgw.schemas.payloads import (
 )
 from llmgw.weights.fetcher import FetchError, Peer
 from llmgw.node.errors import ReportRefused
+from llmgw.node.compile_dirs import CompileDir, compile_dir_for
 from llmgw.node.logs import BadShardId, read_log
 from llmgw.node.readiness import ReadinessCues
 from llmgw.node.reclaim import reclaim
@@ -195,6 +196,14 @@ class NodeActivities:
         return ans
 
     async def _launch(self, inp: LaunchShardInput) -> LaunchShardResult:
+        cdir = await compile_dir_for(self.agent, inp)  # the engine's compile cache, locked (node/compile_dirs.py)
+        try:
+            return await self._launch_with(inp, cdir)
+        finally:
+            if cdir is not None:
+                cdir.release()  # the engine holds its own copy of the lock
+
+    async def _launch_with(self, inp: LaunchShardInput, cdir: "CompileDir | None") -> LaunchShardResult:
         sup = self.agent.supervisor
         existing = sup.get(inp.shard_id)
         files = {}
@@ -216,11 +225,11 @@ class NodeActivities:
                              port=self._ports.take(host, {s.spec.port for s in sup.shards.values()}) if serving else 0,
                              rendezvous=inp.rendezvous,
                              api_key=new_api_key() if serving else None, sleep_mode=inp.sleep_mode,
-                             adapter_files=files)
+                             adapter_files=files, compile_dir=str(cdir.path) if cdir else None)
             plan = adapter.build(spec)
         except (PolicyError, EngineError) as exc:
             raise ApplicationError(f"refused on node {self.agent.node_id}: {exc}", type=type(exc).__name__, non_retryable=True) from None
-        shard = sup.launch(spec, plan, adapter.redact(plan.argv))
+        shard = sup.launch(spec, plan, adapter.redact(plan.argv), (cdir.fd,) if cdir and cdir.fd is not None else ())
         self._watches.pop(inp.shard_id, None)
         await self._report(shard, ShardStatus.STARTING)
         self._watch(shard)  # after "starting": the agent's reports keep their order

@@ -109,6 +109,10 @@ class Agent:
     def cache_dir(self) -> Path:
         return self.settings.resolved_cache_dir
 
+    @property
+    def compile_cache_gb(self) -> float:
+        return self.settings.compile_cache_gb
+
     def download_progress(self, replica_id: str, progress: DownloadProgress | None) -> None:
         if progress is None:
             self.downloads.pop(replica_id, None)

@@ -37,6 +37,10 @@ class NodeHost(Protocol):
     def cache_dir(self) -> Path:
         """The node's weight cache."""
 
+    @property
+    def compile_cache_gb(self) -> float:
+        """Disk the engines' compile caches may take (node/compile_dirs.py); 0: none kept."""
+
     async def report(self, report: "ShardReport", attempts: int = 5) -> None:
         """Tell the node API about a shard transition."""
 

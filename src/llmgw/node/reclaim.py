@@ -5,6 +5,11 @@ without that name was put there by an operator (scp, a shared mount, a copy by h
 llmgw's business however unreferenced it looks (seeds 000, "take back only what llmgw put there"). The
 node checks every path again itself: a control plane that is wrong, newer, or tampered with must not be
 able to talk a node into deleting something. Files a running shard loads are kept.
+
+The engines' compile caches (`.compile/<key>`, node/compile_dirs.py) are listed too, as `.compile/<key>`:
+one whose weights are a cache entry the catalog no longer wants is unwanted (its artifacts serve nothing
+llmgw will start); one an engine holds is kept. Their size is otherwise bounded by `compile_cache_gb`
+(least recently used first) when a shard is launched.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from llmgw.node.compile_dirs import dir_bytes, held, key_dirs, last_used, read_key, remove_if_free
 from llmgw.schemas.payloads import CacheEntry, NodeReclaimResult
 from llmgw.weights.naming import CACHE_NAME
 
@@ -65,4 +71,23 @@ def reclaim(node_id: str, cache_dir: Path, wanted: set[str], in_use: set[str], c
                 path.unlink()
             out.removed.append(name)
             out.freed_mb += size // (1 << 20)
+    _reclaim_compile_dirs(out, cache_dir, wanted, collect)
     return out
+
+
+def _reclaim_compile_dirs(out: NodeReclaimResult, cache_dir: Path, wanted: set[str], collect: bool) -> None:
+    """List (and with `collect`, delete) the compile caches of weights no longer wanted (module doc)."""
+    for path in key_dirs(cache_dir):
+        weights = str(read_key(path).get("weights", ""))
+        if not CACHE_NAME.match(weights) or weights in wanted:
+            continue  # weights that are not llmgw's to judge (a model id, an operator's path), or still wanted
+        name = f"{path.parent.name}/{path.name}"
+        size = dir_bytes(path)
+        out.entries.append(CacheEntry(name=name, bytes=size, modified_at=last_used(path)))
+        if held(path):
+            out.kept_in_use.append(name)
+            continue
+        out.unwanted.append(name)
+        if collect and remove_if_free(path):
+            out.removed.append(name)
+            out.freed_mb += size // (1 << 20)

@@ -34,6 +34,7 @@ import psutil
 from pydantic import ValidationError
 
 from llmgw.engines.base import LaunchPlan, ShardSpec
+from llmgw.node.compile_dirs import mark_warm
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.inventory import AdapterFile, ShardReport
 from llmgw.schemas.payloads import Rendezvous
@@ -87,6 +88,7 @@ class Shard:
             "rendezvous": self.spec.rendezvous.model_dump(mode="json") if self.spec.rendezvous else None,
             "api_key": self.spec.api_key, "sleep_mode": self.spec.sleep_mode, "asleep": self.asleep,
             "adapter_files": {k: v.model_dump(mode="json") for k, v in self.spec.adapter_files.items()},
+            "compile_dir": self.spec.compile_dir,
         }
 
     @classmethod
@@ -96,7 +98,8 @@ class Shard:
                          weights_path=d["weights_path"], host=d["host"], port=d["port"],
                          rendezvous=Rendezvous.model_validate(d["rendezvous"]) if d.get("rendezvous") else None,
                          api_key=d.get("api_key"), sleep_mode=bool(d.get("sleep_mode", False)),
-                         adapter_files=_adapter_files(d.get("adapter_files"), d["shard_id"]))
+                         adapter_files=_adapter_files(d.get("adapter_files"), d["shard_id"]),
+                         compile_dir=d.get("compile_dir"))
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", ShardStatus.STARTING), adopted=True,
                    started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"),
@@ -251,9 +254,11 @@ class Supervisor:
     def running(self) -> list[Shard]:
         return [s for s in self.shards.values() if s.exit_code is None]
 
-    def launch(self, spec: ShardSpec, plan: LaunchPlan, shown_argv: list[str] | None = None) -> Shard:
+    def launch(self, spec: ShardSpec, plan: LaunchPlan, shown_argv: list[str] | None = None,
+               keep_fds: tuple[int, ...] = ()) -> Shard:
         """Start `plan.argv` in a new process group with `plan.env`; output goes to the shard's log.
-        `shown_argv` is what the log line says (the argv with any engine key redacted)."""
+        `shown_argv` is what the log line says (the argv with any engine key redacted). `keep_fds` are
+        inherited by the engine (its compile cache's lock: node/compile_dirs.py)."""
         log_path = self.log_dir / f"{spec.shard_id}.log"
         shard = Shard(spec=spec, pid=0, create_time=0.0, endpoint=plan.endpoint, argv=plan.argv, log_path=log_path)
         self.save(shard)  # before the spawn: a death between it and the save below leaves a record (module doc)
@@ -262,7 +267,7 @@ class Supervisor:
         with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             proc = subprocess.Popen(
                 plan.argv, env={**plan.env, SHARD_MARKER: spec.shard_id}, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, pass_fds=keep_fds,
             )
         self._crash_hook(spec.shard_id, proc.pid)
         try:
@@ -291,6 +296,8 @@ class Supervisor:
 
     def set_state(self, shard: Shard, state: str) -> None:
         shard.state = state
+        if state == ShardStatus.READY and shard.spec.compile_dir:
+            mark_warm(shard.spec.compile_dir)  # its compile is done: a scratch copy may start from it
         if shard.exit_code is None:
             self.save(shard)
 

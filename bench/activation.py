@@ -142,6 +142,9 @@ def sim_wake(cp: ControlPlane, runs: int, wake_s: float) -> dict[str, tuple[list
     through, alone = [], []
     for i in range(runs):
         wait_status(cp, model, "sleeping")
+        # "sleeping" is marked as the sleep begins (out of routing), before its drain and the engine's own
+        # sleep: a request then waits for that sleep to close, which is not what a wake costs.
+        time.sleep(2)
         through.append(first_token(cp.gateway, model))
         print(f"sim wake {i}: through llmgw {through[-1] * 1000:.0f} ms", flush=True)
     p = port()

@@ -27,7 +27,7 @@ from temporalio.exceptions import ApplicationError
 
 from llmgw.control.gc_pause import gc_paused
 from llmgw.control.idempotent import CrashHook, may_have_committed, store, stored
-from llmgw.control.starts import Stages, StrandedStarts, start_replica
+from llmgw.control.starts import Stages, StrandedStarts, start_replica, start_wake
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.decisions import Decision, Plan
@@ -102,8 +102,9 @@ class DecideActivities:
     async def _start_placed(self, result: DecideResult) -> list[str]:
         """Start the start workflow of every replica the pass placed, once its placement is committed (a
         retry, which returns the stored result, starts them again: a start already there, running or
-        closed, is never started twice). The ids started or found started; one that could not be started
-        is left to the reconciler, which starts it as its child."""
+        closed, is never started twice), and the wake workflow of every replica it wakes (issue 39: a
+        request waits on it). The ids started or found started; one that could not be started is left to
+        the reconciler, which starts it as its child."""
         sem = asyncio.Semaphore(START_CONCURRENCY)
 
         async def start(a: PassAction) -> str | None:
@@ -113,8 +114,14 @@ class DecideActivities:
                                          result.wait_heartbeat_timeout_s)
                 return a.replica_id if ok else None
 
+        async def wake(a: PassAction) -> str | None:
+            async with sem:
+                return a.replica_id if await start_wake(self.client, a, result.search_attributes) else None
+
         places = [a for a in result.actions if a.kind == "place" and a.profile_spec is not None]
-        return [rid for rid in await asyncio.gather(*[start(a) for a in places]) if rid is not None]
+        wakes = [a for a in result.actions if a.kind == "wake"]
+        return [rid for rid in await asyncio.gather(*[wake(a) for a in wakes], *[start(a) for a in places])
+                if rid is not None]
 
     async def _decide(self, inp: DecideInput) -> tuple[DecideResult, Snapshot | None, Plan | None]:
         """One pass. With `inp.record_placements`, the replicas it places are created in the transaction

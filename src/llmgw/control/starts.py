@@ -22,12 +22,12 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.inventory import PeerRef
-from llmgw.schemas.payloads import ReplicaStartInput, ShardPlacement, Snapshot, StageWeightsInput
+from llmgw.schemas.payloads import ReplicaStartInput, ReplicaWakeInput, ShardPlacement, Snapshot, StageWeightsInput
 from llmgw.schemas.status import ReplicaStatus
 from llmgw.workflows import attributes
 from llmgw.workflows.queues import CONTROL_QUEUE
 from llmgw.weights.naming import cache_name_for
-from llmgw.workflows.ids import replica_start_id, stage_id
+from llmgw.workflows.ids import replica_start_id, replica_wake_id, stage_id
 
 log = logging.getLogger(__name__)
 STRANDED_AFTER_S = 20.0  # a placement this old with no start workflow was left behind (a start RPC takes ms)
@@ -104,6 +104,29 @@ class StrandedStarts:
                 self.seen.add(r.id)
                 repaired.append(r.id)
         return repaired
+
+
+async def start_wake(client: Client, a, search_attributes: bool) -> bool:
+    """Start the wake workflow of a `wake` action (issue 39) from `decide`, as a start is: a woken replica is a
+    request waiting, and the reconciler's child start had cost a workflow task before the wake's first step.
+    True when it runs or ran; one running already (a pass before decided the same) is left to run; a closed
+    one's id is reused (a replica sleeps and wakes many times). False when Temporal could not be asked: the
+    reconciler starts it as its child."""
+    try:
+        await client.start_workflow(
+            "ReplicaWakeWorkflow", ReplicaWakeInput(replica_id=a.replica_id, model=a.model, reason=a.reason),
+            id=replica_wake_id(a.replica_id), task_queue=CONTROL_QUEUE,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE, memo=attributes.memo(a.model, a.profile),
+            search_attributes=attributes.lifecycle("wake", a.model, a.replica_id, a.nodes or None)
+            if search_attributes else None,
+            request_eager_start=True,
+        )
+    except WorkflowAlreadyStartedError:
+        pass  # running: that wake serves this pass too
+    except RPCError as exc:
+        log.warning("could not start replica %s's wake workflow (%s)", a.replica_id, exc)
+        return False
+    return True
 
 
 # ---- pre-staging (issue 39; placement/prestage.py) -------------------------------------------------------

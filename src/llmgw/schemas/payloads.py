@@ -211,7 +211,8 @@ class DecideResult(_Wire):
     # 0.1.0 control worker (whose models forbid unknown fields) reads this result on a shared task queue.
     wait_heartbeat_timeout_s: float = Field(30.0, exclude_if=lambda v: v == 30.0)
     search_attributes: bool = False  # the namespace has llmgw's search attributes: children carry them
-    started: list[str] = Field(default_factory=list)  # placed replicas whose start workflow `decide` started
+    # Placed replicas whose start workflow `decide` started, and woken ones whose wake workflow it started.
+    started: list[str] = Field(default_factory=list)
 
 
 MAX_PASS_LINES = 50

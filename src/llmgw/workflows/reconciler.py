@@ -6,8 +6,9 @@ abandoned on close so they outlive a continue-as-new): each `place` action's rep
 `decide` in the transaction that decided it (issue 13: one step less between a request and its load),
 is started (by `decide` itself once it committed, with no workflow task of this one in between; the pass
 starts only those `decide` could not); `stop` and `evict` drain then stop one; `lost` and `cleanup` stop every shard
-of one that cannot serve; `sleep` and `wake` start its sleep or wake workflow (issue 39: only passes that decide
-them, which no recorded history holds, start these children, so replay is unchanged). A pass that
+of one that cannot serve; `sleep` and `wake` start its sleep or wake workflow (issue 39), a wake only when
+`decide` has not started it itself (its id in `DecideResult.started`, as for a placement: data from the
+activity, so a pass recorded before `decide` started wakes replays as it ran, starting the child). A pass that
 stopped short (`more`) is followed by another at once; otherwise the next waits for the `wake` signal
 (catalog changed, node registered, demand, replica failed or stopped) or the timer (`interval_s`, read from
 settings each pass). After every pass, back-to-back ones included, the run continues as new when Temporal
@@ -124,6 +125,8 @@ class ReconcilerWorkflow:
                 replica_id=a.replica_id, model=a.model, reason=a.reason, drain_timeout_s=res.drain_timeout_s),
                 replica_sleep_id(a.replica_id), "sleep", a)
         elif a.kind == "wake":
+            if a.replica_id in res.started:
+                return  # `decide` started it (issue 39); passes before it did not, and replay as they ran
             await self._lifecycle(ReplicaWakeWorkflow.run, ReplicaWakeInput(replica_id=a.replica_id, model=a.model,
                                                                             reason=a.reason),
                                   replica_wake_id(a.replica_id), "wake", a)

@@ -84,6 +84,14 @@ async def test_an_idle_replica_sleeps_and_a_request_wakes_the_same_engine_and_a_
         assert back["accelerator_memory_bytes"] == 512 * MB and back["offloaded_memory_bytes"] == 0
         assert woke_s < 10, f"a wake took {woke_s:.1f}s\n" + cp.logs()
         print(f"request -> answer through a wake: {woke_s * 1000:.0f} ms (sim wake 300 ms)")
+        # Started by `decide` once its pass committed, not as the reconciler's child (one workflow task less
+        # between the request and the wake), and once: the reconciler did not start it again.
+        from temporalio.client import Client
+
+        client = await Client.connect(cp.env["LLMGW_TEMPORAL_ADDRESS"],
+                                      namespace=cp.env.get("LLMGW_TEMPORAL_NAMESPACE", "default"))
+        runs = [w async for w in client.list_workflows(f'WorkflowId = "replica/{rid}/wake"')]
+        assert len(runs) == 1 and runs[0].parent_id is None, [(w.run_id, w.parent_id) for w in runs]
 
     # Asleep again, then switched off: the stop stops the sleeping engine, fenced like any stop.
     await asyncio.to_thread(cp.wait_replicas, MODEL, "sleeping", 1, 20)

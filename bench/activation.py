@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from llmgw.db.migrate import upgrade  # noqa: E402
 from llmgw.dev.postgres import EmbeddedPostgres  # noqa: E402
-from llmgw.dev.procs import free_port  # noqa: E402
+from llmgw.dev.procs import free_port, stop_process  # noqa: E402
 from llmgw.dev.temporal_server import TemporalDevServer  # noqa: E402
 from llmgw.engines.llamacpp import find_llama_server  # noqa: E402
 from llmgw.engines.selftest import default_cache, fetch_model  # noqa: E402
@@ -104,12 +104,7 @@ def spawn_to_first_token(argv: list[str], p: int, env: dict | None = None, model
         first_token(f"http://127.0.0.1:{p}", model)
         return time.perf_counter() - t0
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop_process(proc, grace_s=30)
 
 
 def wait_status(cp: ControlPlane, model: str, status: str, timeout_s: float = 120) -> None:

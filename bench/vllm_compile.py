@@ -35,6 +35,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from llmgw.dev.procs import stop_process  # noqa: E402
 from llmgw.engines.vllm import VllmAdapter, find_vllm  # noqa: E402
 from llmgw.engines.vllm_selftest import converted_model  # noqa: E402
 
@@ -95,12 +96,7 @@ def serve(vllm: str, model: Path, cache_root: Path, tmp: Path, extra: list[str],
         ttft = first_token_s(f"http://127.0.0.1:{port}", "m")
         return {"healthy_s": healthy, "first_token_s": ttft}
     finally:
-        os.killpg(p.pid, 15)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            p.wait()
+        stop_process(p, grace_s=30)
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import shutil
 import ssl
 import threading
 from pathlib import Path
@@ -206,7 +205,6 @@ def test_a_certificate_from_before_peer_fetch_advertises_no_listener(tmp_path, p
     listener.bind()
     try:
         assert listener.url and listener.advertisable() is None
-        shutil.copy(old / "node-node-o.crt", tmp_path / "kept.crt")
         issue_node(old, "node-o", replace=True)  # renewed: both usages
         assert listener.advertisable() == listener.url
     finally:

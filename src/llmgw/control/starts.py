@@ -20,6 +20,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from llmgw.db.fleet_repo import MAX_PEERS
 from llmgw.schemas.catalog import Profile
 from llmgw.schemas.inventory import PeerRef
 from llmgw.schemas.payloads import ReplicaStartInput, ReplicaWakeInput, ShardPlacement, Snapshot, StageWeightsInput
@@ -152,11 +153,11 @@ class Stages:
             node = d.shards[0].node_id
             name = cache_name_for(d.profile_spec.source)
             wid = stage_id(node, name)
-            if now - self._started.get(wid, -STAGE_RETRY_S) < STAGE_RETRY_S:
+            if wid in self._started and now - self._started[wid] < STAGE_RETRY_S:
                 continue
             peers = [PeerRef(node_id=n.id, url=n.inventory.peer_url) for n in snapshot.nodes
                      if n.id != node and n.inventory.peer_url and name in n.inventory.cached_sources
-                     and node_status.get(n.id) == "ready"][:3]
+                     and node_status.get(n.id) == "ready"][:MAX_PEERS]
             try:
                 await self.client.start_workflow(
                     "StageWeightsWorkflow",

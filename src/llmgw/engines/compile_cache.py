@@ -81,6 +81,12 @@ def weights_identity(cache_dir: Path, weights_path: str | None) -> str:
     return rel.parts[0] if rel.parts else weights_path
 
 
+def torch_cache_env(directory: str) -> dict[str, str]:
+    """Inductor's and Triton's caches beneath `directory` (what vLLM and SGLang leave at torch's defaults
+    unless told)."""
+    return {"TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor", "TRITON_CACHE_DIR": f"{directory}/triton"}
+
+
 def compile_root(cache_dir: Path) -> Path:
     return cache_dir / COMPILE_DIR
 

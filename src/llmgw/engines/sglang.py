@@ -30,7 +30,7 @@ import aiohttp
 from llmgw.engines.base import (
     EngineAdapter, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
 )
-from llmgw.engines.compile_cache import dist_version
+from llmgw.engines.compile_cache import dist_version, torch_cache_env
 from llmgw.engines.metrics_text import scrape_gauge
 
 
@@ -63,8 +63,7 @@ class SglangAdapter(EngineAdapter):
         # do not), as explicit values: they win over its defaults (engines/compile_cache.py).
         if not directory:
             return {}
-        return {"SGLANG_CACHE_DIR": directory, "TRITON_CACHE_DIR": f"{directory}/triton",
-                "TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor"}
+        return {"SGLANG_CACHE_DIR": directory, **torch_cache_env(directory)}
 
     def executable(self) -> str:
         return f"{self.python} -m sglang.launch_server"

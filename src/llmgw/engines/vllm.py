@@ -49,7 +49,7 @@ import aiohttp
 from llmgw.engines.base import (
     EngineAdapter, EngineError, LaunchPlan, ShardSpec, auth_headers, launch_env, weights_argument,
 )
-from llmgw.engines.compile_cache import dist_version, script_python
+from llmgw.engines.compile_cache import dist_version, script_python, torch_cache_env
 from llmgw.engines.metrics_text import scrape_gauge
 
 GUARD_DIR = Path(__file__).resolve().parent / "vllm_guard"  # holds only llmgw_vllm_guard.py
@@ -95,8 +95,7 @@ class VllmAdapter(EngineAdapter):
         # AOT compile); otherwise torch's defaults under /tmp would hold them (engines/compile_cache.py).
         if not directory:
             return {}
-        return {"VLLM_CACHE_ROOT": directory, "TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor",
-                "TRITON_CACHE_DIR": f"{directory}/triton"}
+        return {"VLLM_CACHE_ROOT": directory, **torch_cache_env(directory)}
 
     def available(self) -> bool:
         return self.vllm is not None

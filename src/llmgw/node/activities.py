@@ -158,10 +158,7 @@ class NodeActivities:
         existing = sup.get(la.shard_id)
         if existing is not None and sup.poll(existing) is None:
             return await self._launch(la)  # a retry: adopted as it runs
-        cache_name = self.agent.fetcher.remote_name(inp.source)
-        if cache_name and (self.agent.cache_dir / cache_name).exists():
-            cache_name = None  # held here: no peer to ask for
-        ans = await self._still_wanted(la, "fetching weights", cache_name)
+        ans = await self._still_wanted(la, "fetching weights", self.agent.fetcher.missing_name(inp.source))
         la = la.model_copy(update={"generation": ans.generation})
         peers = [Peer(p.node_id, p.url) for p in ans.peers or () if p.node_id and p.url]
         began = time.monotonic()

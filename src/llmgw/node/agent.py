@@ -225,7 +225,6 @@ class Agent:
             return sent[-1]
         resp = RegisterResponse.model_validate(await self._post("/node/v1/register", body))
         if resp.peers and not self.peers_taken:
-            self.peers_taken = True
             self.inventory_dirty = True  # the next beat advertises the peer listener
         self.peers_taken = resp.peers
         await self.stop_unwanted(resp.stop, "which it cannot identify or no longer wants")

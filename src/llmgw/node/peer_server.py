@@ -132,11 +132,3 @@ def client_context(settings) -> ssl.SSLContext:
     ctx.load_cert_chain(str(settings.node_cert), str(settings.node_key))
     return ctx
 
-
-async def stop_and_wait(listener: PeerListener, task: asyncio.Task | None) -> None:
-    listener.stop()
-    if task is not None:
-        try:
-            await asyncio.wait_for(task, 5)
-        except Exception:  # noqa: BLE001 - stopping anyway
-            task.cancel()

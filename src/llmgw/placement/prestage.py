@@ -59,18 +59,21 @@ def stages(snapshot: Snapshot, view_of: Callable[[], FleetView], acted: set[str]
     recent = snapshot.prestage_recent_s
     if not recent:
         return []
-    live = {r.model for r in snapshot.replicas if not r.status.is_ended}  # sleeping included
-    budget = snapshot.prestage_disk_gb if snapshot.prestage_disk_gb is not None else float("inf")
-    held = staged_gb(snapshot)
     candidates: list[tuple[float, Model]] = []
     for m in snapshot.models:
         st = states.get(m.name)
         used = st.last_used_at if st else None
-        if m.effective_scaling.min > 0 or m.name in live or m.name in acted or used is None:
+        if m.effective_scaling.min > 0 or m.name in acted or used is None:
             continue
         ago = (now - used).total_seconds()
         if ago <= recent:
             candidates.append((ago, m))
+    if not candidates:  # no on-demand model used lately: nothing more to read of the fleet
+        return []
+    live = {r.model for r in snapshot.replicas if not r.status.is_ended}  # sleeping included
+    candidates = [c for c in candidates if c[1].name not in live]
+    budget = snapshot.prestage_disk_gb if snapshot.prestage_disk_gb is not None else float("inf")
+    held: dict[str, float] | None = None  # read once a stage is in view
     out: list[Decision] = []
     view = view_of() if candidates else None
     for ago, m in sorted(candidates, key=lambda c: (-c[1].priority, c[0], c[1].name))[:MAX_TRIES]:
@@ -82,6 +85,7 @@ def stages(snapshot: Snapshot, view_of: Callable[[], FleetView], acted: set[str]
         if node is None or name in node.inventory.cached_sources:
             continue  # its next start already takes the weights from that node's disk
         gb = d.profile_spec.disk_gb or 0.0
+        held = staged_gb(snapshot) if held is None else held
         if held.get(node.id, 0.0) + gb > budget:
             continue
         held[node.id] = held.get(node.id, 0.0) + gb

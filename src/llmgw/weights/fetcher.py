@@ -30,7 +30,7 @@ import dataclasses
 import http.client
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.weights.download import SHA_HEADER, Downloaded, FetchError, Limits, Progress, download, target_lock
@@ -70,7 +70,7 @@ class _Sources:
     peers: list[Peer]
     tls: object | None  # ssl.SSLContext for peers
     peer_bytes: int = 0
-    used: list[str] | None = None
+    used: list[str] = field(default_factory=list)  # the peers files came from, in order
 
 
 class Fetcher:
@@ -100,14 +100,18 @@ class Fetcher:
         except FileNotFoundError:
             return []
 
-    def remote_name(self, source: str | None) -> str | None:
-        """The cache name `source` is fetched into when it comes over the network (None for a path, a bare
-        model id, none, or a source that does not parse): what a peer may hold."""
+    def missing_name(self, source: str | None) -> str | None:
+        """The cache name `source` is fetched into when it comes over the network and is not in this cache
+        yet: what to ask peers for. None for a path, a bare model id, none, a source that does not parse, or
+        one held here already."""
         try:
             src = parse_source(source, self.mirror_url)
         except SourceError:
             return None
-        return cache_name_for(src.raw) if src.url and src.raw else None  # type: ignore[arg-type]
+        if not (src.url and src.raw):
+            return None
+        name = cache_name_for(src.raw)
+        return None if (self.cache_dir / name).exists() else name
 
     async def fetch(self, source: str | None, progress: Progress | None = None, peers: list[Peer] | None = None) -> Fetched:
         """Make `source` available on this node and return what the engine should load; `peers`: nodes that
@@ -144,7 +148,7 @@ class Fetcher:
                     cb(n, total)
 
             tls = self.peer_tls() if peers and self.peer_tls else None
-            sources = _Sources(list(peers or ()) if tls is not None else [], tls, used=[])
+            sources = _Sources(list(peers or ()) if tls is not None else [], tls)
             task = asyncio.ensure_future(self._download(src, target, fan_out, sources))
             self._inflight[name] = task
 
@@ -181,10 +185,10 @@ class Fetcher:
                 total = got.size
                 # Recorded, so this node's peer listener serves it without hashing it again.
                 await asyncio.to_thread(record_sha256, self.cache_dir, {target.name: got.sha256})
+        peers = tuple(dict.fromkeys(sources.used))
         log.info("fetched %s into %s (%d bytes%s)", redact(src.raw or ""), target, total,
-                 f", {sources.peer_bytes} from {', '.join(dict.fromkeys(sources.used or ()))}" if sources.used else "")
-        return Fetched(str(target), total, fetched=True, peer_bytes=sources.peer_bytes,
-                       peers=tuple(dict.fromkeys(sources.used or ())))
+                 f", {sources.peer_bytes} from {', '.join(peers)}" if peers else "")
+        return Fetched(str(target), total, fetched=True, peer_bytes=sources.peer_bytes, peers=peers)
 
     async def _file(self, url: str, name: str, dest: Path, work: Path, size: int | None, sha: str | None,
                     progress: Progress, sources: _Sources) -> Downloaded:
@@ -200,7 +204,7 @@ class Fetcher:
                 sources.peers.remove(peer)  # not asked again in this fetch
                 continue
             sources.peer_bytes += got.received
-            sources.used.append(peer.node_id)  # type: ignore[union-attr]
+            sources.used.append(peer.node_id)
             return got
         return await download(url, dest, work, expect_size=size, expect_sha=sha, progress=progress, limits=self.limits)
 

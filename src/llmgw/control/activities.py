@@ -22,7 +22,7 @@ from llmgw.control.idempotent import CrashHook, once
 from llmgw.control.liveness import read_pollers, record_and_read_liveness, remember_doubt
 from llmgw.config import Settings
 from llmgw.control.gc_pause import gc_paused
-from llmgw.db import catalog_repo, fleet_repo, status_repo
+from llmgw.db import catalog_repo, fleet_repo, snapshot_reads, status_repo
 from llmgw.telemetry import ControlMetrics
 from llmgw.placement.plan import backoff_delay, rollout_step
 from llmgw.weights.naming import cache_name_for, parse_source
@@ -57,6 +57,7 @@ class ControlActivities:
         self.metrics = metrics or ControlMetrics()
         self._catalog_memo = catalog_repo.CatalogMemo()  # the snapshot's catalog, parsed again only when changed
         self._inventory_memo = fleet_repo.InventoryMemo()  # and each node's inventory
+        self._snapshot_memo = snapshot_reads.SnapshotMemo()  # and its replicas and model states
         self.backoff = (backoff_base_s, backoff_max_s)
         self.drain_timeout_s = drain_timeout_s
 
@@ -81,8 +82,8 @@ class ControlActivities:
                 conn = await conn.execution_options(isolation_level="REPEATABLE READ")
                 async with conn.begin():
                     catalog, unreadable = await catalog_repo.read_catalog(conn, self._catalog_memo)
-                    states = await catalog_repo.model_states(conn)
-                    reps = await fleet_repo.snapshot_replicas(conn)
+                    states = await snapshot_reads.snapshot_model_states(conn, self._snapshot_memo)
+                    reps = await snapshot_reads.snapshot_replicas(conn, self._snapshot_memo)
                     nodes = await fleet_repo.list_nodes(conn, self._inventory_memo)
             ages, read, pollers_error = await pollers
             async with self.engine.begin() as conn:

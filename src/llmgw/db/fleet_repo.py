@@ -18,10 +18,11 @@ from sqlalchemy import DateTime, String, Text, and_, case, cast, column, delete,
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from llmgw.db import snapshot_reads
 from llmgw.db.tables import model_state, nodes, observers, replicas, shards
 from llmgw.schemas import problems_line
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
-from llmgw.schemas.payloads import ReplicaSnap, ShardPlacement
+from llmgw.schemas.payloads import ShardPlacement
 from llmgw.schemas.status import ReplicaStatus, ShardStatus
 from llmgw.workflows.ids import shard_id
 
@@ -99,19 +100,21 @@ class NodeRow:
 
 
 class InventoryMemo:
-    """Each node's inventory as last read (its stored JSON text and what it parsed to), so that a reader that
-    reads every node often (the snapshot, every pass) parses only those that changed: at 10k nodes parsing
-    them all was most of a pass (issue 42). Its holder treats the inventories as read-only."""
+    """Each node's inventory as last read (the digest of its stored JSON and what it parsed to), so that a
+    reader that reads every node often (the snapshot, every pass) fetches and parses only those that
+    changed: at 10k nodes parsing them all was most of a pass, and fetching their text (~25 MB) a tenth of
+    it (issue 42). Its holder treats the inventories as read-only."""
 
     def __init__(self) -> None:
         self.parsed: dict[str, tuple[str, Inventory]] = {}
 
-    def inventory(self, node_id: str, text: str) -> Inventory:
-        known = self.parsed.get(node_id)
-        if known is not None and known[0] == text:
-            return known[1]
+    def known(self, node_id: str, digest: str) -> Inventory | None:
+        kept = self.parsed.get(node_id)
+        return kept[1] if kept is not None and kept[0] == digest else None
+
+    def inventory(self, node_id: str, digest: str, text: str) -> Inventory:
         inv = _stored_inventory(node_id, json.loads(text))
-        self.parsed[node_id] = (text, inv)
+        self.parsed[node_id] = (digest, inv)
         return inv
 
 
@@ -133,17 +136,28 @@ async def peers_holding(conn: AsyncConnection, cache_name: str, asker: str, fres
 
 
 async def list_nodes(conn: AsyncConnection, memo: InventoryMemo | None = None) -> list[NodeRow]:
-    """Every registered node. With `memo`, an inventory unchanged since the memo's last read is not parsed again."""
+    """Every registered node. With `memo`, an inventory unchanged since the memo's last read (the same md5 of
+    its text, computed by Postgres) is neither fetched nor parsed again. Call it in a REPEATABLE READ
+    transaction when the two statements must agree (the snapshot does)."""
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
     memo = memo if memo is not None else InventoryMemo()  # (one for this read alone: every inventory parsed)
     columns = [c for c in nodes.c if c.name != "inventory"]
-    rows = (await conn.execute(select(*columns, cast(nodes.c.inventory, Text).label("inventory_text"), age.label("age"),
-                                      poll_age.label("poll_age")).order_by(nodes.c.id))).all()
-    out = [NodeRow(r.id, r.boot_id, memo.inventory(r.id, r.inventory_text), r.last_heartbeat, float(r.age),
-                   r.polled_at, None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at,
-                   r.version, r.poll_read_at)
-           for r in rows]
+    digest = func.md5(cast(nodes.c.inventory, Text)).label("digest")
+    rows = (await conn.execute(select(*columns, digest, age.label("age"), poll_age.label("poll_age"))
+                               .order_by(nodes.c.id))).all()
+    held = {r.id: memo.known(r.id, r.digest) for r in rows}
+    changed = [r.id for r in rows if held[r.id] is None]
+    if changed:
+        q = select(nodes.c.id, func.md5(cast(nodes.c.inventory, Text)), cast(nodes.c.inventory, Text))
+        for node_id, d, text in (await conn.execute(
+                q.where(nodes.c.id.in_(changed)) if len(changed) <= snapshot_reads.BY_ID_MAX else q)).all():
+            if held.get(node_id, False) is None:
+                held[node_id] = memo.inventory(node_id, d, text)
+    out = [NodeRow(r.id, r.boot_id, held[r.id], r.last_heartbeat, float(r.age), r.polled_at,
+                   None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at, r.version,
+                   r.poll_read_at)
+           for r in rows if held[r.id] is not None]
     if len(memo.parsed) > len(out):  # nodes removed since: forgotten
         ids = {n.id for n in out}
         memo.parsed = {k: v for k, v in memo.parsed.items() if k in ids}
@@ -538,28 +552,6 @@ async def active_replicas_with_shards(conn: AsyncConnection) -> list[ReplicaRow]
     active = (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))
     reps = (await conn.execute(select(replicas).where(active))).all()
     return await _with_shards(conn, reps, select(replicas.c.id).where(active).scalar_subquery())
-
-
-async def snapshot_replicas(conn: AsyncConnection) -> list[ReplicaSnap]:
-    """The replicas `active_replicas_with_shards` reads, with only what a reconcile snapshot holds of them and
-    their shards (never a shard's output tail or progress: at 15k replicas reading those was a third of
-    the snapshot's read, issue 42)."""
-    active = (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))
-    reps = (await conn.execute(select(replicas.c.id, replicas.c.model, replicas.c.profile, replicas.c.status,
-                                      replicas.c.created_at, replicas.c.updated_at, replicas.c.settled_at,
-                                      replicas.c.profile_hash).where(active))).all()
-    by_rep: dict[str, list[ShardPlacement]] = {}
-    if reps:
-        q = (select(shards.c.replica_id, shards.c.node_id, shards.c.rank, shards.c.gpus)
-             .where(shards.c.replica_id.in_(select(replicas.c.id).where(active).scalar_subquery()))
-             .order_by(shards.c.rank))
-        for sr in (await conn.execute(q)).all():
-            by_rep.setdefault(sr.replica_id, []).append(ShardPlacement(node_id=sr.node_id, rank=sr.rank,
-                                                                       gpus=list(sr.gpus or [])))
-    return [ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status, created_at=r.created_at,
-                        updated_at=r.updated_at, settled=r.settled_at is not None, profile_hash=r.profile_hash,
-                        shards=by_rep.get(r.id, []))
-            for r in reps]
 
 
 def _adapter_files(report: ShardReport) -> dict | None:

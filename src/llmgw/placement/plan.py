@@ -71,15 +71,22 @@ def _ended_and_orphans(snapshot: Snapshot, plan: Plan, catalog: dict[str, Model]
     status = plan.node_status
     wanted = {(m.name, p.name) for m in catalog.values() for p in m.profiles}
     unreadable = set(snapshot.unreadable_models) - set(catalog)
+    holding = ReplicaStatus.holding()
+    # Nodes neither lost nor held back from being lost: a replica on these alone needs neither decision
+    # (the common case, asked 15k times a pass at 10k nodes: issue 42).
+    calm = {nid for nid, seen in fleet.nodes.items() if seen.held is None and status.get(nid, "lost") != "lost"}
     for r in snapshot.replicas:
-        if r.status not in ReplicaStatus.holding():
+        if r.status not in holding:
             if not r.settled:
                 plan.decisions.append(Decision(
                     kind="cleanup", model=r.model, replica_id=r.id, drain=False, final_status=r.status,
                     reason=f"it is {r.status} and not every shard is known to have stopped ({_where(r)})"))
             continue
-        lost_nodes = sorted({s.node_id for s in r.shards if status.get(s.node_id, "lost") == "lost"})
-        held = held_decision(r, fleet, budget, lost_nodes)
+        if all(s.node_id in calm for s in r.shards):
+            lost_nodes, held = [], None
+        else:
+            lost_nodes = sorted({s.node_id for s in r.shards if status.get(s.node_id, "lost") == "lost"})
+            held = held_decision(r, fleet, budget, lost_nodes)
         overdue = overdue_start(r, catalog.get(r.model), snapshot)
         if held is not None:
             plan.decisions.append(held)

@@ -200,7 +200,10 @@ class Stack:
         env = {**os.environ, "LLMGW_DATABASE_URL": self.pg.url, "LLMGW_STATE_DIR": str(self.tmp / "state"),
                "LLMGW_ADMIN_TOKEN": token,
                "LLMGW_GATEWAY_PORT": str(gport), "LLMGW_ADMIN_PORT": str(aport), "LLMGW_NODE_API_PORT": str(nport),
-               "LLMGW_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}"}  # nothing there: routing needs no Temporal
+               "LLMGW_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}",  # nothing there: routing needs no Temporal
+               # Every bench client is one address (loopback), as every client is behind a proxy: without
+               # this, connections past the per-client cap (256) are answered 429 (bench/streams.py's 1,000).
+               "LLMGW_MAX_CONNECTIONS_PER_CLIENT": "0"}
         server = self.spawn([sys.executable, "-m", "llmgw", "server", "--no-migrate"], {self.gateway_cpu}, env,
                             "server")
         wait_port(self.engine_port, 30, engine, "sim engine")

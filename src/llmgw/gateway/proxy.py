@@ -87,6 +87,9 @@ MAX_HELD = 16 << 20  # an answer held for a response check
 MAX_ANSWER = 64 << 20  # a non-streamed answer, which is read whole before its status is sent
 SSE = b"text/event-stream"
 STREAM_HEADERS = [(b"content-type", SSE), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+# The error event of a stream that ended mid-event: made once, not at the end of every stream (issue 42:
+# building it was ~7 % of a short stream's CPU in the gateway).
+_MID_EVENT = sse_error(errors.upstream_failed("its stream ended mid-event"))
 RETRYABLE = (401, 403, 429, 502, 503, 504)  # engine answers another replica may not give
 GATEWAY_FAULTS = (401, 403, 502, 503, 504)
 JSON_OPEN, JSON_CLOSE = (b"{", b"["), (b"}", b"]")
@@ -755,7 +758,7 @@ class Proxy:
                 log.warning("the engine broke off an answer mid-way: %s", exc)
                 raise err from None
             x.finished = True
-            tail = frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+            tail = frames.finish(_MID_EVENT)
             await send({"type": "http.response.body", "body": x.out(out + tail), "more_body": False})
             if tail not in (b"", DONE):  # (an error event: the stream ended mid-event, or short of its end)
                 log.warning("the engine's stream ended mid-event")
@@ -858,7 +861,7 @@ class Proxy:
         if stream:
             frames = SSEFrames()
             data = frames.feed(data)
-            data += frames.finish(sse_error(errors.upstream_failed("its stream ended mid-event")))
+            data += frames.finish(_MID_EVENT)
             if x.meter is not None:
                 data = x.meter.events(data)
                 x.meter.relayed = data.count(b"data: {")

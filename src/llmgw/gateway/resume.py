@@ -123,15 +123,29 @@ class Splice:
     def fold(self) -> None:
         """Read the events kept so far into the text, the counts and `blocked`."""
         data, self.raw, self.raw_bytes = b"".join(self.raw), [], 0
+        payloads = []
         for payload in _payloads(data):
-            if payload == "[DONE]":
+            if payload == b"[DONE]":
                 self.finished = True
-                continue
-            try:
-                obj = json.loads(payload)
-            except ValueError:
-                self.blocked = "an event that is not JSON"
-                continue
+            else:
+                payloads.append(payload)
+        if not payloads:
+            return
+        # One JSON text for every event (one call into the decoder, not one per event: issue 42, where the
+        # per-event calls were most of a long stream's relay cost); an event that is not JSON makes the
+        # batch fail, and then each is read on its own to find it.
+        try:
+            objs = json.loads(b"[" + b",".join(payloads) + b"]")
+            if len(objs) != len(payloads):  # ("1,2" is one event whose payload reads as two values)
+                raise ValueError("an event held several values")
+        except ValueError:
+            objs = []
+            for payload in payloads:
+                try:
+                    objs.append(json.loads(payload))
+                except ValueError:
+                    self.blocked = "an event that is not JSON"
+        for obj in objs:
             if not isinstance(obj, dict):
                 continue
             if "error" in obj:
@@ -273,8 +287,11 @@ class Splice:
 
 
 def _payloads(data: bytes):
-    """Each event's `data:` payload (its lines joined), as text."""
+    """Each event's `data:` payload (its lines joined), as bytes."""
     for event in data.split(b"\n\n"):
+        if event.startswith(b"data: ") and b"\n" not in event:  # (an engine's event: one line of data)
+            yield event[6:].strip()
+            continue
         lines = [ln[5:].strip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
         if lines:
-            yield b"\n".join(lines).decode("utf-8", "replace")
+            yield b"\n".join(lines)

@@ -84,12 +84,25 @@ def test_fold_reads_the_text_relayed_and_the_first_answers_id():
     (chat_chunk("x", i=1), "several choices"),
     (event({"error": {"message": "boom"}}), "an error event"),
     (b"data: {not json\n\n", "an event that is not JSON"),
+    # The events are parsed as one JSON array: a payload that reads as two values there, or that would
+    # close the array early, is still one event that is not JSON.
+    (b"data: 1,2\n\n", "an event that is not JSON"),
+    (b"data: {}],[{}\n\n", "an event that is not JSON"),
+    (b'data: {"choices": [{"index": 0, "delta": {"content": "\xff"}}]}\n\n', "an event that is not JSON"),
 ])
 def test_what_was_streamed_can_block_a_continuation(chunk, why):
     s = Splice(CHAT, req(), attempts=1)
     s.keep(chat_chunk("α ") + chunk)
     s.fold()
     assert s.why_not() == why
+
+
+def test_an_event_of_several_data_lines_and_the_events_after_a_bad_one_are_read():
+    s = Splice(CHAT, req(), attempts=1)
+    s.keep(b'data: {"id": "chatcmpl-9", "choices":\ndata: [{"index": 0, "delta": {"content": "a"}}]}\n\n')
+    s.keep(b"data: {oops\n\n" + chat_chunk("b"))
+    s.fold()
+    assert "".join(s.text) == "ab" and s.id == "chatcmpl-9" and s.why_not() == "an event that is not JSON"
 
 
 def test_a_finish_reason_or_usage_relayed_means_the_answer_is_whole():

@@ -278,7 +278,12 @@ async def populate(engine, snap) -> None:
         ns = [{"id": n.id, "boot_id": "b", "inventory": n.inventory.model_dump(mode="json")} for n in snap.nodes]
         for i in range(0, len(ns), chunk):
             await conn.execute(insert(nodes), ns[i:i + chunk])
-        rs = [{"id": r.id, "model": r.model, "profile": r.profile, "status": "ready"} for r in snap.replicas]
+        # Each replica with the profile hash its node reports (the catalog's, as in a fleet after its rollouts):
+        # the planner compares them every pass (placement/rollout.py).
+        models = {m.name: m for m in snap.models}
+        launched = {(m.name, p.name): m.launch_profile(p).spec_hash() for m in snap.models for p in m.profiles}
+        rs = [{"id": r.id, "model": r.model, "profile": r.profile, "status": "ready",
+               "profile_hash": launched.get((r.model, r.profile))} for r in snap.replicas if r.model in models]
         ss = [{"id": f"{r.id}-r0", "replica_id": r.id, "rank": 0, "node_id": r.shards[0].node_id,
                "gpus": r.shards[0].gpus, "status": "ready"} for r in snap.replicas]
         for i in range(0, len(rs), chunk):

@@ -144,3 +144,18 @@ def test_no_load_reported_still_holds_the_newest_replica_for_its_scale_down_dela
     on_demand = model({"engine": "sim"}, 0, 5, idle_timeout="60s")  # idle past idle_timeout: still to zero
     assert wanted(on_demand, ModelState(name="m", last_used_at=NOW - timedelta(hours=1)), NOW, placed=1,
                   newest_age_s=5).count == 0
+
+
+def test_a_replica_is_outdated_against_the_model_object_it_is_compared_with_not_a_remembered_one():
+    """The launched hashes are kept per model object (placement/rollout.py `launched_hashes`, issue 42): a
+    changed catalog is a new object, and its replicas of the old profile are outdated at once."""
+    from llmgw.placement.rollout import hashes, is_outdated, launched_hashes
+
+    old, new = model(SLOW, 1, 1), model(FAST, 1, 1)
+    ran = old.launch_profile(old.profiles[0]).spec_hash()
+    r = ReplicaSnap(id="r", model="m", profile="default", status="ready", profile_hash=ran)
+    assert not is_outdated(r, old) and launched_hashes(old) is launched_hashes(old)  # kept, not made again
+    assert is_outdated(r, new)
+    assert hashes(new) == f"default@{new.launch_profile(new.profiles[0]).spec_hash()[:8]}"
+    assert not is_outdated(r.model_copy(update={"profile_hash": None}), new)  # not reported yet: not judged
+    assert is_outdated(r.model_copy(update={"profile": "gone"}), new)  # a profile the model no longer has

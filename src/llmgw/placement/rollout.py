@@ -31,17 +31,39 @@ from llmgw.schemas.payloads import ReplicaSnap, RolloutStep
 from llmgw.schemas.status import ReplicaStatus
 
 
+# Each catalog model's launched profile hashes, by the model object: a snapshot's catalog is the same object
+# pass after pass while it is unchanged (db/catalog_repo.py CatalogMemo), and the hash (the profile as JSON,
+# then sha256) cost ~15 us; asked for every replica, twice a pass, it was a third of the plan at 10k nodes
+# (issue 42). The object is kept with its hashes, so an id is never taken for another's.
+_LAUNCHED: dict[int, tuple[Model, dict[str, str]]] = {}
+_LAUNCHED_MAX = 50_000
+
+
+def launched_hashes(model: Model) -> dict[str, str]:
+    """Profile name -> the `spec_hash()` a replica of it reports running (its launched form: adapters in)."""
+    kept = _LAUNCHED.get(id(model))
+    if kept is not None and kept[0] is model:
+        return kept[1]
+    if len(_LAUNCHED) >= _LAUNCHED_MAX:  # catalogs gone since: forgotten all at once
+        _LAUNCHED.clear()
+    out = {p.name: model.launch_profile(p).spec_hash() for p in model.profiles}
+    _LAUNCHED[id(model)] = (model, out)
+    return out
+
+
 def is_outdated(r: ReplicaSnap, model: Model) -> bool:
     """Its profile changed, or left a model that still has profiles (renamed, replaced): rolled, not
     stopped at once with every other replica of it."""
-    profile = model.profile(r.profile)
-    if profile is None:
+    if r.profile_hash is None:
+        return model.profile(r.profile) is None and bool(model.profiles)
+    current = launched_hashes(model).get(r.profile)
+    if current is None:
         return bool(model.profiles)
-    return r.profile_hash is not None and r.profile_hash != model.launch_profile(profile).spec_hash()
+    return r.profile_hash != current
 
 
 def hashes(model: Model) -> str:
-    return ", ".join(f"{p.name}@{model.launch_profile(p).spec_hash()[:8]}" for p in model.profiles)
+    return ", ".join(f"{name}@{h[:8]}" for name, h in launched_hashes(model).items())
 
 
 def plan_rules(model: Model, mine: list[ReplicaSnap], want: int, why: str) -> tuple[list[Decision], bool]:

@@ -319,7 +319,7 @@ async def decide(url: str, sizes: list[int], repeat: int, pg_pid: int) -> list[d
                     p0, t0 = tree_cpu(pg), time.process_time()
                     s = await acts.read_snapshot()
                     p1, t1 = tree_cpu(pg), time.process_time()
-                    plan = plan_pass(s)
+                    plan = plan_pass(s, fleet=acts.judged(s))  # (as decide: the liveness read_snapshot judged)
                     explanations = plan.explanations()
                     t2 = time.process_time()
                     async with engine.begin() as conn:

@@ -190,3 +190,33 @@ def test_pollers_read_as_the_witness_last_saw_them():
     assert pollers_seen(250, 3, 60) == "silent 4m, read 3s ago"
     assert pollers_seen(None, None, 60) == "never seen"
     assert pollers_seen(12, None, 60) == "last poll 12s ago"  # recorded before the rotation read it
+
+
+def test_a_pass_given_the_liveness_judged_at_its_read_decides_as_one_that_judges_it_itself():
+    """decide judges a snapshot's liveness once, as it is read (`remember_doubt`), and hands it to
+    `forgettable` and `plan_pass` (issue 42: it was judged three times a pass, ~20 ms each at 10k nodes)."""
+    from llmgw.control.decide import forgettable
+    from llmgw.placement.liveness import fleet_liveness
+
+    s = fleet_snapshot(["a"], ["b"], [replica("r1", "m", [("a", [0])])])
+    own, given = plan_pass(s), plan_pass(s, fleet=fleet_liveness(s))
+    assert [d.line() for d in given.decisions] == [d.line() for d in own.decisions]
+    assert given.node_status == own.node_status == {"a": "lost", "b": "ready"}
+    assert forgettable(s, LOST, fleet_liveness(s)) == forgettable(s, LOST) == ["a"]
+
+
+async def test_the_liveness_judged_at_a_read_is_handed_on_unless_a_doubt_was_recorded(database_url):
+    """`remember_doubt` returns the liveness it judged for the planner to reuse; a blind observer's snapshot
+    is changed by it (its `doubted_at` recorded), so then it returns None and the planner judges again."""
+    from llmgw.control.liveness import remember_doubt
+    from llmgw.db.engine import async_engine
+
+    engine = async_engine(database_url)
+    try:
+        seen = fleet_snapshot(["a"], ["b"], [replica("r1", "m", [("a", [0])])])
+        fleet = await remember_doubt(engine, seen)
+        assert fleet is not None and fleet.status("a") == "lost" and seen.liveness.doubted_at is None
+        blind = fleet_snapshot(["a", "b"], [], [replica("r1", "m", [("a", [0])])])
+        assert await remember_doubt(engine, blind) is None and blind.liveness.doubted_at is not None
+    finally:
+        await engine.dispose()

@@ -26,6 +26,7 @@ from llmgw.db import catalog_repo, fleet_repo, snapshot_reads, status_repo
 from llmgw.telemetry import ControlMetrics
 from llmgw.placement.plan import backoff_delay, rollout_step
 from llmgw.weights.naming import cache_name_for, parse_source
+from llmgw.placement.liveness import FleetLiveness
 from llmgw.schemas.status import ReplicaStatus, wanted_by_start
 from llmgw.schemas.payloads import (
     AwaitStartClosedInput, AwaitStartClosedResult, CheckReplicaInput, CheckReplicaResult,
@@ -58,6 +59,7 @@ class ControlActivities:
         self._catalog_memo = catalog_repo.CatalogMemo()  # the snapshot's catalog, parsed again only when changed
         self._inventory_memo = fleet_repo.InventoryMemo()  # and each node's inventory
         self._snapshot_memo = snapshot_reads.SnapshotMemo()  # and its replicas and model states
+        self._judged: tuple[Snapshot | None, FleetLiveness | None] = (None, None)  # (read_snapshot)
         self.backoff = (backoff_base_s, backoff_max_s)
         self.drain_timeout_s = drain_timeout_s
 
@@ -109,9 +111,16 @@ class ControlActivities:
             search_attributes=await self.attributes.registered(self.client) if self.attributes else False,
             unreadable_models=sorted(unreadable),
         )
-        await remember_doubt(self.engine, snapshot)
+        # The fleet's liveness as judged from this snapshot, for the pass that plans with it (plan_pass).
+        self._judged = (snapshot, await remember_doubt(self.engine, snapshot))
         self.metrics.snapshot(snapshot)
         return snapshot
+
+    def judged(self, snapshot: Snapshot) -> FleetLiveness | None:
+        """The fleet's liveness as `read_snapshot` judged it from `snapshot`, when that was the latest read
+        (for its pass's plan: fleet_liveness is ~20 ms at 10k nodes), else None."""
+        seen, fleet = self._judged
+        return fleet if seen is snapshot else None
 
     @activity.defn(name="rollout_step")
     async def rollout_step(self, inp: RolloutStepInput) -> RolloutStep:

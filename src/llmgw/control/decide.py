@@ -31,7 +31,7 @@ from llmgw.control.starts import Stages, StrandedStarts, start_replica, start_wa
 from llmgw.config import Settings
 from llmgw.db import catalog_repo, fleet_repo, reconciler_repo
 from llmgw.placement.decisions import Decision, Plan
-from llmgw.placement.liveness import fleet_liveness
+from llmgw.placement.liveness import FleetLiveness, fleet_liveness
 from llmgw.placement.plan import plan_pass
 from llmgw.schemas.payloads import (
     MAX_PASS_LINES, DecideInput, DecideResult, PassAction, RecordPlacementsInput, ReplicaSnap,
@@ -60,8 +60,10 @@ class DecideActivities:
     `read_snapshot` is the control activities' (one transaction: catalog, states, nodes, replicas)."""
 
     def __init__(self, engine: AsyncEngine, settings: Settings, read_snapshot: Callable[[], Awaitable[Snapshot]],
-                 metrics: ControlMetrics | None = None, client: Client | None = None):
+                 metrics: ControlMetrics | None = None, client: Client | None = None,
+                 judged: Callable[[Snapshot], FleetLiveness | None] | None = None):
         self.engine = engine
+        self.judged = judged  # the liveness `read_snapshot` judged from a snapshot (ControlActivities.judged)
         self.client = client  # starts what a pass placed (`start_replicas`); None: the reconciler does
         self.settings = settings
         self.read_snapshot = read_snapshot
@@ -136,9 +138,10 @@ class DecideActivities:
         s = self.settings
         forget_after_s = max(s.node_forget_after_s, s.node_lost_after_s)  # never a node that is not yet Lost
         snapshot = await self.read_snapshot()
+        judged = self.judged(snapshot) if self.judged is not None else None  # (its liveness, judged once)
         # Only nodes the planner judges Lost (both witnesses silent, the observer not in doubt: issue 9)
         # and silent for `forget_after_s`; the snapshot is read again when one was forgotten.
-        candidates = forgettable(snapshot, forget_after_s)
+        candidates = forgettable(snapshot, forget_after_s, judged)
         if candidates:
             async with self.engine.begin() as conn:
                 forgotten = await fleet_repo.forget_lost_nodes(conn, forget_after_s, candidates)
@@ -147,8 +150,9 @@ class DecideActivities:
                          forget_after_s)
             if forgotten:
                 snapshot = await self.read_snapshot()
+                judged = self.judged(snapshot) if self.judged is not None else None
         try:
-            plan = plan_pass(snapshot, max_placements=s.reconcile_max_placements)
+            plan = plan_pass(snapshot, max_placements=s.reconcile_max_placements, fleet=judged)
             if self.hook is not None:
                 plan = self.hook(snapshot, plan)
             explanations = plan.explanations()
@@ -213,9 +217,10 @@ async def _heartbeats(every_s: float = 2.0) -> None:
         await asyncio.sleep(every_s)
 
 
-def forgettable(snapshot: Snapshot, after_s: float) -> list[str]:
-    """Nodes this snapshot's liveness judges Lost whose witnesses have both been silent for `after_s`."""
-    fleet = fleet_liveness(snapshot)
+def forgettable(snapshot: Snapshot, after_s: float, fleet: FleetLiveness | None = None) -> list[str]:
+    """Nodes this snapshot's liveness (`fleet`, when judged already) judges Lost whose witnesses have both
+    been silent for `after_s`."""
+    fleet = fleet or fleet_liveness(snapshot)
     return sorted(i for i, n in fleet.nodes.items() if n.status == "lost"
                   and min(n.heartbeat_silent_s or 0.0, n.poller_silent_s or 0.0) >= after_s)
 

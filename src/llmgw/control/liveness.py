@@ -36,7 +36,7 @@ from temporalio.client import Client
 
 from llmgw.config import Settings
 from llmgw.db import fleet_repo
-from llmgw.placement.liveness import fleet_liveness
+from llmgw.placement.liveness import FleetLiveness, fleet_liveness
 from llmgw.schemas.payloads import LivenessFacts, Snapshot
 from llmgw.workflows.queues import node_queue
 
@@ -116,11 +116,15 @@ async def record_and_read_liveness(conn: AsyncConnection, now: datetime, ages: d
         recent_lost=seen.recent_lost)
 
 
-async def remember_doubt(engine: AsyncEngine, snapshot: Snapshot) -> None:
+async def remember_doubt(engine: AsyncEngine, snapshot: Snapshot) -> FleetLiveness | None:
     """When this snapshot finds the observer doubtful, record it (`LivenessFacts.doubted_at`): the passes
-    after the doubt ends give every node `lost_after_s` afresh."""
-    if snapshot.liveness is None or not fleet_liveness(snapshot).blind:
-        return
+    after the doubt ends give every node `lost_after_s` afresh. Returns the fleet's liveness as judged from
+    the snapshot when nothing was recorded (the planner's to reuse), else None."""
+    if snapshot.liveness is None:
+        return None
+    fleet = fleet_liveness(snapshot)
+    if not fleet.blind:
+        return fleet
     async with engine.begin() as conn:
         await fleet_repo.observer_tick(conn, fleet_repo.DOUBT, snapshot.lost_after_s)
         snapshot.liveness.doubted_at = await fleet_repo.observer_seen(conn, fleet_repo.DOUBT)

@@ -166,7 +166,7 @@ async def run_control_worker(settings: Settings, stop: asyncio.Event) -> None:
                              client=client, settings=settings, attributes=check, metrics=metrics,
                              backoff_base_s=settings.start_backoff_base_s, backoff_max_s=settings.start_backoff_max_s,
                              drain_timeout_s=settings.replica_drain_timeout_s)
-    decide = DecideActivities(engine, settings, acts.read_snapshot, metrics, client=client)
+    decide = DecideActivities(engine, settings, acts.read_snapshot, metrics, client=client, judged=acts.judged)
     worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=WORKFLOWS, activities=activities(acts, decide, BatchActivities(engine, settings)),
                     workflow_runner=workflow_runner(), interceptors=origin_interceptors(settings))
     try:

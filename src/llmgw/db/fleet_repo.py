@@ -142,22 +142,25 @@ async def list_nodes(conn: AsyncConnection, memo: InventoryMemo | None = None) -
     age = func.extract("epoch", func.now() - nodes.c.last_heartbeat)
     poll_age = func.extract("epoch", func.now() - nodes.c.polled_at)
     memo = memo if memo is not None else InventoryMemo()  # (one for this read alone: every inventory parsed)
-    columns = [c for c in nodes.c if c.name != "inventory"]
-    digest = func.md5(cast(nodes.c.inventory, Text)).label("digest")
-    rows = (await conn.execute(select(*columns, digest, age.label("age"), poll_age.label("poll_age"))
-                               .order_by(nodes.c.id))).all()
-    held = {r.id: memo.known(r.id, r.digest) for r in rows}
-    changed = [r.id for r in rows if held[r.id] is None]
+    c = nodes.c
+    digest = func.md5(cast(c.inventory, Text))
+    rows = (await conn.execute(select(c.id, c.boot_id, digest, c.last_heartbeat, age, c.polled_at, poll_age,
+                                      c.registered_at, c.left_at, c.version, c.poll_read_at)
+                               .order_by(c.id))).all()
+    known = memo.known
+    held = {r[0]: known(r[0], r[2]) for r in rows}
+    changed = [node_id for node_id, inv in held.items() if inv is None]
     if changed:
-        q = select(nodes.c.id, func.md5(cast(nodes.c.inventory, Text)), cast(nodes.c.inventory, Text))
+        q = select(c.id, digest, cast(c.inventory, Text))
         for node_id, d, text in (await conn.execute(
-                q.where(nodes.c.id.in_(changed)) if len(changed) <= snapshot_reads.BY_ID_MAX else q)).all():
+                q.where(c.id.in_(changed)) if len(changed) <= snapshot_reads.BY_ID_MAX else q)).all():
             if held.get(node_id, False) is None:
                 held[node_id] = memo.inventory(node_id, d, text)
-    out = [NodeRow(r.id, r.boot_id, held[r.id], r.last_heartbeat, float(r.age), r.polled_at,
-                   None if r.poll_age is None else float(r.poll_age), r.registered_at, r.left_at, r.version,
-                   r.poll_read_at)
-           for r in rows if held[r.id] is not None]
+    # (by position: ten thousand rows' attributes read by name were half of this read)
+    out = [NodeRow(node_id, boot, inv, beat, float(age_s), polled, None if poll_age_s is None else float(poll_age_s),
+                   registered, left, version, poll_read)
+           for node_id, boot, _, beat, age_s, polled, poll_age_s, registered, left, version, poll_read in rows
+           if (inv := held[node_id]) is not None]
     if len(memo.parsed) > len(out):  # nodes removed since: forgotten
         ids = {n.id for n in out}
         memo.parsed = {k: v for k, v in memo.parsed.items() if k in ids}

@@ -45,28 +45,29 @@ async def snapshot_replicas(conn: AsyncConnection, memo: SnapshotMemo | None = N
     rows = (await conn.execute(select(replicas.c.id, replicas.c.model, replicas.c.profile, replicas.c.status,
                                       replicas.c.created_at, replicas.c.updated_at, replicas.c.settled_at,
                                       replicas.c.profile_hash).where(_active()))).all()
-    unseen = [r.id for r in rows if r.id not in memo.replicas]
+    kept_before = memo.replicas
+    unseen = [r[0] for r in rows if r[0] not in kept_before]
     placed: dict[str, list[ShardPlacement]] = {}
     if unseen:
         which = (shards.c.replica_id.in_(unseen) if len(unseen) <= BY_ID_MAX
                  else shards.c.replica_id.in_(select(replicas.c.id).where(_active()).scalar_subquery()))
         q = select(shards.c.replica_id, shards.c.node_id, shards.c.rank, shards.c.gpus).where(which)
-        for s in (await conn.execute(q.order_by(shards.c.rank))).all():
-            placed.setdefault(s.replica_id, []).append(ShardPlacement(node_id=s.node_id, rank=s.rank,
-                                                                      gpus=list(s.gpus or [])))
+        for replica_id, node_id, rank, gpus in (await conn.execute(q.order_by(shards.c.rank))).all():
+            placed.setdefault(replica_id, []).append(ShardPlacement(node_id=node_id, rank=rank, gpus=list(gpus or [])))
     out: list[ReplicaSnap] = []
     kept: dict[str, tuple[tuple, ReplicaSnap]] = {}
-    for r in rows:
+    for r in rows:  # (by position, as fleet_repo.list_nodes reads its rows)
         row = tuple(r)
-        known = memo.replicas.get(r.id)
+        replica_id = row[0]
+        known = kept_before.get(replica_id)
         if known is not None and known[0] == row:
             snap = known[1]
         else:
-            snap = ReplicaSnap(id=r.id, model=r.model, profile=r.profile, status=r.status, created_at=r.created_at,
-                               updated_at=r.updated_at, settled=r.settled_at is not None,
-                               profile_hash=r.profile_hash,
-                               shards=known[1].shards if known is not None else placed.get(r.id, []))
-        kept[r.id] = (row, snap)
+            _, model, profile, status, created_at, updated_at, settled_at, profile_hash = row
+            snap = ReplicaSnap(id=replica_id, model=model, profile=profile, status=status, created_at=created_at,
+                               updated_at=updated_at, settled=settled_at is not None, profile_hash=profile_hash,
+                               shards=known[1].shards if known is not None else placed.get(replica_id, []))
+        kept[replica_id] = (row, snap)
         out.append(snap)
     memo.replicas = kept  # (replicas gone from the read are forgotten)
     return out

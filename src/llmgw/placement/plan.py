@@ -155,17 +155,18 @@ def rollout_step(snapshot: Snapshot, name: str) -> RolloutStep:
 MAX_PLACEMENTS = 64  # per pass: each costs the workflow a record_placement and a child start (history events)
 
 
-def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS) -> Plan:
+def plan_pass(snapshot: Snapshot, max_placements: int = MAX_PLACEMENTS, fleet: FleetLiveness | None = None) -> Plan:
     """Decide one pass. Pure: the same snapshot always gives the same plan.
 
     Up to `max_placements` replicas are placed, each accounted in the pass's `FleetView` before the next is
     chosen; room an eviction or a drain will free is reserved for the model it is for, so a later (lower
     priority) model in the same pass cannot take it. At most one eviction per pass: the view cannot tell
-    which of two evictions' victims will have gone first.
+    which of two evictions' victims will have gone first. `fleet`: the snapshot's liveness when the caller
+    has judged it already (`fleet_liveness(snapshot)`, the same).
     """
     now = snapshot.now
     plan = Plan()
-    fleet = fleet_liveness(snapshot)
+    fleet = fleet or fleet_liveness(snapshot)
     nodes = _with_status(snapshot, plan, fleet)
     catalog = {m.name: m for m in snapshot.models}
     states = {s.name: s for s in snapshot.model_states}

@@ -80,9 +80,7 @@ class Agent:
         # The control plane takes peer fetch's fields (its registration answer said so): sent only then.
         self.peers_taken = False
         node_dir = settings.shard_dir / self.node_id
-        self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit,
-                                     log_max_bytes=int(settings.engine_log_max_mb * (1 << 20)),
-                                     crash_after_spawn=settings.test_crash_after_spawn)
+        self.supervisor = self.make_supervisor(node_dir, settings.state_dir / "logs" / self.node_id)
         self.fences = Fences(node_dir / "fences")
         self.attempts = Attempts(node_dir / "attempts")  # long activities running, for the next boot to end
         self._post_lock = asyncio.Lock()
@@ -99,6 +97,12 @@ class Agent:
         self.metrics = AgentMetrics()
         self.origin_check: list = []  # node/origin.py, loaded when the agent runs
         self.metrics.watch_downloads(self.downloads)
+
+    def make_supervisor(self, shard_dir: Path, log_dir: Path) -> Supervisor:
+        """The supervisor of this node's engines (the fleet simulator's nodes share one engine instead)."""
+        return Supervisor(shard_dir, log_dir, on_exit=self._on_exit,
+                          log_max_bytes=int(self.settings.engine_log_max_mb * (1 << 20)),
+                          crash_after_spawn=self.settings.test_crash_after_spawn)
 
     # ---- what the node activities use (node/host.py) -------------------------------------------
     @property
@@ -396,21 +400,28 @@ class Agent:
                 await self.report_stopped(shard_id, attempts=2)
 
     # ---- main ----------------------------------------------------------------------------------
-    async def _temporal_worker(self, started: list[Worker]) -> None:
-        """Connect to Temporal (for as long as it takes), then poll this node's task queue until shut down."""
-        client = None
-        while client is None:
+    async def temporal_client(self):
+        """Connect to Temporal, for as long as it takes (the fleet simulator's nodes share one client)."""
+        while True:
             try:
-                client = await connect(self.settings)
+                return await connect(self.settings)
             except SystemExit as exc:
                 log.warning("%s; still trying (the node API is served meanwhile: this node registers and "
                             "heartbeats)", exc)
+
+    def worker_options(self) -> dict:
+        """Options of this node's Temporal worker beyond its queue and activities."""
+        return {"max_concurrent_activities": 64}
+
+    async def _temporal_worker(self, started: list[Worker]) -> None:
+        """Connect to Temporal (for as long as it takes), then poll this node's task queue until shut down."""
+        client = await self.temporal_client()
         try:  # what a crashed predecessor left running is retried now, not after its heartbeat timeout
             await end_left(client, self.attempts, self.node_id)
         except Exception:  # noqa: BLE001 - only the quick retry is lost; the worker must poll
             log.exception("ending the attempts a previous boot left failed; they wait for their heartbeat timeout")
         worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
-                        max_concurrent_activities=64, interceptors=self.origin_check)
+                        interceptors=self.origin_check, **self.worker_options())
         started.append(worker)
         log.info("node worker %s polling %s", self.node_id, node_queue(self.node_id))
         await worker.run()

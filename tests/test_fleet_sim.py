@@ -53,6 +53,9 @@ def test_one_process_plays_four_nodes_whose_replicas_serve_through_the_gateway(c
     specs = [json.loads(p.read_text()) for p in (cp.state / "shards").glob("sim-*/*.json")]
     assert len(specs) == 3 and {s["pid"] for s in specs} == {sim.proc.pid}
     assert all(s["in_process"] and listening(s["endpoint"]) for s in specs)
+    # Each node at its own loopback address, as N machines: its engines there, its node-API connection from there.
+    hosts = {urlparse(s["endpoint"]).hostname for s in specs}
+    assert len(hosts) == 3 and all(h.startswith("127.1.0.") for h in hosts)
     assert not [c for c in psutil.Process(sim.proc.pid).children(recursive=True) if "sim_server" in " ".join(c.cmdline())]
 
     # Stopped, each node says it is leaving and reports its stops; the replicas' ports close with it.

@@ -168,7 +168,11 @@ class Agent:
         # Its version goes in a header, not a body field: a control plane one release older reads node
         # bodies with unknown fields refused (before issue 38), while every version ignores a header it lacks.
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers={"User-Agent": USER_AGENT},
-                                     connector=aiohttp.TCPConnector(ssl=self._ssl))
+                                     connector=aiohttp.TCPConnector(ssl=self._ssl, **self.connector_options()))
+
+    def connector_options(self) -> dict:
+        """More options of the node-API connections (a simulated node's own source address: node/fleet_sim.py)."""
+        return {}
 
     async def _post(self, path: str, body, timeout_s: float | None = None) -> dict:
         """POST one body (or what `body()` builds, at send time) to the node API; one request at a time.

@@ -11,7 +11,10 @@ transition over the node API, as `llmgw agent` does. What the N nodes share, to 
 - one sim engine (engines/sim_shared.py): a sim shard is served on its own port inside this process, not
   spawned as a process per replica (node/sim_supervisor.py says what that changes);
 - nothing of the node API's HTTP: each node presents its own client certificate, so its connections are
-  its own (one kept-alive TLS connection per node).
+  its own (one kept-alive TLS connection per node), and on a loopback control plane each node has its own
+  address (127.1.0.1 onwards: `own_addresses`), its connections' source and its engines' listening address,
+  so the node API's per-address rules (the connection cap; an endpoint must be at the node's own address)
+  apply per node as on N machines.
 
 Not served per node: the worker's Prometheus metrics (`agent_metrics_port` is off: one process cannot bind
 one port N times). The peer listener is each node's own, on a free port, as on a machine (`peer_port` -1
@@ -60,10 +63,34 @@ def node_ids(prefix: str, count: int) -> list[str]:
     return ids
 
 
-def node_settings(base: Settings, node_id: str, certs: Path | None) -> Settings:
+def loopback_address(index: int) -> str:
+    """Node `index`'s own loopback address, 127.1.0.1 onwards (Linux routes all of 127/8 to the loopback)."""
+    return f"127.{1 + index // 65024}.{index // 254 % 256}.{index % 254 + 1}"
+
+
+def own_addresses(base: Settings) -> bool:
+    """Whether each node gets an address of its own: when the node API and the advertised host are both on
+    this machine's loopback, as in every local run. Then the control plane sees N peers, as from N machines
+    (its per-client connection cap, 256, is per node again, and each node's endpoints are at its own
+    address); else every node shares the machine's address (`advertise_host`)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    def loopback(host: str | None) -> bool:
+        try:
+            return host == "localhost" or ipaddress.ip_address(host or "").is_loopback
+        except ValueError:
+            return False
+    return loopback(urlsplit(base.resolved_node_api_url).hostname) and loopback(base.advertise_host)
+
+
+def node_settings(base: Settings, node_id: str, certs: Path | None, address: str | None = None) -> Settings:
     """The settings of one simulated node: its id, its certificate and key from `certs` (`node-<id>.crt`
-    and `.key`, as `llmgw ctl cert node` writes them), a weight cache of its own, no metrics port."""
+    and `.key`, as `llmgw ctl cert node` writes them), a weight cache of its own, no metrics port, and with
+    `address`, that address for its engines and its peer listener (`own_addresses`)."""
     update: dict = {"node_id": node_id, "cache_dir": base.resolved_cache_dir / node_id, "agent_metrics_port": 0}
+    if address is not None:
+        update["advertise_host"] = address
     if certs is not None:
         update |= {"node_cert": certs / f"node-{node_id}.crt", "node_key": certs / f"node-{node_id}.key"}
     return base.model_copy(update=update)
@@ -105,6 +132,11 @@ class FleetNode(Agent):
     async def temporal_client(self) -> Client:
         return await self.fleet.client()
 
+    def connector_options(self) -> dict:
+        if self.settings.advertise_host != self.fleet.base.advertise_host:  # its own address (`own_addresses`)
+            return {"local_addr": (self.settings.advertise_host, 0)}
+        return {}
+
     def worker_options(self) -> dict:
         return {"max_concurrent_activities": 64,
                 "activity_task_poller_behavior": PollerBehaviorSimpleMaximum(maximum=self.fleet.pollers),
@@ -124,7 +156,9 @@ class FleetSimulator:
         self.engine = SharedSimEngine()
         if certs is None and base.ca_cert is not None:
             certs = base.ca_cert.parent  # where `llmgw ctl cert node` writes beside ca.crt
-        settings = [node_settings(base, n, certs) for n in node_ids(prefix, count)]
+        own = own_addresses(base)
+        settings = [node_settings(base, n, certs, loopback_address(i) if own else None)
+                    for i, n in enumerate(node_ids(prefix, count))]
         ensure_certificates(settings, certs, issue_certs)
         self.nodes = [FleetNode(s, self, stop_engines_on_exit=stop_engines_on_exit, simulate=spec) for s in settings]
         self._client: asyncio.Task | None = None

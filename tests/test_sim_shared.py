@@ -142,3 +142,43 @@ def test_what_a_simulator_left_is_neither_adopted_nor_signalled(sup, tmp_path):
         shard.proc.kill()
         await sup.engine.close()
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nodes", "0"], "--nodes must be from 1 to 5000, not 0"),
+    (["--nodes", "-3"], "--nodes must be from 1 to 5000, not -3"),
+    (["--nodes", "99999999999999999999"], "--nodes must be from 1 to 5000"),
+    (["--nodes", "5001"], "--nodes must be from 1 to 5000, not 5001"),
+    (["--nodes", "x"], "Invalid value for '--nodes'"),
+    (["--nodes", "3", "--node-prefix", "../"], "--node-prefix '../' makes node ids such as '../02'"),
+    (["--nodes", "3", "--node-prefix", "a" * 62], "up to 63 characters"),
+    (["--nodes", "3", "--pollers", "0"], "--pollers must be from 1 to 8, not 0"),
+    (["--nodes", "3", "--pollers", "1000"], "--pollers must be from 1 to 8"),
+    (["--nodes", "3", "--simulate", "{gpus: -1}"], "--simulate: spec: gpus: a count must be 0 or more"),
+    (["--nodes", "3", "--simulate", "[1, 2]"], "--simulate: expected a mapping"),
+])
+def test_sim_fleet_refuses_abusive_options_with_a_clear_error(args, says, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from llmgw.cli import app
+
+    monkeypatch.setenv("LLMGW_STATE_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["sim-fleet", *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output
+
+
+def test_sim_fleet_without_certificates_names_the_nodes_and_the_fix(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from llmgw.cli import app
+    from llmgw.security.pki import create_ca
+
+    create_ca(tmp_path / "pki")
+    monkeypatch.setenv("LLMGW_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("LLMGW_CA_CERT", str(tmp_path / "pki" / "ca.crt"))
+    monkeypatch.setenv("LLMGW_NODE_API_URL", "https://127.0.0.1:1")
+    result = CliRunner().invoke(app, ["sim-fleet", "--nodes", "7"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "no certificate in" in result.output and "for 7 node(s) (sim-00, sim-01, sim-02, sim-03, sim-04 ...)" \
+        in result.output and "--issue-certs" in result.output

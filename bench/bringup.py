@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -153,6 +154,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180, help="seconds to wait for a bring-up")
     ap.add_argument("--keep", action="store_true", help="keep the state and logs (their directory is printed)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped (`timeout`): everything started is stopped
     root = Path(tempfile.mkdtemp(prefix="llmgw-bringup-"))
     pg = EmbeddedPostgres(root / "pg", free_port(), root / "postgres.log", durable=False)
     temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log")

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -86,11 +87,17 @@ def main() -> None:
     ap.add_argument("--nodes", default="100,300,1000", help="sizes, comma-separated (each 1 to 5000)")
     ap.add_argument("--heartbeat", type=float, default=2.0, help="the nodes' heartbeat interval, seconds")
     ap.add_argument("--idle", type=float, default=10.0, help="seconds measured at rest per size")
+    ap.add_argument("--temporal-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dynamic config value of the Temporal dev server, e.g. frontend.namespaceCount=5000 "
+                         "(its limit of concurrent polls per namespace, 1,200 by default); repeatable")
+    ap.add_argument("--poll-timeout", type=float, default=120, help="seconds to wait for every queue's poller")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped (`timeout`): everything started is stopped
     sizes = [int(x) for x in args.nodes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="llmgw-fleetscale-"))
     pg = EmbeddedPostgres(root / "pg", free_port(), root / "postgres.log", durable=False)
-    temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log")
+    temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log",
+                                 dynamic_config=dict(kv.split("=", 1) for kv in args.temporal_config))
     cp = None
     rows = []
     try:
@@ -109,14 +116,18 @@ def main() -> None:
                            "--simulate", sim_spec(gpus=1), env={"LLMGW_PEER_PORT": "-1"})
             cp.wait_nodes(*ids, timeout_s=600)
             registered = time.monotonic() - t0
-            polled, seen = asyncio.run(polling(temporal.address, ids, 120))
+            polled, seen = asyncio.run(polling(temporal.address, ids, args.poll_timeout))
             procs = by_kind()
             c0, w0 = cpu(procs), time.monotonic()
             time.sleep(args.idle)
             c1, wall = cpu(procs), time.monotonic() - w0
             rss = psutil.Process(sim.proc.pid).memory_info().rss
             rows.append((n, registered, polled, seen, {k: (c1[k] - c0.get(k, 0)) / wall for k in c1}, rss))
-            print(f"{n} nodes: registered in {registered:.1f} s, {seen} queues polled", file=sys.stderr)
+            refused = sum(1 for line in open(sim.log_path, errors="replace") if "concurrent poller limit" in line)
+            print(f"{n} nodes: registered in {registered:.1f} s, {seen} queues polled "
+                  f"({f'all in {polled:.1f} s' if polled is not None else 'NOT all'}), polls refused by Temporal "
+                  f"{refused} times; at rest: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1][4].items()),
+                  file=sys.stderr)
             sim.stop(grace_s=60)
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"\n{len(os.sched_getaffinity(0))} cores, load average {load} at the end; heartbeats every "

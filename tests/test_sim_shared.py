@@ -154,6 +154,8 @@ def test_what_a_simulator_left_is_neither_adopted_nor_signalled(sup, tmp_path):
     (["--nodes", "3", "--node-prefix", "a" * 62], "up to 63 characters"),
     (["--nodes", "3", "--pollers", "0"], "--pollers must be from 1 to 8, not 0"),
     (["--nodes", "3", "--pollers", "1000"], "--pollers must be from 1 to 8"),
+    (["--nodes", "3", "--start-rate", "-1"], "--start-rate must be from 0"),
+    (["--nodes", "3", "--start-rate", "nan"], "--start-rate must be from 0"),
     (["--nodes", "3", "--simulate", "{gpus: -1}"], "--simulate: spec: gpus: a count must be 0 or more"),
     (["--nodes", "3", "--simulate", "[1, 2]"], "--simulate: expected a mapping"),
 ])

@@ -197,6 +197,7 @@ def sim_fleet(
     issue_certs: bool = typer.Option(False, "--issue-certs", help="Issue the missing node certificates with the "
                                      "CA key in that directory (a development PKI)"),
     pollers: int = typer.Option(1, "--pollers", help="Concurrent activity polls per node queue (1 to 8)"),
+    start_rate: float = typer.Option(100.0, "--start-rate", help="Nodes started per second (0: all at once)"),
     stop_engines_on_exit: bool = typer.Option(False, help="Each node says it is leaving and reports its stops on exit"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="agent.yaml, shared by every node"),
 ):
@@ -209,7 +210,7 @@ def sim_fleet(
     settings = setup_process("llmgw-sim-fleet", Settings.from_file(config))
     try:
         fleet = FleetSimulator(settings, load_spec(simulate), nodes, node_prefix, certs, issue_certs, pollers,
-                               stop_engines_on_exit)
+                               stop_engines_on_exit, start_rate)
     except (FleetError, SimulateError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

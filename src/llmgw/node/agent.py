@@ -72,7 +72,7 @@ class Agent:
         self.node_id = settings.resolved_node_id
         self.boot_id = uuid.uuid4().hex
         self.stop_engines_on_exit = stop_engines_on_exit
-        self.engines = Engines(settings.llama_server, settings.vllm, settings.ray, settings.sglang_python)
+        self.engines = self.make_engines()
         self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url, Limits.from_settings(settings),
                                peer_tls=lambda: self._peer_client)
         self.peer_listener: PeerListener | None = None  # this node's cache, served to peers (issue 39)
@@ -97,6 +97,11 @@ class Agent:
         self.metrics = AgentMetrics()
         self.origin_check: list = []  # node/origin.py, loaded when the agent runs
         self.metrics.watch_downloads(self.downloads)
+
+    def make_engines(self) -> Engines:
+        """The engines this machine can launch (found once per process in the fleet simulator)."""
+        s = self.settings
+        return Engines(s.llama_server, s.vllm, s.ray, s.sglang_python)
 
     def make_supervisor(self, shard_dir: Path, log_dir: Path) -> Supervisor:
         """The supervisor of this node's engines (the fleet simulator's nodes share one engine instead)."""

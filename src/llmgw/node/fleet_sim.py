@@ -34,6 +34,7 @@ from temporalio.client import Client
 from temporalio.worker import PollerBehaviorSimpleMaximum
 
 from llmgw.config import Settings
+from llmgw.engines.registry import Engines
 from llmgw.engines.sim_shared import SharedSimEngine
 from llmgw.schemas.simulate import SimulatedNode
 from llmgw.security.pki import NODE_ID_RE
@@ -125,6 +126,11 @@ class FleetNode(Agent):
         self.fleet = fleet  # before Agent's init: `make_supervisor` reads it
         super().__init__(settings, **kwargs)
 
+    def make_engines(self) -> Engines:
+        if self.fleet.engines is None:  # one machine's engines, looked for once (SGLang's check is a subprocess)
+            self.fleet.engines = super().make_engines()
+        return self.fleet.engines
+
     def make_supervisor(self, shard_dir: Path, log_dir: Path) -> Supervisor:
         return SharedEngineSupervisor(self.fleet.engine, shard_dir, log_dir, on_exit=self._on_exit,
                                       log_max_bytes=int(self.settings.engine_log_max_mb * (1 << 20)))
@@ -144,16 +150,22 @@ class FleetNode(Agent):
 
 
 class FleetSimulator:
-    """N `FleetNode`s on one loop (module doc). `run(stop)` until `stop` is set."""
+    """N `FleetNode`s on one loop (module doc). `run(stop)` until `stop` is set. `start_rate`: nodes started
+    per second (0: all at once; a thousand registrations at once had timed out on a 2-core control plane and
+    come back in retries)."""
 
     def __init__(self, base: Settings, spec: SimulatedNode, count: int, prefix: str = "sim-",
                  certs: Path | None = None, issue_certs: bool = False, pollers: int = 1,
-                 stop_engines_on_exit: bool = False):
+                 stop_engines_on_exit: bool = False, start_rate: float = 100.0):
         if not 1 <= pollers <= MAX_POLLERS:
             raise FleetError(f"--pollers must be from 1 to {MAX_POLLERS}, not {pollers}")
+        if not 0 <= start_rate <= 100_000:
+            raise FleetError(f"--start-rate must be from 0 (all at once) to 100000 nodes a second, not {start_rate:g}")
+        self.start_rate = start_rate
         self.base = base
         self.pollers = pollers
         self.engine = SharedSimEngine()
+        self.engines: Engines | None = None  # what the machine can launch, shared by every node
         if certs is None and base.ca_cert is not None:
             certs = base.ca_cert.parent  # where `llmgw ctl cert node` writes beside ca.crt
         own = own_addresses(base)
@@ -182,10 +194,15 @@ class FleetSimulator:
         raise_open_files(len(self.nodes))
         log.info("simulating %d node(s) (%s ... %s) in process %s on %s", len(self.nodes), self.nodes[0].node_id,
                  self.nodes[-1].node_id, os.getpid(), socket.gethostname())
-        tasks = [asyncio.create_task(n.run(stop), name=f"node {n.node_id}") for n in self.nodes]
-        for t, n in zip(tasks, self.nodes):
-            t.add_done_callback(lambda t, node_id=n.node_id: _ended(node_id, t))
+        tasks: list[asyncio.Task] = []
         try:
+            for i, n in enumerate(self.nodes):
+                if i and self.start_rate:  # N machines do not boot in one instant either
+                    await asyncio.sleep(1 / self.start_rate)
+                if stop.is_set():
+                    break
+                tasks.append(asyncio.create_task(n.run(stop), name=f"node {n.node_id}"))
+                tasks[-1].add_done_callback(lambda t, node_id=n.node_id: _ended(node_id, t))
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for t in tasks:

@@ -13,12 +13,13 @@ node workers with their own certificates, registrations, heartbeats and task que
 by one shared sim engine, so the CPU that bring-up costs is the orchestration's, not 900 engine processes'
 (before issue 42, 30 x 30 took 22.5 s of which the engines alone used 13.7 CPU-seconds on two cores).
 
-Per size, with a simulator of its own (node ids `n<N>-00` ...): the nodes register (timed), then stand idle
-for `--idle` seconds (the simulator's CPU per node at rest: heartbeats, polls, probes), then the catalog is
-applied; the clock starts when the admin API has answered and reads the replicas every 0.1 s until all are
-Ready. Printed: seconds to all Ready, placements per second (M / that), the Ready count at marks, the CPU
-seconds of each process kind over the bring-up, and the target (<= 5 s for 30 x 30) met or NOT met. Then
-the catalog is emptied, every replica stopped, and the simulator stopped before the next size.
+Each size runs on a stack of its own (a fresh database and Temporal dev server: the stops of one size's
+replicas never overlap the next size's starts), with its own simulator (node ids `n<N>-00` ...): the nodes
+register (timed), then stand idle for `--idle` seconds (the simulator's CPU per node at rest: heartbeats,
+polls, probes), then the catalog is applied; the clock starts when the admin API has answered and reads the
+replicas every 0.1 s until all are Ready. Printed: seconds to all Ready, placements per second (M / that),
+the Ready count at marks, the CPU seconds of each process kind over the bring-up, and the target (<= 5 s for
+30 x 30) met or NOT met.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from llmgw.dev.postgres import EmbeddedPostgres  # noqa: E402
 from llmgw.dev.procs import free_port  # noqa: E402
 from llmgw.dev.temporal_server import TemporalDevServer  # noqa: E402
 from tests.fleet import sim_spec  # noqa: E402
-from tests.helpers import ControlPlane, Proc, wait_until  # noqa: E402
+from tests.helpers import ControlPlane, Proc  # noqa: E402
 
 MARKS_S = (1, 2, 3, 5, 8)
 TARGET_S = {30: 5.0}  # issue 42: 30 x 30 all Ready within 5 s
@@ -103,6 +104,7 @@ def bring_up(cp: ControlPlane, models: int, timeout_s: float) -> tuple[float | N
     before = cpu_by_pid()
     cp.apply(catalog(models)).raise_for_status()
     t0 = time.monotonic()
+    print(f"{models} models applied at {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}", file=sys.stderr)
     curve: list[tuple[float, int]] = []
     done = None
     while time.monotonic() - t0 < timeout_s:
@@ -115,13 +117,6 @@ def bring_up(cp: ControlPlane, models: int, timeout_s: float) -> tuple[float | N
         time.sleep(0.1)
     at = {m: max([n for t, n in curve if t <= m], default=0) for m in MARKS_S}
     return done, at, cpu_used(before, cpu_by_pid())
-
-
-def tear_down(cp: ControlPlane, procs: list[Proc]) -> None:
-    cp.apply({"models": []}).raise_for_status()
-    wait_until(lambda: not cp.replicas(all=False), timeout_s=180, interval_s=0.5, what="every replica stopped")
-    for p in procs:
-        p.stop(grace_s=60)
 
 
 def idle_cpu(procs: list[Proc], seconds: float) -> float:
@@ -156,10 +151,23 @@ def main() -> None:
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped (`timeout`): everything started is stopped
     root = Path(tempfile.mkdtemp(prefix="llmgw-bringup-"))
+    results = []
+    try:
+        for models, nodes in args.sizes:
+            results.append(one_size(root / f"{models}x{nodes}", models, nodes, args))
+        report(args.agents, results)
+    finally:
+        if args.keep:
+            print(f"state and logs kept in {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def one_size(root: Path, models: int, nodes: int, args: argparse.Namespace) -> tuple:
+    """One bring-up on a stack of its own (a fresh database and Temporal: nothing left from another size)."""
     pg = EmbeddedPostgres(root / "pg", free_port(), root / "postgres.log", durable=False)
     temporal = TemporalDevServer(free_port(), None, None, root / "temporal.log")
     cp = None
-    results = []
     try:
         pg.start()
         upgrade(pg.url)
@@ -167,24 +175,17 @@ def main() -> None:
         cp = ControlPlane(root, pg.url, temporal.address, LLMGW_RECONCILE_INTERVAL_S="10",
                           LLMGW_HEARTBEAT_INTERVAL_S="2", LLMGW_POLLER_GRACE_S="60")
         cp.start()
-        for models, nodes in args.sizes:
-            procs, _, registered_s = start_nodes(cp, nodes, args.agents)
-            print(f"{nodes} nodes registered in {registered_s:.1f} s", file=sys.stderr)
-            idle = idle_cpu(procs, args.idle)
-            done, at, cpu = bring_up(cp, models, args.timeout)
-            print(f"{models} x {nodes}: {'all Ready' if done else 'NOT all Ready'}", file=sys.stderr)
-            results.append((models, nodes, registered_s, idle, done, at, cpu))
-            tear_down(cp, procs)
-        report(args.agents, results)
+        procs, _, registered_s = start_nodes(cp, nodes, args.agents)
+        print(f"{nodes} nodes registered in {registered_s:.1f} s", file=sys.stderr)
+        idle = idle_cpu(procs, args.idle)
+        done, at, cpu = bring_up(cp, models, args.timeout)
+        print(f"{models} x {nodes}: {'all Ready' if done else 'NOT all Ready'}", file=sys.stderr)
+        return models, nodes, registered_s, idle, done, at, cpu
     finally:
         if cp is not None:
             cp.stop()
         temporal.stop()
         pg.stop()
-        if args.keep:
-            print(f"state and logs kept in {root}", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def report(mode: str, results: list) -> None:

@@ -184,3 +184,16 @@ def test_sim_fleet_without_certificates_names_the_nodes_and_the_fix(tmp_path, mo
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "no certificate in" in result.output and "for 7 node(s) (sim-00, sim-01, sim-02, sim-03, sim-04 ...)" \
         in result.output and "--issue-certs" in result.output
+
+
+def test_a_port_already_taken_ends_the_replica_with_1_and_says_why(sup):
+    async def go():
+        s = spec("rg-r0")
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", s.port))
+            taken.listen()
+            shard = sup.launch(s, SimAdapter().build(s))
+            code = await asyncio.wait_for(shard.proc.wait(), 5)
+        assert code == 1 and sup.poll(shard) == 1
+        assert f"sim: cannot serve on 127.0.0.1:{s.port}: OSError" in shard.log_path.read_text()
+    asyncio.run(go())

@@ -146,8 +146,9 @@ class HostedReplica:
             self.say(str(exc))
             self._end(exc.code)
             return
-        except OSError as exc:
-            self.say(f"sim: cannot listen on {self.args.host}:{self.args.port}: {exc}")  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - as a process that crashes: exit 1, the cause in its log
+            where = f" on {self.args.host}:{self.args.port}" if self.args is not None else ""
+            self.say(f"sim: cannot serve{where}: {type(exc).__name__}: {exc}")
             if self._runner is not None:
                 await self._runner.cleanup()
             self._end(1)

@@ -200,7 +200,7 @@ class ControlPlane:
         return "\n".join(f"---- {p.name}\n{p.log()[-3000:]}" for p in self.procs)
 
     def stop(self) -> None:
-        for p in sorted(self.procs, key=lambda p: not p.name.startswith("agent")):
+        for p in sorted(self.procs, key=lambda p: not p.name.startswith(("agent", "sim-fleet"))):  # nodes first
             try:
                 p.stop()
             except Exception:  # noqa: BLE001 - keep stopping the others

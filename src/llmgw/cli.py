@@ -1,4 +1,4 @@
-"""The `llmgw` command: dev, server, node-api, worker, agent, mirror, ctl, db, selftest."""
+"""The `llmgw` command: dev, server, node-api, worker, agent, sim-fleet, mirror, ctl, db, selftest."""
 
 from __future__ import annotations
 
@@ -183,6 +183,38 @@ def agent(
         raise typer.Exit(2)
     a = Agent(settings, stop_engines_on_exit=stop_engines_on_exit, simulate=spec)
     _run(a.run)
+
+
+@app.command("sim-fleet")
+def sim_fleet(
+    nodes: int = typer.Option(..., "--nodes", help="How many nodes this one process plays (1 to 5000)"),
+    simulate: str = typer.Option(
+        "{gpus: 1, gpu_memory_gb: 80}", "--simulate", metavar="SPEC",
+        help="Every node's declared inventory, as `llmgw agent --simulate` takes it"),
+    node_prefix: str = typer.Option("sim-", "--node-prefix", help="Node ids are PREFIX00, PREFIX01, ..."),
+    certs: Optional[Path] = typer.Option(None, "--certs", help="Directory of each node's node-ID.crt and .key "
+                                         "(default: beside $LLMGW_CA_CERT, where `llmgw ctl cert node` writes)"),
+    issue_certs: bool = typer.Option(False, "--issue-certs", help="Issue the missing node certificates with the "
+                                     "CA key in that directory (a development PKI)"),
+    pollers: int = typer.Option(1, "--pollers", help="Concurrent activity polls per node queue (1 to 8)"),
+    start_rate: float = typer.Option(100.0, "--start-rate", help="Nodes started per second (0: all at once)"),
+    stop_engines_on_exit: bool = typer.Option(False, help="Each node says it is leaving and reports its stops on exit"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="agent.yaml, shared by every node"),
+):
+    """The fleet simulator: N simulated nodes in one process, each a real node worker (its own mTLS identity,
+    registration, heartbeats, task queue), their sim replicas served by one shared engine (docs/operating.md,
+    "Scaling out")."""
+    from llmgw.node.fleet_sim import FleetError, FleetSimulator
+    from llmgw.node.simulate import SimulateError, load_spec
+
+    settings = setup_process("llmgw-sim-fleet", Settings.from_file(config))
+    try:
+        fleet = FleetSimulator(settings, load_spec(simulate), nodes, node_prefix, certs, issue_certs, pollers,
+                               stop_engines_on_exit, start_rate)
+    except (FleetError, SimulateError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    _run(fleet.run)
 
 
 # ---- mirror ----------------------------------------------------------------------------------------

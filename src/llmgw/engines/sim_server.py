@@ -545,7 +545,8 @@ def make_app(engine: SimEngine, api_key: str | None = None) -> web.Application:
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser(api_key_env: str | None = None) -> argparse.ArgumentParser:
+    """The sim engine's flags (`api_key_env`: the default of `--api-key`, the environment's key)."""
     p = argparse.ArgumentParser(prog="llmgw-sim", description="llmgw's simulated OpenAI-compatible engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, help="HTTP port (rank 0 only)")
@@ -575,9 +576,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rendezvous", help="HOST:PORT on rank 0's node where the shards meet")
     p.add_argument("--token", default="", help="the replica's id; a shard with another is refused")
     p.add_argument("--join-timeout", type=float, default=600.0, help="seconds a worker waits for rank 0")
-    p.add_argument("--api-key", default=os.environ.get("LLMGW_SIM_API_KEY") or None,
+    p.add_argument("--api-key", default=api_key_env or None,
                    help="refuse requests without `Authorization: Bearer KEY` (default: $LLMGW_SIM_API_KEY)")
-    args = p.parse_args(argv)
+    return p
+
+
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flags out of range through `p.error` (argparse's exit 2 with the message)."""
     if not 0 <= args.prefix_cache_blocks <= MAX_CACHED_BLOCKS:
         p.error(f"--prefix-cache-blocks must be from 0 to {MAX_CACHED_BLOCKS}")
     if args.prefill_tokens_per_second < 0:
@@ -588,6 +593,12 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--max-loras must be from 0 to 1024 and --lora-load-s from 0 to 3600")
     if args.world_size > 1 and not args.rendezvous:
         p.error("--world-size > 1 needs --rendezvous HOST:PORT")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(os.environ.get("LLMGW_SIM_API_KEY"))
+    args = p.parse_args(argv)
+    check(p, args)
     if args.rank > 0:
         asyncio.run(run_worker(args.rendezvous, args.rank, args.world_size, args.token, args.join_timeout))
         return
@@ -596,10 +607,11 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(_serve(args))
 
 
-def compiled_mark(model: str) -> Path | None:
+def compiled_mark(model: str, env: dict[str, str] | None = None) -> Path | None:
     """Where a start of `model` leaves its mark once it has "compiled": in the compile cache llmgw gives it
-    (`LLMGW_SIM_COMPILE_DIR`, engines/compile_cache.py); None without one (every start is then cold)."""
-    root = os.environ.get("LLMGW_SIM_COMPILE_DIR")
+    (`LLMGW_SIM_COMPILE_DIR` of `env`, default this process's; engines/compile_cache.py); None without one
+    (every start is then cold)."""
+    root = (os.environ if env is None else env).get("LLMGW_SIM_COMPILE_DIR")
     if not root:
         return None
     return Path(root) / f"sim-compiled-{hashlib.sha256(model.encode()).hexdigest()[:16]}"
@@ -616,19 +628,27 @@ def write_mark(path: Path) -> None:
         print(f"sim: could not write the compile mark {path}: {exc}", flush=True)
 
 
+def build_engine(args: argparse.Namespace, group: Group | None = None, env: dict[str, str] | None = None,
+                 say=print) -> tuple[SimEngine, Path | None, float]:
+    """The engine `args` describe: (engine, its compile mark or None, the seconds its cold compile adds).
+    `say(line)` prints one line of its output (the process's stdout; a shared host's log: sim_shared.py)."""
+    compile_mark = compiled_mark(args.model, env) if args.compile_s > 0 else None
+    compile_s = args.compile_s if compile_mark is not None and not compile_mark.exists() else 0.0
+    if args.compile_s > 0:
+        say(f"sim: compile cache {'cold' if compile_s else 'warm'} ({compile_mark})")
+    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay + compile_s, args.rank, group,
+                       PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second), args.gpu_memory_mb,
+                       args.sleep_s, args.wake_s, args.max_loras, args.lora_load_s, args.max_num_seqs)
+    engine.engine_version = args.engine_version
+    return engine, compile_mark, compile_s
+
+
 async def _serve(args: argparse.Namespace) -> None:
     group = None
     if args.world_size > 1:
         group = Group(args.rendezvous, args.world_size, args.token)
         await group.start()
-    compile_mark = compiled_mark(args.model) if args.compile_s > 0 else None
-    compile_s = args.compile_s if compile_mark is not None and not compile_mark.exists() else 0.0
-    if args.compile_s > 0:
-        print(f"sim: compile cache {'cold' if compile_s else 'warm'} ({compile_mark})", flush=True)
-    engine = SimEngine(args.model, args.tokens_per_second, args.startup_delay + compile_s, args.rank, group,
-                       PrefixCache(args.prefix_cache_blocks, args.prefill_tokens_per_second), args.gpu_memory_mb,
-                       args.sleep_s, args.wake_s, args.max_loras, args.lora_load_s, args.max_num_seqs)
-    engine.engine_version = args.engine_version
+    engine, compile_mark, compile_s = build_engine(args, group, say=lambda line: print(line, flush=True))
     runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -72,7 +72,7 @@ class Agent:
         self.node_id = settings.resolved_node_id
         self.boot_id = uuid.uuid4().hex
         self.stop_engines_on_exit = stop_engines_on_exit
-        self.engines = Engines(settings.llama_server, settings.vllm, settings.ray, settings.sglang_python)
+        self.engines = self.make_engines()
         self.fetcher = Fetcher(settings.resolved_cache_dir, settings.resolved_mirror_url, Limits.from_settings(settings),
                                peer_tls=lambda: self._peer_client)
         self.peer_listener: PeerListener | None = None  # this node's cache, served to peers (issue 39)
@@ -80,9 +80,7 @@ class Agent:
         # The control plane takes peer fetch's fields (its registration answer said so): sent only then.
         self.peers_taken = False
         node_dir = settings.shard_dir / self.node_id
-        self.supervisor = Supervisor(node_dir, settings.state_dir / "logs" / self.node_id, on_exit=self._on_exit,
-                                     log_max_bytes=int(settings.engine_log_max_mb * (1 << 20)),
-                                     crash_after_spawn=settings.test_crash_after_spawn)
+        self.supervisor = self.make_supervisor(node_dir, settings.state_dir / "logs" / self.node_id)
         self.fences = Fences(node_dir / "fences")
         self.attempts = Attempts(node_dir / "attempts")  # long activities running, for the next boot to end
         self._post_lock = asyncio.Lock()
@@ -99,6 +97,17 @@ class Agent:
         self.metrics = AgentMetrics()
         self.origin_check: list = []  # node/origin.py, loaded when the agent runs
         self.metrics.watch_downloads(self.downloads)
+
+    def make_engines(self) -> Engines:
+        """The engines this machine can launch (found once per process in the fleet simulator)."""
+        s = self.settings
+        return Engines(s.llama_server, s.vllm, s.ray, s.sglang_python)
+
+    def make_supervisor(self, shard_dir: Path, log_dir: Path) -> Supervisor:
+        """The supervisor of this node's engines (the fleet simulator's nodes share one engine instead)."""
+        return Supervisor(shard_dir, log_dir, on_exit=self._on_exit,
+                          log_max_bytes=int(self.settings.engine_log_max_mb * (1 << 20)),
+                          crash_after_spawn=self.settings.test_crash_after_spawn)
 
     # ---- what the node activities use (node/host.py) -------------------------------------------
     @property
@@ -164,7 +173,11 @@ class Agent:
         # Its version goes in a header, not a body field: a control plane one release older reads node
         # bodies with unknown fields refused (before issue 38), while every version ignores a header it lacks.
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers={"User-Agent": USER_AGENT},
-                                     connector=aiohttp.TCPConnector(ssl=self._ssl))
+                                     connector=aiohttp.TCPConnector(ssl=self._ssl, **self.connector_options()))
+
+    def connector_options(self) -> dict:
+        """More options of the node-API connections (a simulated node's own source address: node/fleet_sim.py)."""
+        return {}
 
     async def _post(self, path: str, body, timeout_s: float | None = None) -> dict:
         """POST one body (or what `body()` builds, at send time) to the node API; one request at a time.
@@ -396,21 +409,28 @@ class Agent:
                 await self.report_stopped(shard_id, attempts=2)
 
     # ---- main ----------------------------------------------------------------------------------
-    async def _temporal_worker(self, started: list[Worker]) -> None:
-        """Connect to Temporal (for as long as it takes), then poll this node's task queue until shut down."""
-        client = None
-        while client is None:
+    async def temporal_client(self):
+        """Connect to Temporal, for as long as it takes (the fleet simulator's nodes share one client)."""
+        while True:
             try:
-                client = await connect(self.settings)
+                return await connect(self.settings)
             except SystemExit as exc:
                 log.warning("%s; still trying (the node API is served meanwhile: this node registers and "
                             "heartbeats)", exc)
+
+    def worker_options(self) -> dict:
+        """Options of this node's Temporal worker beyond its queue and activities."""
+        return {"max_concurrent_activities": 64}
+
+    async def _temporal_worker(self, started: list[Worker]) -> None:
+        """Connect to Temporal (for as long as it takes), then poll this node's task queue until shut down."""
+        client = await self.temporal_client()
         try:  # what a crashed predecessor left running is retried now, not after its heartbeat timeout
             await end_left(client, self.attempts, self.node_id)
         except Exception:  # noqa: BLE001 - only the quick retry is lost; the worker must poll
             log.exception("ending the attempts a previous boot left failed; they wait for their heartbeat timeout")
         worker = Worker(client, task_queue=node_queue(self.node_id), activities=NodeActivities(self).all(),
-                        max_concurrent_activities=64, interceptors=self.origin_check)
+                        interceptors=self.origin_check, **self.worker_options())
         started.append(worker)
         log.info("node worker %s polling %s", self.node_id, node_queue(self.node_id))
         await worker.run()

@@ -85,7 +85,7 @@ class EngineHealth:
 
     async def _hold_to_memory(self, shard: Shard) -> None:
         declared = shard.spec.profile.memory_gb
-        if not declared:
+        if not declared or shard.in_process:  # an in-process sim replica's memory is its simulator's: not its own
             return
         used = tree_rss(shard.pid)
         # Asleep, it also holds its weights offloaded from the GPUs (issue 39): what placement counts for it.

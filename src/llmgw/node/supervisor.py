@@ -61,6 +61,9 @@ class Shard:
     started_at: float = field(default_factory=time.time)
     start_ticks: int | None = None  # the process's start in clock ticks since boot (`proc_start_ticks`)
     asleep: bool = False  # its engine was put to sleep here (issue 39): it holds its weights in host memory
+    # Served inside the node worker's own process (the fleet simulator's shared sim engine, node/sim_supervisor.py):
+    # its pid is the worker's, it has no process group of its own, and it ends with the worker.
+    in_process: bool = False
 
     @property
     def shard_id(self) -> str:
@@ -88,7 +91,7 @@ class Shard:
             "rendezvous": self.spec.rendezvous.model_dump(mode="json") if self.spec.rendezvous else None,
             "api_key": self.spec.api_key, "sleep_mode": self.spec.sleep_mode, "asleep": self.asleep,
             "adapter_files": {k: v.model_dump(mode="json") for k, v in self.spec.adapter_files.items()},
-            "compile_dir": self.spec.compile_dir,
+            "compile_dir": self.spec.compile_dir, **({"in_process": True} if self.in_process else {}),
         }
 
     @classmethod
@@ -103,7 +106,7 @@ class Shard:
         return cls(spec=spec, pid=d["pid"], create_time=d["create_time"], endpoint=d["endpoint"], argv=d["argv"],
                    log_path=Path(d["log_path"]), state=d.get("state", ShardStatus.STARTING), adopted=True,
                    started_at=d.get("started_at", time.time()), start_ticks=d.get("start_ticks"),
-                   asleep=bool(d.get("asleep", False)))
+                   asleep=bool(d.get("asleep", False)), in_process=bool(d.get("in_process", False)))
 
 
 def _adapter_files(raw: object, shard_id: str) -> dict[str, AdapterFile]:
@@ -228,6 +231,11 @@ class Supervisor:
                           "hand", path, exc, path.name)
                 dead.append(path.stem)
                 path.replace(path.with_name(path.name + ".bad"))
+                continue
+            if shard.in_process:  # served by the worker that wrote it, and gone with it
+                log.info("shard %s was served inside a previous worker's process; it ended with it", shard.shard_id)
+                dead.append(shard.shard_id)
+                path.unlink(missing_ok=True)
                 continue
             if shard.pid <= 0:  # written before its spawn: its worker died before recording the pid
                 found = launched_as(shard.shard_id, shard.started_at)
@@ -363,17 +371,21 @@ class Supervisor:
         processes live, and a forgotten shard's children kept GPUs and ports that placement handed out
         again. SIGTERM, then SIGKILL after `grace_s`, until the group is empty (a group id is not reused
         while any member lives, so this never signals another group)."""
-        if not _group_alive(shard.pid):
+        if not self.group_alive(shard):
             return
         log.warning("shard %s's leader exited but its process group lives on; stopping the rest", shard.shard_id)
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             self._signal(shard, sig)
             deadline = time.monotonic() + wait_s
-            while _group_alive(shard.pid) and time.monotonic() < deadline:
+            while self.group_alive(shard) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            if not _group_alive(shard.pid):
+            if not self.group_alive(shard):
                 return
         log.error("shard %s's process group would not die (a process in uninterruptible sleep?)", shard.shard_id)
+
+    def group_alive(self, shard: Shard) -> bool:
+        """Whether anything of the shard's process group still lives (`_group_alive`)."""
+        return _group_alive(shard.pid)
 
     def _signal(self, shard: Shard, sig: int) -> None:
         try:
@@ -421,7 +433,7 @@ class Supervisor:
                     tail = self.tail(shard)
                     log.warning("shard %s exited with code %s", shard.shard_id, shard.exit_code)
                     shard.state = "exited"
-                    if _group_alive(shard.pid):  # its leader died: what it started goes too (in the background)
+                    if self.group_alive(shard):  # its leader died: what it started goes too (in the background)
                         task = asyncio.create_task(self._clear_group(shard, 5.0))
                         self._clearing.add(task)
                         task.add_done_callback(self._clearing.discard)
@@ -481,6 +493,9 @@ def kill_leftover_engines(shard_root: Path, node_id: str = "*") -> int:
     for spec in shard_root.glob(f"{node_id}/*.json"):
         try:
             d = json.loads(spec.read_text())
+            if d.get("in_process"):  # its pid is a fleet simulator's, not an engine's: never signalled
+                spec.unlink(missing_ok=True)
+                continue
             if d["pid"] <= 0 and (found := launched_as(d["shard_id"], d.get("started_at", 0))) is not None:
                 d |= {"pid": found.pid, "create_time": found.create_time(), "start_ticks": proc_start_ticks(found.pid)}
             if alive(d["pid"], d["create_time"], d.get("start_ticks")):

@@ -176,6 +176,8 @@ class LazyClient:
         self.client: Client | None = None
         self._task: asyncio.Task | None = None
         self._wakes: set[asyncio.Task] = set()  # wake-ups under way (`wake_soon`), kept from the collector
+        self._queued: str | None = None  # the first reason asked while one was under way (`wake_soon`)
+        self._queued_more = 0  # and how many more
         self.attributes = SearchAttributeCheck(settings.temporal_namespace, settings.temporal_search_attributes)
 
     def start(self) -> None:
@@ -198,7 +200,18 @@ class LazyClient:
     def wake_soon(self, reason: str, timeout_s: float = WAKE_TIMEOUT_S) -> None:
         """Wake the reconciler without waiting for it: for an answer that must not wait on Temporal (the
         node API's: with Temporal away, a signal is retried for about ten seconds, as long as a node waits
-        for its registration, which it then retried for as long as the outage lasted)."""
+        for its registration, which it then retried for as long as the outage lasted).
+
+        Wakes coalesce: while one signal is under way, those asked meanwhile are sent as one signal after it
+        (the first reason and how many more). The reconciler runs one pass for any number of them, and a
+        registration burst of thousands of nodes had sent thousands of signals at once, most of them timing
+        out (issue 42, the fleet simulator). Each event is still followed by a signal sent after it."""
+        if self._wakes:
+            if self._queued is None:
+                self._queued = reason
+            else:
+                self._queued_more += 1
+            return
         task = asyncio.get_running_loop().create_task(asyncio.wait_for(self.wake(reason), timeout_s))
         self._wakes.add(task)
         task.add_done_callback(self._woken)
@@ -207,6 +220,10 @@ class LazyClient:
         self._wakes.discard(task)
         if not task.cancelled() and isinstance(task.exception(), asyncio.TimeoutError):
             log.warning("could not wake the reconciler within %gs; its own timer runs the next pass", WAKE_TIMEOUT_S)
+        if self._queued is not None and not self._wakes:
+            reason, more = self._queued, self._queued_more
+            self._queued, self._queued_more = None, 0
+            self.wake_soon(reason if not more else f"{reason} (and {more} more)")
 
 
 class SearchAttributeCheck:

@@ -17,6 +17,7 @@ made: the new certificate names the same node and addresses as the one it is ask
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import ssl
 from dataclasses import dataclass
@@ -76,14 +77,20 @@ class Peer:
     not_before: dt.datetime
 
 
+@functools.lru_cache(maxsize=16384)
+def _cert_time(text: str) -> dt.datetime:
+    """A certificate's `notBefore` as `getpeercert()` writes it, parsed once per distinct text (strptime was
+    a twentieth of a heartbeat's CPU; a fleet's certificates have a few thousand distinct ones)."""
+    return dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(text), dt.timezone.utc)
+
+
 def _peer(scope: dict) -> Peer | None:
     tls = scope.get("extensions", {}).get("tls", {})
     cn = tls.get("client_cert_name")
     if cn is None:
         return None
     try:
-        not_before = dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(tls["client_cert_not_before"]), dt.timezone.utc)
-        return Peer(cn, serial_text(tls["client_cert_serial"]), not_before)
+        return Peer(cn, serial_text(tls["client_cert_serial"]), _cert_time(tls["client_cert_not_before"]))
     except (KeyError, TypeError, ValueError):
         raise identity_error(401, "the client certificate's serial or validity cannot be read") from None
 

@@ -2,7 +2,9 @@
 real listener with mutual TLS in this process (so the batcher can be looked at) over a real Postgres:
 
 - heartbeats of a registered node and of one that never registered, arriving together, share a batch and
-  each gets its own answer (ok; reregister);
+  each gets its own answer (ok; reregister); in one batch, each node's shards are judged as a beat alone
+  judges them (a launched shard it no longer lists fails its replica; one it lists whose replica ended is
+  named to stop; one it lists and runs is kept);
 - a batch whose transaction fails is served beat by beat: every node still gets its own answer;
 - abusive bodies (too large, too deep, wrong types, a bad node id, not JSON, no JSON content type) get the
   same 4xx as the FastAPI route gives them, and the steady-state answer is the route's own bytes;
@@ -67,7 +69,7 @@ async def node_api(tmp_path, database_url):
     pki = tmp_path / "pki"
     create_ca(pki)
     server = issue_server(pki, ["127.0.0.1"])
-    for node in ("n-known", "n-new", "n-revoked"):
+    for node in ("n-known", "n-new", "n-revoked", "n-gone", "n-ended"):
         issue_node(pki, node)
     engine = async_engine(database_url)
     async with engine.begin() as conn:
@@ -124,6 +126,52 @@ async def test_a_batch_answers_each_node_for_itself(node_api):
     async with node_api.fleet.engine.connect() as conn:
         ages = {n.id: n.age_s for n in await fleet_repo.list_nodes(conn)}
     assert set(ages) == {"n-known"} and ages["n-known"] < 1.0
+
+
+async def test_in_one_batch_each_node_is_judged_as_its_beat_alone_would_be(node_api):
+    from sqlalchemy import insert, select
+
+    from llmgw.db.tables import nodes, replicas, shards
+
+    async with node_api.fleet.engine.begin() as conn:
+        await conn.execute(insert(nodes), [{"id": n, "boot_id": "b1", "inventory": {}}
+                                           for n in ("n-known", "n-gone", "n-ended")])
+        await conn.execute(insert(replicas), [{"id": "kept", "model": "m", "profile": "p", "status": "ready"},
+                                              {"id": "gone", "model": "m", "profile": "p", "status": "ready"},
+                                              {"id": "ended", "model": "m", "profile": "p", "status": "stopped"}])
+        await conn.execute(insert(shards), [
+            {"id": "kept-r0", "replica_id": "kept", "node_id": "n-known", "status": "ready", "pid": 10},
+            {"id": "gone-r0", "replica_id": "gone", "node_id": "n-gone", "status": "ready", "pid": 11,
+             "progress": {"source": "hf", "bytes": 1}},
+            {"id": "ended-r0", "replica_id": "ended", "node_id": "n-ended", "status": "ready", "pid": 12}])
+
+    def beat(node: str, *listed: tuple[str, str]) -> dict:
+        return {"node_id": node, "boot_id": "b1", "shards": [
+            {"shard_id": f"{r}-r0", "replica_id": r, "model": "m", "profile": "p", "state": "ready", "pid": 1}
+            for r, _ in listed]}
+
+    node_api.batcher.window_s = 0.2
+    clients = {n: node_api.client(n) for n in ("n-known", "n-gone", "n-ended", "n-new")}
+    try:
+        answers = await asyncio.gather(
+            clients["n-known"].post(PATH, json=beat("n-known", ("kept", "m"))),
+            clients["n-gone"].post(PATH, json=beat("n-gone")),
+            clients["n-ended"].post(PATH, json=beat("n-ended", ("ended", "m"))),
+            clients["n-new"].post(PATH, json=beat("n-new")))
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    assert node_api.batcher.batches == 1 and node_api.batcher.beats == 4
+    assert [(r.status_code, r.json()) for r in answers] == [
+        (200, {"ok": True, "reregister": False}), (200, {"ok": True, "reregister": False}),
+        (200, {"ok": True, "reregister": False, "stop": ["ended-r0"]}), (200, {"ok": False, "reregister": True})]
+    async with node_api.fleet.engine.connect() as conn:
+        status = dict((await conn.execute(select(replicas.c.id, replicas.c.status))).all())
+        failure = (await conn.execute(select(replicas.c.failure).where(replicas.c.id == "gone"))).scalar_one()
+        progress = (await conn.execute(select(shards.c.progress).where(shards.c.id == "gone-r0"))).scalar_one()
+    assert status == {"kept": "ready", "gone": "failed", "ended": "stopped"}
+    assert "node n-gone no longer runs shard gone-r0" in failure
+    assert progress is None  # cleared with the beat, as an empty `downloads` clears it
 
 
 async def test_a_batch_that_fails_is_served_beat_by_beat(node_api, monkeypatch, caplog):

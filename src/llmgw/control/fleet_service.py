@@ -233,15 +233,17 @@ class FleetService:
         decided: list[tuple[bool, list[str], list[str]]] = []
         async with self.engine.begin() as conn:
             live_by = await fleet_repo.heartbeat_many(conn, [(r.node_id, r.boot_id) for r in reqs])
-            others = {sid for r in reqs if (r.node_id, r.boot_id) in live_by
-                      for sid in not_live_here(r, live_by[(r.node_id, r.boot_id)])}
-            rows = await fleet_repo.known_shards(conn, sorted(others)) if others else {}
-            for r in reqs:
+            others = [not_live_here(r, live_by[(r.node_id, r.boot_id)]) if (r.node_id, r.boot_id) in live_by
+                      else [] for r in reqs]
+            wanted = sorted({sid for ids in others for sid in ids})
+            rows = await fleet_repo.known_shards(conn, wanted) if wanted else {}
+            for r, ids in zip(reqs, others):
                 live = live_by.get((r.node_id, r.boot_id))
                 if live is None:
                     decided.append((False, [], []))
                     continue
-                decided.append((True, await self._fail_unlisted(conn, r, live), ended_here(r, rows)))
+                stop = ended_here(r, {sid: rows[sid] for sid in ids if sid in rows}) if ids else []
+                decided.append((True, await self._fail_unlisted(conn, r, live), stop))
         return [self._answer(r, known, gone, stop) for r, (known, gone, stop) in zip(reqs, decided)]
 
     async def _fail_unlisted(self, conn, req: HeartbeatRequest, live: list[fleet_repo.NodeShard]) -> list[str]:

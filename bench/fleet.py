@@ -14,8 +14,8 @@ Everything is real: an embedded PostgreSQL and the Temporal dev server (temporal
   fleet sizes: reading every node (the design before issue 42) = N x the per-RPC time; the rotation =
   min(N, 1,024) x it, cut at 1 s, and every node read once every ceil(N / 1,024) passes.
 - **heartbeats**: `llmgw server` with mutual TLS on the node API, `--identities` node certificates (each its
-  own TLS connection, registered, then heartbeating as fast as it is answered, inventory left out as the agent
-  does between changes); heartbeats per CPU-second of the server process (what one node-API core takes)
+  own TLS connection, registered, then heartbeating as fast as it is answered, or every `--beat-every` seconds,
+  inventory left out as the agent does between changes); heartbeats per CPU-second of the server process (what one node-API core takes)
   and Postgres CPU per heartbeat.
 - **decide**: a packed fleet (bench/fleets.py: 8-GPU nodes, N/2 models, 3 replicas each) written to
   Postgres; then the control worker's own `read_snapshot` (one REPEATABLE READ transaction: catalog, model
@@ -201,7 +201,7 @@ def print_witness(res: dict, sizes: list[int], per_pass: int, interval_s: float)
 
 # ---- heartbeats ----------------------------------------------------------------------------------
 
-async def heartbeats(cp, identities: int, seconds: float, pg_pid: int) -> dict:
+async def heartbeats(cp, identities: int, seconds: float, pg_pid: int, every_s: float = 0.0) -> dict:
     import aiohttp
 
     from llmgw.schemas.inventory import Inventory
@@ -225,7 +225,11 @@ async def heartbeats(cp, identities: int, seconds: float, pg_pid: int) -> dict:
             async with s.post(f"{base}/node/v1/register", json={"node_id": nid, "boot_id": "b", "inventory": inv}) as r:
                 assert r.status == 200, await r.text()
             body = {"node_id": nid, "boot_id": "b"}
+            due = time.monotonic() + every_s * i / identities  # paced beats spread over the interval
             while time.monotonic() < stop:
+                if every_s:
+                    await asyncio.sleep(max(0.0, due - time.monotonic()))
+                    due += every_s
                 async with s.post(f"{base}/node/v1/heartbeat", json=body) as r:
                     await r.read()
                     assert r.status == 200, r.status
@@ -245,7 +249,7 @@ async def heartbeats(cp, identities: int, seconds: float, pg_pid: int) -> dict:
     stop = 0
     await asyncio.gather(*tasks, return_exceptions=True)
     done = n1 - n0
-    return {"identities": identities, "heartbeats": done, "per_s": done / (w1 - w0),
+    return {"identities": identities, "every_s": every_s, "heartbeats": done, "per_s": done / (w1 - w0),
             "server_cpu_ms": (c1 - c0) / done * 1e3, "pg_cpu_ms": (p1 - p0) / done * 1e3,
             "per_core": done / max(c1 - c0, 1e-9), "issue_ms": issue_s * 1e3}
 
@@ -253,7 +257,8 @@ async def heartbeats(cp, identities: int, seconds: float, pg_pid: int) -> dict:
 def print_heartbeats(r: dict) -> None:
     print("\n## Heartbeats (llmgw server, node API with mutual TLS, Postgres)\n")
     print(f"{r['identities']} node identities (certificates from llmgw's CA, {r['issue_ms']:.0f} ms each to issue), "
-          f"one TLS connection each, kept alive")
+          f"one TLS connection each, kept alive, "
+          + (f"each beating every {r['every_s'] * 1e3:g} ms" if r.get("every_s") else "each beating as fast as answered"))
     print(f"{r['heartbeats']} heartbeats at {r['per_s']:.0f}/s; server CPU {r['server_cpu_ms']:.3f} ms and Postgres CPU "
           f"{r['pg_cpu_ms']:.3f} ms per heartbeat")
     print(f"heartbeats per node-API core: {r['per_core']:.0f}/s; target >= {TARGET_HB_PER_CORE:.0f}: "
@@ -405,6 +410,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,2000,5000,10000", help="fleet sizes for the decide pass")
     ap.add_argument("--identities", type=int, default=100, help="node certificates heartbeating")
     ap.add_argument("--seconds", type=float, default=10, help="heartbeat measurement window")
+    ap.add_argument("--beat-every", type=float, default=0.0, help="seconds between one identity's heartbeats "
+                    "(0: as fast as answered); e.g. 0.05 with 100 identities is 2,000 heartbeats/s")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     only = set(args.only or ["witness", "heartbeats", "decide"])
@@ -430,7 +437,7 @@ def main() -> None:
             temporal.start()
             cp = ControlPlane(root, pg.url, temporal.address)
             cp.start(worker=False)
-            results["heartbeats"] = asyncio.run(heartbeats(cp, args.identities, args.seconds, pg_pid or os.getpid()))
+            results["heartbeats"] = asyncio.run(heartbeats(cp, args.identities, args.seconds, pg_pid or os.getpid(), args.beat_every))
             cp.stop()
             cp = None
         if "decide" in only:

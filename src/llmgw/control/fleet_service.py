@@ -89,6 +89,27 @@ def unidentifiable(report: ShardReport, catalog: Catalog) -> str | None:
     return None
 
 
+def batchable(req: HeartbeatRequest) -> bool:
+    """A steady-state heartbeat (no inventory, no download progress): the kind `heartbeat_many` takes."""
+    return req.inventory is None and not req.downloads
+
+
+def not_live_here(req: HeartbeatRequest, live: list[fleet_repo.NodeShard]) -> list[str]:
+    """The shards `req` lists (not as failed) that are not among `live`, its node's shards of replicas that
+    have not ended: to be looked up (none, in a steady fleet)."""
+    live_ids = {shard.id for shard in live}
+    return [s.shard_id for s in req.shards if s.state != ShardStatus.FAILED and s.shard_id not in live_ids]
+
+
+def ended_here(req: HeartbeatRequest, rows: dict[str, fleet_repo.KnownShard]) -> list[str]:
+    """The shards `req` lists, placed on its node, whose replica has ended (`rows`: the looked-up shards):
+    a stop that did not reach the node, or failed there, and was settled anyway (the GPUs count as free).
+    The node stops them now, rather than only at its next registration."""
+    return list(dict.fromkeys(s.shard_id for s in req.shards if (row := rows.get(s.shard_id)) is not None
+                              and s.state != ShardStatus.FAILED and row.node_id == req.node_id
+                              and row.replica_status.is_ended))
+
+
 class FleetService:
     def __init__(self, engine: AsyncEngine, temporal: LazyClient, peer_fresh_s: float = 15.0):
         """`peer_fresh_s`: a node is named as a peer to fetch from only if it beat within this long
@@ -197,25 +218,51 @@ class FleetService:
         async with self.engine.begin() as conn:
             known = await fleet_repo.heartbeat(conn, req.node_id, req.boot_id, req.inventory, req.downloads)
             if known:
-                listed = {s.shard_id for s in req.shards}
                 live = await fleet_repo.shards_on_node(conn, req.node_id)
-                # A shard the node still runs whose replica has ended: its stop did not reach the node, or
-                # failed there, and was settled anyway (the GPUs count as free). The node stops it now,
-                # rather than only at its next registration. Only shards not live here are looked up: none,
-                # in a steady fleet.
-                live_ids = {shard.id for shard in live}
-                others = [s.shard_id for s in req.shards if s.state != ShardStatus.FAILED and s.shard_id not in live_ids]
-                for sid, row in (await fleet_repo.known_shards(conn, others)).items() if others else ():
-                    if row.node_id == req.node_id and row.replica_status.is_ended:
-                        stop.append(sid)
-                for shard in live:
-                    if shard.id in listed or not shard.launched:
-                        continue
-                    t = await fleet_repo.transition_replica(
-                        conn, shard.replica_id, ReplicaStatus.FAILED,
-                        failure=f"node {req.node_id} no longer runs shard {shard.id} (its heartbeat does not list it)")
-                    if t.applied:
-                        gone.append(shard.replica_id)
+                others = not_live_here(req, live)
+                stop = ended_here(req, await fleet_repo.known_shards(conn, others)) if others else []
+                gone = await self._fail_unlisted(conn, req, live)
+        return self._answer(req, known, gone, stop)
+
+    async def heartbeat_many(self, reqs: list[HeartbeatRequest]) -> list[HeartbeatResponse]:
+        """The answers to `reqs`, steady-state heartbeats (no inventory, no downloads: `batchable`), each
+        decided exactly as `heartbeat` decides it, in one transaction of one statement for them all
+        (`fleet_repo.heartbeat_many`), plus one lookup of the shards they list that are not live here and
+        a transition for each shard gone (none of either in a steady fleet). Raises what the database
+        raises: nothing of the batch is then applied (control/heartbeat_batch.py retries each alone)."""
+        decided: list[tuple[bool, list[str], list[str]]] = []
+        async with self.engine.begin() as conn:
+            live_by = await fleet_repo.heartbeat_many(conn, [(r.node_id, r.boot_id) for r in reqs])
+            others = [not_live_here(r, live_by[(r.node_id, r.boot_id)]) if (r.node_id, r.boot_id) in live_by
+                      else [] for r in reqs]
+            wanted = sorted({sid for ids in others for sid in ids})
+            rows = await fleet_repo.known_shards(conn, wanted) if wanted else {}
+            for r, ids in zip(reqs, others):
+                live = live_by.get((r.node_id, r.boot_id))
+                if live is None:
+                    decided.append((False, [], []))
+                    continue
+                stop = ended_here(r, {sid: rows[sid] for sid in ids if sid in rows}) if ids else []
+                decided.append((True, await self._fail_unlisted(conn, r, live), stop))
+        return [self._answer(r, known, gone, stop) for r, (known, gone, stop) in zip(reqs, decided)]
+
+    async def _fail_unlisted(self, conn, req: HeartbeatRequest, live: list[fleet_repo.NodeShard]) -> list[str]:
+        """Fail the replica of each shard in `live` the node had launched and `req` no longer lists; returns
+        the replicas failed now."""
+        listed = {s.shard_id for s in req.shards}
+        gone: list[str] = []
+        for shard in live:
+            if shard.id in listed or not shard.launched:
+                continue
+            t = await fleet_repo.transition_replica(
+                conn, shard.replica_id, ReplicaStatus.FAILED,
+                failure=f"node {req.node_id} no longer runs shard {shard.id} (its heartbeat does not list it)")
+            if t.applied:
+                gone.append(shard.replica_id)
+        return gone
+
+    def _answer(self, req: HeartbeatRequest, known: bool, gone: list[str], stop: list[str]) -> HeartbeatResponse:
+        """The answer to a committed heartbeat, with what it changed logged (and the reconciler woken)."""
         if gone:
             log.warning("node %s no longer runs replicas %s; marked failed", req.node_id, ", ".join(gone))
             self.temporal.wake_soon(f"node {req.node_id} no longer runs {', '.join(gone)}")

@@ -17,6 +17,7 @@ made: the new certificate names the same node and addresses as the one it is ask
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import ssl
 from dataclasses import dataclass
@@ -27,7 +28,10 @@ from fastapi import FastAPI, Request
 from llmgw.config import Settings
 from llmgw.http.errors import APIError, install_error_handlers, json_error
 
+from llmgw.control import heartbeat_path
 from llmgw.control.fleet_service import FleetService, NodeRestricted
+from llmgw.control.heartbeat_batch import HeartbeatBatcher
+from llmgw.control.heartbeat_path import HeartbeatPath
 from llmgw.control.revocations import DenyList, DenyListUnknown
 from llmgw.http.jsonbody import BoundedJSON
 from llmgw.version import from_user_agent
@@ -73,25 +77,32 @@ class Peer:
     not_before: dt.datetime
 
 
-def _peer(request: Request) -> Peer | None:
-    tls = request.scope.get("extensions", {}).get("tls", {})
+@functools.lru_cache(maxsize=16384)
+def _cert_time(text: str) -> dt.datetime:
+    """A certificate's `notBefore` as `getpeercert()` writes it, parsed once per distinct text (strptime was
+    a twentieth of a heartbeat's CPU; a fleet's certificates have a few thousand distinct ones)."""
+    return dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(text), dt.timezone.utc)
+
+
+def _peer(scope: dict) -> Peer | None:
+    tls = scope.get("extensions", {}).get("tls", {})
     cn = tls.get("client_cert_name")
     if cn is None:
         return None
     try:
-        not_before = dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(tls["client_cert_not_before"]), dt.timezone.utc)
-        return Peer(cn, serial_text(tls["client_cert_serial"]), not_before)
+        return Peer(cn, serial_text(tls["client_cert_serial"]), _cert_time(tls["client_cert_not_before"]))
     except (KeyError, TypeError, ValueError):
         raise identity_error(401, "the client certificate's serial or validity cannot be read") from None
 
 
-def check_identity(request: Request, claimed: str, require: bool, deny: DenyList | None = None) -> Peer | None:
-    """Raise an `APIError` unless the client certificate's common name is `claimed` (401/403, code
-    `node_identity`) and the certificate is not on the deny-list `deny` (403 `certificate_revoked`; 503
-    `revocations_unknown` until the list has been read). Returns the certificate (None without `require`)."""
+def check_identity(scope: dict, claimed: str, require: bool, deny: DenyList | None = None) -> Peer | None:
+    """Raise an `APIError` unless the client certificate of the request (its ASGI `scope`) has the common
+    name `claimed` (401/403, code `node_identity`) and is not on the deny-list `deny` (403
+    `certificate_revoked`; 503 `revocations_unknown` until the list has been read). Returns the certificate
+    (None without `require`)."""
     if not require:
         return None
-    peer = _peer(request)
+    peer = _peer(scope)
     if peer is None:
         raise identity_error(401, "a client certificate from the llmgw CA is required (llmgw ctl cert node NODE_ID)")
     if deny is not None:
@@ -136,7 +147,7 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
     app = FastAPI(title="llmgw node API", docs_url=None, redoc_url=None, openapi_url=None)
 
     def identify(request: Request, claimed: str) -> Peer | None:
-        return check_identity(request, claimed, require_identity, deny)
+        return check_identity(request.scope, claimed, require_identity, deny)
 
     install_error_handlers(app, "the node API")
 
@@ -217,4 +228,8 @@ def create_node_api(fleet: FleetService, require_identity: bool, deny: DenyList 
         return RenewResponse(certificate=cert_pem(cert), serial=serial,
                              not_after=cert.not_valid_after_utc)
 
-    return BoundedJSON(app)
+    # The steady-state heartbeat is served before FastAPI, in batches; every other request, and any heartbeat
+    # it does not serve itself, by the route above (control/heartbeat_path.py).
+    lean = HeartbeatPath(HeartbeatBatcher(fleet), lambda scope, claimed: check_identity(scope, claimed,
+                                                                                      require_identity, deny))
+    return BoundedJSON(app, lean={heartbeat_path.PATH: lean})

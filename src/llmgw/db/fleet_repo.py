@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from pydantic import ValidationError
-from sqlalchemy import DateTime, String, Text, and_, case, cast, column, delete, func, select, update, values
+from sqlalchemy import DateTime, String, Text, and_, case, cast, column, delete, func, select, text, update, values
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -625,6 +625,39 @@ async def shards_on_node(conn: AsyncConnection, node_id: str) -> list[NodeShard]
          .where(and_(shards.c.node_id == node_id, replicas.c.status.not_in(_ENDED))))
     return [NodeShard(r.id, r.replica_id, ShardStatus(r.status), r.pid, ReplicaStatus(r.replica_status))
             for r in (await conn.execute(q)).all()]
+
+
+# Many steady-state heartbeats (no inventory, no downloads) in one statement (issue 42): each node of this
+# boot is stamped, the download progress of its shards cleared (as `heartbeat` does for an empty
+# `downloads`), and its shards whose replica has not ended read back, one row per (node, shard), or one row
+# with no shard for a node that has none; a node of another boot (or none) has no row. The text is the same
+# for any batch (the beats travel as two arrays), so psycopg prepares it once per connection.
+_HEARTBEAT_MANY = text(f"""
+WITH v AS (SELECT * FROM unnest(CAST(:ids AS text[]), CAST(:boots AS text[])) AS v(id, boot_id)),
+beat AS (UPDATE nodes SET last_heartbeat = now() FROM v WHERE nodes.id = v.id AND nodes.boot_id = v.boot_id
+         RETURNING nodes.id, nodes.boot_id),
+cleared AS (UPDATE shards SET progress = NULL WHERE shards.node_id IN (SELECT id FROM beat) AND shards.progress IS NOT NULL)
+SELECT beat.id, beat.boot_id, s.id AS shard_id, s.replica_id, s.status, s.pid, s.replica_status FROM beat
+LEFT JOIN (SELECT shards.id, shards.node_id, shards.replica_id, shards.status, shards.pid, replicas.status AS replica_status
+           FROM shards JOIN replicas ON replicas.id = shards.replica_id
+           WHERE replicas.status NOT IN ({", ".join(f"'{s.value}'" for s in _ENDED)})) AS s ON s.node_id = beat.id
+""")
+
+
+async def heartbeat_many(conn: AsyncConnection, beats: list[tuple[str, str]]) -> dict[tuple[str, str], list[NodeShard]]:
+    """Refresh the heartbeats of `beats` ((node id, boot id) pairs; a pair may repeat) in one statement, as
+    `heartbeat` with no inventory and no downloads followed by `shards_on_node` does for each. Returns, for
+    each pair whose boot is its node's registered one, the shards on that node whose replica has not ended;
+    a pair not in the result never registered this boot (the node is asked to register again)."""
+    if not beats:
+        return {}
+    res = await conn.execute(_HEARTBEAT_MANY, {"ids": [b[0] for b in beats], "boots": [b[1] for b in beats]})
+    out: dict[tuple[str, str], list[NodeShard]] = {}
+    for r in res.all():
+        live = out.setdefault((r.id, r.boot_id), [])
+        if r.shard_id is not None:
+            live.append(NodeShard(r.shard_id, r.replica_id, ShardStatus(r.status), r.pid, ReplicaStatus(r.replica_status)))
+    return out
 
 
 @dataclass

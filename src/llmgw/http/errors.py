@@ -12,10 +12,13 @@ model_unplaceable, ...), 504 the engine did not answer in time.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from llmgw.security.logtext import for_client
+
+log = logging.getLogger(__name__)
 
 Send = Callable[[dict], Awaitable[None]]  # an ASGI send
 
@@ -339,12 +342,8 @@ def install_error_handlers(app, where: str) -> None:
     `internal_error` without one.
     `where` names the listener in that 500's message ("the admin API"). An app adds handlers for its own
     domain errors after this (the admin API's `CatalogError`)."""
-    import logging
-
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    log = logging.getLogger(__name__)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -360,10 +359,19 @@ def install_error_handlers(app, where: str) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
-        away = database_away(exc)
-        if away is not None:
-            log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path,
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            return json_error(away)
-        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return json_error(internal(where))
+        return json_error(unexpected(request.method, request.url.path, exc, where))
+
+
+def unexpected(method: str, path: str, exc: Exception, where: str) -> APIError:
+    """The answer to an exception nothing else handled, logged: 503 `database_unavailable` for the database
+    away (one line), else 500 `internal_error` (with the traceback in the log, never in the answer)."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    away = database_away(exc)
+    if away is not None:
+        log.warning("%s %s: the database is unavailable: %s", method, path,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return away
+    log.error("unexpected error on %s %s", method, path, exc_info=exc)
+    return internal(where)

@@ -206,10 +206,15 @@ def _format(path: list[Any]) -> str | None:
 
 class BoundedJSON:
     """ASGI middleware for the FastAPI apps (admin and node APIs): a JSON body is read (the listener caps
-    its size) and `check`ed before the app parses it; a refusal is a 400 in the OpenAI envelope."""
+    its size) and `check`ed before the app parses it; a refusal is a 400 in the OpenAI envelope.
 
-    def __init__(self, app):
+    `lean`: POST paths served before the app, by a handler called as `handler(scope, body, send, app)`
+    with the body read and checked; `app()` hands the request, body replayed, to the app, which is how a
+    handler answers whatever it does not serve itself (the node API's heartbeat, control/heartbeat_path.py)."""
+
+    def __init__(self, app, lean: dict | None = None):
         self.app = app
+        self.lean = lean or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -244,4 +249,11 @@ class BoundedJSON:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        async def app() -> None:
+            await self.app(scope, replay, send)
+
+        handler = self.lean.get(scope["path"]) if scope["method"] == "POST" else None
+        if handler is not None:
+            await handler(scope, body, send, app)
+        else:
+            await app()

@@ -152,10 +152,10 @@ async def list_nodes(conn: AsyncConnection, memo: InventoryMemo | None = None) -
     changed = [node_id for node_id, inv in held.items() if inv is None]
     if changed:
         q = select(c.id, digest, cast(c.inventory, Text))
-        for node_id, d, text in (await conn.execute(
+        for node_id, d, inv_text in (await conn.execute(
                 q.where(c.id.in_(changed)) if len(changed) <= snapshot_reads.BY_ID_MAX else q)).all():
             if held.get(node_id, False) is None:
-                held[node_id] = memo.inventory(node_id, d, text)
+                held[node_id] = memo.inventory(node_id, d, inv_text)
     # (by position: ten thousand rows' attributes read by name were half of this read)
     out = [NodeRow(node_id, boot, inv, beat, float(age_s), polled, None if poll_age_s is None else float(poll_age_s),
                    registered, left, version, poll_read)

@@ -44,6 +44,10 @@ def test_one_process_plays_four_nodes_whose_replicas_serve_through_the_gateway(c
     placed = sorted(s["node_id"] for r in ready.values() for s in r["shards"])
     assert len(set(placed)) == 3 and set(placed) <= set(NODES)  # one GPU each: three different nodes
 
+    # (http/gc_tuning.py: the gateway's and the node API's processes run with the collector tuned)
+    server_log = next(p for p in cp.procs if p.name == "server").log()
+    assert server_log.count("collects its youngest generation every 50000 allocations") == 2, server_log[-3000:]
+
     r = httpx.post(cp.gateway + "/v1/chat/completions", timeout=30,
                    json={"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert r.status_code == 200, r.text

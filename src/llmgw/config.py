@@ -248,6 +248,10 @@ class Settings(BaseSettings):
     min_transfer_bytes_per_s: int = Field(4096, ge=0)
     transfer_grace_s: float = Field(10.0, gt=0)
     min_chunk_bytes: int = Field(512, ge=0)
+    # The HTTP processes' cyclic garbage collector (http/gc_tuning.py): its youngest generation is collected
+    # every `gc_gen0_threshold` allocations (Python's default, 700, spent about half of the gateway's CPU in a
+    # burst of 1,000 streams), and what exists after start-up is frozen out of its walks. 0: Python's defaults.
+    gc_gen0_threshold: int = Field(50_000, ge=0, le=10_000_000)
     # The most characters of text one prompt may hold on the gateway, for a model whose catalog entry
     # neither sets `limits.max_prompt_chars` nor declares a context its prompts must fit (catalog/context.py).
     max_prompt_chars: int = Field(10_485_760, ge=1)

@@ -29,6 +29,7 @@ from llmgw.control.nodeapi import Renewer, create_node_api, listen_refusal
 from llmgw.control.revocations import DenyList
 from llmgw.schemas.payloads import LivenessFacts
 from llmgw.security.admin_token import ensure_token
+from llmgw.http.gc_tuning import tune as tune_collector
 from llmgw.http.serving import TLS, Listener, install_stop_handlers, listener_limits, serve
 from llmgw.temporal import LazyClient
 
@@ -81,6 +82,7 @@ async def run_server(settings: Settings, migrate: bool = True) -> None:
                  settings.admin_host, settings.admin_port, "admin", lifespan="off",
                  limits=listener_limits(settings, CONTROL_BODY_BYTES)),
     ]
+    tune_collector(settings.gc_gen0_threshold)  # (after start-up: what exists now is frozen)
     log.info("gateway on %s:%d, admin on %s:%d (bearer token required; in %s unless LLMGW_ADMIN_TOKEN is set)",
              settings.host, settings.gateway_port, settings.admin_host, settings.admin_port, settings.admin_token_path)
     node_api = NodeAPIProcess(settings, stop) if settings.node_api_port else None
@@ -130,6 +132,7 @@ async def run_node_api(settings: Settings) -> None:
                     "LLMGW_CA_CERT, LLMGW_NODE_API_CERT and LLMGW_NODE_API_KEY (llmgw ctl cert ...)")
     fleet = FleetService(engine, temporal, settings.node_unreachable_after_s)
     app = create_node_api(fleet, require_identity=tls is not None, deny=deny, renewer=renewer)
+    tune_collector(settings.gc_gen0_threshold)
     log.info("node API on %s:%d (pid %d)", settings.host, settings.node_api_port, os.getpid())
     # The control plane's own sight of heartbeats (liveness: a blind observer declares nothing lost) is
     # kept where heartbeats arrive.

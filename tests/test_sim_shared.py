@@ -184,6 +184,12 @@ def test_sim_fleet_without_certificates_names_the_nodes_and_the_fix(tmp_path, mo
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "no certificate in" in result.output and "for 7 node(s) (sim-00, sim-01, sim-02, sim-03, sim-04 ...)" \
         in result.output and "--issue-certs" in result.output
+    nowhere = tmp_path / "nowhere"
+    result = CliRunner().invoke(app, ["sim-fleet", "--nodes", "2", "--certs", str(nowhere)])
+    assert result.exit_code == 2 and f"no certificate in {nowhere} (no such directory)" in result.output
+    assert f"llmgw ctl cert node ID --dir {nowhere}" in result.output
+    result = CliRunner().invoke(app, ["sim-fleet", "--nodes", "2", "--certs", str(nowhere), "--issue-certs"])
+    assert result.exit_code == 2 and "pass --certs the directory that holds ca.key" in result.output
 
 
 def test_sim_fleet_without_a_ca_certificate_says_to_set_it_and_where_dev_keeps_it(tmp_path, monkeypatch):

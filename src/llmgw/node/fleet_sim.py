@@ -28,6 +28,7 @@ import logging
 import os
 import resource
 import socket
+import time
 from pathlib import Path
 
 from temporalio.client import Client
@@ -109,13 +110,18 @@ def ensure_certificates(nodes: list[Settings], certs: Path | None, issue: bool) 
         from llmgw.security.pki import issue_node
 
         if not (certs / "ca.key").exists():
-            raise FleetError(f"--issue-certs: no CA key in {certs} (ca.key) to issue {len(missing)} node certificate(s)")
+            where = "" if certs.is_dir() else " (no such directory)"
+            raise FleetError(f"--issue-certs: no CA key in {certs}{where} (ca.key) to issue {len(missing)} node "
+                             "certificate(s): pass --certs the directory that holds ca.key (by default the one of "
+                             "LLMGW_CA_CERT), or issue them where the CA key is with `llmgw ctl cert node ID`")
         for s in missing:
             issue_node(certs, s.resolved_node_id, days=s.node_cert_days)
         return
     names = ", ".join(s.resolved_node_id for s in missing[:5]) + (" ..." if len(missing) > 5 else "")
-    raise FleetError(f"no certificate in {certs} for {len(missing)} node(s) ({names}): issue each with `llmgw ctl "
-                     "cert node ID`, or pass --issue-certs to issue them with the CA key there")
+    where = "" if certs.is_dir() else " (no such directory)"
+    raise FleetError(f"no certificate in {certs}{where} for {len(missing)} node(s) ({names}): issue each with "
+                     f"`llmgw ctl cert node ID --dir {certs}`, or pass --issue-certs to issue them with the CA key "
+                     "there")
 
 
 class FleetNode(Agent):
@@ -196,6 +202,7 @@ class FleetSimulator:
         log.info("simulating %d node(s) (%s ... %s) in process %s on %s", len(self.nodes), self.nodes[0].node_id,
                  self.nodes[-1].node_id, os.getpid(), socket.gethostname())
         tasks: list[asyncio.Task] = []
+        up = asyncio.create_task(self._say_when_up(time.monotonic()), name="up")  # (not awaited: nodes may end first)
         try:
             for i, n in enumerate(self.nodes):
                 if i and self.start_rate:  # N machines do not boot in one instant either
@@ -206,11 +213,17 @@ class FleetSimulator:
                 tasks[-1].add_done_callback(lambda t, node_id=n.node_id: _ended(node_id, t))
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            for t in tasks:
+            for t in [*tasks, up]:
                 t.cancel()
             await self.engine.close()
         if not stop.is_set():
             raise SystemExit("every simulated node ended (their errors are logged above)")
+
+    async def _say_when_up(self, started: float) -> None:
+        """Say once when every node has registered (a fleet's start is otherwise silent), and how to stop it."""
+        await asyncio.gather(*(n.registered.wait() for n in self.nodes))
+        log.info("all %d simulated nodes registered in %.1f s; Ctrl-C or SIGTERM stops them", len(self.nodes),
+                 time.monotonic() - started)
 
 
 def _ended(node_id: str, task: asyncio.Task) -> None:

@@ -18,7 +18,6 @@ from sqlalchemy import DateTime, String, Text, and_, case, cast, column, delete,
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from llmgw.db import snapshot_reads
 from llmgw.db.tables import model_state, nodes, observers, replicas, shards
 from llmgw.schemas import problems_line
 from llmgw.schemas.inventory import DownloadProgress, Inventory, ShardReport
@@ -30,6 +29,13 @@ log = logging.getLogger(__name__)
 
 # The ended statuses as SQL IN / NOT IN lists take them, in the enum's order.
 _ENDED = tuple(s for s in ReplicaStatus if s.is_ended)
+# Rows asked for by id up to this many (`id IN (...)`); more are read with the query they came from.
+BY_ID_MAX = 500
+
+
+def unsettled():
+    """A replica the reconciler still sees: not ended, or ended and not yet settled (its shards' stops unsure)."""
+    return replicas.c.status.not_in(_ENDED) | replicas.c.settled_at.is_(None)
 _NO_INVENTORY = Inventory()  # (poll_reads: rows that carry no inventory)
 _EPOCH = datetime.fromtimestamp(0, timezone.utc)
 
@@ -153,7 +159,7 @@ async def list_nodes(conn: AsyncConnection, memo: InventoryMemo | None = None) -
     if changed:
         q = select(c.id, digest, cast(c.inventory, Text))
         for node_id, d, inv_text in (await conn.execute(
-                q.where(c.id.in_(changed)) if len(changed) <= snapshot_reads.BY_ID_MAX else q)).all():
+                q.where(c.id.in_(changed)) if len(changed) <= BY_ID_MAX else q)).all():
             if held.get(node_id, False) is None:
                 held[node_id] = memo.inventory(node_id, d, inv_text)
     # (by position: ten thousand rows' attributes read by name were half of this read)
@@ -552,7 +558,7 @@ async def _record_progress(conn: AsyncConnection, node_id: str, downloads: list[
 
 async def active_replicas_with_shards(conn: AsyncConnection) -> list[ReplicaRow]:
     """Every replica that is not ended, and every ended one not yet settled, each with its shards."""
-    active = (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))
+    active = unsettled()
     reps = (await conn.execute(select(replicas).where(active))).all()
     return await _with_shards(conn, reps, select(replicas.c.id).where(active).scalar_subquery())
 
@@ -749,8 +755,7 @@ async def shard_row(conn: AsyncConnection, replica_id: str, rank: int) -> ShardR
 def _holds_live_shard():
     """A node still has a shard of a replica that is active, or ended but not yet settled."""
     return (select(shards.c.id).join(replicas, replicas.c.id == shards.c.replica_id)
-            .where(and_(shards.c.node_id == nodes.c.id,
-                        (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))))
+            .where(and_(shards.c.node_id == nodes.c.id, unsettled()))
             .exists())
 
 
@@ -779,8 +784,7 @@ async def live_shards_on(conn: AsyncConnection, node_id: str) -> list[LiveShard]
     """Shards on `node_id` of replicas that are active or ended but not settled (what removing it strands)."""
     q = (select(replicas.c.id, replicas.c.model, replicas.c.status, shards.c.rank)
          .join(shards, shards.c.replica_id == replicas.c.id)
-         .where(and_(shards.c.node_id == node_id,
-                     (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))))
+         .where(and_(shards.c.node_id == node_id, unsettled()))
          .order_by(replicas.c.model, replicas.c.id))
     return [LiveShard(r.id, r.model, ReplicaStatus(r.status), r.rank) for r in (await conn.execute(q)).all()]
 

@@ -15,13 +15,12 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw.db import load_repo
+from llmgw.db.fleet_repo import BY_ID_MAX, unsettled
 from llmgw.db.tables import model_state, replicas, shards
 from llmgw.schemas.payloads import ModelState, ReplicaSnap, ShardPlacement
-from llmgw.schemas.status import ReplicaStatus
 
-_ENDED = tuple(s for s in ReplicaStatus if s.is_ended)
-# Shards of at most this many new replicas are asked for by id; more (the first pass) by the replicas' query.
-BY_ID_MAX = 500
+# (BY_ID_MAX: shards of at most this many new replicas are asked for by id; more, the first pass, by the
+# replicas' query.)
 # The model_state columns a ModelState holds (never `decisions`: 5k lists of lines parsed every pass).
 _STATE_COLUMNS = [c for c in model_state.c if c.name in ModelState.model_fields]
 
@@ -34,23 +33,19 @@ class SnapshotMemo:
         self.states: dict[str, tuple[tuple, ModelState]] = {}
 
 
-def _active():
-    return (replicas.c.status.not_in(_ENDED)) | (replicas.c.settled_at.is_(None))
-
-
 async def snapshot_replicas(conn: AsyncConnection, memo: SnapshotMemo | None = None) -> list[ReplicaSnap]:
     """Every replica that is not ended, and every ended one not yet settled, with only what a reconcile
     snapshot holds of them and their shards (never a shard's output tail or progress)."""
     memo = memo if memo is not None else SnapshotMemo()
     rows = (await conn.execute(select(replicas.c.id, replicas.c.model, replicas.c.profile, replicas.c.status,
                                       replicas.c.created_at, replicas.c.updated_at, replicas.c.settled_at,
-                                      replicas.c.profile_hash).where(_active()))).all()
+                                      replicas.c.profile_hash).where(unsettled()))).all()
     kept_before = memo.replicas
     unseen = [r[0] for r in rows if r[0] not in kept_before]
     placed: dict[str, list[ShardPlacement]] = {}
     if unseen:
         which = (shards.c.replica_id.in_(unseen) if len(unseen) <= BY_ID_MAX
-                 else shards.c.replica_id.in_(select(replicas.c.id).where(_active()).scalar_subquery()))
+                 else shards.c.replica_id.in_(select(replicas.c.id).where(unsettled()).scalar_subquery()))
         q = select(shards.c.replica_id, shards.c.node_id, shards.c.rank, shards.c.gpus).where(which)
         for replica_id, node_id, rank, gpus in (await conn.execute(q.order_by(shards.c.rank))).all():
             placed.setdefault(replica_id, []).append(ShardPlacement(node_id=node_id, rank=rank, gpus=list(gpus or [])))
